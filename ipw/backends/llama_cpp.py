@@ -1,0 +1,142 @@
+"""In-process llama.cpp (llama-cpp-python).
+
+Generation runs token by token through ``Llama.generate`` so that every token is counted and
+timestamped exactly (llama.cpp sends no usage while streaming).  Instruction models are prompted
+through the chat template stored in the GGUF; base models get a few-shot completion prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ipw.backends.base import FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, few_shot_prompt
+from ipw.errors import IpwError, missing_extra
+from ipw.models import resolve_model
+
+
+class LlamaCppBackend:
+    OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str}
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.model_path, default_mode = resolve_model(spec.model)
+        self.mode = spec.mode or default_mode or "chat"
+        self._llm: Any = None
+        self._formatter: Any = None
+
+    def load(self) -> None:
+        try:
+            import llama_cpp
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        except ImportError:
+            raise missing_extra("llama-cpp-python", "llama") from None
+        opts = self.spec.options
+        n_gpu_layers = opts.get("n_gpu_layers", -1 if llama_cpp.llama_supports_gpu_offload() else 0)
+        try:
+            self._llm = llama_cpp.Llama(
+                model_path=str(self.model_path),
+                n_ctx=opts.get("n_ctx", 4096),
+                n_threads=opts.get("n_threads", os.cpu_count() or 1),
+                n_gpu_layers=n_gpu_layers,
+                verbose=False,
+            )
+        except ValueError as exc:  # llama-cpp-python raises ValueError for an unloadable file
+            raise IpwError(f"backend {self.spec.name!r}: cannot load {self.model_path}: {exc}") from None
+        self.gpu_offload = bool(n_gpu_layers) and llama_cpp.llama_supports_gpu_offload()
+        if self.mode == "chat":
+            template = opts.get("chat_template") or self._llm.metadata.get("tokenizer.chat_template")
+            if not template:
+                raise IpwError(f"backend {self.spec.name!r}: {self.model_path.name} has no chat template; "
+                               "set mode = \"completion\" for a base model or give chat_template")
+            model = self._llm._model
+            eos, bos = self._llm.token_eos(), self._llm.token_bos()
+            self._formatter = Jinja2ChatFormatter(
+                template=template,
+                eos_token=model.token_get_text(eos) if eos != -1 else "",
+                bos_token=model.token_get_text(bos) if bos != -1 else "",
+            )
+
+    def _prompt(self, prompt: str) -> tuple[str, tuple[str, ...]]:
+        if self.mode == "chat":
+            formatted = self._formatter(messages=[{"role": "user", "content": prompt}])
+            return formatted.prompt, tuple(s for s in formatted.stop if s)
+        return few_shot_prompt(prompt), FEW_SHOT_STOP
+
+    def _is_end(self, token: int) -> bool:
+        import llama_cpp
+
+        return bool(llama_cpp.llama_vocab_is_eog(self._llm._model.vocab, token))
+
+    def generate(self, prompt: str, settings: GenerationSettings) -> Completion:
+        llm = self._llm
+        text_prompt, stops = self._prompt(prompt)
+        stops = stops + settings.stop
+        tokens = llm.tokenize(text_prompt.encode("utf-8"), add_bos=True, special=True)
+        bos = llm.token_bos()
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:  # the template already wrote BOS
+            tokens = tokens[1:]
+        if len(tokens) + settings.max_tokens > llm.n_ctx():
+            raise IpwError(f"prompt of {len(tokens)} tokens does not fit the context ({llm.n_ctx()}); raise n_ctx")
+        llm.set_seed(settings.seed)
+        greedy = settings.temperature <= 0
+        start = time.monotonic()
+        times: list[float] = []
+        out: list[int] = []
+        text = ""
+        finish = "length"
+        for token in llm.generate(
+            tokens,
+            temp=0.0 if greedy else settings.temperature,
+            top_k=1 if greedy else settings.top_k,
+            top_p=1.0 if greedy else settings.top_p,
+            min_p=0.0,
+            repeat_penalty=settings.repeat_penalty,
+            reset=True,
+        ):
+            now = time.monotonic()
+            if self._is_end(token):
+                finish = "stop"
+                break
+            out.append(token)
+            times.append(now)
+            text = llm.detokenize(out).decode("utf-8", errors="ignore")
+            cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+                break
+            if len(out) >= settings.max_tokens:
+                break
+        end = time.monotonic()
+        return Completion(
+            text=text.strip(),
+            prompt_tokens=len(tokens),
+            completion_tokens=len(out),
+            start_s=start,
+            first_token_s=times[0] if times else None,
+            end_s=end,
+            token_times_s=tuple(times),
+            finish_reason=finish,
+        )
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def describe(self) -> dict[str, Any]:
+        from importlib.metadata import version
+
+        return {
+            "engine": "llama-cpp-python",
+            "engine_version": version("llama-cpp-python"),
+            "model_file": str(self.model_path),
+            "model_bytes": self.model_path.stat().st_size,
+            "mode": self.mode,
+            "gpu_offload": getattr(self, "gpu_offload", False),
+            "n_threads": self.spec.options.get("n_threads", os.cpu_count()),
+        }
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None

@@ -1,0 +1,184 @@
+"""Run configs (TOML): load, validate with field-level errors, apply CLI overrides.
+
+A config names the dataset, the backends (each with a name and a role), generation settings, repeats
+and warm-up queries.  ``ipw run`` with no config uses the embedded default (``ipw/default.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
+from ipw.errors import IpwError
+
+EMBEDDED_DEFAULT = Path(__file__).with_name("default.toml")
+ROLES = ("local", "cloud")
+MODES = ("chat", "completion")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dataset: str
+    backends: tuple[BackendSpec, ...]
+    generation: GenerationSettings = GenerationSettings()
+    limit: int = 0  # 0 = every query
+    repeats: int = 1
+    warmup: int = 2
+    seed: int = 0
+    idle_s: float = 0.0  # idle-baseline seconds measured before each backend's queries
+    out_dir: str = "results"
+    source: str = "<embedded default>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
+        "out_dir": str, "generation": dict, "backends": list}
+_GENERATION = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
+               "repeat_penalty": float, "stop": list}
+_BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
+
+
+class _Where:
+    """Finds the line of a key in the TOML text, so errors can name file, line and field."""
+
+    def __init__(self, path: str, text: str) -> None:
+        self.path, self.lines = path, text.splitlines()
+
+    def __call__(self, field: str, key: str | None = None, after: int = 0) -> str:
+        key = key or field.rsplit(".", 1)[-1]
+        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        for i, line in enumerate(self.lines[after:], start=after + 1):
+            if pattern.match(line):
+                return f"{self.path}:{i}: field '{field}'"
+        return f"{self.path}: field '{field}'"
+
+
+def _check_type(value: Any, expected: type, loc: str) -> Any:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
+        raise IpwError(f"{loc}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_table(table: dict, allowed: dict[str, type], prefix: str, where: _Where) -> dict:
+    out = {}
+    for key, value in table.items():
+        field = f"{prefix}{key}"
+        if key not in allowed:
+            raise IpwError(f"{where(field, key)}: unknown key (allowed: {', '.join(sorted(allowed))})")
+        out[key] = _check_type(value, allowed[key], where(field, key))
+    return out
+
+
+def parse_config(text: str, path: str) -> RunConfig:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise IpwError(f"{path}: invalid TOML: {exc}") from None
+    where = _Where(path, text)
+    top = _check_table(raw, _TOP, "", where)
+    if "dataset" not in top:
+        raise IpwError(f"{path}: field 'dataset': required")
+    for key in ("limit", "warmup"):
+        if top.get(key, 0) < 0:
+            raise IpwError(f"{where(key)}: must be >= 0")
+    if top.get("repeats", 1) < 1:
+        raise IpwError(f"{where('repeats')}: must be >= 1")
+    gen = _check_table(top.pop("generation", {}), _GENERATION, "generation.", where)
+    if "stop" in gen:
+        gen["stop"] = tuple(str(s) for s in gen["stop"])
+    if gen.get("max_tokens", 1) < 1:
+        raise IpwError(f"{where('generation.max_tokens')}: must be >= 1")
+    backends = []
+    names: set[str] = set()
+    raw_backends = top.pop("backends", [])
+    if not raw_backends:
+        raise IpwError(f"{path}: field 'backends': at least one [[backends]] table is required")
+    for i, entry in enumerate(raw_backends):
+        prefix = f"backends[{i}]."
+        if not isinstance(entry, dict):
+            raise IpwError(f"{path}: field 'backends[{i}]': expected a table")
+        kind = entry.get("kind")
+        if kind not in backend_kinds():
+            raise IpwError(f"{where(prefix + 'kind', 'kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
+        allowed = {**_BACKEND, **backend_options(kind)}
+        fields = _check_table(entry, allowed, prefix, where)
+        for key in ("name", "model"):
+            if key not in fields:
+                raise IpwError(f"{path}: field '{prefix}{key}': required")
+        if fields["name"] in names:
+            raise IpwError(f"{where(prefix + 'name', 'name')}: duplicate backend name {fields['name']!r}")
+        names.add(fields["name"])
+        role = fields.get("role", "local")
+        if role not in ROLES:
+            raise IpwError(f"{where(prefix + 'role', 'role')}: must be one of {', '.join(ROLES)}")
+        mode = fields.get("mode")
+        if mode is not None and mode not in MODES:
+            raise IpwError(f"{where(prefix + 'mode', 'mode')}: must be one of {', '.join(MODES)}")
+        options = {k: v for k, v in fields.items() if k not in _BACKEND}
+        backends.append(BackendSpec(fields["name"], kind, fields["model"], role, mode, options))
+    return RunConfig(backends=tuple(backends), generation=GenerationSettings(**gen), source=path, **top)
+
+
+def load_config(path: str | None) -> RunConfig:
+    target = Path(path) if path else EMBEDDED_DEFAULT
+    try:
+        text = target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise IpwError(f"{target}: config file not found") from None
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as exc:
+        raise IpwError(f"{target}: cannot read config ({exc.__class__.__name__})") from None
+    return parse_config(text, str(path) if path else "<embedded default>")
+
+
+def apply_overrides(
+    config: RunConfig,
+    *,
+    dataset: str | None = None,
+    limit: int | None = None,
+    backends: list[str] | None = None,
+    out_dir: str | None = None,
+    seed: int | None = None,
+    repeats: int | None = None,
+    warmup: int | None = None,
+    idle_s: float | None = None,
+) -> RunConfig:
+    """CLI options win over the config. ``--backend`` picks configured backends by name, or adds one
+    given as ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``)."""
+    changes: dict[str, Any] = {}
+    for key, value in (("dataset", dataset), ("limit", limit), ("out_dir", out_dir), ("seed", seed),
+                       ("repeats", repeats), ("warmup", warmup), ("idle_s", idle_s)):
+        if value is not None:
+            changes[key] = value
+    if limit is not None and limit < 0:
+        raise IpwError(f"--limit: must be >= 0, got {limit}")
+    if repeats is not None and repeats < 1:
+        raise IpwError(f"--repeats: must be >= 1, got {repeats}")
+    if warmup is not None and warmup < 0:
+        raise IpwError(f"--warmup: must be >= 0, got {warmup}")
+    if backends:
+        by_name = {b.name: b for b in config.backends}
+        chosen = []
+        for item in backends:
+            if item in by_name:
+                chosen.append(by_name[item])
+            elif ":" in item:
+                kind, model = item.split(":", 1)
+                if kind not in backend_kinds():
+                    raise IpwError(f"--backend {item}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
+                chosen.append(BackendSpec(name=f"{kind}:{Path(model).stem}", kind=kind, model=model))
+            else:
+                raise IpwError(f"--backend {item}: no backend of that name in {config.source} "
+                               f"(configured: {', '.join(by_name)}; or give KIND:MODEL)")
+        changes["backends"] = tuple(chosen)
+    if seed is not None:
+        changes["generation"] = dataclasses.replace(config.generation, seed=seed)
+    return dataclasses.replace(config, **changes)

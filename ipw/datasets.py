@@ -1,0 +1,180 @@
+"""Queries and query sets: the bundled set and users' own files (JSONL, CSV, Parquet).
+
+Interchange format (one JSON object per line): ``id``, ``prompt``, ``answer`` and optional
+``choices`` (option texts, lettered A, B, C... in order), ``category``, ``scorer``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipw.errors import IpwError, where
+
+DATASETS_DIR = Path(__file__).resolve().parent.parent / "datasets"
+# short name -> (file, optional file of the ids to keep)
+BUNDLED = {
+    "ipw-core": ("ipw-core.jsonl", None),
+    "ipw-core-default": ("ipw-core.jsonl", "ipw-core-default.txt"),
+}
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+REQUIRED = ("id", "prompt", "answer")
+OPTIONAL = ("choices", "category", "scorer")
+MAX_LINE_BYTES = 1_000_000
+
+
+@dataclass(frozen=True)
+class Query:
+    id: str
+    prompt: str
+    answer: str
+    choices: tuple[str, ...] | None = None
+    category: str = "default"
+    scorer: str = "exact"
+
+    def render(self) -> str:
+        """The text sent to the model: the prompt, then the lettered options for multiple choice."""
+        if not self.choices:
+            return self.prompt
+        options = "\n".join(f"({LETTERS[i]}) {c}" for i, c in enumerate(self.choices))
+        return f"{self.prompt}\n{options}\nAnswer with the letter of the correct option."
+
+
+def resolve_dataset(name_or_path: str) -> Path:
+    """A bundled set's short name, or a path to a user's file."""
+    if name_or_path in BUNDLED:
+        return DATASETS_DIR / BUNDLED[name_or_path][0]
+    path = Path(name_or_path)
+    if not path.exists():
+        known = ", ".join(sorted(BUNDLED))
+        raise IpwError(f"{path}: dataset not found (bundled sets: {known})")
+    return path
+
+
+def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> Query:
+    from ipw.scoring import SCORERS
+
+    if not isinstance(row, dict):
+        raise IpwError(f"{where(path, line)}: expected a JSON object, got {type(row).__name__}")
+    for key in REQUIRED:
+        if key not in row or row[key] is None or row[key] == "":
+            raise IpwError(f"{where(path, line, key)}: required field is missing")
+    unknown = sorted(set(row) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise IpwError(f"{where(path, line, unknown[0])}: unknown field (allowed: {', '.join(REQUIRED + OPTIONAL)})")
+    for key in ("id", "prompt", "answer"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise IpwError(f"{where(path, line, key)}: expected a string, got {type(value).__name__}")
+    choices = row.get("choices")
+    if choices is not None and choices != "":
+        if isinstance(choices, str):  # CSV cells hold JSON lists
+            try:
+                choices = json.loads(choices)
+            except json.JSONDecodeError:
+                raise IpwError(f"{where(path, line, 'choices')}: expected a JSON list of strings") from None
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise IpwError(f"{where(path, line, 'choices')}: expected a non-empty list of strings")
+        if len(choices) > len(LETTERS):
+            raise IpwError(f"{where(path, line, 'choices')}: at most {len(LETTERS)} options")
+        choices = tuple(choices)
+    else:
+        choices = None
+    scorer = row.get("scorer") or ("mcq" if choices else default_scorer)
+    if not isinstance(scorer, str) or scorer not in SCORERS:
+        raise IpwError(f"{where(path, line, 'scorer')}: unknown scorer {scorer!r} (known: {', '.join(sorted(SCORERS))})")
+    answer = str(row["answer"]).strip()
+    if scorer == "mcq":
+        if not choices:
+            raise IpwError(f"{where(path, line, 'choices')}: scorer 'mcq' needs a list of choices")
+        letter = answer.upper()
+        if len(letter) != 1 or letter not in LETTERS[: len(choices)]:
+            raise IpwError(f"{where(path, line, 'answer')}: for 'mcq' the answer must be a letter A-{LETTERS[len(choices) - 1]}")
+        answer = letter
+    category = row.get("category") or "default"
+    if not isinstance(category, str):
+        raise IpwError(f"{where(path, line, 'category')}: expected a string")
+    return Query(str(row["id"]), str(row["prompt"]), answer, choices, category, scorer)
+
+
+def _rows_jsonl(path: Path):
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise IpwError(f"{where(path, line_no)}: line is longer than {MAX_LINE_BYTES} bytes")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise IpwError(f"{where(path, line_no)}: not valid UTF-8 (byte {exc.start})") from None
+            if not text.strip():
+                continue
+            try:
+                yield line_no, json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise IpwError(f"{where(path, line_no)}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def _rows_csv(path: Path):
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            for i, row in enumerate(csv.DictReader(fh), start=2):  # line 1 is the header
+                yield i, {k: v for k, v in row.items() if v not in (None, "")}
+    except UnicodeDecodeError as exc:
+        raise IpwError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+
+
+def _rows_parquet(path: Path):
+    import pandas as pd
+
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises many types for a broken file
+        raise IpwError(f"{path}: cannot read Parquet ({exc})") from None
+    for i, row in enumerate(frame.to_dict(orient="records"), start=1):
+        clean = {}
+        for key, value in row.items():
+            if value is None or (isinstance(value, float) and value != value):
+                continue
+            clean[key] = list(value) if hasattr(value, "tolist") and not isinstance(value, str) else value
+        yield i, clean
+
+
+def load_queries(name_or_path: str, default_scorer: str = "exact") -> list[Query]:
+    """Load and validate a query set; raises :class:`IpwError` naming file, line and field."""
+    path = resolve_dataset(name_or_path)
+    if path.is_dir():
+        raise IpwError(f"{path}: is a folder, expected a .jsonl, .csv or .parquet file")
+    suffix = path.suffix.lower()
+    readers = {".jsonl": _rows_jsonl, ".json": _rows_jsonl, ".csv": _rows_csv, ".parquet": _rows_parquet}
+    if suffix not in readers:
+        raise IpwError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .csv or .parquet)")
+    try:
+        rows = list(readers[suffix](path))
+    except PermissionError:
+        raise IpwError(f"{path}: permission denied") from None
+    queries: list[Query] = []
+    seen: dict[str, int] = {}
+    for line_no, row in rows:
+        query = _query_from_row(row, path, line_no, default_scorer)
+        if query.id in seen:
+            raise IpwError(f"{where(path, line_no, 'id')}: duplicate id {query.id!r} (first on line {seen[query.id]})")
+        seen[query.id] = line_no
+        queries.append(query)
+    if not queries:
+        raise IpwError(f"{path}: the dataset is empty")
+    subset = BUNDLED.get(name_or_path, (None, None))[1]
+    if subset:
+        keep = (DATASETS_DIR / subset).read_text().split()
+        queries = [q for q in queries if q.id in set(keep)]
+    return queries
+
+
+def fingerprint(queries: list[Query]) -> str:
+    """A hash of the queries' content (order-independent), used to refuse comparing different sets."""
+    digest = hashlib.sha256()
+    for q in sorted(queries, key=lambda q: q.id):
+        digest.update(json.dumps([q.id, q.prompt, q.answer, q.choices, q.category, q.scorer]).encode())
+    return "sha256:" + digest.hexdigest()[:16]

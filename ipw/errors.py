@@ -1,0 +1,31 @@
+"""The one user-error type. The CLI catches it at the top and maps it to an exit code."""
+
+from __future__ import annotations
+
+
+class IpwError(Exception):
+    """A problem the user can fix (bad input, missing file, missing extra). Exit code 2 by default.
+
+    The message is one line that names the file, line and field where they are known.
+    """
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+def where(path: object, line: int | None = None, field: str | None = None) -> str:
+    """Format a location prefix such as ``data.jsonl:12: field 'answer'``."""
+    out = str(path)
+    if line is not None:
+        out += f":{line}"
+    if field is not None:
+        out += f": field '{field}'"
+    return out
+
+
+def missing_extra(module: str, extra: str) -> IpwError:
+    return IpwError(
+        f"{module} is not installed; install it with: pip install 'ipw[{extra}]'"
+    )

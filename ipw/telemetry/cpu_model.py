@@ -1,0 +1,171 @@
+"""Estimated CPU energy of the inference process tree: CPU seconds × active power per core.
+
+Used where no CPU energy counter (RAPL) exists, as in most VMs.  Like CodeCarbon's TDP × load
+fallback, but per process tree rather than per machine: only the CPU time of the inference
+process(es) and their descendants is charged, so other work on the machine is not.
+
+The estimate is ``(user + system CPU seconds of the tree during the window) × watts_per_core``.
+CPU time of children that exited and were reaped by a process in the tree is included through
+that parent's ``children_user``/``children_system``.  A process that leaves the tree without being
+reaped by it (re-parented to init) loses its time; if the tree's total goes down, the reading is
+``unavailable`` rather than negative.
+
+Per-core power (``CORE_POWER_TABLE``): a CPU's TDP divided by its physical cores, i.e. the power of
+one fully busy core including its share of the uncore, at the sustained all-core clock.  It charges
+one CPU-second of one logical CPU as one core-second, so with SMT and both siblings busy it
+overstates; idle and memory power are not included.  Override with ``watts_per_core``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from ipw.errors import IpwError
+from ipw.telemetry.base import EnergyReading, SensorInfo
+
+
+@dataclass(frozen=True)
+class CorePower:
+    match: str  # case-insensitive substring of the CPU model name
+    watts_per_core: float
+    basis: str
+
+
+#: First match wins.
+CORE_POWER_TABLE: tuple[CorePower, ...] = (
+    CorePower("EPYC", 3.75, "AMD EPYC 9654 (Genoa, 9004 series): 360 W TDP / 96 cores"),
+    CorePower("Xeon", 6.25, "Intel Xeon Platinum 8480+ (Sapphire Rapids): 350 W TDP / 56 cores"),
+    CorePower("Apple", 3.0, "Apple M1 Max: ~30 W CPU power at full load / 10 cores"),
+)
+GENERIC_CORE_POWER = CorePower(
+    "", 10.0, "generic desktop CPU: ~65-125 W TDP over 8-12 cores (no table entry matched)"
+)
+
+
+def cpu_model_name() -> str:
+    """The CPU model as the OS reports it (``/proc/cpuinfo`` model name, macOS brand string)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True, text=True, timeout=5, check=True,
+            )
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or "unknown"
+
+
+def core_power_for(model_name: str) -> CorePower:
+    """The table entry for a CPU model name, or the generic fallback."""
+    for entry in CORE_POWER_TABLE:
+        if entry.match.lower() in model_name.lower():
+            return entry
+    return GENERIC_CORE_POWER
+
+
+def process_tree_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of the given processes, their live descendants, and their reaped
+    children.  Processes that vanish are skipped."""
+    procs: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            procs.setdefault(proc.pid, proc)
+    total_s = 0.0
+    for proc in procs.values():
+        try:
+            t = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied as exc:
+            raise IpwError(
+                f"cannot read the CPU time of pid {proc.pid} (another user's process); "
+                "run ipw as the user that runs the inference server"
+            ) from exc
+        total_s += t.user + t.system + t.children_user + t.children_system
+    return total_s
+
+
+class CpuModelSensor:
+    """Estimated CPU energy of the inference process tree (source ``model.cpu``)."""
+
+    name = "cpu_model"
+
+    def __init__(self, pids_fn: Callable[[], list[int]], watts_per_core: float | None = None) -> None:
+        self.pids_fn = pids_fn
+        self.cpu_model = cpu_model_name()
+        if watts_per_core is None:
+            entry = core_power_for(self.cpu_model)
+            self.watts_per_core, self.basis = entry.watts_per_core, entry.basis
+        else:
+            if watts_per_core <= 0:
+                raise IpwError(f"watts_per_core must be > 0, got {watts_per_core}")
+            self.watts_per_core, self.basis = float(watts_per_core), "set by the user"
+
+    def info(self) -> SensorInfo:
+        return SensorInfo(
+            name=self.name,
+            available=True,
+            source="model.cpu",
+            quality="estimated",
+            scope="cpu_package",
+            components=("cpu-process",),
+            detail=f"CPU seconds of the inference process tree × {self.watts_per_core} W/core "
+            f"({self.basis})",
+            params={
+                "watts_per_core": self.watts_per_core,
+                "basis": self.basis,
+                "cpu_model": self.cpu_model,
+                "logical_cpus": os.cpu_count(),
+            },
+        )
+
+    def begin(self) -> tuple[int, float]:
+        return time.monotonic_ns(), process_tree_cpu_s(self.pids_fn())
+
+    def end(self, token: tuple[int, float]) -> list[EnergyReading]:
+        start_ns, start_cpu_s = token
+        cpu_s = process_tree_cpu_s(self.pids_fn()) - start_cpu_s
+        duration_s = (time.monotonic_ns() - start_ns) / 1e9
+        if cpu_s < 0:
+            return [
+                EnergyReading(
+                    "cpu-process", None, "model.cpu", "unavailable", "cpu_package", duration_s,
+                    note="process tree lost CPU time (a process left it unreaped)",
+                )
+            ]
+        return [
+            EnergyReading(
+                component="cpu-process",
+                energy_j=cpu_s * self.watts_per_core,
+                source="model.cpu",
+                quality="estimated",
+                scope="cpu_package",
+                duration_s=duration_s,
+                note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model})",
+            )
+        ]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,617 @@
+"""Pure, replayable GPU energy estimator (DESIGN.md §3).  No NVML calls: it works on arrays.
+
+Inputs are what a sampler records (or what a recorded trace replays), all on one monotonic clock in
+seconds:
+
+- driver power samples (``nvmlDeviceGetSamples(NVML_TOTAL_POWER_SAMPLES)``): ``samples_t_s`` and
+  ``samples_w``, ~20 ms apart.  Their driver timestamps are wall-clock µs; convert them with
+  :func:`wall_us_to_mono_s`.
+- reads of the cumulative energy counter (``nvmlDeviceGetTotalEnergyConsumption``): ``counter_t_s``
+  (when each read was taken) and ``counter_j``.  The counter moves in ~100 ms steps.
+- optionally, instant-power points (``NVML_FI_DEV_POWER_INSTANT``), the last fallback.
+
+Method, per window ``[start_s, end_s]``:
+
+1. integrate the samples by trapezoid, interpolating linearly at the window edges;
+2. scale by the calibration ratio ``counter energy / integrated samples`` over a long enclosing span
+   (reported; flagged outside 0.97–1.03);
+3. windows >= 2 s also carry the direct counter delta; windows < 0.15 s are flagged and carry an
+   uncertainty (they are not resolvable by any NVML signal alone).
+
+Fallbacks, each labeled: uncalibrated samples, then the counter alone, then instant power, then
+``unavailable``.  The 1 s averaged power is never used.
+
+The counter is read as a step function whose value changes at discrete times.  Each change is placed
+halfway between the last read that still showed the old value and the first read showing the new one
+(a "knot"); energy between knots is interpolated linearly.  A value lower than the previous one
+(the counter went backwards: driver reset, VM migration) is a gap: the energy across it is unknown,
+never negative, and shows up as coverage < 1.
+
+Everything here is plain numpy; results are frozen dataclasses with units in field names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+#: A calibration ratio outside these bounds is flagged (DESIGN.md §3).
+CALIBRATION_BOUNDS = (0.97, 1.03)
+#: Windows shorter than this are flagged: the counter's ~100 ms step and the samples' ~20 ms spacing
+#: cannot resolve them alone.
+SHORT_WINDOW_S = 0.15
+#: Windows at least this long also report the direct counter delta (within ~1% by itself).
+COUNTER_DELTA_MIN_S = 2.0
+#: Consecutive driver samples further apart than this are a gap (the samples are ~20 ms apart and
+#: the driver buffer holds ~2.4 s; a gap means the sampler polled too late and lost samples).
+MAX_SAMPLE_GAP_S = 0.25
+#: Instant-power points update about every 100 ms; further apart than this is a gap.
+MAX_INSTANT_GAP_S = 0.5
+#: Below this coverage a window's estimate carries a note, and calibration is refused.
+MIN_COVERAGE = 0.99
+#: A calibration span shorter than this is noted: one counter step then weighs more than ~1%.
+MIN_CALIBRATION_SPAN_S = 10.0
+
+
+# --------------------------------------------------------------------------------------------------
+# result types
+
+
+@dataclass(frozen=True)
+class WindowEstimate:
+    """Energy of one window, with where it came from and how far to trust it.
+
+    ``energy_j`` covers only the part of the window that the signal covers (``coverage`` is that
+    fraction); it is ``None`` when nothing is available.  ``uncertainty_j`` bounds the edge error of
+    interpolating a sampled signal: one signal period times the peak power near the window (half a
+    period at each edge).  It is not a statistical standard deviation.
+    """
+
+    start_s: float
+    end_s: float
+    energy_j: float | None
+    coverage: float
+    quality: str  # measured | measured_interpolated | estimated | unavailable
+    source: str  # nvml.samples | nvml.counter | nvml.instant | ""
+    note: str = ""
+    uncalibrated_j: float | None = None  # the sample integral before scaling by the calibration
+    calibration_ratio: float | None = None
+    counter_delta_j: float | None = None  # windows >= COUNTER_DELTA_MIN_S only
+    uncertainty_j: float | None = None
+    short_window: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """``ratio = counter_j / samples_j`` over ``[start_s, end_s]``; ``None`` when it cannot be formed."""
+
+    ratio: float | None
+    counter_j: float | None
+    samples_j: float | None
+    start_s: float
+    end_s: float
+    flagged: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a concurrent schedule: its window and the times its tokens were produced."""
+
+    start_s: float
+    end_s: float
+    token_times_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ConcurrencySplit:
+    """Per-request energies; ``sum(per_request_j) + unattributed_j == total_j``."""
+
+    per_request_j: tuple[float, ...]
+    unattributed_j: float  # energy of slices in which no request was active
+    total_j: float
+
+    @property
+    def attributed_j(self) -> float:
+        return self.total_j - self.unattributed_j
+
+
+# --------------------------------------------------------------------------------------------------
+# clocks
+
+
+def wall_us_to_mono_s(
+    wall_us: np.ndarray, pair_mono_ns: np.ndarray, pair_wall_us: np.ndarray, *, smooth_pairs: int = 9
+) -> np.ndarray:
+    """Convert driver wall-clock timestamps (µs) to monotonic seconds.
+
+    ``pair_mono_ns``/``pair_wall_us`` are (``time.monotonic_ns()``, wall-clock µs) observations taken
+    back to back by the sampler, ideally near the timestamps being converted.  The offset
+    ``mono - wall`` drifts slowly (NTP slew) and a pair is occasionally torn by preemption between the
+    two clock reads (hundreds of µs off), so each pair's offset is replaced by the median of its
+    ``smooth_pairs`` neighbours and the offset is interpolated linearly in time (held constant
+    outside the pairs).  Integer arithmetic keeps nanosecond precision (offsets are ~1.8e18 ns).
+    """
+    wall_us = np.asarray(wall_us, dtype=np.int64)
+    pm = np.asarray(pair_mono_ns, dtype=np.int64)
+    pw = np.asarray(pair_wall_us, dtype=np.int64)
+    if pm.size == 0 or pm.shape != pw.shape:
+        raise ValueError("need at least one (monotonic ns, wall µs) pair, in arrays of equal length")
+    order = np.argsort(pw, kind="stable")  # the offset is interpolated as a function of wall time
+    pm, pw = pm[order], pw[order]
+    offset_ns = pm - pw * 1000
+    base_ns = int(np.median(offset_ns))
+    resid = (offset_ns - base_ns).astype(np.float64)  # small: safe as float
+    k = max(1, min(int(smooth_pairs), resid.size))
+    if k > 1:
+        half = k // 2
+        padded = np.pad(resid, (half, k - 1 - half), mode="edge")
+        resid = np.median(np.lib.stride_tricks.sliding_window_view(padded, k), axis=1)
+    pair_wall_ns_rel = ((pw - pw[0]) * 1000).astype(np.float64)
+    x_rel = ((wall_us - pw[0]) * 1000).astype(np.float64)
+    resid_at = np.rint(np.interp(x_rel, pair_wall_ns_rel, resid)).astype(np.int64)
+    mono_ns = wall_us * 1000 + base_ns + resid_at
+    return mono_ns / 1e9
+
+
+# --------------------------------------------------------------------------------------------------
+# sampled power: cumulative trapezoid with linear interpolation inside intervals
+
+
+def _clean_series(t_s: np.ndarray, v: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    t = np.asarray(t_s, dtype=np.float64).ravel()
+    x = np.asarray(v, dtype=np.float64).ravel()
+    if t.shape != x.shape:
+        raise ValueError(f"{what}: times and values differ in length ({t.size} vs {x.size})")
+    ok = np.isfinite(t) & np.isfinite(x)
+    t, x = t[ok], x[ok]
+    if t.size > 1 and np.any(np.diff(t) < 0):
+        order = np.argsort(t, kind="stable")
+        t, x = t[order], x[order]
+    if t.size > 1:  # a repeated timestamp is the same sample seen twice (sample-buffer polls overlap)
+        keep = np.concatenate(([True], np.diff(t) > 0))
+        t, x = t[keep], x[keep]
+    return t, x
+
+
+class _PowerIntegral:
+    """Cumulative energy and covered time of a piecewise-linear power signal, evaluated anywhere.
+
+    Intervals between consecutive points longer than ``max_gap_s`` are gaps: they contribute neither
+    energy nor covered time.  Outside the first/last point nothing is covered.
+    """
+
+    def __init__(self, t_s: np.ndarray, p_w: np.ndarray, max_gap_s: float):
+        self.t, self.p = _clean_series(t_s, p_w, "power")
+        n = self.t.size
+        if n >= 2:
+            dt = np.diff(self.t)
+            self.valid = dt <= max_gap_s
+            seg_e = np.where(self.valid, dt * (self.p[1:] + self.p[:-1]) / 2.0, 0.0)
+            seg_c = np.where(self.valid, dt, 0.0)
+            self.cum_e = np.concatenate(([0.0], np.cumsum(seg_e)))
+            self.cum_c = np.concatenate(([0.0], np.cumsum(seg_c)))
+            self.period_s = float(np.median(dt))
+        else:
+            self.valid = np.zeros(0, dtype=bool)
+            self.period_s = float("nan")
+
+    @property
+    def empty(self) -> bool:
+        return self.t.size < 2
+
+    def at(self, x_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(energy J, covered s) accumulated from the first point up to each time in ``x_s``."""
+        x = np.atleast_1d(np.asarray(x_s, dtype=np.float64))
+        if self.empty:
+            return np.zeros_like(x), np.zeros_like(x)
+        t, p = self.t, self.p
+        xc = np.clip(x, t[0], t[-1])
+        i = np.clip(np.searchsorted(t, xc, side="right") - 1, 0, t.size - 2)
+        dx = xc - t[i]
+        slope = (p[i + 1] - p[i]) / (t[i + 1] - t[i])
+        p_x = p[i] + slope * dx
+        ok = self.valid[i]
+        e = self.cum_e[i] + np.where(ok, dx * (p[i] + p_x) / 2.0, 0.0)
+        c = self.cum_c[i] + np.where(ok, dx, 0.0)
+        return e, c
+
+    def window(self, start_s: float, end_s: float) -> tuple[float, float]:
+        """(energy J, coverage fraction) over one window."""
+        if end_s < start_s:
+            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
+        e, c = self.at(np.array([start_s, end_s]))
+        dur = end_s - start_s
+        if dur == 0:
+            inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
+            return 0.0, 1.0 if inside else 0.0
+        return float(e[1] - e[0]), float((c[1] - c[0]) / dur)
+
+    def peak_w(self, start_s: float, end_s: float) -> float:
+        """Highest power within the window widened by one period each side (edge values included)."""
+        if self.empty:
+            return float("nan")
+        lo, hi = start_s - self.period_s, end_s + self.period_s
+        inside = self.p[(self.t >= lo) & (self.t <= hi)]
+        edges = np.interp([start_s, end_s], self.t, self.p)
+        return float(max(np.max(inside) if inside.size else -np.inf, np.max(edges)))
+
+
+def integrate_samples(
+    t_s: np.ndarray, p_w: np.ndarray, start_s: float, end_s: float, *, max_gap_s: float = MAX_SAMPLE_GAP_S
+) -> float:
+    """Energy (J) over ``[start_s, end_s]`` from power samples: trapezoid between samples, linear
+    interpolation at the window edges.  Parts of the window outside the samples, or inside a gap
+    longer than ``max_gap_s``, contribute nothing; :func:`sample_coverage` says how much was covered.
+    """
+    return _PowerIntegral(t_s, p_w, max_gap_s).window(start_s, end_s)[0]
+
+
+def sample_coverage(
+    t_s: np.ndarray, start_s: float, end_s: float, *, max_gap_s: float = MAX_SAMPLE_GAP_S
+) -> float:
+    """Fraction of ``[start_s, end_s]`` covered by samples (between the first and last sample, and
+    not inside a gap longer than ``max_gap_s``)."""
+    t = np.asarray(t_s, dtype=np.float64)
+    return _PowerIntegral(t, np.zeros_like(t), max_gap_s).window(start_s, end_s)[1]
+
+
+def slice_energies(
+    t_s: np.ndarray, p_w: np.ndarray, edges_s: np.ndarray, *, ratio: float = 1.0, max_gap_s: float = MAX_SAMPLE_GAP_S
+) -> np.ndarray:
+    """Energy (J) of each slice ``[edges_s[k], edges_s[k+1]]`` from samples, times ``ratio``
+    (a calibration ratio).  Slices tile the span, so they sum to the integral over it."""
+    edges = np.asarray(edges_s, dtype=np.float64)
+    if edges.ndim != 1 or edges.size < 2 or np.any(np.diff(edges) < 0):
+        raise ValueError("edges_s must be a non-decreasing 1-D array of at least two times")
+    e, _ = _PowerIntegral(t_s, p_w, max_gap_s).at(edges)
+    return np.diff(e) * ratio
+
+
+# --------------------------------------------------------------------------------------------------
+# the cumulative energy counter
+
+
+def counter_change_points(t_s: np.ndarray, e_j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knots of a stepping counter: ``(t_knot_s, e_knot_j)``.
+
+    A knot is a read whose value differs from the previous read, placed halfway between the two
+    reads (the change happened somewhere between them).  Reads that repeat a value add nothing, so a
+    series decimated to the reads on both sides of every change gives the same knots as the full one.
+    """
+    t, e = _clean_series(t_s, e_j, "counter")
+    if t.size < 2:
+        return np.zeros(0), np.zeros(0)
+    changed = np.flatnonzero(np.diff(e) != 0) + 1
+    return (t[changed - 1] + t[changed]) / 2.0, e[changed]
+
+
+class _CounterIntegral:
+    """Cumulative energy of the counter, linear between knots; a step down is a gap (no energy,
+    not covered)."""
+
+    def __init__(self, t_s: np.ndarray, e_j: np.ndarray):
+        self.t, self.e = counter_change_points(t_s, e_j)
+        if self.t.size >= 2:
+            de = np.diff(self.e)
+            self.valid = de > 0
+            self.cum_e = np.concatenate(([0.0], np.cumsum(np.where(self.valid, de, 0.0))))
+            self.cum_c = np.concatenate(([0.0], np.cumsum(np.where(self.valid, np.diff(self.t), 0.0))))
+            self.backwards_at_s = tuple(float(x) for x in self.t[1:][~self.valid])
+            self.period_s = float(np.median(np.diff(self.t)))
+        else:
+            self.valid = np.zeros(0, dtype=bool)
+            self.backwards_at_s = ()
+            self.period_s = float("nan")
+
+    @property
+    def empty(self) -> bool:
+        return self.t.size < 2
+
+    def at(self, x_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = np.atleast_1d(np.asarray(x_s, dtype=np.float64))
+        if self.empty:
+            return np.zeros_like(x), np.zeros_like(x)
+        xc = np.clip(x, self.t[0], self.t[-1])
+        i = np.clip(np.searchsorted(self.t, xc, side="right") - 1, 0, self.t.size - 2)
+        dx = xc - self.t[i]
+        frac = dx / (self.t[i + 1] - self.t[i])
+        ok = self.valid[i]
+        e = self.cum_e[i] + np.where(ok, frac * (self.e[i + 1] - self.e[i]), 0.0)
+        c = self.cum_c[i] + np.where(ok, dx, 0.0)
+        return e, c
+
+    def window(self, start_s: float, end_s: float) -> tuple[float, float]:
+        if end_s < start_s:
+            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
+        e, c = self.at(np.array([start_s, end_s]))
+        dur = end_s - start_s
+        if dur == 0:
+            inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
+            return 0.0, 1.0 if inside else 0.0
+        return float(e[1] - e[0]), float((c[1] - c[0]) / dur)
+
+    def gaps_in(self, start_s: float, end_s: float) -> list[float]:
+        return [x for x in self.backwards_at_s if start_s <= x <= end_s]
+
+
+def counter_energy_between(t_s: np.ndarray, e_j: np.ndarray, start_s: float, end_s: float) -> WindowEstimate:
+    """Counter energy over ``[start_s, end_s]``, interpolated linearly through the counter's change
+    points.  A counter that went backwards inside the window is a gap: the window's energy excludes
+    it (never negative) and ``coverage`` drops below 1.  Quality is ``measured`` for windows of at
+    least ``COUNTER_DELTA_MIN_S``, ``measured_interpolated`` below."""
+    ci = _CounterIntegral(t_s, e_j)
+    energy, coverage = ci.window(start_s, end_s)
+    return _counter_estimate(ci, start_s, end_s, energy, coverage)
+
+
+def _counter_estimate(ci: _CounterIntegral, start_s: float, end_s: float, energy: float, coverage: float) -> WindowEstimate:
+    notes = []
+    gaps = ci.gaps_in(start_s, end_s)
+    if gaps:
+        notes.append(f"counter went backwards at {', '.join(f'{g:.3f}' for g in gaps)} s: treated as a gap")
+    if coverage < MIN_COVERAGE:
+        notes.append(f"counter covers {coverage:.1%} of the window")
+    if coverage == 0:
+        return WindowEstimate(start_s, end_s, None, 0.0, "unavailable", "nvml.counter", "; ".join(notes))
+    dur = end_s - start_s
+    quality = "measured" if dur >= COUNTER_DELTA_MIN_S else "measured_interpolated"
+    unc = ci.period_s * energy / dur if dur > 0 else None  # one step of the counter at the mean power
+    return WindowEstimate(start_s, end_s, energy, coverage, quality, "nvml.counter", "; ".join(notes), uncertainty_j=unc)
+
+
+# --------------------------------------------------------------------------------------------------
+# calibration
+
+
+def _common_span(si: _PowerIntegral, ci: _CounterIntegral) -> tuple[float, float] | None:
+    if si.empty or ci.empty:
+        return None
+    lo, hi = max(si.t[0], ci.t[0]), min(si.t[-1], ci.t[-1])
+    return (float(lo), float(hi)) if hi > lo else None
+
+
+def _calibrate(si: _PowerIntegral, ci: _CounterIntegral, start_s: float | None, end_s: float | None) -> Calibration:
+    if start_s is None or end_s is None:
+        span = _common_span(si, ci)
+        if span is None:
+            return Calibration(None, None, None, float("nan"), float("nan"), False, "no span covered by both samples and counter")
+        start_s, end_s = span
+    s_j, s_cov = si.window(start_s, end_s)
+    c_j, c_cov = ci.window(start_s, end_s)
+    if min(s_cov, c_cov) < MIN_COVERAGE or s_j <= 0:
+        note = f"calibration span not covered (samples {s_cov:.1%}, counter {c_cov:.1%})"
+        return Calibration(None, c_j, s_j, start_s, end_s, False, note)
+    ratio = c_j / s_j
+    lo, hi = CALIBRATION_BOUNDS
+    flagged = not (lo <= ratio <= hi)
+    note = f"calibration ratio {ratio:.4f} outside {lo}-{hi}" if flagged else ""
+    if end_s - start_s < MIN_CALIBRATION_SPAN_S:
+        note = "; ".join(filter(None, [note, f"short calibration span ({end_s - start_s:.1f} s)"]))
+    return Calibration(ratio, c_j, s_j, start_s, end_s, flagged, note)
+
+
+def calibration_ratio(
+    samples_t_s: np.ndarray,
+    samples_w: np.ndarray,
+    counter_t_s: np.ndarray,
+    counter_j: np.ndarray,
+    start_s: float | None = None,
+    end_s: float | None = None,
+    *,
+    max_gap_s: float = MAX_SAMPLE_GAP_S,
+) -> Calibration:
+    """``counter energy / integrated samples`` over ``[start_s, end_s]`` (default: the whole span
+    covered by both signals).  Flagged outside ``CALIBRATION_BOUNDS``; ``ratio`` is ``None`` when
+    either signal covers less than ``MIN_COVERAGE`` of the span.  Spans under
+    ``MIN_CALIBRATION_SPAN_S`` are noted: the counter's step then weighs more."""
+    return _calibrate(_PowerIntegral(samples_t_s, samples_w, max_gap_s), _CounterIntegral(counter_t_s, counter_j), start_s, end_s)
+
+
+# --------------------------------------------------------------------------------------------------
+# per-window estimates
+
+
+def _empty(x: np.ndarray | None) -> bool:
+    return x is None or np.asarray(x).size == 0
+
+
+def estimate_windows(
+    samples_t_s: np.ndarray | None,
+    samples_w: np.ndarray | None,
+    counter_t_s: np.ndarray | None,
+    counter_j: np.ndarray | None,
+    windows: Sequence[tuple[float, float]],
+    *,
+    calibration_window: tuple[float, float] | None = None,
+    instant_t_s: np.ndarray | None = None,
+    instant_w: np.ndarray | None = None,
+    sample_shift_s: float = 0.0,
+    short_window_s: float = SHORT_WINDOW_S,
+    counter_delta_min_s: float = COUNTER_DELTA_MIN_S,
+    max_gap_s: float = MAX_SAMPLE_GAP_S,
+) -> list[WindowEstimate]:
+    """Estimate the energy of each ``(start_s, end_s)`` window.
+
+    Order of preference, each labeled:
+
+    1. samples, integrated and scaled by the calibration ratio over ``calibration_window`` (default:
+       the whole span covered by samples and counter): ``measured_interpolated``, ``nvml.samples``;
+    2. samples without a usable counter: same labels, note "uncalibrated";
+    3. the counter alone, interpolated through its change points: ``nvml.counter``;
+    4. instant-power points integrated: ``nvml.instant`` (note: may alias periodic loads);
+    5. nothing: ``unavailable``.
+
+    ``sample_shift_s`` is subtracted from sample times before integrating (the driver stamps a
+    sample after the power it reports; 0 keeps the driver's timestamps).  Windows of at least
+    ``counter_delta_min_s`` also carry ``counter_delta_j``; windows shorter than ``short_window_s``
+    are flagged ``short_window`` (see ``uncertainty_j``).
+    """
+    si = None
+    if not _empty(samples_t_s) and not _empty(samples_w):
+        si = _PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, max_gap_s)
+        si = None if si.empty else si
+    ci = None
+    if not _empty(counter_t_s) and not _empty(counter_j):
+        ci = _CounterIntegral(counter_t_s, counter_j)
+        ci = None if ci.empty else ci
+    ii = None
+    if not _empty(instant_t_s) and not _empty(instant_w):
+        ii = _PowerIntegral(instant_t_s, instant_w, MAX_INSTANT_GAP_S)
+        ii = None if ii.empty else ii
+
+    cal = None
+    if si is not None and ci is not None:
+        lo, hi = calibration_window if calibration_window is not None else (None, None)
+        cal = _calibrate(si, ci, lo, hi)
+
+    out = []
+    for start_s, end_s in windows:
+        start_s, end_s = float(start_s), float(end_s)
+        if end_s < start_s:
+            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
+        dur = end_s - start_s
+        short = dur < short_window_s
+        notes: list[str] = []
+        est: WindowEstimate | None = None
+
+        if si is not None:
+            raw, cov = si.window(start_s, end_s)
+            if cov > 0:
+                if cal is not None and cal.ratio is not None:
+                    energy, ratio = raw * cal.ratio, cal.ratio
+                    if cal.note:
+                        notes.append(cal.note)
+                else:
+                    energy, ratio = raw, None
+                    notes.append("uncalibrated" + (f" ({cal.note})" if cal is not None and cal.note else ""))
+                if cov < MIN_COVERAGE:
+                    notes.append(f"samples cover {cov:.1%} of the window")
+                unc = si.period_s * si.peak_w(start_s, end_s) * (ratio or 1.0)
+                est = WindowEstimate(start_s, end_s, energy, cov, "measured_interpolated", "nvml.samples",
+                                     uncalibrated_j=raw, calibration_ratio=ratio, uncertainty_j=unc)
+
+        if est is None and ci is not None:
+            energy, cov = ci.window(start_s, end_s)
+            if cov > 0:
+                c = _counter_estimate(ci, start_s, end_s, energy, cov)
+                notes.append(c.note)
+                est = c
+
+        if est is None and ii is not None:
+            energy, cov = ii.window(start_s, end_s)
+            if cov > 0:
+                notes.append("instant power points (~100 ms apart): may alias periodic loads")
+                if cov < MIN_COVERAGE:
+                    notes.append(f"instant power covers {cov:.1%} of the window")
+                unc = ii.period_s * ii.peak_w(start_s, end_s)
+                est = WindowEstimate(start_s, end_s, energy, cov, "measured_interpolated", "nvml.instant", uncertainty_j=unc)
+
+        if est is None:
+            notes.append("no power signal covers this window")
+            est = WindowEstimate(start_s, end_s, None, 0.0, "unavailable", "")
+
+        counter_delta = None
+        if ci is not None and dur >= counter_delta_min_s:
+            c_j, c_cov = ci.window(start_s, end_s)
+            if c_cov >= MIN_COVERAGE and not ci.gaps_in(start_s, end_s):
+                counter_delta = c_j
+        if short:
+            notes.append(f"window shorter than {short_window_s} s: not resolvable alone, see uncertainty_j")
+
+        out.append(WindowEstimate(
+            start_s=start_s, end_s=end_s, energy_j=est.energy_j, coverage=est.coverage, quality=est.quality,
+            source=est.source, note="; ".join(n for n in notes if n), uncalibrated_j=est.uncalibrated_j,
+            calibration_ratio=est.calibration_ratio, counter_delta_j=counter_delta,
+            uncertainty_j=est.uncertainty_j, short_window=short,
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# idle baseline
+
+
+def idle_baseline(
+    t_s: np.ndarray, p_w: np.ndarray, start_s: float, end_s: float, *, max_gap_s: float = MAX_SAMPLE_GAP_S
+) -> tuple[float, float]:
+    """``(mean_w, std_w)`` of idle power over ``[start_s, end_s]``: the mean is the integral over the
+    covered time; the spread is the standard deviation of the samples inside the window.  Raises
+    ``ValueError`` when no sample covers the window."""
+    pi = _PowerIntegral(t_s, p_w, max_gap_s)
+    energy, cov = pi.window(start_s, end_s)
+    covered_s = cov * (end_s - start_s)
+    if covered_s <= 0:
+        raise ValueError(f"no power samples cover the idle window [{start_s}, {end_s}]")
+    inside = pi.p[(pi.t >= start_s) & (pi.t <= end_s)]
+    std = float(np.std(inside)) if inside.size >= 2 else 0.0
+    return energy / covered_s, std
+
+
+def net_energy_j(gross_j: float, idle_w: float, duration_s: float) -> float:
+    """Dynamic energy ``gross - P_idle * duration`` (may be negative when the window idled below the
+    baseline; reported beside gross, never instead of it)."""
+    return gross_j - idle_w * duration_s
+
+
+# --------------------------------------------------------------------------------------------------
+# concurrency
+
+
+def split_concurrent(
+    slices_t_s: np.ndarray, slice_energy_j: np.ndarray, requests: Sequence[Request | tuple]
+) -> ConcurrencySplit:
+    """Split each time slice's energy over the requests active in it.
+
+    ``slices_t_s`` are the ``n + 1`` slice edges, ``slice_energy_j`` the ``n`` slice energies (e.g.
+    from :func:`slice_energies`).  A request is active in a slice when its window overlaps it for a
+    positive time.  Weights are the tokens each active request produced in the slice (token times in
+    ``[edge_k, edge_k+1)``, the last slice closed, and inside the request's window); when no active
+    request produced a token there, the slice is split by active time (equal shares for requests
+    active throughout it).  Slices with no active request are ``unattributed_j``.  The parts and the
+    unattributed remainder sum to the total (asserted).
+    """
+    edges = np.asarray(slices_t_s, dtype=np.float64)
+    energy = np.asarray(slice_energy_j, dtype=np.float64)
+    if edges.ndim != 1 or edges.size != energy.size + 1 or np.any(np.diff(edges) < 0):
+        raise ValueError("slices_t_s must be n + 1 non-decreasing edges for n slice energies")
+    if np.any(energy < 0) or not np.all(np.isfinite(energy)):
+        raise ValueError("slice energies must be finite and non-negative")
+    reqs = [r if isinstance(r, Request) else Request(float(r[0]), float(r[1]), tuple(r[2])) for r in requests]
+    n_s, n_r = energy.size, len(reqs)
+    lo, hi = edges[:-1], edges[1:]
+
+    active_s = np.zeros((n_r, n_s))
+    tokens = np.zeros((n_r, n_s))
+    for k, r in enumerate(reqs):
+        if r.end_s < r.start_s:
+            raise ValueError(f"request {k} ends before it starts")
+        active_s[k] = np.clip(np.minimum(hi, r.end_s) - np.maximum(lo, r.start_s), 0.0, None)
+        tt = np.asarray(r.token_times_s, dtype=np.float64)
+        tt = tt[(tt >= r.start_s) & (tt <= r.end_s) & (tt >= edges[0]) & (tt <= edges[-1])]
+        if tt.size and n_s:
+            j = np.clip(np.searchsorted(edges, tt, side="right") - 1, 0, n_s - 1)
+            np.add.at(tokens[k], j, 1.0)
+    active = active_s > 0
+    tokens = np.where(active, tokens, 0.0)
+
+    tok_sum = tokens.sum(axis=0)
+    act_sum = active_s.sum(axis=0)
+    weights = np.where(tok_sum > 0, tokens / np.where(tok_sum > 0, tok_sum, 1.0),
+                       active_s / np.where(act_sum > 0, act_sum, 1.0))
+    has_active = act_sum > 0
+    parts = (weights * np.where(has_active, energy, 0.0)).sum(axis=1) if n_r else np.zeros(0)
+    unattributed = float(energy[~has_active].sum())
+    total = float(energy.sum())
+    attributed = total - unattributed
+    assert math.isclose(float(parts.sum()), attributed, rel_tol=1e-9, abs_tol=1e-9), (
+        f"concurrency split lost energy: parts {parts.sum()} J vs attributed {attributed} J"
+    )
+    return ConcurrencySplit(tuple(float(x) for x in parts), unattributed, total)

