@@ -58,9 +58,17 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
     from ipw.results import load_run
 
     _, frame = load_run(folder.path)
-    Console().print(metrics_table(run_metrics(frame, seed=config.generation.seed)))
+    _stdout().print(metrics_table(run_metrics(frame, seed=config.generation.seed)))
     console.print(f"wrote {folder.path}")
     return 0
+
+
+def _stdout() -> Console:
+    """Standard output; wide enough for the tables when it is not a terminal (CI logs, pipes)."""
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    return console
 
 
 def _num(x: float, spec: str = ".3g") -> str:
@@ -88,7 +96,7 @@ def list_command() -> int:
     from ipw.models import BUNDLED_MODELS, model_available
     from ipw.telemetry.probe import describe_sensors
 
-    console = Console()
+    console = _stdout()
     t = Table(title="backend kinds")
     t.add_column("kind")
     for kind in backend_kinds():

@@ -3,6 +3,7 @@ and a record appended to the run folder after every query."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -29,8 +30,28 @@ class IdleBaseline:
     duration_s: float
 
 
+class Closed:
+    """A closed window: each sensor's readings, or a deferred result that becomes final later."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def ready(self) -> bool:
+        return all(isinstance(p, list) or p.ready() for p in self.parts)
+
+    def readings(self, timeout_s: float = 10.0) -> list[EnergyReading]:
+        """All readings; waits (sleeping, not spinning) for deferred parts, at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        out: list[EnergyReading] = []
+        for part in self.parts:
+            out.extend(part if isinstance(part, list) else part.result())
+        return out
+
+
 class Window:
-    """Opens a measurement window on every sensor and closes it into readings."""
+    """Opens a measurement window on every sensor and closes it."""
 
     def __init__(self, sensors: list[Sensor]) -> None:
         self.sensors = sensors
@@ -38,11 +59,8 @@ class Window:
     def begin(self) -> list[Any]:
         return [s.begin() for s in self.sensors]
 
-    def end(self, tokens: list[Any]) -> list[EnergyReading]:
-        readings: list[EnergyReading] = []
-        for sensor, token in zip(self.sensors, tokens):
-            readings.extend(sensor.end(token))
-        return readings
+    def end(self, tokens: list[Any]) -> Closed:
+        return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
 
 
 def measure_idle(window: Window, seconds: float) -> IdleBaseline:
@@ -51,7 +69,7 @@ def measure_idle(window: Window, seconds: float) -> IdleBaseline:
     while time.monotonic() < end:
         tokens = window.begin()
         time.sleep(min(1.0, max(0.0, end - time.monotonic())))
-        for r in window.end(tokens):
+        for r in window.end(tokens).readings():
             if r.energy_j is not None and r.duration_s > 0:
                 slices.setdefault(r.component, []).append(r.energy_j / r.duration_s)
     return IdleBaseline(
@@ -63,7 +81,7 @@ def measure_idle(window: Window, seconds: float) -> IdleBaseline:
 
 def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
-    error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], idle: IdleBaseline,
+    error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
 ) -> QueryRecord:
     total = total_energy(readings)
     duration = end_s - start_s
@@ -114,6 +132,16 @@ def run_backend(
         for query in queries[: config.warmup]:
             backend.generate(query.render(), config.generation)
         idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
+        pending: list[tuple[Closed, Callable[[list[EnergyReading]], QueryRecord]]] = []
+
+        def flush(wait: bool) -> None:
+            # records are appended in query order as soon as their energy is final
+            while pending and (wait or pending[0][0].ready()):
+                closed, build = pending.pop(0)
+                record = build(closed.readings())
+                folder.append(record)
+                progress(record)
+
         for repeat in range(config.repeats):
             for query in queries:
                 completion, error = None, None
@@ -126,11 +154,12 @@ def run_backend(
                 except Exception as exc:  # a failed query is an error record, never a crash
                     error = exc
                 end = time.monotonic()
-                readings = window.end(tokens)
-                record = make_record(folder.manifest["run_id"], spec, query, repeat, completion, error,
-                                     start, end, readings, idle)
-                folder.append(record)
-                progress(record)
+                closed = window.end(tokens)
+                pending.append((closed, functools.partial(
+                    make_record, folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
+                    idle=idle)))
+                flush(wait=False)
+        flush(wait=True)
         return {
             "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
             "load_s": round(load_s, 3), **backend.describe(),

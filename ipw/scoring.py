@@ -395,6 +395,9 @@ def _tier_leading(text: str, valid: str, choices: tuple[str, ...] | None) -> str
     listed = {(a or b).upper() for a, b in _LISTED.findall(text)} & set(valid)
     if len(listed) > 1:
         return _AMBIGUOUS  # the output lists several options line by line
+    first_line = _tier_formatted(text.lstrip().split("\n", 1)[0], valid)
+    if first_line not in (None, letter):
+        return _AMBIGUOUS  # "(A) could be right, but (B) ..."
     if m.group("wrap") or m.group("close"):
         return letter
     rest = text[m.end("letter"):]

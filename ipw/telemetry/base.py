@@ -45,6 +45,15 @@ class SensorInfo:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+class Deferred(Protocol):
+    """Readings that become final later (e.g. once the driver's sample buffer covers the window and
+    its edges).  The runner appends the query's record only when every sensor's result is ready."""
+
+    def ready(self) -> bool: ...
+
+    def result(self) -> list[EnergyReading]: ...
+
+
 class Sensor(Protocol):
     name: str
 
@@ -53,8 +62,8 @@ class Sensor(Protocol):
     def begin(self) -> Any:
         """Start a window; returns an opaque token for ``end``."""
 
-    def end(self, token: Any) -> list[EnergyReading]:
-        """Close the window opened by ``begin``; one reading per component."""
+    def end(self, token: Any) -> "list[EnergyReading] | Deferred":
+        """Close the window opened by ``begin``: one reading per component, now or deferred."""
 
     def close(self) -> None: ...
 

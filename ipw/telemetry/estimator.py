@@ -232,14 +232,15 @@ class _PowerIntegral:
         if dur == 0:
             inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
             return 0.0, 1.0 if inside else 0.0
-        return float(e[1] - e[0]), float((c[1] - c[0]) / dur)
+        return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
 
     def peak_w(self, start_s: float, end_s: float) -> float:
         """Highest power within the window widened by one period each side (edge values included)."""
         if self.empty:
             return float("nan")
-        lo, hi = start_s - self.period_s, end_s + self.period_s
-        inside = self.p[(self.t >= lo) & (self.t <= hi)]
+        lo = np.searchsorted(self.t, start_s - self.period_s, side="left")
+        hi = np.searchsorted(self.t, end_s + self.period_s, side="right")
+        inside = self.p[lo:hi]
         edges = np.interp([start_s, end_s], self.t, self.p)
         return float(max(np.max(inside) if inside.size else -np.inf, np.max(edges)))
 
@@ -285,6 +286,9 @@ def counter_change_points(t_s: np.ndarray, e_j: np.ndarray) -> tuple[np.ndarray,
     A knot is a read whose value differs from the previous read, placed halfway between the two
     reads (the change happened somewhere between them).  Reads that repeat a value add nothing, so a
     series decimated to the reads on both sides of every change gives the same knots as the full one.
+    A knot's time is known to within the spacing of the reads around it: poll the counter well inside
+    its ~100 ms step (the recordings poll it at 100-200 Hz) when windows shorter than a few seconds
+    are checked against it.
     """
     t, e = _clean_series(t_s, e_j, "counter")
     if t.size < 2:
@@ -336,7 +340,7 @@ class _CounterIntegral:
         if dur == 0:
             inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
             return 0.0, 1.0 if inside else 0.0
-        return float(e[1] - e[0]), float((c[1] - c[0]) / dur)
+        return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
 
     def gaps_in(self, start_s: float, end_s: float) -> list[float]:
         return [x for x in self.backwards_at_s if start_s <= x <= end_s]
