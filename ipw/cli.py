@@ -40,12 +40,15 @@ def run(
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Times each query runs per backend."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured warm-up queries per backend."),
     idle_s: Optional[float] = typer.Option(None, "--idle-s", help="Seconds of idle baseline per backend (model loaded)."),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume", help="Continue an interrupted run folder: queries already recorded are kept, the "
+        "rest run with the run's own config (give no other option)."),
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
     from ipw.commands import run_command
 
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
-                                 repeats=repeats, warmup=warmup, idle_s=idle_s))
+                                 repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume))
 
 
 @app.command("list")

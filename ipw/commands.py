@@ -7,6 +7,8 @@ import math
 from rich.console import Console
 from rich.table import Table
 
+from ipw.errors import IpwError
+
 
 
 def _progress_columns():
@@ -20,25 +22,46 @@ def _progress_columns():
     )
 
 
-def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s) -> int:
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM stops a run as gracefully as Ctrl-C: flush, then mark the run interrupted."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute, resume_run, start_run
 
-    config = apply_overrides(
-        load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
-        backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
-        idle_s=idle_s,
-    )
-    folder, queries = start_run(config)
+    done: frozenset = frozenset()
+    if resume is not None:
+        given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
+                                ("--backend", backends), ("--out", out), ("--seed", seed), ("--repeats", repeats),
+                                ("--warmup", warmup), ("--idle-s", idle_s)) if v]
+        if given:
+            raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
+        folder, config, queries, done = resume_run(str(resume))
+    else:
+        config = apply_overrides(
+            load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
+            backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
+            idle_s=idle_s,
+        )
+        folder, queries = start_run(config)
+    _sigterm_as_interrupt()
     console = Console(stderr=True)
-    console.print(f"run [bold]{folder.manifest['run_id']}[/]: {len(queries)} queries x {config.repeats} "
+    verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
+    console.print(f"{verb} [bold]{folder.manifest['run_id']}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
     state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "t0": time.monotonic()}
     with _progress_columns() as progress:
         task = progress.add_task("queries", total=len(queries) * config.repeats * len(config.backends),
-                                 rate="-", jpq="-", acc="-")
+                                 completed=len(done), rate="-", jpq="-", acc="-")
 
         def on_record(record) -> None:
             state["n"] += 1
@@ -53,7 +76,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
                 acc=f"{state['correct'] / state['n']:.0%}",
             )
 
-        execute(folder, config, queries, on_record)
+        execute(folder, config, queries, on_record, done=done)
     from ipw.metrics import run_metrics
     from ipw.results import load_run
 

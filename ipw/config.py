@@ -37,6 +37,14 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """Inverse of ``to_dict`` (used by ``--resume`` to rebuild the config from a manifest)."""
+        gen = dict(data.get("generation", {}))
+        gen["stop"] = tuple(gen.get("stop", ()))
+        return cls(**{**data, "generation": GenerationSettings(**gen),
+                      "backends": tuple(BackendSpec(**b) for b in data["backends"])})
+
 
 _TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
         "out_dir": str, "generation": dict, "backends": list}

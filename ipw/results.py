@@ -87,6 +87,27 @@ class RunFolder:
         (path / "records.jsonl").touch()
         return folder
 
+    @classmethod
+    def reopen(cls, run_dir: str | Path) -> "RunFolder":
+        """Reopen an unfinished run folder for ``--resume``: repair a torn last line of the log."""
+        path = Path(run_dir)
+        manifest_path = path / "manifest.json"
+        if not manifest_path.exists():
+            raise IpwError(f"{path}: not a run folder (no manifest.json)")
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if manifest.get("status") == "complete":
+            raise IpwError(f"{path}: the run is already complete; nothing to resume")
+        log = path / "records.jsonl"
+        data = log.read_bytes() if log.exists() else b""
+        if data and not data.endswith(b"\n"):  # the query in flight when the process died
+            log.write_bytes(data[: data.rfind(b"\n") + 1])
+        return cls(path, manifest)
+
+    def done_keys(self) -> set[tuple[str, str, int]]:
+        """(backend, query_id, repeat) of every record already written."""
+        frame = load_records_jsonl(self.path / "records.jsonl")
+        return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int)))
+
     def write_manifest(self, **updates: Any) -> None:
         self.manifest.update(updates)
         _atomic_write_json(self.path / "manifest.json", self.manifest)

@@ -7,18 +7,19 @@ import functools
 import json
 import statistics
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 from ipw import __version__
-from ipw.backends.base import Backend, BackendSpec, Completion, create_backend
+from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
 from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
 from ipw.results import QueryRecord, RunFolder, new_run_id
 from ipw.scoring import score
-from ipw.telemetry.base import EnergyReading, Sensor, total_energy
+from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,19 @@ def measure_idle(window: Window, seconds: float) -> IdleBaseline:
 def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
+    estimate: Any = None, busy_s: float | None = None,
 ) -> QueryRecord:
-    total = total_energy(readings)
+    """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
+    ``busy_s``: the window's share of time when concurrent requests split it (for the idle part)."""
     duration = end_s - start_s
+    if estimate is not None:
+        ok = error is None and completion is not None
+        readings = [*readings, estimate.reading(completion.completion_tokens if ok else 0, ok, duration)]
+    total = total_energy(readings)
     net = None
     if total.energy_j is not None:
         basis = {r.component for r in readings if r.source in total.source.split("+") and r.energy_j is not None}
-        net = total.energy_j - sum(idle.power_w.get(c, 0.0) for c in basis) * duration
+        net = total.energy_j - sum(idle.power_w.get(c, 0.0) for c in basis) * (duration if busy_s is None else busy_s)
     output = completion.text if completion else ""
     correct = 0.0 if error else float(score(query.scorer, output, query.answer, query.choices))
     return QueryRecord(
@@ -96,7 +103,7 @@ def make_record(
         category=query.category, repeat=repeat, scorer=query.scorer, prompt=query.render(), answer=query.answer,
         output=output, correct=correct,
         error=None if error is None else f"{type(error).__name__}: {error}",
-        error_category=None if error is None else "backend_error",
+        error_category=None if error is None else getattr(error, "category", "backend_error"),
         prompt_tokens=completion.prompt_tokens if completion else 0,
         completion_tokens=completion.completion_tokens if completion else 0,
         ttft_s=completion.ttft_s if completion else None,
@@ -114,15 +121,22 @@ ProbeFn = Callable[[Backend], list[Sensor]]
 def default_probe(backend: Backend) -> list[Sensor]:
     from ipw.telemetry.probe import probe_sensors
 
-    return probe_sensors(backend.pids)
+    return probe_sensors(backend.pids, remote=getattr(backend, "remote", False))
 
 
 def run_backend(
     folder: RunFolder, config: RunConfig, spec: BackendSpec, queries: list[Query],
     progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-) -> dict[str, Any]:
-    """Run every query (× repeats) through one backend; returns what the manifest records about it."""
+    done: frozenset[tuple[str, str, int]] = frozenset(),
+) -> dict[str, Any] | None:
+    """Run every query (× repeats) through one backend, skipping ``done`` (backend, query, repeat)
+    keys; returns what the manifest records about the backend, or None when nothing was left."""
+    work = [(r, q) for r in range(config.repeats) for q in queries if (spec.name, q.id, r) not in done]
+    if not work:
+        return None
     backend = create_backend(spec)
+    if hasattr(backend, "attach"):
+        backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
     t0 = time.monotonic()
     backend.load()
     load_s = time.monotonic() - t0
@@ -130,7 +144,10 @@ def run_backend(
     window = Window(sensors)
     try:
         for query in queries[: config.warmup]:
-            backend.generate(query.render(), config.generation)
+            try:
+                backend.generate(query.render(), config.generation)
+            except QueryError:
+                pass  # a failed warm-up query (e.g. a flaky endpoint) is not measured anyway
         idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
         pending: list[tuple[Closed, Callable[[list[EnergyReading]], QueryRecord]]] = []
 
@@ -142,8 +159,11 @@ def run_backend(
                 folder.append(record)
                 progress(record)
 
-        for repeat in range(config.repeats):
-            for query in queries:
+        if getattr(backend, "concurrency", 1) > 1:
+            run_concurrent(folder, config, spec, backend, window, idle, work, progress)
+            work = []
+        try:
+            for repeat, query in work:
                 completion, error = None, None
                 tokens = window.begin()
                 start = time.monotonic()
@@ -157,19 +177,118 @@ def run_backend(
                 closed = window.end(tokens)
                 pending.append((closed, functools.partial(
                     make_record, folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
-                    idle=idle)))
+                    idle=idle, estimate=getattr(backend, "energy_estimate", None))))
                 flush(wait=False)
-        flush(wait=True)
+        finally:  # on Ctrl-C too: every finished query gets its record
+            flush(wait=True)
         return {
             "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
             "load_s": round(load_s, 3), **backend.describe(),
-            "sensors": [asdict(s.info()) for s in sensors],
+            "sensors": [asdict(s.info()) for s in sensors] + (
+                [asdict(backend.energy_estimate.info())] if getattr(backend, "energy_estimate", None) else []),
             "idle_baseline": asdict(idle),
         }
     finally:
         for sensor in sensors:
             sensor.close()
         backend.close()
+
+
+class _Segments:
+    """Non-overlapping sensor windows, cut at every request's start and end while requests overlap.
+
+    Each segment's energy is split among the requests active in it, weighted by the tokens each one
+    produced in it (equally when none produced any), so the requests' parts sum to what the sensors
+    measured (DESIGN.md §3).  Time with no request in flight is not measured.
+    """
+
+    def __init__(self, window: Window) -> None:
+        self.window = window
+        self.lock = threading.Lock()
+        self.active: set[int] = set()
+        self.token: Any = None
+        self.opened_s = 0.0
+        self.closed: list[tuple[float, float, Closed, frozenset[int]]] = []  # start, end, window, active
+
+    def event(self, add: int | None = None, remove: int | None = None) -> float:
+        with self.lock:
+            now = time.monotonic()
+            if self.token is not None:
+                self.closed.append((self.opened_s, now, self.window.end(self.token), frozenset(self.active)))
+                self.token = None
+            if add is not None:
+                self.active.add(add)
+            self.active.discard(remove)
+            if self.active:
+                self.token, self.opened_s = self.window.begin(), now
+            return now
+
+    def of(self, job: int) -> list[tuple[float, float, Closed, frozenset[int]]]:
+        with self.lock:
+            return [seg for seg in self.closed if job in seg[3]]
+
+
+def _tokens_in(completion: Completion | None, start_s: float, end_s: float) -> int:
+    return 0 if completion is None else sum(start_s <= t < end_s for t in completion.token_times_s)
+
+
+def run_concurrent(
+    folder: RunFolder, config: RunConfig, spec: BackendSpec, backend: Backend, window: Window,
+    idle: IdleBaseline, work: list[tuple[int, Query]], progress: Callable[[QueryRecord], None],
+) -> None:
+    """Keep ``backend.concurrency`` requests in flight; every request has its own window
+    ([start, end] in its record) and its split of the energy measured while it ran.  Records are
+    appended in query order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    segments = _Segments(window)
+    estimate = getattr(backend, "energy_estimate", None)
+
+    def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
+        completion, error = None, None
+        start = segments.event(add=job)
+        try:
+            completion = backend.generate(query.render(), config.generation)
+        except IpwError:
+            raise
+        except Exception as exc:  # a failed query is an error record, never a crash
+            error = exc
+        finally:
+            end = segments.event(remove=job)
+        return completion, error, start, end
+
+    pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="ipw-request")
+    futures = [pool.submit(one, i, query) for i, (_, query) in enumerate(work)]
+    try:
+        for job, (repeat, query) in enumerate(work):
+            completion, error, start, end = futures[job].result()
+            parts: dict[str, list[EnergyReading]] = {}
+            busy_s = 0.0
+            for seg_start, seg_end, closed, active in segments.of(job):
+                done = {j: futures[j].result()[0] for j in active}  # peers' tokens decide the split
+                tokens = {j: _tokens_in(c, seg_start, seg_end) for j, c in done.items()}
+                total = sum(tokens.values())
+                share = tokens[job] / total if total else 1.0 / len(active)
+                busy_s += share * (seg_end - seg_start)
+                for r in closed.readings():
+                    parts.setdefault(r.component, []).append(
+                        replace(r, energy_j=None if r.energy_j is None else r.energy_j * share))
+            readings = [
+                EnergyReading(
+                    component=component, source=rs[0].source, scope=rs[0].scope, duration_s=end - start,
+                    energy_j=None if any(r.energy_j is None for r in rs) else sum(r.energy_j for r in rs),
+                    quality="unavailable" if any(r.energy_j is None for r in rs) else worst_quality([r.quality for r in rs]),
+                    note=f"share of {len(rs)} segment(s) split among up to {backend.concurrency} concurrent "
+                         "requests by tokens produced",
+                )
+                for component, rs in parts.items()
+            ]
+            record = make_record(folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
+                                 readings, idle=idle, estimate=estimate, busy_s=busy_s)
+            folder.append(record)
+            progress(record)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def start_run(config: RunConfig, command: list[str] | None = None) -> tuple[RunFolder, list[Query]]:
@@ -196,13 +315,33 @@ def start_run(config: RunConfig, command: list[str] | None = None) -> tuple[RunF
     return folder, queries
 
 
+def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozenset[tuple[str, str, int]]]:
+    """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
+    folder = RunFolder.reopen(run_dir)
+    config = RunConfig.from_dict(folder.manifest["config"])
+    queries = load_queries(config.dataset)
+    if config.limit:
+        queries = queries[: config.limit]
+    if fingerprint(queries) != folder.manifest["dataset"]["fingerprint"]:
+        raise IpwError(f"{run_dir}: the dataset {config.dataset} changed since the run started "
+                       "(fingerprints differ); start a new run")
+    done = frozenset(folder.done_keys())
+    folder.write_manifest(status="running", resumed_at=folder.manifest.get("resumed_at", [])
+                          + [time.strftime("%Y-%m-%dT%H:%M:%S")])
+    return folder, config, queries, done
+
+
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
-            progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe) -> None:
-    """Run every backend; the manifest ends ``complete``, or ``interrupted`` on Ctrl-C or a crash."""
+            progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
+            done: frozenset[tuple[str, str, int]] = frozenset()) -> None:
+    """Run every backend; the manifest ends ``complete``, or ``interrupted`` on Ctrl-C, SIGTERM or a
+    crash (then ``ipw run --resume`` continues it)."""
     try:
         for spec in config.backends:
-            info = run_backend(folder, config, spec, queries, progress, probe)
-            folder.write_manifest(backends=folder.manifest["backends"] + [info])
+            info = run_backend(folder, config, spec, queries, progress, probe, done)
+            if info is not None:
+                others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]
+                folder.write_manifest(backends=others + [info])
     except KeyboardInterrupt:
         folder.finish("interrupted", reason="interrupted by the user")
         raise

@@ -1,0 +1,107 @@
+"""Resume after a crash: SIGKILL at random moments, resume, and every query is recorded exactly once."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.llama
+IPW = [sys.executable, "-m", "ipw.cli"]
+
+
+def _config(tmp_path: Path, dataset: Path | str, limit: int = 0) -> Path:
+    path = tmp_path / "resume.toml"
+    path.write_text(f'''dataset = "{dataset}"
+limit = {limit}
+repeats = 2
+warmup = 0
+idle_s = 0
+out_dir = "{tmp_path / 'res'}"
+[generation]
+max_tokens = 8
+[[backends]]
+name = "smol"
+kind = "llama-cpp"
+model = "smollm2-135m"
+n_threads = 1
+''')
+    return path
+
+
+def test_sigkill_and_resume_loop(tmp_path):
+    """20 SIGKILLs at random moments (during start-up, model load or queries), each followed by a resume."""
+    from ipw.datasets import load_queries
+
+    rng = random.Random(7)
+    proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, "ipw-core", limit=200))], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "res").glob("*/manifest.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (run_dir,) = [p.parent for p in (tmp_path / "res").glob("*/manifest.json")]
+    kills = 0
+    for _ in range(20):
+        time.sleep(rng.uniform(0.3, 3.0))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        elif proc.returncode != 0:  # it ended by itself: only a completed run may
+            pytest.fail(f"runner exited {proc.returncode}: {(tmp_path / 'stderr.log').read_text()[-2000:]}")
+        proc.wait()
+        if json.loads((run_dir / "manifest.json").read_text())["status"] == "complete":
+            break
+        proc = subprocess.Popen(IPW + ["run", "--resume", str(run_dir)], stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "stderr.log", "w"))
+    if proc.poll() is None:
+        proc.wait(timeout=300)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    if manifest["status"] != "complete":  # the last kill landed: one clean resume finishes it
+        subprocess.run(IPW + ["run", "--resume", str(run_dir)], check=True, capture_output=True, timeout=300)
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert kills == 20, "the loop really kills the runner every time"
+    assert manifest["status"] == "complete"
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    keys = list(zip(frame["query_id"], frame["repeat"]))
+    expected = {(q.id, r) for q in load_queries("ipw-core")[:200] for r in (0, 1)}
+    assert len(keys) == len(set(keys)), "no query is duplicated"
+    assert set(keys) == expected, "no query is lost"
+
+
+def test_sigterm_marks_interrupted_and_resume_completes(small_jsonl, tmp_path):
+    proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, small_jsonl))], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    run_dirs = []
+    while time.monotonic() < deadline:
+        run_dirs = [p.parent for p in (tmp_path / "res").glob("*/records.jsonl") if p.stat().st_size > 0]
+        if run_dirs:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    (run_dir,) = run_dirs
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    if manifest["status"] == "complete":
+        pytest.skip("the run finished before SIGTERM arrived")
+    assert code == 130
+    assert manifest["status"] == "interrupted"
+    result = subprocess.run(IPW + ["run", "--resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    assert len(frame) == 8 and not frame.duplicated(["query_id", "repeat"]).any()
+    again = subprocess.run(IPW + ["run", "--resume", str(run_dir)], capture_output=True, text=True)
+    assert again.returncode == 2 and "already complete" in again.stderr
+
+
+def test_resume_refuses_options(tmp_path, run_cli):
+    code, _, err = run_cli("run", "--resume", tmp_path, "--limit", "3")
+    assert code == 2 and "drop --limit" in err
+    code, _, err = run_cli("run", "--resume", tmp_path)
+    assert code == 2 and "not a run folder" in err
