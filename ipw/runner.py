@@ -295,7 +295,7 @@ def start_run(config: RunConfig, command: list[str] | None = None) -> tuple[RunF
     """Validate everything that can be validated before any model loads, then create the folder."""
     from ipw.telemetry.hardware import hardware_fingerprint, software_fingerprint
 
-    queries = load_queries(config.dataset)
+    queries = load_queries(config.dataset, **config.dataset_options())
     if config.limit:
         queries = queries[: config.limit]
     for spec in config.backends:
@@ -319,7 +319,7 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
     """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
     folder = RunFolder.reopen(run_dir)
     config = RunConfig.from_dict(folder.manifest["config"])
-    queries = load_queries(config.dataset)
+    queries = load_queries(config.dataset, **config.dataset_options())
     if config.limit:
         queries = queries[: config.limit]
     if fingerprint(queries) != folder.manifest["dataset"]["fingerprint"]:

@@ -58,7 +58,21 @@ class BackendSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+class QueryError(Exception):
+    """A query that failed for a known reason; ``category`` becomes the record's ``error_category``
+    (e.g. timeout, http_429, http_5xx, connection, malformed_stream, empty_answer)."""
+
+    def __init__(self, message: str, category: str) -> None:
+        super().__init__(message)
+        self.category = category
+
+
 class Backend(Protocol):
+    """Optional members the runner uses when present: ``concurrency`` (int, requests in flight;
+    default 1), ``attach(run_dir)`` (called before ``load``, e.g. to put a server log in the run
+    folder), ``remote`` (bool: the endpoint is not on this machine, so local sensors do not see it)
+    and ``energy_estimate`` (an ``ipw.telemetry.api_estimate.ApiEnergyEstimate`` for remote ones)."""
+
     spec: BackendSpec
 
     def load(self) -> None:
@@ -132,3 +146,4 @@ def few_shot_prompt(prompt: str) -> str:
 
 
 register_backend("llama-cpp", "ipw.backends.llama_cpp:LlamaCppBackend")
+register_backend("openai", "ipw.backends.openai_http:OpenAIBackend")

@@ -21,11 +21,18 @@ def probe_sensors(
     pids_fn: Callable[[], list[int]],
     gpu_indices: list[int] | None = None,
     rapl_root: Path = DEFAULT_ROOT,
+    remote: bool = False,
 ) -> list[Sensor]:
     """The sensors to open around each query.  ``gpu_indices=[]`` skips the GPU.
 
+    ``remote=True`` (the endpoint is on another machine): none.  This machine's sensors do not see
+    that work; its energy is estimated per query instead (``ipw.telemetry.api_estimate``, labeled
+    ``estimate.api``) and never mixed with a measurement.
+
     Raises IpwError (with the fix) when a sensor exists but cannot be read.
     """
+    if remote:
+        return []
     sensors: list[Sensor] = []
     if gpu_indices != []:
         nvml = NvmlCounterSensor.probe(gpu_indices)

@@ -1,0 +1,371 @@
+"""Any OpenAI-compatible HTTP endpoint (chat and completions APIs), streamed, with the standard library.
+
+- Streaming (SSE) gives the time of the first token (TTFT) and of every content chunk.  Token usage
+  comes from the response (``stream_options.include_usage``); when the server sends none (llama.cpp's
+  server does not while streaming) completion tokens are counted as content chunks, and prompt tokens
+  are 0 (unknown).
+- Every generation setting is sent explicitly (llama.cpp's server would otherwise apply
+  ``repeat_penalty`` 1.1); ``top_k`` and ``repeat_penalty`` are not part of OpenAI's own API, so
+  ``sampling_extensions = false`` leaves them out for endpoints that reject them.
+- 429, 5xx and connection errors are retried with exponential backoff (``Retry-After`` honored);
+  a query that still fails raises :class:`QueryError` with a category, which the runner turns into
+  an error record.
+- The API key is read from the environment variable named by ``api_key_env`` and only ever sent in
+  the ``Authorization`` header; the manifest records the variable's name, never its value.
+- ``server = "llama-cpp"`` starts a managed local server (``ipw.backends.servers``) serving
+  ``model``; the machine's own sensors then measure it through the server's PID tree.  A remote
+  endpoint (host not loopback) is not measured: its energy is estimated (``estimate.api``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+
+from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
+                               few_shot_prompt)
+from ipw.errors import IpwError
+
+APIS = ("chat", "completions")
+_MODE_TO_API = {"chat": "chat", "completion": "completions"}
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, category: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.category, self.retry_after_s = category, retry_after_s
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listening_pids(port: int) -> list[int]:
+    """PIDs of this user's processes listening on a TCP port (empty when not visible)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return []
+    return sorted({c.pid for c in conns
+                   if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
+
+
+class OpenAIBackend:
+    OPTIONS = {
+        "base_url": str, "api_key_env": str, "model_name": str, "api": str, "timeout_s": float,
+        "max_retries": int, "retry_backoff_s": float, "concurrency": int, "sampling_extensions": bool,
+        "remote": bool, "energy_table": str,
+        # managed local server
+        "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,
+    }
+
+    def __init__(self, spec: BackendSpec) -> None:
+        from ipw.backends.servers import SERVER_KINDS
+
+        self.spec = spec
+        opts = spec.options
+        name = f"backend {spec.name!r}"
+        self.server_kind: str | None = opts.get("server")
+        self.model_path: Path | None = None
+        default_api = None
+        if self.server_kind is not None:
+            if self.server_kind not in SERVER_KINDS:
+                raise IpwError(f"{name}: server must be one of {', '.join(SERVER_KINDS)}, got {self.server_kind!r}")
+            if "base_url" in opts:
+                raise IpwError(f"{name}: give either server (a managed local server) or base_url, not both")
+            from ipw.models import resolve_model
+
+            self.model_path, default_mode = resolve_model(spec.model)
+            default_api = _MODE_TO_API.get(default_mode or "")
+        elif "base_url" not in opts:
+            raise IpwError(f"{name}: kind 'openai' needs base_url (e.g. \"http://127.0.0.1:8000/v1\") "
+                           "or server = \"llama-cpp\"")
+        api = opts.get("api")
+        if api is not None and api not in APIS:
+            raise IpwError(f"{name}: api must be one of {', '.join(APIS)}, got {api!r}")
+        mode_api = _MODE_TO_API.get(spec.mode or "")
+        if api and mode_api and api != mode_api:
+            raise IpwError(f"{name}: mode {spec.mode!r} contradicts api {api!r}")
+        self.api = api or mode_api or default_api or "chat"
+        self.timeout_s = float(opts.get("timeout_s", 120.0))
+        self.max_retries = int(opts.get("max_retries", 3))
+        self.retry_backoff_s = float(opts.get("retry_backoff_s", 0.5))
+        self.concurrency = int(opts.get("concurrency", 1))
+        for key, value, low in (("timeout_s", self.timeout_s, 1e-9), ("concurrency", self.concurrency, 1),
+                                ("max_retries", self.max_retries, 0), ("retry_backoff_s", self.retry_backoff_s, 0)):
+            if value < low:
+                raise IpwError(f"{name}: {key} must be >= {low:g}, got {value}")
+        self.extensions = bool(opts.get("sampling_extensions", True))
+        self.model_name = opts.get("model_name") or (
+            spec.model if self.server_kind is None or "/" not in spec.model else Path(spec.model).stem)
+        self.server: Any = None
+        self.run_dir: Path | None = None
+        self.energy_estimate: Any = None
+        self._key: str | None = None
+        self._local_pids: list[int] = []
+        self._set_url(opts.get("base_url", "http://127.0.0.1:0/v1"))
+        self.remote = bool(opts.get("remote", self.server_kind is None and not is_loopback(self.host)))
+
+    def _set_url(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise IpwError(f"backend {self.spec.name!r}: base_url must be http(s)://HOST[:PORT]/PATH, got {base_url!r}")
+        self.scheme, self.host = parts.scheme, parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        # what the manifest shows: no user:password@, no query string
+        self.base_url = f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def attach(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def load(self) -> None:
+        env = self.spec.options.get("api_key_env")
+        if env:
+            self._key = os.environ.get(env)
+            if not self._key:
+                raise IpwError(f"backend {self.spec.name!r}: the environment variable {env} (api_key_env) is not set")
+        if self.server_kind is not None:
+            from ipw.backends.servers import start_server
+
+            log_dir = self.run_dir or Path(tempfile.mkdtemp(prefix="ipw-server-"))
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.spec.name)
+            opts = self.spec.options
+            self.server = start_server(
+                self.server_kind, self.model_path, log_dir / f"server-{safe}.log",
+                n_threads=opts.get("n_threads"), n_ctx=opts.get("n_ctx", 4096), alias=self.model_name,
+                timeout_s=opts.get("server_timeout_s", 180.0))
+            self._set_url(self.server.base_url)
+        try:
+            if self.remote:
+                from ipw.telemetry.api_estimate import ApiEnergyEstimate
+
+                self.energy_estimate = ApiEnergyEstimate.load(self.spec.options.get("energy_table"))
+            elif self.server is None:
+                self._local_pids = listening_pids(self.port)
+            self._check_auth()
+        except BaseException:
+            self.close()  # the runner only closes backends that loaded
+            raise
+
+    def _check_auth(self) -> None:
+        """Fail before the run when the endpoint rejects the key; anything else shows up per query."""
+        conn = self._connection(min(self.timeout_s, 30.0))
+        try:
+            conn.request("GET", f"{self.prefix}/models", headers=self._headers())
+            status = conn.getresponse().status
+        except (OSError, http.client.HTTPException):
+            return
+        finally:
+            conn.close()
+        if status in (401, 403):
+            env = self.spec.options.get("api_key_env")
+            raise IpwError(f"backend {self.spec.name!r}: {self.base_url} answered HTTP {status} (unauthorized); "
+                           + (f"check the key in ${env}" if env else "set api_key_env to the variable holding the key"))
+
+    def pids(self) -> list[int]:
+        if self.server is not None:
+            return [self.server.pid] if self.server.pid else []
+        return list(self._local_pids)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=timeout_s)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream", "User-Agent": "ipw"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        return headers
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._key, "***") if self._key else text
+
+    def request_params(self, settings: GenerationSettings) -> dict[str, Any]:
+        """The generation parameters sent with every request (recorded in the manifest)."""
+        params: dict[str, Any] = {
+            "model": self.model_name, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
+            "top_p": settings.top_p, "seed": settings.seed,
+        }
+        if self.extensions:
+            params.update(top_k=settings.top_k, repeat_penalty=settings.repeat_penalty)
+        stop = list(settings.stop) + (list(FEW_SHOT_STOP) if self.api == "completions" else [])
+        if stop:
+            params["stop"] = stop
+        params.update(stream=True, stream_options={"include_usage": True})
+        return params
+
+    def generate(self, prompt: str, settings: GenerationSettings) -> Completion:
+        body = self.request_params(settings)
+        self.sent_params = dict(body)  # what the manifest records (no prompt, no key)
+        if self.api == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = few_shot_prompt(prompt)
+        payload = json.dumps(body).encode("utf-8")
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return self._attempt(payload, start, body.get("stop", []))
+            except _Retryable as exc:
+                if attempt >= self.max_retries:
+                    raise QueryError(f"{exc} (after {attempt + 1} attempts)", exc.category) from None
+                delay = self.retry_backoff_s * 2 ** attempt
+                if exc.retry_after_s is not None:
+                    delay = max(delay, min(exc.retry_after_s, 60.0))
+                time.sleep(delay)
+                attempt += 1
+
+    def _attempt(self, payload: bytes, start: float, stops: list[str]) -> Completion:
+        deadline = time.monotonic() + self.timeout_s
+        path = f"{self.prefix}/{'chat/completions' if self.api == 'chat' else 'completions'}"
+        conn = self._connection(self.timeout_s)
+        try:
+            conn.request("POST", path, body=payload, headers=self._headers())
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = self._scrub(resp.read(300).decode("utf-8", errors="replace")).strip()
+                message = f"HTTP {resp.status} from {self.base_url}: {detail}"
+                if resp.status == 429:
+                    raise _Retryable(message, "http_429", _retry_after(resp.getheader("Retry-After")))
+                if resp.status >= 500:
+                    raise _Retryable(message, "http_5xx")
+                raise QueryError(message, "http_4xx")
+            if "text/event-stream" in (resp.getheader("Content-Type") or ""):
+                return self._read_stream(resp, start, deadline, stops)
+            return self._read_json(resp, start, stops)
+        except TimeoutError:
+            raise QueryError(f"no answer from {self.base_url} within timeout_s={self.timeout_s:g}", "timeout") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Retryable(f"connection to {self.base_url} failed: {type(exc).__name__}: "
+                             f"{self._scrub(str(exc))}", "connection") from None
+        finally:
+            conn.close()
+
+    def _content(self, choice: dict[str, Any]) -> str:
+        if self.api == "chat":
+            return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    def _read_stream(self, resp: Any, start: float, deadline: float, stops: list[str]) -> Completion:
+        parts: list[str] = []
+        times: list[float] = []
+        usage: dict[str, Any] = {}
+        finish = ""
+        done = False
+        for raw in resp:
+            now = time.monotonic()
+            if now > deadline:
+                raise QueryError(f"stream from {self.base_url} exceeded timeout_s={self.timeout_s:g}", "timeout")
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data:"):
+                continue  # blank separators, comments (":"), event:/id: fields
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                raise QueryError(f"malformed stream chunk: {self._scrub(data[:120])!r}", "malformed_stream") from None
+            if not isinstance(chunk, dict) or "error" in chunk:
+                raise QueryError(f"error in stream: {self._scrub(str(chunk)[:200])}", "malformed_stream")
+            usage = chunk.get("usage") or usage
+            choices = chunk.get("choices")
+            if not isinstance(choices, list):
+                if chunk.get("usage"):
+                    continue
+                raise QueryError(f"stream chunk without choices: {self._scrub(data[:120])!r}", "malformed_stream")
+            for choice in choices:
+                piece = self._content(choice) if isinstance(choice, dict) else ""
+                if piece:
+                    parts.append(piece)
+                    times.append(now)
+                if isinstance(choice, dict) and choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+        if not done and not finish:
+            # the connection closed mid-answer (e.g. the server died): retried like a connection error
+            raise _Retryable("stream ended before [DONE] or a finish_reason", "connection")
+        return self._completion("".join(parts), usage, start, times, finish, stops)
+
+    def _read_json(self, resp: Any, start: float, stops: list[str]) -> Completion:
+        """A server that ignores ``stream`` and answers with one JSON body: TTFT is the end."""
+        try:
+            data = json.loads(resp.read())
+            choice = data["choices"][0]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise QueryError("response is neither an event stream nor a completion JSON", "malformed_stream") from None
+        now = time.monotonic()
+        text = self._content(choice)
+        return self._completion(text, data.get("usage") or {}, start, [now] if text else [],
+                                choice.get("finish_reason") or "", stops)
+
+    def _completion(self, text: str, usage: dict[str, Any], start: float, times: list[float], finish: str,
+                    stops: list[str]) -> Completion:
+        cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        if not text.strip():
+            raise QueryError(f"empty answer (finish_reason={finish or 'none'})", "empty_answer")
+        return Completion(
+            text=text.strip(),
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or len(times)),
+            start_s=start, first_token_s=times[0] if times else None, end_s=time.monotonic(),
+            token_times_s=tuple(times), finish_reason=finish,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "engine": "openai-http", "base_url": self.base_url, "model_name": self.model_name, "api": self.api,
+            "remote": self.remote, "concurrency": self.concurrency, "timeout_s": self.timeout_s,
+            "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
+            "api_key_env": self.spec.options.get("api_key_env"), "api_key_sent": bool(self._key),
+            "sampling_extensions": self.extensions,
+            "usage_source": "response usage when sent, else content chunks counted",
+            "request_params": getattr(self, "sent_params", None),
+        }
+        if self.server is not None:
+            from importlib.metadata import version
+
+            out["server"] = {
+                "kind": self.server_kind, "pid": self.server.pid, "port": self.server.port,
+                "command": self.server.command, "log": str(self.server.log_path),
+                "startup_s": round(self.server.startup_s or 0.0, 3),
+                "engine_version": version("llama-cpp-python"),
+                "model_file": str(self.model_path), "model_bytes": self.model_path.stat().st_size,
+            }
+        elif not self.remote:
+            out["server_pids"] = self._local_pids
+        return out
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None

@@ -1,0 +1,149 @@
+"""Local inference servers that ipw starts, measures and stops itself.
+
+A server runs in its own session (so a Ctrl-C in the terminal reaches ipw, which then stops it), is
+bound to 127.0.0.1 on a free port, and is healthy once ``GET /v1/models`` answers 200.  It is stopped
+by its PID: SIGTERM to the process and its descendants, a wait, then SIGKILL.  An ``atexit`` hook
+stops any server still running when the interpreter exits.  Its stdout and stderr go to a log file
+(``server-<backend>.log`` in the run folder).
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ipw.errors import IpwError
+
+SERVER_KINDS = ("llama-cpp",)
+_LIVE: set["ManagedServer"] = set()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def llama_cpp_command(model_path: Path, port: int, *, n_threads: int, n_ctx: int, alias: str) -> list[str]:
+    """``python -m llama_cpp.server`` with every setting that differs from ours given explicitly: its
+    default is 1 thread, and by default a new request cuts off the one being streamed
+    (``interrupt_requests``), which would turn concurrent requests into empty answers."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--model_alias", alias,
+            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(n_threads),
+            "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
+
+
+class ManagedServer:
+    def __init__(self, command: list[str], port: int, log_path: Path) -> None:
+        self.command, self.port, self.log_path = command, port, log_path
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        _LIVE.add(self)
+        try:
+            self._wait_healthy(t0 + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while True:
+            if self.proc.poll() is not None:
+                raise IpwError(f"server exited with code {self.proc.returncode} while starting "
+                               f"({' '.join(self.command[:4])} ...); last log lines:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                raise IpwError(f"server on port {self.port} not healthy after its startup timeout; "
+                               f"see {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def healthy(self) -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/v1/models")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """Terminate the server and its descendants by PID, wait, then kill; returns its exit code."""
+        _LIVE.discard(self)
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        for proc in [self.proc, *children]:
+            try:
+                proc.terminate()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=grace_s)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return self.proc.returncode
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_LIVE):
+        server.stop(grace_s=5.0)
+
+
+def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int | None = None,
+                 n_ctx: int = 4096, alias: str, timeout_s: float = 120.0) -> ManagedServer:
+    """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy."""
+    if kind == "llama-cpp":
+        try:
+            import llama_cpp.server  # noqa: F401  (fail early, with the extra to install)
+        except ImportError:
+            raise IpwError("the llama.cpp server is not installed; install it with: pip install 'ipw[server]'") from None
+        port = free_port()
+        command = llama_cpp_command(model_path, port, n_threads=n_threads or os.cpu_count() or 1,
+                                    n_ctx=n_ctx, alias=alias)
+    else:
+        raise IpwError(f"unknown server {kind!r} (known: {', '.join(SERVER_KINDS)})")
+    server = ManagedServer(command, port, log_path)
+    server.start(timeout_s)
+    return server

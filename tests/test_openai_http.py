@@ -1,0 +1,390 @@
+"""The `openai` backend against a real HTTP server on 127.0.0.1 that injects faults.
+
+The server is the standard library's ``http.server`` in a thread: it streams SSE like an
+OpenAI-compatible endpoint, and a script of actions makes it answer 429/500/503, malformed streams,
+empty answers or nothing at all.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ipw.backends.base import BackendSpec, GenerationSettings, QueryError, create_backend
+from ipw.errors import IpwError
+
+WORDS = ["The", " answer", " is", " 5", "."]
+
+
+class FakeEndpoint:
+    """``script``: actions for the next requests (``ok`` once it is empty)."""
+
+    def __init__(self) -> None:
+        self.script: list[str] = []
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.usage = True
+        self.chunk_delay_s = 0.01
+        self.required_key: str | None = None
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_GET(self):
+                status = 401 if endpoint.required_key and not endpoint.authorized(self) else 200
+                endpoint.send_json(self, status, {"object": "list", "data": [{"id": "fake"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with endpoint.lock:
+                    endpoint.requests.append({"path": self.path, "body": body,
+                                              "auth": self.headers.get("Authorization"), "t": time.monotonic()})
+                    action = endpoint.script.pop(0) if endpoint.script else "ok"
+                endpoint.respond(self, action, body)
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that gave up (timeout tests)
+                pass
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def authorized(self, handler) -> bool:
+        return handler.headers.get("Authorization") == f"Bearer {self.required_key}"
+
+    @staticmethod
+    def send_json(handler, status: int, data: dict, headers: dict | None = None) -> None:
+        raw = json.dumps(data).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(raw)))
+        for k, v in (headers or {}).items():
+            handler.send_header(k, v)
+        handler.end_headers()
+        handler.wfile.write(raw)
+
+    def respond(self, h, action: str, body: dict) -> None:
+        if action in ("429", "500", "503"):
+            # the error body echoes the Authorization header: the backend must scrub it
+            self.send_json(h, int(action), {"error": {"message": f"busy; you sent {h.headers.get('Authorization')}"}},
+                           {"Retry-After": "0"} if action == "429" else None)
+            return
+        if action == "slow":
+            time.sleep(3.0)
+        chat = h.path.endswith("/chat/completions")
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Connection", "close")
+        h.end_headers()
+
+        def event(data) -> None:
+            h.wfile.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+            h.wfile.flush()
+
+        if action == "malformed":
+            event('{"choices": [{"delta": {"content": "The"')
+            return
+        if action == "truncated":  # the connection ends mid-answer, without [DONE]
+            event({"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": None}]})
+            return
+        words = [] if action == "empty" else WORDS[: body.get("max_tokens", 99)]
+        for i, word in enumerate(words):
+            time.sleep(self.chunk_delay_s)
+            piece = {"delta": {"content": word}} if chat else {"text": word}
+            event({"choices": [{"index": 0, **piece, "finish_reason": None}]})
+        event({"choices": [{"index": 0, "delta": {} if chat else {"text": ""}, "finish_reason": "stop"}]})
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            event({"choices": [], "usage": {"prompt_tokens": 17, "completion_tokens": len(words) * 2,
+                                            "total_tokens": 17 + len(words) * 2}})
+        event("[DONE]")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoint():
+    ep = FakeEndpoint()
+    yield ep
+    ep.close()
+
+
+def backend_for(url: str, **options):
+    spec = BackendSpec("fake", "openai", "fake-model", options={"base_url": url, "retry_backoff_s": 0.01, **options})
+    backend = create_backend(spec)
+    backend.load()
+    return backend
+
+
+SETTINGS = GenerationSettings(max_tokens=16, temperature=0.0, top_p=0.9, top_k=7, repeat_penalty=1.0, seed=3)
+
+
+def test_streaming_ttft_tokens_usage_and_settings(endpoint):
+    backend = backend_for(endpoint.base_url)
+    c = backend.generate("What is 2 + 3?", SETTINGS)
+    assert c.text == "The answer is 5."
+    assert c.prompt_tokens == 17 and c.completion_tokens == 10  # from the usage chunk
+    assert len(c.token_times_s) == 5 and list(c.token_times_s) == sorted(c.token_times_s)
+    assert 0 < c.ttft_s <= c.latency_s and c.first_token_s == c.token_times_s[0]
+    assert c.finish_reason == "stop"
+    (req,) = endpoint.requests
+    assert req["path"] == "/v1/chat/completions"
+    body = req["body"]
+    assert body["messages"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    # every generation setting is sent explicitly
+    assert {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "repeat_penalty", "seed")} == {
+        "max_tokens": 16, "temperature": 0.0, "top_p": 0.9, "top_k": 7, "repeat_penalty": 1.0, "seed": 3}
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert backend.describe()["request_params"]["repeat_penalty"] == 1.0
+
+
+def test_tokens_counted_when_no_usage(endpoint):
+    endpoint.usage = False
+    c = backend_for(endpoint.base_url).generate("q", SETTINGS)
+    assert c.completion_tokens == 5 and c.prompt_tokens == 0
+
+
+def test_completions_api_uses_few_shot_prompt(endpoint):
+    backend = backend_for(endpoint.base_url, api="completions", sampling_extensions=False)
+    assert backend.generate("What is 2 + 3?", SETTINGS).text == "The answer is 5."
+    body = endpoint.requests[0]["body"]
+    assert endpoint.requests[0]["path"] == "/v1/completions"
+    assert body["prompt"].startswith("Question: ") and body["prompt"].endswith("Question: What is 2 + 3?\nAnswer:")
+    assert "\n\n" in body["stop"]
+    assert "top_k" not in body and "repeat_penalty" not in body  # for endpoints that reject them
+
+
+def test_retries_on_429_and_5xx_then_success(endpoint):
+    endpoint.script = ["429", "500", "503"]
+    c = backend_for(endpoint.base_url, max_retries=3).generate("q", SETTINGS)
+    assert c.text == "The answer is 5." and len(endpoint.requests) == 4
+    # the window (and TTFT) starts at the first attempt: the user waited through the retries
+    assert c.start_s <= endpoint.requests[0]["t"]
+
+
+@pytest.mark.parametrize("script,category", [
+    (["503"] * 3, "http_5xx"),
+    (["429"] * 3, "http_429"),
+    (["malformed"], "malformed_stream"),
+    (["empty"], "empty_answer"),
+    (["slow"], "timeout"),
+])
+def test_failures_have_categories(endpoint, script, category):
+    endpoint.script = list(script)
+    backend = backend_for(endpoint.base_url, max_retries=2, timeout_s=1.0)
+    with pytest.raises(QueryError) as info:
+        backend.generate("q", SETTINGS)
+    assert info.value.category == category
+
+
+def test_truncated_stream_is_retried_as_a_connection_error(endpoint):
+    endpoint.script = ["truncated"]
+    c = backend_for(endpoint.base_url, max_retries=1).generate("q", SETTINGS)
+    assert c.text == "The answer is 5." and len(endpoint.requests) == 2
+    endpoint.script = ["truncated", "truncated"]
+    with pytest.raises(QueryError) as info:
+        backend_for(endpoint.base_url, max_retries=1).generate("q", SETTINGS)
+    assert info.value.category == "connection"
+
+
+def test_connection_refused_is_a_connection_error(endpoint):
+    url = endpoint.base_url
+    endpoint.close()
+    with pytest.raises(QueryError) as info:
+        backend_for(url, max_retries=1).generate("q", SETTINGS)
+    assert info.value.category == "connection"
+
+
+def test_config_errors():
+    from ipw.config import parse_config
+
+    base = 'dataset = "ipw-core"\n[[backends]]\nname = "x"\nkind = "openai"\nmodel = "m"\n'
+    with pytest.raises(IpwError, match="needs base_url"):
+        create_backend(parse_config(base, "t.toml").backends[0])
+    with pytest.raises(IpwError, match="api must be one of"):
+        create_backend(parse_config(base + 'base_url = "http://h/v1"\napi = "x"\n', "t.toml").backends[0])
+    with pytest.raises(IpwError, match=r"t.toml:6: field 'backends\[0\].concurrency': expected int"):
+        parse_config(base + 'concurrency = "4"\n', "t.toml")
+    with pytest.raises(IpwError, match="server must be one of"):
+        create_backend(parse_config(base.replace('"m"', '"smollm2-135m"') + 'server = "tgi"\n', "t.toml").backends[0])
+
+
+def test_missing_key_variable_and_rejected_key(endpoint, monkeypatch):
+    monkeypatch.delenv("IPW_TEST_NO_SUCH_KEY", raising=False)
+    with pytest.raises(IpwError, match="IPW_TEST_NO_SUCH_KEY"):
+        backend_for(endpoint.base_url, api_key_env="IPW_TEST_NO_SUCH_KEY")
+    endpoint.required_key = "right"
+    monkeypatch.setenv("IPW_TEST_KEY", "wrong")
+    with pytest.raises(IpwError, match="HTTP 401"):
+        backend_for(endpoint.base_url, api_key_env="IPW_TEST_KEY")
+
+
+# -- through the runner ---------------------------------------------------------------------------
+
+
+def write_config(path: Path, dataset: Path, url: str, **options) -> Path:
+    opts = "".join(f"{k} = {json.dumps(v)}\n" for k, v in options.items())
+    path.write_text(f'dataset = "{dataset}"\nout_dir = "{path.parent / "res"}"\nwarmup = 1\nidle_s = 0.0\n'
+                    '[generation]\nmax_tokens = 8\n'
+                    f'[[backends]]\nname = "api"\nkind = "openai"\nmodel = "fake-model"\nrole = "cloud"\n'
+                    f'base_url = "{url}"\nretry_backoff_s = 0.01\nmax_retries = 1\n{opts}')
+    return path
+
+
+def only_run(out: Path) -> Path:
+    (run_dir,) = list(out.iterdir())
+    return run_dir
+
+
+def test_api_key_never_reaches_the_run_folder(endpoint, small_jsonl, tmp_path, monkeypatch, run_cli):
+    secret = "sk-ipw-test-5f1c9e0a7b3d4e2f"
+    monkeypatch.setenv("IPW_TEST_API_KEY", secret)
+    endpoint.required_key = secret
+    # warm-up ok, then a 500 whose body echoes the Authorization header (scrubbed), a retry, ...
+    endpoint.script = ["ok", "500", "500", "ok", "malformed"]
+    cfg = write_config(tmp_path / "api.toml", small_jsonl, endpoint.base_url, api_key_env="IPW_TEST_API_KEY")
+    out = tmp_path / "res"
+    code, stdout, err = run_cli("run", cfg, "--out", out)
+    assert code == 0, err
+    assert all(r["auth"] == f"Bearer {secret}" for r in endpoint.requests)  # the key was used
+    run_dir = only_run(out)
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {p.name for p in files} >= {"manifest.json", "records.jsonl", "records.parquet"}
+    for p in files:
+        assert secret.encode() not in p.read_bytes(), p
+        assert secret[3:15].encode() not in p.read_bytes(), p
+    assert secret not in stdout + err
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["config"]["backends"][0]["options"]["api_key_env"] == "IPW_TEST_API_KEY"
+    assert manifest["backends"][0]["api_key_sent"] is True
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    assert frame["error_category"].fillna("").tolist() == ["http_5xx", "", "malformed_stream", ""]
+    assert "***" in frame["error"][0]
+
+
+def test_failed_queries_become_error_records(endpoint, small_jsonl, tmp_path, run_cli):
+    endpoint.script = ["ok", "empty", "slow", "ok", "429", "429"]
+    cfg = write_config(tmp_path / "api.toml", small_jsonl, endpoint.base_url, timeout_s=1.0)
+    out = tmp_path / "res"
+    code, _, err = run_cli("run", cfg, "--out", out)
+    assert code == 0, err
+    run_dir = only_run(out)
+    assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    assert frame["error_category"].fillna("").tolist() == ["empty_answer", "timeout", "", "http_429"]
+    assert list(frame["correct"])[::3] == [0.0, 0.0]
+    ok = frame[frame["error"].isna()].iloc[0]
+    assert ok["ttft_s"] > 0 and ok["completion_tokens"] == 10 and ok["prompt_tokens"] == 17
+
+
+def test_remote_endpoint_energy_is_an_api_estimate(endpoint, small_jsonl, tmp_path, run_cli):
+    from ipw.telemetry.api_estimate import ApiEnergyEstimate
+
+    table = ApiEnergyEstimate.load()
+    cfg = write_config(tmp_path / "api.toml", small_jsonl, endpoint.base_url, remote=True)
+    out = tmp_path / "res"
+    code, _, err = run_cli("run", cfg, "--out", out, "--limit", "2")
+    assert code == 0, err
+    run_dir = only_run(out)
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    assert set(frame["energy_quality"]) == {"estimated"}
+    assert set(frame["energy_source"]) == {"estimate.api"}
+    assert set(frame["energy_scope"]) == {"datacenter_estimate"}
+    expected = 10 * table.per_output_token_wh.central * 3600  # 10 completion tokens in the usage chunk
+    assert frame["energy_j"].tolist() == pytest.approx([expected, expected])
+    parts = json.loads(frame["energy_parts"][0])
+    assert [p["source"] for p in parts] == ["estimate.api"]  # no local sensor mixed in
+    sensors = json.loads((run_dir / "manifest.json").read_text())["backends"][0]["sensors"]
+    assert [s["source"] for s in sensors] == ["estimate.api"]
+    assert sensors[0]["params"]["sources"]  # cited
+
+
+def test_api_energy_table_is_cited_and_ordered():
+    from ipw.telemetry.api_estimate import ApiEnergyEstimate
+
+    table = ApiEnergyEstimate.load()
+    for src in table.sources:
+        assert src["citation"] and src["date"] and src["value"]
+    assert table.range_j(10, ok=True).low < table.range_j(10, ok=True).high
+    assert table.range_j(10, ok=False).central == 0.0
+
+
+class RateSensor:
+    """A fake sensor of constant power (so energy = power × time): checks how energy is split."""
+
+    name = "rate"
+
+    def __init__(self, power_w: float = 10.0) -> None:
+        self.power_w = power_w
+        self.windows: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    def info(self):
+        from ipw.telemetry.base import SensorInfo
+
+        return SensorInfo("rate", True, "test.rate", "measured", "gpu", ("dev0",))
+
+    def begin(self):
+        return time.monotonic()
+
+    def end(self, t0):
+        from ipw.telemetry.base import EnergyReading
+
+        t1 = time.monotonic()
+        with self.lock:
+            self.windows.append((t0, t1))
+        return [EnergyReading("dev0", self.power_w * (t1 - t0), "test.rate", "measured", "gpu", t1 - t0)]
+
+    def close(self):
+        pass
+
+
+def test_concurrency_overlaps_windows_keeps_order_and_splits_energy(endpoint, tmp_path):
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+
+    endpoint.chunk_delay_s = 0.05
+    rows = [{"id": f"q{i}", "prompt": f"What is {i} + 0?", "answer": str(i), "scorer": "numeric"} for i in range(8)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = write_config(tmp_path / "api.toml", data, endpoint.base_url, concurrency=4)
+    config = load_config(str(cfg))
+    folder, queries = start_run(config, command=["test"])
+    sensor = RateSensor()
+    execute(folder, config, queries, lambda r: None, probe=lambda backend: [sensor])
+    frame = pd.read_parquet(folder.path / "records.parquet")
+    assert list(frame["query_id"]) == [f"q{i}" for i in range(8)]  # query order
+    assert frame["error"].isna().all()
+    # each record has its own window, and they overlap (several requests in flight)
+    starts, ends = frame["start_s"].tolist(), frame["end_s"].tolist()
+    assert all(s < e for s, e in zip(starts, ends))
+    overlaps = sum(1 for i in range(8) for j in range(8) if i < j and starts[j] < ends[i] and starts[i] < ends[j])
+    assert overlaps >= 4
+    in_flight = max(sum(s <= t < e for s, e in zip(starts, ends)) for t in starts)
+    assert 2 <= in_flight <= 4
+    # the sensor windows (segments) never overlap, and the records' parts sum to what was measured
+    segs = sorted(sensor.windows)
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(segs, segs[1:]))
+    measured = sum(sensor.power_w * (t1 - t0) for t0, t1 in sensor.windows)
+    assert frame["energy_j"].sum() == pytest.approx(measured, rel=1e-9)
+    # and each record's share is less than the energy of its whole (overlapped) window
+    assert (frame["energy_j"] < sensor.power_w * (frame["end_s"] - frame["start_s"]) + 1e-9).all()
+    assert (frame["energy_j"] > 0).all()

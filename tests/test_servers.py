@@ -1,0 +1,131 @@
+"""Managed local servers, for real: ipw starts `python -m llama_cpp.server` with the bundled SmolLM2
+model, queries it through the `openai` backend, measures it, and stops it (also when it is killed
+mid-run, on Ctrl-C and when it fails to start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+
+from ipw.errors import IpwError
+
+pytestmark = pytest.mark.llama
+
+
+def server_config(path: Path, dataset: Path, **options) -> Path:
+    opts = "".join(f"{k} = {json.dumps(v)}\n" for k, v in options.items())
+    path.write_text(
+        f'dataset = "{dataset}"\nout_dir = "{path.parent / "res"}"\nwarmup = 1\nidle_s = 1.0\n'
+        '[generation]\nmax_tokens = 16\n'
+        '[[backends]]\nname = "smollm2-server"\nkind = "openai"\nmodel = "smollm2-135m"\nrole = "cloud"\n'
+        'server = "llama-cpp"\nn_threads = 2\nn_ctx = 1024\nserver_timeout_s = 300.0\ntimeout_s = 120.0\n'
+        f'max_retries = 1\nretry_backoff_s = 0.1\n{opts}')
+    return path
+
+
+def llama_servers() -> list[psutil.Process]:
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "llama_cpp.server" in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_managed_llama_server_end_to_end(small_jsonl, tmp_path, run_cli):
+    cfg = server_config(tmp_path / "s.toml", small_jsonl, concurrency=2)
+    out = tmp_path / "res"
+    code, stdout, err = run_cli("run", cfg, "--out", out)
+    assert code == 0, err
+    (run_dir,) = list(out.iterdir())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    info = manifest["backends"][0]
+    server = info["server"]
+    assert server["kind"] == "llama-cpp" and "--n_threads" in server["command"]
+    assert server["command"][server["command"].index("--host") + 1] == "127.0.0.1"
+    assert info["remote"] is False and info["base_url"] == f"http://127.0.0.1:{server['port']}/v1"
+    assert info["request_params"]["repeat_penalty"] == 1.0 and info["request_params"]["top_k"] == 40
+    assert gone(server["pid"]), "the server is stopped at the end"
+    log = run_dir / "server-smollm2-server.log"
+    assert log.exists() and "Uvicorn running" in log.read_text()
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    assert list(frame["query_id"]) == ["a1", "a2", "m1", "s1"]
+    assert frame["error"].isna().all(), frame["error"].tolist()
+    assert (frame["completion_tokens"] > 0).all() and (frame["completion_tokens"] <= 16).all()
+    assert (frame["ttft_s"] > 0).all() and (frame["latency_s"] >= frame["ttft_s"]).all()
+    # the server's own process tree is measured (CPU model here: no RAPL, no GPU on these machines)
+    assert set(frame["energy_source"]) == {"model.cpu"} and set(frame["energy_quality"]) == {"estimated"}
+    assert (frame["energy_j"] > 0).all()
+    assert frame["output"].str.len().gt(0).all()
+    assert not llama_servers()
+
+
+def test_server_killed_mid_run_gives_error_records(small_jsonl, tmp_path):
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+
+    config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
+    folder, queries = start_run(config, command=["test"])
+    records = []
+
+    def progress(record):
+        records.append(record)
+        if len(records) == 1:  # kill the server while the second query runs
+            (server,) = llama_servers()
+            threading.Timer(0.05, os.kill, (server.pid, signal.SIGKILL)).start()
+
+    execute(folder, config, queries, progress)
+    manifest = json.loads((folder.path / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    frame = pd.read_parquet(folder.path / "records.parquet")
+    assert len(frame) == 4
+    assert pd.isna(frame["error"].iloc[0])
+    assert frame["error_category"].iloc[2:].tolist() == ["connection", "connection"]
+    assert (frame["correct"].iloc[2:] == 0).all()
+    assert not llama_servers()
+
+
+def test_ctrl_c_stops_the_server(small_jsonl, tmp_path):
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+
+    config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
+    folder, queries = start_run(config, command=["test"])
+    pids = []
+
+    def progress(record):
+        pids.extend(p.pid for p in llama_servers())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        execute(folder, config, queries, progress)
+    assert len(pids) == 1 and gone(pids[0])
+    assert json.loads((folder.path / "manifest.json").read_text())["status"] == "interrupted"
+
+
+def test_server_that_cannot_start_fails_cleanly(tmp_path):
+    from ipw.backends.servers import start_server
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(IpwError, match="server exited with code"):
+        start_server("llama-cpp", bad, tmp_path / "server.log", n_threads=1, alias="x", timeout_s=120)
+    assert (tmp_path / "server.log").read_text()
+    assert not llama_servers()
