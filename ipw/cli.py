@@ -40,6 +40,15 @@ def run(
     repeats: Optional[int] = typer.Option(None, "--repeats", help="Times each query runs per backend."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured warm-up queries per backend."),
     idle_s: Optional[float] = typer.Option(None, "--idle-s", help="Seconds of idle baseline per backend (model loaded)."),
+    dataset_preset: Optional[str] = typer.Option(
+        None, "--dataset-preset", help="Layout of the dataset: mmlu, mmlu-pro, arc, gsm8k, math, problem-answer or "
+        "ipw. Default: detected from the columns (and said)."),
+    split: Optional[str] = typer.Option(
+        None, "--split", help="Split of a Hugging Face save_to_disk DatasetDict folder (default test, validation, train)."),
+    category: Optional[List[str]] = typer.Option(
+        None, "--category", help="Keep only queries of this category (repeat for several; case-insensitive)."),
+    sample: Optional[int] = typer.Option(
+        None, "--sample", help="Run a random sample of N queries, the same for the same --seed (0 = all)."),
     resume: Optional[Path] = typer.Option(
         None, "--resume", help="Continue an interrupted run folder: queries already recorded are kept, the "
         "rest run with the run's own config (give no other option)."),
@@ -48,7 +57,30 @@ def run(
     from ipw.commands import run_command
 
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
-                                 repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume))
+                                 repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
+                                 dataset_preset=dataset_preset, split=split, categories=category, sample=sample))
+
+
+@app.command()
+def rescore(
+    run: Path = typer.Argument(..., help="Run folder (results/<run_id>) to score again; it is not changed."),
+    scorer: Optional[str] = typer.Option(
+        None, "--scorer", "-s", help="Scorer for every record: mcq, exact, numeric, contains, regex or judge. "
+        "Default: each record's own scorer (reproduces the run)."),
+    judge: Optional[str] = typer.Option(
+        None, "--judge", help="Judge backend: KIND:MODEL (e.g. llama-cpp:smollm2-135m) or a backend name of the "
+        "run's config. Implies --scorer judge."),
+    grading: Optional[str] = typer.Option(
+        None, "--grading", help="Judge grading: reference (CORRECT/INCORRECT vs the reference) or pairwise (vs the "
+        "reference in both orders, correct only when both agree)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file whose [judge] table sets the judge."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder that receives the new run folder "
+                                       "(default: next to the original)."),
+) -> None:
+    """Score a saved run again without re-running inference; writes a new run folder linked to it."""
+    from ipw.commands import rescore_command
+
+    raise typer.Exit(rescore_command(run, scorer=scorer, judge=judge, grading=grading, config=config, out=out))
 
 
 @app.command("list")
@@ -57,6 +89,86 @@ def list_() -> None:
     from ipw.commands import list_command
 
     raise typer.Exit(list_command())
+
+
+@app.command()
+def compare(
+    runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); every backend in them is compared."),
+    reference: Optional[str] = typer.Option(
+        None, "--reference", "-r", help="Backend the others are compared against (paired) and the cloud reference "
+        "of routing. Default: the first cloud-role backend, else the first backend."),
+    common_queries: bool = typer.Option(
+        False, "--common-queries", help="Runs of different query sets: compare them on the queries they share."),
+    local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
+    cloud: Optional[List[str]] = typer.Option(None, "--cloud", help="Treat this backend as cloud (repeatable)."),
+    router_accuracy: float = typer.Option(
+        0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
+    fmt: str = typer.Option("table", "--format", "-f", help="table, json, csv or markdown."),
+    n_boot: Optional[int] = typer.Option(
+        None, "--n-boot", help="Bootstrap resamples (default 2000; fewer above 100,000 queries, see docs/PERFORMANCE.md)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap resampling."),
+    usd_per_kwh: Optional[float] = typer.Option(
+        None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
+    api_price: Optional[List[str]] = typer.Option(
+        None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
+) -> None:
+    """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
+    from ipw.commands import compare_command
+
+    raise typer.Exit(compare_command(runs, reference=reference, common_queries=common_queries, local=local or [],
+                                     cloud=cloud or [], router_accuracy=router_accuracy, fmt=fmt, n_boot=n_boot,
+                                     seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_price or []))
+
+
+@app.command()
+def check(
+    baseline: Path = typer.Argument(..., help="Baseline run folder."),
+    candidate: Path = typer.Argument(..., help="Candidate run folder (same dataset)."),
+    fail_if: Optional[List[str]] = typer.Option(
+        None, "--fail-if", help="METRIC:THRESHOLD, e.g. energy_per_query:+5%, accuracy:-2pp, j_per_token:+10%, "
+        "ipj:-5%, ttft_p50:+20%. Repeat for several. Default: energy_per_query:+5% and accuracy:-2pp."),
+    alpha: float = typer.Option(0.01, "--alpha", help="Significance level of the paired bootstrap test."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on inconclusive changes too (beyond the threshold, "
+                                "not significant)."),
+    allow_hardware_mismatch: bool = typer.Option(False, "--allow-hardware-mismatch",
+                                                 help="Compare runs made on different hardware."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a Markdown verdict table (job summary)."),
+    github: bool = typer.Option(False, "--github", help="Print GitHub Actions annotations for failing metrics."),
+    junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one test case per metric)."),
+) -> None:
+    """CI gate: exit 1 when a metric regresses beyond its threshold AND significantly; 0 otherwise; 2 when
+    the runs are not comparable (dataset, hardware, energy basis) or the usage is wrong."""
+    from ipw.commands import check_command
+
+    raise typer.Exit(check_command(baseline, candidate, fail_if=fail_if, alpha=alpha, strict=strict,
+                                   allow_hardware_mismatch=allow_hardware_mismatch, markdown_path=markdown,
+                                   github=github, junit_path=junit))
+
+
+@app.command()
+def doctor(
+    self_test: bool = typer.Option(False, "--self-test", help="On a GPU machine: ~60 s of call costs, update "
+                                   "periods, a 5 s idle / 5 s load step and the sampler's own overhead."),
+    seconds: float = typer.Option(60.0, "--seconds", help="Length of the self-test."),
+) -> None:
+    """What this machine can measure, and at what resolution."""
+    from ipw.doctor import doctor as run_doctor
+
+    raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds))
+
+
+@app.command()
+def convert(
+    model: str = typer.Argument(..., help="A GGUF file or a bundled model (smollm2-135m, gemma3-270m)."),
+    out_dir: Optional[Path] = typer.Argument(
+        None, help="Folder to write. Default: the per-machine cache ~/.cache/ipw/models (IPW_MODEL_CACHE), "
+        "where vllm backends and servers look for it."),
+    force: bool = typer.Option(False, "--force", help="Convert again even when the folder holds a conversion."),
+) -> None:
+    """Convert a GGUF model to a Hugging Face folder (float32), e.g. for vLLM on the CPU; prints the folder."""
+    from ipw.commands import convert_command
+
+    raise typer.Exit(convert_command(model, out_dir, force=force))
 
 
 def main(argv: list[str] | None = None) -> int:

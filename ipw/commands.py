@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -32,7 +33,8 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None) -> int:
+def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
+                dataset_preset=None, split=None, categories=None, sample=None) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
@@ -42,7 +44,8 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
     if resume is not None:
         given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
                                 ("--backend", backends), ("--out", out), ("--seed", seed), ("--repeats", repeats),
-                                ("--warmup", warmup), ("--idle-s", idle_s)) if v]
+                                ("--warmup", warmup), ("--idle-s", idle_s), ("--dataset-preset", dataset_preset),
+                                ("--split", split), ("--category", categories), ("--sample", sample)) if v]
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         folder, config, queries, done = resume_run(str(resume))
@@ -50,7 +53,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         config = apply_overrides(
             load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
             backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
-            idle_s=idle_s,
+            idle_s=idle_s, dataset_preset=dataset_preset, split=split, categories=categories, sample=sample,
         )
         folder, queries = start_run(config)
     _sigterm_as_interrupt()
@@ -113,6 +116,55 @@ def metrics_table(metrics) -> Table:
     return table
 
 
+def compare_command(runs, *, reference, common_queries, local, cloud, router_accuracy, fmt, n_boot, seed,
+                    usd_per_kwh, api_prices) -> int:
+    import sys
+
+    from ipw import compare as cmp
+
+    if fmt not in cmp.FORMATS:
+        raise IpwError(f"--format {fmt!r}: must be one of {', '.join(cmp.FORMATS)}")
+    result = cmp.compare(runs, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
+                         router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
+                         api_prices=api_prices)
+    if fmt == "table":
+        console = _stdout()
+        for table in cmp.rich_tables(result):
+            console.print(table)
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False, markup=False)
+    else:
+        sys.stdout.write({"json": cmp.to_json, "csv": cmp.to_csv, "markdown": cmp.to_markdown}[fmt](result))
+    return 0
+
+
+def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
+    from ipw.rescore import judge_spec, rescore, summary
+    from ipw.results import load_run
+
+    manifest, original = load_run(run)
+    spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
+    console = Console(stderr=True)
+    folder = rescore(run, scorer=scorer, judge=spec, out_dir=out)
+    _, frame = load_run(folder.path)
+    table = Table(title=f"ipw rescore: {folder.manifest['rescored_from']['scorer']}")
+    for col in ("backend", "records", "accuracy before", "accuracy after", "changed"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for row in summary(original, frame):
+        table.add_row(row["backend"], str(row["records"]), f"{row['accuracy_before']:.1%}",
+                      f"{row['accuracy_after']:.1%}", str(row["changed"]))
+    _stdout().print(table)
+    totals = folder.manifest.get("judge", {}).get("totals")
+    if totals:
+        energy = "n/a" if totals["energy_j"] is None else f"{totals['energy_j']:.3g} J"
+        console.print(f"judge {folder.manifest['judge']['backend']['name']} ({folder.manifest['judge']['prompt_version']}): "
+                      f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
+                      f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
+                      highlight=False, markup=False)
+    console.print(f"wrote {folder.path} (rescored from {run})")
+    return 0
+
+
 def list_command() -> int:
     from ipw.backends.base import backend_kinds
     from ipw.datasets import BUNDLED, DATASETS_DIR
@@ -148,3 +200,47 @@ def list_command() -> int:
     return 0
 
 
+
+
+def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
+                  junit_path) -> int:
+    from ipw.check import DEFAULT_THRESHOLDS, check_runs, github_annotations, junit_xml, markdown, parse_threshold
+    from ipw.results import load_run
+
+    if not 0 < alpha < 1:
+        raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
+    thresholds = [parse_threshold(t) for t in (fail_if or DEFAULT_THRESHOLDS)]
+    base_manifest, base = load_run(baseline)
+    cand_manifest, cand = load_run(candidate)
+    result = check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
+                        allow_hardware_mismatch=allow_hardware_mismatch)
+    table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g})")
+    for col in ("backend", "metric", "threshold", "baseline", "candidate", "change [95% CI]", "p", "verdict"):
+        table.add_column(col)
+    style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green"}
+    for v in result.verdicts:
+        unit = "pp" if v.metric == "accuracy" else "%"
+        table.add_row(v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
+                      f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", f"{v.p_value:.3g}",
+                      f"[{style[v.status]}]{v.status}[/]")
+    out = _stdout()
+    out.print(table)
+    for note in result.notes:
+        out.print(f"note: {note}")
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(result), encoding="utf-8")
+    if junit_path:
+        Path(junit_path).write_text(junit_xml(result), encoding="utf-8")
+    if github:
+        text = github_annotations(result)
+        if text:
+            print(text)
+    return result.exit_code
+
+
+def convert_command(model, out_dir, *, force) -> int:
+    """GGUF -> Hugging Face folder (``ipw.convert``); the folder's path goes to stdout."""
+    from ipw.convert import convert_gguf
+
+    print(convert_gguf(model, out_dir, force=force))
+    return 0

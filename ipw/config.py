@@ -15,6 +15,7 @@ from typing import Any
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
+from ipw.judge import GRADINGS, JudgeSpec
 
 EMBEDDED_DEFAULT = Path(__file__).with_name("default.toml")
 ROLES = ("local", "cloud")
@@ -33,9 +34,19 @@ class RunConfig:
     idle_s: float = 0.0  # idle-baseline seconds measured before each backend's queries
     out_dir: str = "results"
     source: str = "<embedded default>"
+    dataset_preset: str | None = None  # a schema preset (ipw.presets); None = detect from the columns
+    split: str | None = None  # a split of a Hugging Face DatasetDict folder; None = test/validation/train
+    categories: tuple[str, ...] = ()  # keep only these categories; () = all
+    sample: int = 0  # a random sample of this many queries, seeded by `seed`; 0 = all
+    judge: JudgeSpec | None = None  # the [judge] table: the judge `ipw rescore --scorer judge` uses
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def dataset_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``load_queries`` besides the dataset itself."""
+        return {"preset": self.dataset_preset, "split": self.split, "categories": self.categories,
+                "sample": self.sample, "seed": self.seed}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
@@ -43,14 +54,19 @@ class RunConfig:
         gen = dict(data.get("generation", {}))
         gen["stop"] = tuple(gen.get("stop", ()))
         return cls(**{**data, "generation": GenerationSettings(**gen),
-                      "backends": tuple(BackendSpec(**b) for b in data["backends"])})
+                      "backends": tuple(BackendSpec(**b) for b in data["backends"]),
+                      "categories": tuple(data.get("categories") or ()),
+                      "judge": JudgeSpec.from_dict(data["judge"]) if data.get("judge") else None})
 
 
 _TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
-        "out_dir": str, "generation": dict, "backends": list}
+        "out_dir": str, "generation": dict, "backends": list,
+        "dataset_preset": str, "split": str, "categories": list, "sample": int, "judge": dict}
 _GENERATION = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                "repeat_penalty": float, "stop": list}
 _BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
+_JUDGE = {"name": str, "kind": str, "model": str, "mode": str, "grading": str, "prompt": str, "max_tokens": int,
+          "usd_per_mtok_in": float, "usd_per_mtok_out": float}
 
 
 class _Where:
@@ -95,9 +111,18 @@ def parse_config(text: str, path: str) -> RunConfig:
     top = _check_table(raw, _TOP, "", where)
     if "dataset" not in top:
         raise IpwError(f"{path}: field 'dataset': required")
-    for key in ("limit", "warmup"):
+    for key in ("limit", "warmup", "sample"):
         if top.get(key, 0) < 0:
             raise IpwError(f"{where(key)}: must be >= 0")
+    if "dataset_preset" in top:
+        from ipw.presets import PRESETS
+
+        if top["dataset_preset"] not in PRESETS:
+            raise IpwError(f"{where('dataset_preset')}: unknown preset (known: {', '.join(PRESETS)})")
+    if "categories" in top:
+        top["categories"] = tuple(str(c) for c in top["categories"])
+    if "judge" in top:
+        top["judge"] = parse_judge_table(top["judge"], path, text)
     if top.get("repeats", 1) < 1:
         raise IpwError(f"{where('repeats')}: must be >= 1")
     gen = _check_table(top.pop("generation", {}), _GENERATION, "generation.", where)
@@ -136,6 +161,52 @@ def parse_config(text: str, path: str) -> RunConfig:
     return RunConfig(backends=tuple(backends), generation=GenerationSettings(**gen), source=path, **top)
 
 
+def parse_judge_table(table: dict, path: str, text: str) -> JudgeSpec:
+    """The ``[judge]`` table: a backend (``kind``, ``model``, ``name``, ``mode`` and the kind's engine
+    options) plus ``grading`` (reference | pairwise), ``prompt`` (a version in ipw/judge_prompts or a
+    .txt path), ``max_tokens`` and ``usd_per_mtok_in``/``usd_per_mtok_out`` (the judge's prices)."""
+    where = _Where(path, text)
+    after = next((i for i, ln in enumerate(where.lines) if ln.strip().startswith("[judge]")), 0)
+
+    def loc(key: str) -> str:
+        return where(f"judge.{key}", key, after)
+
+    kind = table.get("kind")
+    if kind not in backend_kinds():
+        raise IpwError(f"{loc('kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
+    allowed = {**_JUDGE, **backend_options(kind)}
+    fields = {}
+    for key, value in table.items():
+        if key not in allowed:
+            raise IpwError(f"{loc(key)}: unknown key (allowed: {', '.join(sorted(allowed))})")
+        fields[key] = _check_type(value, allowed[key], loc(key))
+    if "model" not in fields:
+        raise IpwError(f"{path}: field 'judge.model': required")
+    if fields.get("mode", "chat") not in MODES:
+        raise IpwError(f"{loc('mode')}: must be one of {', '.join(MODES)}")
+    if fields.get("grading", "reference") not in GRADINGS:
+        raise IpwError(f"{loc('grading')}: must be one of {', '.join(GRADINGS)}")
+    if fields.get("max_tokens", 1) < 1:
+        raise IpwError(f"{loc('max_tokens')}: must be >= 1")
+    backend = BackendSpec(fields.get("name", f"judge:{kind}:{Path(fields['model']).stem}"), kind, fields["model"],
+                          "local", fields.get("mode"), {k: v for k, v in fields.items() if k not in _JUDGE})
+    return JudgeSpec(backend, **{k: v for k, v in fields.items() if k in _JUDGE and k not in _BACKEND})
+
+
+def load_judge_config(path: str) -> JudgeSpec:
+    """The ``[judge]`` table of a TOML file (a run config or a file with only that table)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        raw = tomllib.loads(text)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IpwError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise IpwError(f"{path}: invalid TOML: {exc}") from None
+    if not isinstance(raw.get("judge"), dict):
+        raise IpwError(f"{path}: field 'judge': no [judge] table")
+    return parse_judge_table(raw["judge"], path, text)
+
+
 def load_config(path: str | None) -> RunConfig:
     target = Path(path) if path else EMBEDDED_DEFAULT
     try:
@@ -158,14 +229,27 @@ def apply_overrides(
     repeats: int | None = None,
     warmup: int | None = None,
     idle_s: float | None = None,
+    dataset_preset: str | None = None,
+    split: str | None = None,
+    categories: list[str] | None = None,
+    sample: int | None = None,
 ) -> RunConfig:
     """CLI options win over the config. ``--backend`` picks configured backends by name, or adds one
     given as ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``)."""
     changes: dict[str, Any] = {}
     for key, value in (("dataset", dataset), ("limit", limit), ("out_dir", out_dir), ("seed", seed),
-                       ("repeats", repeats), ("warmup", warmup), ("idle_s", idle_s)):
+                       ("repeats", repeats), ("warmup", warmup), ("idle_s", idle_s),
+                       ("dataset_preset", dataset_preset), ("split", split), ("sample", sample)):
         if value is not None:
             changes[key] = value
+    if categories:
+        changes["categories"] = tuple(categories)
+    if dataset_preset is not None:
+        from ipw.presets import get_preset
+
+        get_preset(dataset_preset)
+    if sample is not None and sample < 0:
+        raise IpwError(f"--sample: must be >= 0, got {sample}")
     if limit is not None and limit < 0:
         raise IpwError(f"--limit: must be >= 0, got {limit}")
     if repeats is not None and repeats < 1:

@@ -142,25 +142,41 @@ def _rows_parquet(path: Path):
         yield i, clean
 
 
-def load_queries(name_or_path: str, default_scorer: str = "exact") -> list[Query]:
-    """Load and validate a query set; raises :class:`IpwError` naming file, line and field."""
+def load_queries(
+    name_or_path: str, default_scorer: str = "exact", *, preset: str | None = None, split: str | None = None,
+    categories: tuple[str, ...] = (), sample: int = 0, seed: int = 0,
+) -> list[Query]:
+    """Load and validate a query set; raises :class:`IpwError` naming file, line and field.
+
+    ``preset``: a schema preset of :mod:`ipw.presets` (``mmlu``, ``gsm8k``, ...), or None to detect one
+    by the columns (said in a log line; the interchange format needs none).  A folder is read as a
+    Hugging Face ``save_to_disk`` folder (``split`` picks a split of a DatasetDict).  ``categories``
+    and ``sample`` (seeded by ``seed``) select queries, see :func:`ipw.presets.select`.
+    """
+    from ipw import presets
+
     path = resolve_dataset(name_or_path)
     if path.is_dir():
-        raise IpwError(f"{path}: is a folder, expected a .jsonl, .csv or .parquet file")
-    suffix = path.suffix.lower()
-    readers = {".jsonl": _rows_jsonl, ".json": _rows_jsonl, ".csv": _rows_csv, ".parquet": _rows_parquet}
-    if suffix not in readers:
-        raise IpwError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .csv or .parquet)")
-    try:
-        rows = list(readers[suffix](path))
-    except PermissionError:
-        raise IpwError(f"{path}: permission denied") from None
+        rows = presets.read_hf_folder(path, split)
+    else:
+        if split is not None:
+            raise IpwError(f"{path}: --split applies to a Hugging Face save_to_disk folder, not to a file")
+        suffix = path.suffix.lower()
+        readers = {".jsonl": _rows_jsonl, ".json": _rows_jsonl, ".csv": _rows_csv, ".parquet": _rows_parquet}
+        if suffix not in readers:
+            raise IpwError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .csv, .parquet or a "
+                           "save_to_disk folder)")
+        try:
+            rows = [(path, line_no, row) for line_no, row in readers[suffix](path)]
+        except PermissionError:
+            raise IpwError(f"{path}: permission denied") from None
+    rows = presets.convert_rows(rows, preset, path)
     queries: list[Query] = []
     seen: dict[str, int] = {}
-    for line_no, row in rows:
-        query = _query_from_row(row, path, line_no, default_scorer)
+    for file, line_no, row in rows:
+        query = _query_from_row(row, file, line_no, default_scorer)
         if query.id in seen:
-            raise IpwError(f"{where(path, line_no, 'id')}: duplicate id {query.id!r} (first on line {seen[query.id]})")
+            raise IpwError(f"{where(file, line_no, 'id')}: duplicate id {query.id!r} (first on line {seen[query.id]})")
         seen[query.id] = line_no
         queries.append(query)
     if not queries:
@@ -169,7 +185,7 @@ def load_queries(name_or_path: str, default_scorer: str = "exact") -> list[Query
     if subset:
         keep = (DATASETS_DIR / subset).read_text().split()
         queries = [q for q in queries if q.id in set(keep)]
-    return queries
+    return presets.select(queries, tuple(categories), sample, seed)
 
 
 def fingerprint(queries: list[Query]) -> str:

@@ -25,6 +25,27 @@ class Estimate:
 NAN = Estimate(float("nan"), float("nan"), float("nan"))
 
 
+def resample(
+    statistic: Callable[..., np.ndarray], *columns: np.ndarray, n_boot: int = 2000, seed: int = 0,
+) -> tuple[float, np.ndarray]:
+    """The statistic on the data and on ``n_boot`` bootstrap resamples of its rows (finite ones only).
+
+    ``statistic`` maps arrays of shape (..., n) to shape (...,). Columns are resampled together (the
+    same row indices), so ratios such as accuracy / energy, or paired differences, keep their pairing.
+    """
+    cols = [np.asarray(c, dtype=float) for c in columns]
+    n = len(cols[0])
+    if n == 0:
+        return float("nan"), np.empty(0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = float(statistic(*cols))
+        if n == 1:
+            return value, np.full(1, value)
+        idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
+        stats = statistic(*(c[idx] for c in cols))
+    return value, stats[np.isfinite(stats)]
+
+
 def bootstrap(
     statistic: Callable[..., np.ndarray],
     *columns: np.ndarray,
@@ -32,25 +53,209 @@ def bootstrap(
     seed: int = 0,
     level: float = 0.95,
 ) -> Estimate:
-    """Percentile bootstrap over rows. ``statistic`` maps arrays of shape (..., n) to shape (...,).
-
-    Columns are resampled together (the same row indices), so ratios such as accuracy / energy keep
-    their pairing.
-    """
-    cols = [np.asarray(c, dtype=float) for c in columns]
-    n = len(cols[0])
-    if n == 0:
-        return NAN
-    with np.errstate(divide="ignore", invalid="ignore"):
-        value = float(statistic(*cols))
-        if n == 1:
-            return Estimate(value, value, value)
-        rng = np.random.default_rng(seed)
-        idx = rng.integers(0, n, size=(n_boot, n))
-        stats = statistic(*(c[idx] for c in cols))
-    stats = stats[np.isfinite(stats)]
+    """Percentile bootstrap confidence interval of ``statistic`` (see ``resample``)."""
+    value, stats = resample(statistic, *columns, n_boot=n_boot, seed=seed)
     if len(stats) == 0:
         return Estimate(value, float("nan"), float("nan"))
     alpha = (1 - level) / 2
     lo, hi = np.quantile(stats, [alpha, 1 - alpha])
     return Estimate(value, float(lo), float(hi))
+
+
+# --- paired bootstrap of column sums and quantiles (ipw compare) ------------------------------------
+#
+# Every compare statistic is a ratio of column sums over queries, or a quantile. One bootstrap resample
+# is one row of weights w (how often each query is drawn); the sums of all columns of all backends are
+# then one matrix product, and every backend sees the same w, so differences are paired.
+
+MULTINOMIAL_MAX_N = 20_000  # above this, Poisson(1) weights (much cheaper, asymptotically equivalent)
+MAX_BOOT = 2000
+MIN_BOOT = 200
+BOOT_WORK = 200_000_000  # resamples x items the default resample count aims at, above 100,000 items
+CHUNK_BYTES = 128 * 2**20  # at most this much memory per chunk of weight rows
+
+
+def n_resamples(n_items: int) -> int:
+    """Default number of resamples: 2,000 up to 100,000 items, then ``max(200, 2e8 / n)``."""
+    return int(min(MAX_BOOT, max(MIN_BOOT, BOOT_WORK // max(n_items, 1))))
+
+
+def _poisson_table() -> np.ndarray:
+    """Poisson(1) counts at the midpoints of 65,536 equal-probability bins (inverse CDF lookup)."""
+    k = np.arange(20)
+    pmf = np.exp(-1.0) / np.cumprod(np.maximum(k, 1))
+    return np.searchsorted(np.cumsum(pmf), (np.arange(65536) + 0.5) / 65536, side="right").astype(np.float32)
+
+
+_POISSON = _poisson_table()
+
+
+def resample_weights(n_items: int, n_boot: int, *, seed: int = 0, chunk_bytes: int = CHUNK_BYTES):
+    """Yield bootstrap weight rows, shape (rows, n_items) float32 (small integers, exact), in chunks of
+    at most ``chunk_bytes``. One buffer is reused: a chunk is overwritten by the next.
+
+    Multinomial counts (``n_items`` draws with replacement: integer indices then ``bincount``) up to
+    ``MULTINOMIAL_MAX_N`` items, Poisson(1) counts above (16 random bits each, looked up in a table).
+    """
+    rng = np.random.default_rng(seed)
+    rows = int(max(1, min(n_boot, chunk_bytes // (4 * max(n_items, 1)))))
+    buf = np.empty((rows, n_items), dtype=np.float32)
+    done = 0
+    while done < n_boot:
+        r = min(rows, n_boot - done)
+        w = buf[:r]
+        if n_items > MULTINOMIAL_MAX_N:
+            flat = w.reshape(-1)
+            for i in range(0, flat.size, 1 << 20):  # small blocks: no fresh memory per chunk
+                bits = rng.integers(0, 65536, size=min(1 << 20, flat.size - i), dtype=np.uint16)
+                np.take(_POISSON, bits, out=flat[i:i + len(bits)])
+        else:
+            group = max(1, (1 << 20) // max(n_items, 1))  # rows drawn at once: ~8 MB of indices
+            for g in range(0, r, group):
+                k = min(group, r - g)
+                idx = rng.integers(0, n_items, size=(k, n_items)) + (np.arange(k) * n_items)[:, None]
+                w[g:g + k] = np.bincount(idx.ravel(), minlength=k * n_items).reshape(k, n_items)
+        yield w
+        done += r
+
+
+def bootstrap_method(n_items: int) -> str:
+    return "poisson" if n_items > MULTINOMIAL_MAX_N else "multinomial"
+
+
+def lower_quantile(values: np.ndarray, p: float) -> float:
+    """The p-quantile of the finite values: the ceil(p·N)-th smallest (numpy's ``inverted_cdf``)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        return float("nan")
+    k = max(int(np.ceil(p * len(v))), 1) - 1
+    return float(np.partition(v, k)[k])
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The ranks around one quantile that a resample's quantile can reach: 4·sqrt(N) + 10 ranks either
+    side (the rank's bootstrap standard deviation is at most sqrt(N)/2, so beyond 8 of them; clamped
+    there). Everything below the window is counted through an indicator column of the sums."""
+
+    p: float
+    valid_row: int  # row of the finite-value indicator among the summed rows
+    below_row: int  # row of the below-the-window indicator
+    idx: np.ndarray  # items in the window, sorted by value
+    values: np.ndarray
+
+
+def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_below_row: int):
+    """Windows of the quantiles ``ps`` of ``values`` (one partial sort for all of them), their
+    below-the-window indicators and the point quantiles."""
+    valid = np.isfinite(values)
+    finite = values[valid]
+    n = len(finite)
+    if n == 0:
+        return ([_Window(p, valid_row, first_below_row + i, np.zeros(0, int), np.zeros(0)) for i, p in enumerate(ps)],
+                [np.zeros(len(values), bool)] * len(ps), [float("nan")] * len(ps))
+    half = int(4 * np.sqrt(n)) + 10
+    ranks = [max(int(np.ceil(p * n)), 1) - 1 for p in ps]  # the point quantiles' ranks (inverted_cdf)
+    bounds = [(max(0, k - half), min(n - 1, k + half)) for k in ranks]
+    part = np.partition(finite, sorted({r for b in bounds for r in b} | set(ranks)))
+    windows, belows = [], []
+    for i, (p, (lo, hi)) in enumerate(zip(ps, bounds)):
+        if lo == 0 and hi == n - 1:
+            inside, below = valid, np.zeros(len(values), bool)
+        else:
+            inside = valid & (values >= part[lo]) & (values <= part[hi])
+            below = valid & (values < part[lo])
+        idx = np.flatnonzero(inside)
+        idx = idx[np.argsort(values[idx], kind="stable")]
+        windows.append(_Window(p, valid_row, first_below_row + i, idx, values[idx]))
+        belows.append(below)
+    return windows, belows, [float(part[k]) for k in ranks]
+
+
+@dataclass(frozen=True)
+class Draws:
+    """Bootstrap draws: weighted column sums and quantiles per resample, plus the point values."""
+
+    sums: np.ndarray  # (n_boot, n_columns)
+    quantiles: np.ndarray  # (n_boot, n_quantiles): one per (values, p), in the order given
+    point_sums: np.ndarray  # (n_columns,), float64 sums of the original columns
+    point_quantiles: np.ndarray  # (n_quantiles,)
+    n_boot: int
+    method: str  # multinomial | poisson
+
+
+def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_columns: int | None = None,
+                    n_items: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Draws:
+    """Sums of ``columns`` (each shape (n,), finite) and quantiles (``quantiles``: pairs of values (n,),
+    NaN where missing, and a sequence of p) over ``n_boot`` paired resamples of the n items.
+
+    ``columns`` may be an iterator (then give ``n_columns`` and ``n_items``): each column is copied into
+    one (rows x items) float32 matrix as it comes, so the caller need not hold them all at once; the
+    resampled sums are float32 products (relative error ~1e-6, far inside any interval), the point sums
+    float64. A resample's quantile is the ceil(p·N)-th smallest of its drawn finite values, found
+    exactly from the weights without sorting the resample.
+    """
+    if n_columns is None:
+        columns = [np.asarray(c, dtype=float) for c in columns]
+        n_columns = len(columns)
+    if n_items is None:
+        n_items = len(columns[0]) if n_columns else len(quantiles[0][0])
+    k, n = n_columns, n_items
+    quantiles = [(np.asarray(v, dtype=float), tuple(ps)) for v, ps in quantiles]
+    with_nan = [bool(np.isnan(v).any()) for v, _ in quantiles]
+    n_rows = k + 1 + sum(with_nan) + sum(len(ps) for _, ps in quantiles)
+    xt = np.empty((n_rows, n), dtype=np.float32)
+    point_sums = np.empty(k)
+    i = -1
+    for i, c in enumerate(columns):
+        c = np.asarray(c, dtype=float)
+        point_sums[i] = c.sum()
+        xt[i] = c
+    if i != k - 1:
+        raise ValueError(f"bootstrap_draws: got {i + 1} columns, expected {k}")
+    ones_row, row = k, k + 1
+    xt[ones_row] = 1.0
+    windows: list[_Window] = []
+    point_q: list[float] = []
+    for (values, ps), nan in zip(quantiles, with_nan):
+        valid_row = ones_row
+        if nan:
+            valid_row, row = row, row + 1
+            xt[valid_row] = np.isfinite(values)
+        wins, belows, points = _windows(values, ps, valid_row, row)
+        for below in belows:
+            xt[row], row = below, row + 1
+        windows += wins
+        point_q += points
+    sums = np.empty((n_boot, k))
+    qs = np.full((n_boot, len(windows)), np.nan)
+    start = 0
+    for w in resample_weights(n, n_boot, seed=seed, chunk_bytes=chunk_bytes):
+        rows = slice(start, start + len(w))
+        s = (xt @ w.T).T.astype(np.float64)  # (rows, summed rows): one product for every sum of every backend
+        sums[rows] = s[:, :k]
+        for j, win in enumerate(windows):
+            if len(win.idx) == 0:
+                continue
+            total = s[:, win.valid_row]
+            need = np.maximum(np.ceil(win.p * total), 1.0)  # weights and their sums are exact integers
+            cum = s[:, win.below_row][:, None] + np.cumsum(w[:, win.idx], axis=1)
+            reached = cum >= need[:, None]
+            pos = np.where(reached.any(axis=1), reached.argmax(axis=1), len(win.idx) - 1)
+            qs[rows, j] = np.where(total > 0, win.values[pos], np.nan)
+        start += len(w)
+    return Draws(sums, qs, point_sums, np.asarray(point_q, dtype=float), n_boot, bootstrap_method(n))
+
+
+def interval(value: float, draws: np.ndarray, level: float = 0.95) -> Estimate:
+    """A percentile interval from bootstrap draws of a statistic whose point value is ``value``."""
+    if not np.isfinite(value):
+        return Estimate(float(value), float("nan"), float("nan"))
+    draws = np.asarray(draws, dtype=float)
+    draws = draws[np.isfinite(draws)]
+    if len(draws) == 0:
+        return Estimate(float(value), float("nan"), float("nan"))
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(draws, [alpha, 1 - alpha])
+    return Estimate(float(value), float(lo), float(hi))

@@ -1,0 +1,216 @@
+"""``ipw check``: a regression gate that needs an effect beyond a threshold *and* significance.
+
+For every backend present in both runs, each metric's change (candidate vs baseline) is computed on
+the queries both share, and a paired bootstrap over queries gives its distribution. A change is a
+**regression** only when it exceeds its threshold in the bad direction and the one-sided bootstrap
+p-value is below α; beyond the threshold but not significant it is **inconclusive** (a failure only
+with ``--strict``). Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ipw.errors import IpwError
+from ipw.stats import resample
+
+# metric -> (unit of the threshold, statistic of the change over paired per-query columns)
+# columns: base correct, cand correct, base energy, cand energy, base tokens, cand tokens, base ttft, cand ttft
+
+
+def _rel(b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    return c / b - 1.0
+
+
+METRICS = {
+    "energy_per_query": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(eb.mean(-1), ec.mean(-1))),
+    "accuracy": ("pp", lambda cb, cc, eb, ec, kb, kc, tb, tc: 100 * (cc.mean(-1) - cb.mean(-1))),
+    "j_per_token": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(eb.sum(-1) / kb.sum(-1), ec.sum(-1) / kc.sum(-1))),
+    "ipj": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(cb.mean(-1) / eb.mean(-1), cc.mean(-1) / ec.mean(-1))),
+    "ttft_p50": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(np.median(tb, -1), np.median(tc, -1))),
+}
+DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp")
+HARDWARE_KEYS = ("cpu_model", "cpu_logical_cores", "machine", "gpus")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    metric: str
+    limit: float  # signed: +5 means an increase of more than 5 (% or pp) is bad; -2 a decrease of more than 2
+    unit: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.metric}:{self.limit:+g}{self.unit}"
+
+
+def parse_threshold(text: str) -> Threshold:
+    m = re.fullmatch(r"\s*([a-z_0-9]+)\s*:\s*([+-])\s*([0-9]*\.?[0-9]+)\s*(%|pp)\s*", text)
+    if not m:
+        raise IpwError(f"--fail-if {text!r}: expected METRIC:+N% or METRIC:-Npp, e.g. energy_per_query:+5%")
+    metric, sign, number, unit = m.groups()
+    if metric not in METRICS:
+        raise IpwError(f"--fail-if {text!r}: unknown metric {metric!r} (known: {', '.join(METRICS)})")
+    if unit != METRICS[metric][0]:
+        raise IpwError(f"--fail-if {text!r}: {metric} takes a threshold in {METRICS[metric][0]}")
+    return Threshold(metric, float(number) * (1 if sign == "+" else -1), unit)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    backend: str
+    metric: str
+    threshold: str
+    baseline: float
+    candidate: float
+    change: float  # in the threshold's unit
+    ci_lo: float
+    ci_hi: float
+    p_value: float  # one-sided, for a change in the bad direction
+    status: str  # regression | inconclusive | improvement | pass
+    n_queries: int
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    verdicts: tuple[Verdict, ...]
+    alpha: float
+    strict: bool
+    notes: tuple[str, ...]
+
+    @property
+    def exit_code(self) -> int:
+        bad = {"regression", "inconclusive"} if self.strict else {"regression"}
+        return 1 if any(v.status in bad for v in self.verdicts) else 0
+
+
+def comparability(base_manifest: dict, cand_manifest: dict, allow_hardware_mismatch: bool) -> list[str]:
+    """Reasons the two runs cannot be compared (empty when they can)."""
+    reasons = []
+    fb, fc = base_manifest["dataset"]["fingerprint"], cand_manifest["dataset"]["fingerprint"]
+    if fb != fc:
+        reasons.append(f"dataset fingerprints differ ({fb} vs {fc})")
+    if not allow_hardware_mismatch:
+        hb, hc = base_manifest.get("hardware", {}), cand_manifest.get("hardware", {})
+        diff = [k for k in HARDWARE_KEYS if hb.get(k) != hc.get(k)]
+        if diff:
+            shown = "; ".join(f"{k}: {hb.get(k)!r} vs {hc.get(k)!r}" for k in diff)
+            reasons.append(f"hardware differs ({shown}); pass --allow-hardware-mismatch to compare anyway")
+    return reasons
+
+
+def _paired(base, cand):
+    from ipw.metrics import per_query
+
+    b, c = per_query(base), per_query(cand)
+    ttft_b = base.groupby("query_id")["ttft_s"].mean()
+    ttft_c = cand.groupby("query_id")["ttft_s"].mean()
+    joined = b.join(c, lsuffix="_b", rsuffix="_c", how="inner")
+    joined = joined.join(ttft_b.rename("ttft_b")).join(ttft_c.rename("ttft_c"))
+    return joined
+
+
+def check_runs(base_manifest: dict, base, cand_manifest: dict, cand, thresholds: list[Threshold], *,
+               alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
+               n_boot: int = 4000, seed: int = 0) -> CheckResult:
+    reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
+    if reasons:
+        raise IpwError("not comparable: " + "; ".join(reasons))
+    verdicts, notes = [], []
+    backends = list(dict.fromkeys(base["backend"]))
+    missing = [b for b in backends if b not in set(cand["backend"])]
+    if missing:
+        raise IpwError(f"not comparable: backend(s) {', '.join(missing)} missing from the candidate run")
+    for name in backends:
+        b, c = base[base["backend"] == name], cand[cand["backend"] == name]
+        qb = set(b.loc[b["energy_j"].notna(), "energy_quality"])
+        qc = set(c.loc[c["energy_j"].notna(), "energy_quality"])
+        measured = {"measured", "measured_interpolated"}
+        if bool(qb & measured) != bool(qc & measured) or bool(qb - measured) != bool(qc - measured):
+            raise IpwError(f"not comparable: backend {name}: energy bases differ ({sorted(qb)} vs {sorted(qc)})")
+        p = _paired(b, c)
+        cols = [p[k].to_numpy(float) for k in ("correct_b", "correct_c", "energy_j_b", "energy_j_c",
+                                                "completion_tokens_b", "completion_tokens_c", "ttft_b", "ttft_c")]
+        usable = np.all([np.isfinite(x) for x in cols], axis=0)
+        if not usable.all():
+            notes.append(f"{name}: {int((~usable).sum())} queries without energy or TTFT left out")
+        cols = [x[usable] for x in cols]
+        for t in thresholds:
+            statistic = METRICS[t.metric][1]
+            change, stats = resample(statistic, *cols, n_boot=n_boot, seed=seed)
+            unit = 100.0 if t.unit == "%" else 1.0
+            change, stats = change * unit, stats * unit
+            bad_up = t.limit > 0
+            worse = stats > 0 if bad_up else stats < 0
+            p_value = float((np.sum(~worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
+            p_better = float((np.sum(worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
+            beyond = change > t.limit if bad_up else change < t.limit
+            if beyond and p_value < alpha:
+                status = "regression"
+            elif beyond:
+                status = "inconclusive"
+            elif (change < -abs(t.limit) if bad_up else change > abs(t.limit)) and p_better < alpha:
+                status = "improvement"
+            else:
+                status = "pass"
+            lo, hi = (np.quantile(stats, [0.025, 0.975]) if len(stats) else (np.nan, np.nan))
+            bv, cv = _levels(t.metric, cols)
+            verdicts.append(Verdict(name, t.metric, t.text, bv, cv, change, float(lo), float(hi), p_value, status,
+                                    len(cols[0])))
+    return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
+
+
+def _levels(metric: str, cols: list[np.ndarray]) -> tuple[float, float]:
+    cb, cc, eb, ec, kb, kc, tb, tc = cols
+    if metric == "energy_per_query":
+        return float(eb.mean()), float(ec.mean())
+    if metric == "accuracy":
+        return float(cb.mean()), float(cc.mean())
+    if metric == "j_per_token":
+        return float(eb.sum() / kb.sum()), float(ec.sum() / kc.sum())
+    if metric == "ipj":
+        return float(cb.mean() / eb.mean()), float(cc.mean() / ec.mean())
+    return float(np.median(tb)), float(np.median(tc))
+
+
+def markdown(result: CheckResult) -> str:
+    icon = {"regression": "❌ regression", "inconclusive": "⚠️ inconclusive", "improvement": "✅ improvement",
+            "pass": "✅ pass"}
+    lines = [f"### ipw check: {'FAIL' if result.exit_code else 'PASS'} (α = {result.alpha:g}"
+             f"{', strict' if result.strict else ''})", "",
+             "| backend | metric | threshold | baseline | candidate | change [95% CI] | p | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in result.verdicts:
+        unit = "pp" if v.metric == "accuracy" else "%"
+        lines.append(f"| {v.backend} | {v.metric} | {v.threshold} | {v.baseline:.4g} | {v.candidate:.4g} | "
+                     f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}] | {v.p_value:.3g} | {icon[v.status]} |")
+    lines += [""] + [f"- {n}" for n in result.notes]
+    return "\n".join(lines) + "\n"
+
+
+def github_annotations(result: CheckResult) -> str:
+    out = []
+    for v in result.verdicts:
+        if v.status in ("regression", "inconclusive"):
+            level = "error" if v.status == "regression" or result.strict else "warning"
+            out.append(f"::{level} title=ipw check {v.status}: {v.backend} {v.metric}::{v.metric} changed "
+                       f"{v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, n={v.n_queries})")
+    return "\n".join(out)
+
+
+def junit_xml(result: CheckResult) -> str:
+    from xml.sax.saxutils import quoteattr
+
+    failures = [v for v in result.verdicts if v.status == "regression" or (result.strict and v.status == "inconclusive")]
+    cases = []
+    for v in result.verdicts:
+        name = quoteattr(f"{v.backend}.{v.metric}")
+        body = ""
+        if v in failures:
+            body = f"<failure message={quoteattr(f'{v.status}: change {v.change:+.2f} beyond {v.threshold}, p={v.p_value:.3g}')}/>"
+        cases.append(f'  <testcase classname="ipw.check" name={name}>{body}</testcase>')
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="ipw check" tests="{len(result.verdicts)}" '
+            f'failures="{len(failures)}">\n' + "\n".join(cases) + "\n</testsuite>\n")

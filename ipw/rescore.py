@@ -1,0 +1,231 @@
+"""``ipw rescore``: score a saved run again, without running inference, into a new linked run folder.
+
+The new folder holds the same records with ``scorer`` and ``correct`` recomputed; every other field,
+energy included, is copied unchanged.  Its manifest copies the original's (config, dataset, hardware,
+backends and their idle baselines) and adds ``rescored_from`` (the original run id and path, the
+scorer).  With the ``judge`` scorer, each judge call's tokens, energy and cost go to ``judge.jsonl``
+(one line per record) and the manifest's ``judge`` summary, never into the records' energy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ipw import __version__
+from ipw.errors import IpwError
+from ipw.judge import Judge, JudgeSpec, Verdict
+from ipw.results import RECORD_COLUMNS, QueryRecord, RunFolder, load_run, new_run_id
+from ipw.scoring import SCORERS, score
+
+MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
+_OPTION = re.compile(r"^\(([A-Z])\) (.*)$")
+_NOT_COPIED = ("schema_version", "run_id", "status", "finished_at", "reason", "resumed_at", "rescored_from",
+               "rescored_at", "judge", "command", "ipw_version")
+
+
+def choices_from_prompt(prompt: str) -> tuple[str, ...] | None:
+    """The options of a rendered multiple-choice prompt (``(A) text`` lines), or None."""
+    if not prompt.endswith(MCQ_TAIL):
+        return None
+    lines = prompt[: -len(MCQ_TAIL)].split("\n")
+    options: list[str] = []
+    for line in reversed(lines):
+        m = _OPTION.match(line)
+        if not m:
+            return None
+        options.append(m.group(2))
+        if m.group(1) == "A":
+            break
+    options.reverse()
+    if [f"({chr(65 + i)})" for i in range(len(options))] != [ln[:3] for ln in lines[len(lines) - len(options):]]:
+        return None
+    return tuple(options)
+
+
+def _clean(row: dict[str, Any]) -> dict[str, Any]:
+    """A records row (parquet or JSONL) as QueryRecord fields: NaN -> None, numpy -> Python."""
+    out = {}
+    for key in RECORD_COLUMNS:
+        value = row.get(key)
+        if hasattr(value, "item") and not isinstance(value, str):
+            value = value.item()
+        if isinstance(value, float) and math.isnan(value):
+            value = None
+        out[key] = value
+    for key in ("repeat", "prompt_tokens", "completion_tokens"):
+        out[key] = int(out[key] or 0)
+    out["energy_parts"] = out["energy_parts"] or "[]"
+    return out
+
+
+def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
+    letter = answer.strip().upper()
+    if choices and len(letter) == 1 and ord(letter) - 65 < len(choices):
+        return f"({letter}) {choices[ord(letter) - 65]}"
+    return answer
+
+
+def judge_line(row: dict[str, Any], judge: Judge, verdict: Verdict | None, why: str | None) -> dict[str, Any]:
+    """One ``judge.jsonl`` line: what the judge cost for one record (``why``: not judged, and why)."""
+    calls = verdict.calls if verdict else ()
+    energies = [c.energy_j for c in calls]
+    p_tok, c_tok = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
+    return {
+        "backend": row["backend"], "query_id": row["query_id"], "repeat": row["repeat"],
+        "judge": judge.spec.backend.name, "judge_model": judge.spec.backend.model, "grading": judge.spec.grading,
+        "prompt_version": judge.prompt.version, "correct": bool(verdict and verdict.correct),
+        "verdicts": list(verdict.verdicts) if verdict else [why],
+        "judge_outputs": [c.output for c in calls], "judge_errors": [c.error for c in calls if c.error],
+        "judge_calls": len(calls), "judge_prompt_tokens": p_tok, "judge_completion_tokens": c_tok,
+        "judge_latency_s": sum(c.latency_s for c in calls),
+        "judge_energy_j": None if not calls or None in energies else sum(energies),
+        "judge_energy_quality": ",".join(sorted({c.energy_quality for c in calls})) or None,
+        "judge_energy_source": ",".join(sorted({c.energy_source for c in calls if c.energy_source})) or None,
+        "judge_cost_usd": judge.cost_usd(p_tok, c_tok) if calls else None,
+    }
+
+
+def _append_jsonl(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(data, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def judge_spec(manifest: dict[str, Any], *, judge: str | None = None, grading: str | None = None,
+               config: str | None = None) -> JudgeSpec | None:
+    """The judge ``ipw rescore`` uses: ``--judge`` (KIND:MODEL or a backend name of the run's config),
+    else ``--config``'s [judge] table, else the run's own [judge] table; ``--grading`` overrides its
+    grading (and then its prompt, when that was another grading's default).  None: no judge given."""
+    from ipw.backends.base import BackendSpec
+    from ipw.config import load_judge_config
+    from ipw.judge import check_grading, judge_from_cli
+
+    run_config = manifest.get("config") or {}
+    if judge:
+        spec = judge_from_cli(judge, tuple(BackendSpec(**b) for b in run_config.get("backends", [])))
+    elif config:
+        spec = load_judge_config(config)
+    elif run_config.get("judge"):
+        spec = JudgeSpec.from_dict(run_config["judge"])
+    else:
+        spec = None
+    if grading is not None:
+        if spec is None:
+            raise IpwError("--grading applies to the judge: give --judge KIND:MODEL or --config with a [judge] table")
+        if grading != spec.grading:
+            spec = dataclasses.replace(spec, grading=check_grading(grading, "--grading"), prompt="")
+    return spec
+
+
+def rescore(
+    run_dir: str | Path, *, scorer: str | None = None, judge: JudgeSpec | None = None,
+    out_dir: str | Path | None = None, command: list[str] | None = None,
+    progress: Callable[[QueryRecord], None] | None = None, probe: Callable | None = None,
+) -> RunFolder:
+    """Score every record of ``run_dir`` again: with ``scorer`` (one of SCORERS or ``judge``), or
+    with each record's own scorer when None.  Error records stay 0.  Returns the new run folder."""
+    if judge is not None and scorer is None:
+        scorer = "judge"
+    if scorer is not None and scorer != "judge" and scorer not in SCORERS:
+        raise IpwError(f"--scorer {scorer!r}: unknown scorer (known: {', '.join(sorted(SCORERS))}, judge)")
+    if judge is not None and scorer != "judge":
+        raise IpwError(f"--judge applies to --scorer judge, not to --scorer {scorer}")
+    manifest, frame = load_run(run_dir)
+    if frame.empty:
+        raise IpwError(f"{run_dir}: the run has no records to score")
+    if scorer == "judge":
+        judge = judge or judge_spec(manifest)
+        if judge is None:
+            raise IpwError("--scorer judge needs a judge: --judge KIND:MODEL (or a backend name), or a [judge] "
+                           "table in --config or in the run's config")
+    judge_ctx = Judge(judge, probe=probe) if scorer == "judge" else None  # checks prompt and model first
+    kept = {k: v for k, v in manifest.items() if k not in _NOT_COPIED}
+    folder = RunFolder.create(out_dir or Path(run_dir).parent, new_run_id(), {
+        "ipw_version": __version__, "command": command if command is not None else sys.argv, **kept,
+        "rescored_from": {"run_id": manifest.get("run_id"), "path": str(Path(run_dir).resolve()),
+                          "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)"},
+        "rescored_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })
+    if (Path(run_dir) / "power.parquet").exists():
+        shutil.copy2(Path(run_dir) / "power.parquet", folder.path / "power.parquet")
+    updates: dict[str, Any] = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            if judge_ctx is not None:
+                if hasattr(judge_ctx.backend, "attach"):
+                    judge_ctx.backend.attach(folder.path)  # e.g. a managed server's log
+                stack.enter_context(judge_ctx)
+                (folder.path / "judge.jsonl").touch()
+                updates["judge"] = judge_ctx.describe()
+            for raw in frame.to_dict(orient="records"):
+                record = _rescore_one(_clean(raw), scorer, judge_ctx, folder)
+                folder.append(record)
+                if progress:
+                    progress(record)
+    except BaseException as exc:
+        folder.finish("interrupted", reason=f"{type(exc).__name__}: {exc}", **updates)
+        raise
+    if judge_ctx is not None:
+        updates["judge"]["totals"] = judge_totals(folder.path / "judge.jsonl")
+    folder.finish("complete", **updates)
+    return folder
+
+
+def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, folder: RunFolder) -> QueryRecord:
+    name = scorer or row["scorer"]
+    choices = choices_from_prompt(row["prompt"])
+    if judge is not None:
+        verdict, why = None, None
+        if row["error"] is not None:
+            why = "error"  # an error record stays 0 and is not judged
+        elif not (row["output"] or "").strip():
+            why = "empty"  # an empty output is always wrong
+        else:
+            verdict = judge.grade(row["prompt"], _reference_text(row["answer"], choices), row["output"])
+        _append_jsonl(folder.path / "judge.jsonl", judge_line(row, judge, verdict, why))
+        correct = float(bool(verdict and verdict.correct))
+    elif row["error"] is not None:
+        correct = 0.0
+    else:
+        correct = float(score(name, row["output"] or "", row["answer"], choices if name == "mcq" else None))
+    return QueryRecord(**{**row, "run_id": folder.manifest["run_id"], "scorer": name, "correct": correct})
+
+
+def judge_totals(path: Path) -> dict[str, Any]:
+    """Sums over ``judge.jsonl``: calls, tokens, energy (None if any call's is unavailable), cost."""
+    lines = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    judged = [ln for ln in lines if ln["judge_calls"]]
+    energies = [ln["judge_energy_j"] for ln in judged]
+    costs = [ln["judge_cost_usd"] for ln in judged]
+    return {
+        "records": len(lines), "judged": len(judged), "calls": sum(ln["judge_calls"] for ln in lines),
+        "prompt_tokens": sum(ln["judge_prompt_tokens"] for ln in lines),
+        "completion_tokens": sum(ln["judge_completion_tokens"] for ln in lines),
+        "energy_j": None if None in energies else sum(energies),
+        "cost_usd": None if None in costs or not costs else sum(costs),
+        "unparsed": sum("unparsed" in ln["verdicts"] for ln in lines),
+    }
+
+
+def summary(original, rescored) -> list[dict[str, Any]]:
+    """Per backend: records, accuracy before and after, records whose score changed."""
+    rows = []
+    for backend, new in rescored.groupby("backend", sort=False):
+        old = original[original["backend"] == backend]
+        merged = old.merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
+        rows.append({"backend": backend, "records": len(new), "accuracy_before": float(old["correct"].mean()),
+                     "accuracy_after": float(new["correct"].mean()),
+                     "changed": int((merged["correct_old"] != merged["correct_new"]).sum())})
+    return rows
+

@@ -1,0 +1,118 @@
+"""ipw check on real llama.cpp runs, and its parsing, exit codes and CI formats."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ipw.check import parse_threshold
+from ipw.errors import IpwError
+
+
+WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone", "cloud", "bread", "chair", "water",
+         "paper", "horse", "smile", "ocean", "train", "plant", "sugar", "glass"]
+
+
+def _run(run_cli, tmp_path: Path, name: str, *, max_tokens: int, dataset: str = "ipw-core", limit: int = 12,
+         temperature: float = 0.0) -> Path:
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f'''dataset = "{dataset}"
+limit = {limit}
+warmup = 1
+idle_s = 0
+[generation]
+max_tokens = {max_tokens}
+temperature = {temperature}
+top_k = 0
+[[backends]]
+name = "smol"
+kind = "llama-cpp"
+model = "smollm2-135m"
+n_threads = 2
+''')
+    out = tmp_path / name
+    code, _, err = run_cli("run", config, "--out", out)
+    assert code == 0, err
+    (run_dir,) = list(out.iterdir())
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from ipw.cli import main
+
+    tmp = tmp_path_factory.mktemp("check")
+    easy = tmp / "easy.jsonl"  # copy tasks the 135M model gets right nearly always
+    easy.write_text("".join(json.dumps({"id": f"copy-{i}", "prompt": f"Repeat this word exactly: {w}", "answer": w,
+                                        "scorer": "contains"}) + "\n" for i, w in enumerate(WORDS)))
+
+    def cli(*args):
+        return main([str(a) for a in args]), "", ""
+
+    return {
+        "base": _run(cli, tmp, "base", max_tokens=16),
+        "same": _run(cli, tmp, "same", max_tokens=16),
+        "longer": _run(cli, tmp, "longer", max_tokens=28),  # longer answers: a real energy increase
+        "easy": _run(cli, tmp, "easy", max_tokens=16, dataset=easy, limit=0),
+        # sampling at temperature 5 from the whole vocabulary: the same model answers at random
+        "hot": _run(cli, tmp, "hot", max_tokens=16, dataset=easy, limit=0, temperature=5.0),
+        "other": _run(cli, tmp, "other", max_tokens=16, limit=11),  # a different query set
+    }
+
+
+pytestmark = pytest.mark.llama
+
+
+def test_identical_configs_pass(runs, run_cli, tmp_path):
+    md, junit = tmp_path / "v.md", tmp_path / "v.xml"
+    code, out, err = run_cli("check", runs["base"], runs["same"], "--markdown", md, "--junit", junit, "--github")
+    assert code == 0, out + err
+    assert "PASS" in md.read_text()
+    assert 'failures="0"' in junit.read_text()
+    assert "::error" not in out
+
+
+def test_longer_answers_fail_on_energy(runs, run_cli, tmp_path):
+    md = tmp_path / "v.md"
+    code, out, err = run_cli("check", runs["base"], runs["longer"], "--github", "--markdown", md,
+                             "--junit", tmp_path / "v.xml")
+    assert code == 1, out + err
+    assert "::error title=ipw check regression: smol energy_per_query" in out
+    assert "regression" in md.read_text()
+    assert "<failure" in (tmp_path / "v.xml").read_text()
+
+
+def test_accuracy_drop_fails(runs, run_cli):
+    code, out, _ = run_cli("check", runs["easy"], runs["hot"], "--fail-if", "accuracy:-2pp")
+    assert code == 1, out
+    assert "regression" in out
+
+
+def test_mismatched_datasets_exit_2(runs, run_cli):
+    code, _, err = run_cli("check", runs["base"], runs["other"])
+    assert code == 2 and "dataset fingerprints differ" in err
+
+
+def test_hardware_mismatch_exit_2_unless_allowed(runs, run_cli, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["same"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["hardware"]["cpu_model"] = "Other CPU"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("check", runs["base"], copy)
+    assert code == 2 and "hardware differs" in err
+    code, _, _ = run_cli("check", runs["base"], copy, "--allow-hardware-mismatch")
+    assert code == 0
+
+
+@pytest.mark.parametrize("text", ["energy:+5%", "accuracy:-2%", "energy_per_query:5", "x"])
+def test_bad_thresholds(text):
+    with pytest.raises(IpwError):
+        parse_threshold(text)
+
+
+def test_threshold_parsing():
+    t = parse_threshold("j_per_token:+10%")
+    assert (t.metric, t.limit, t.unit) == ("j_per_token", 10.0, "%")
+    assert parse_threshold("accuracy:-2pp").limit == -2.0
