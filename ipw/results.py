@@ -142,8 +142,12 @@ def load_records_jsonl(path: Path):
     return pd.DataFrame(rows, columns=RECORD_COLUMNS)
 
 
-def load_run(run_dir: str | Path):
-    """Manifest and records of a run folder (parquet when complete, else the JSONL log)."""
+def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = ()):
+    """Manifest and records of a run folder (parquet when complete, else the JSONL log).
+
+    ``columns`` reads only those record columns (default: all); one missing from the file is all null.
+    ``categorical`` columns come back as pandas categoricals (fast for low-cardinality strings).
+    """
     path = Path(run_dir)
     manifest_path = path / "manifest.json"
     if not manifest_path.exists():
@@ -153,5 +157,15 @@ def load_run(run_dir: str | Path):
     if parquet.exists():
         import pandas as pd
 
-        return manifest, pd.read_parquet(parquet)
-    return manifest, load_records_jsonl(path / "records.jsonl")
+        if columns is None:
+            return manifest, pd.read_parquet(parquet)
+        import pyarrow.parquet as pq
+
+        present = set(pq.read_schema(parquet).names)
+        frame = pd.read_parquet(parquet, columns=[c for c in columns if c in present],
+                                read_dictionary=[c for c in categorical if c in present])
+        return manifest, frame.assign(**{c: None for c in columns if c not in present})[columns]
+    frame = load_records_jsonl(path / "records.jsonl")
+    if columns is not None:
+        frame = frame[columns]
+    return manifest, frame.astype({c: "category" for c in categorical if c in frame.columns})

@@ -9,8 +9,10 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from ipw import __version__
 from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
@@ -228,8 +230,36 @@ class _Segments:
             return [seg for seg in self.closed if job in seg[3]]
 
 
-def _tokens_in(completion: Completion | None, start_s: float, end_s: float) -> int:
-    return 0 if completion is None else sum(start_s <= t < end_s for t in completion.token_times_s)
+def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> tuple[list[EnergyReading], float]:
+    """This request's share of each component's energy over its segments (which tile its window),
+    split by ``estimator.split_concurrent`` among the requests active in each; and its busy seconds."""
+    from ipw.telemetry.estimator import Request, split_concurrent
+
+    if not segs:
+        return [], 0.0
+    peers = sorted(set().union(*(seg[3] for seg in segs)))
+    requests = []
+    for j in peers:
+        completion, _, start, end = futures[j].result()
+        requests.append(Request(start, end, completion.token_times_s if completion else ()))
+    me = peers.index(job)
+    edges = np.array([seg[0] for seg in segs] + [segs[-1][1]])
+    busy_s = split_concurrent(edges, np.diff(edges), requests).per_request_j[me]  # time, split the same way
+    by_component: dict[str, list[EnergyReading]] = {}
+    for seg in segs:
+        for r in seg[2].readings():
+            by_component.setdefault(r.component, []).append(r)
+    readings = []
+    for component, rs in by_component.items():
+        missing = len(rs) != len(segs) or any(r.energy_j is None for r in rs)
+        share = None if missing else split_concurrent(edges, [r.energy_j for r in rs], requests).per_request_j[me]
+        readings.append(EnergyReading(
+            component=component, energy_j=share, source=rs[0].source, scope=rs[0].scope,
+            quality="unavailable" if missing else worst_quality([r.quality for r in rs]),
+            duration_s=float(edges[-1] - edges[0]),
+            note=f"share of {len(segs)} segment(s) split among {len(peers)} overlapping request(s) by tokens produced",
+        ))
+    return readings, busy_s
 
 
 def run_concurrent(
@@ -262,27 +292,7 @@ def run_concurrent(
     try:
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
-            parts: dict[str, list[EnergyReading]] = {}
-            busy_s = 0.0
-            for seg_start, seg_end, closed, active in segments.of(job):
-                done = {j: futures[j].result()[0] for j in active}  # peers' tokens decide the split
-                tokens = {j: _tokens_in(c, seg_start, seg_end) for j, c in done.items()}
-                total = sum(tokens.values())
-                share = tokens[job] / total if total else 1.0 / len(active)
-                busy_s += share * (seg_end - seg_start)
-                for r in closed.readings():
-                    parts.setdefault(r.component, []).append(
-                        replace(r, energy_j=None if r.energy_j is None else r.energy_j * share))
-            readings = [
-                EnergyReading(
-                    component=component, source=rs[0].source, scope=rs[0].scope, duration_s=end - start,
-                    energy_j=None if any(r.energy_j is None for r in rs) else sum(r.energy_j for r in rs),
-                    quality="unavailable" if any(r.energy_j is None for r in rs) else worst_quality([r.quality for r in rs]),
-                    note=f"share of {len(rs)} segment(s) split among up to {backend.concurrency} concurrent "
-                         "requests by tokens produced",
-                )
-                for component, rs in parts.items()
-            ]
+            readings, busy_s = _split_share(job, segments.of(job), futures)
             record = make_record(folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
                                  readings, idle=idle, estimate=estimate, busy_s=busy_s)
             folder.append(record)

@@ -90,16 +90,22 @@ def _poisson_table() -> np.ndarray:
 _POISSON = _poisson_table()
 
 
+def sum_dtype(n_items: int) -> type:
+    """float64 sums up to ``MULTINOMIAL_MAX_N`` items; float32 above (half the memory and time)."""
+    return np.float64 if n_items <= MULTINOMIAL_MAX_N else np.float32
+
+
 def resample_weights(n_items: int, n_boot: int, *, seed: int = 0, chunk_bytes: int = CHUNK_BYTES):
-    """Yield bootstrap weight rows, shape (rows, n_items) float32 (small integers, exact), in chunks of
-    at most ``chunk_bytes``. One buffer is reused: a chunk is overwritten by the next.
+    """Yield bootstrap weight rows, shape (rows, n_items) of ``sum_dtype`` (small integers, exact), in
+    chunks of at most ``chunk_bytes``. One buffer is reused: a chunk is overwritten by the next.
 
     Multinomial counts (``n_items`` draws with replacement: integer indices then ``bincount``) up to
     ``MULTINOMIAL_MAX_N`` items, Poisson(1) counts above (16 random bits each, looked up in a table).
     """
     rng = np.random.default_rng(seed)
-    rows = int(max(1, min(n_boot, chunk_bytes // (4 * max(n_items, 1)))))
-    buf = np.empty((rows, n_items), dtype=np.float32)
+    dtype = sum_dtype(n_items)
+    rows = int(max(1, min(n_boot, chunk_bytes // (np.dtype(dtype).itemsize * max(n_items, 1)))))
+    buf = np.empty((rows, n_items), dtype=dtype)
     done = 0
     while done < n_boot:
         r = min(rows, n_boot - done)
@@ -191,10 +197,11 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     NaN where missing, and a sequence of p) over ``n_boot`` paired resamples of the n items.
 
     ``columns`` may be an iterator (then give ``n_columns`` and ``n_items``): each column is copied into
-    one (rows x items) float32 matrix as it comes, so the caller need not hold them all at once; the
-    resampled sums are float32 products (relative error ~1e-6, far inside any interval), the point sums
-    float64. A resample's quantile is the ceil(p·N)-th smallest of its drawn finite values, found
-    exactly from the weights without sorting the resample.
+    one (rows x items) matrix as it comes, so the caller need not hold them all at once. Above
+    ``MULTINOMIAL_MAX_N`` items that matrix and the resampled sums are float32 (0/1 and integer columns
+    stay exact; value sums carry a relative error of ~1e-6, far inside any interval at that size); the
+    point sums are always float64. A resample's quantile is the ceil(p·N)-th smallest of its drawn
+    finite values, found exactly from the weights without sorting the resample.
     """
     if n_columns is None:
         columns = [np.asarray(c, dtype=float) for c in columns]
@@ -205,7 +212,7 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     quantiles = [(np.asarray(v, dtype=float), tuple(ps)) for v, ps in quantiles]
     with_nan = [bool(np.isnan(v).any()) for v, _ in quantiles]
     n_rows = k + 1 + sum(with_nan) + sum(len(ps) for _, ps in quantiles)
-    xt = np.empty((n_rows, n), dtype=np.float32)
+    xt = np.empty((n_rows, n), dtype=sum_dtype(n))
     point_sums = np.empty(k)
     i = -1
     for i, c in enumerate(columns):
