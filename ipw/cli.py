@@ -150,11 +150,12 @@ def doctor(
     self_test: bool = typer.Option(False, "--self-test", help="On a GPU machine: ~60 s of call costs, update "
                                    "periods, a 5 s idle / 5 s load step and the sampler's own overhead."),
     seconds: float = typer.Option(60.0, "--seconds", help="Length of the self-test."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the findings as JSON."),
 ) -> None:
-    """What this machine can measure, and at what resolution."""
+    """What this machine can measure, and at what resolution (exit 1 when a self-test check fails)."""
     from ipw.doctor import doctor as run_doctor
 
-    raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds))
+    raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds, json_path=str(json_path) if json_path else None))
 
 
 @app.command()

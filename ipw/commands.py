@@ -23,6 +23,15 @@ def _progress_columns():
     )
 
 
+def _watts(record) -> str:
+    """Mean watts per device over the last query's window (measured devices only), for the live display."""
+    import json
+
+    parts = [p for p in json.loads(record.energy_parts)
+             if p["energy_j"] is not None and p["duration_s"] > 0 and p["quality"] != "estimated"]
+    return " ".join(f"{p['component']} {p['energy_j'] / p['duration_s']:.0f} W" for p in parts)
+
+
 def _sigterm_as_interrupt() -> None:
     """SIGTERM stops a run as gracefully as Ctrl-C: flush, then mark the run interrupted."""
     import signal
@@ -74,7 +83,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
                 state["n_e"] += 1
             elapsed = time.monotonic() - state["t0"]
             progress.update(
-                task, advance=1, description=record.backend, rate=f"{state['n'] / elapsed:.2f}",
+                task, advance=1, description=f"{record.backend} {_watts(record)}", rate=f"{state['n'] / elapsed:.2f}",
                 jpq=f"{state['energy'] / state['n_e']:.3g}" if state["n_e"] else "n/a",
                 acc=f"{state['correct'] / state['n']:.0%}",
             )

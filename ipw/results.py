@@ -118,13 +118,22 @@ class RunFolder:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def finish(self, status: str, power_rows: list[dict[str, Any]] | None = None, **updates: Any) -> None:
+    def add_power(self, backend: str, columns: dict[str, Any]) -> None:
+        """Append a backend's raw telemetry (t_s, device, power_w, kind, energy_j) to power.parquet."""
         import pandas as pd
 
+        frame = pd.DataFrame(columns)
+        if frame.empty:
+            return
+        frame.insert(0, "backend", backend)
+        path = self.path / "power.parquet"
+        if path.exists():
+            frame = pd.concat([pd.read_parquet(path), frame], ignore_index=True)
+        frame.to_parquet(path, index=False)
+
+    def finish(self, status: str, **updates: Any) -> None:
         frame = load_records_jsonl(self.path / "records.jsonl")
         frame.to_parquet(self.path / "records.parquet", index=False)
-        if power_rows:
-            pd.DataFrame(power_rows).to_parquet(self.path / "power.parquet", index=False)
         self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
 
 

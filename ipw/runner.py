@@ -183,9 +183,13 @@ def run_backend(
                 flush(wait=False)
         finally:  # on Ctrl-C too: every finished query gets its record
             flush(wait=True)
+        for sensor in sensors:
+            if hasattr(sensor, "trace"):
+                folder.add_power(spec.name, sensor.trace())
         return {
             "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
             "load_s": round(load_s, 3), **backend.describe(),
+            "sampler_overhead": {s.name: s.overhead() for s in sensors if hasattr(s, "overhead")},
             "sensors": [asdict(s.info()) for s in sensors] + (
                 [asdict(backend.energy_estimate.info())] if getattr(backend, "energy_estimate", None) else []),
             "idle_baseline": asdict(idle),

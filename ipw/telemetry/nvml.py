@@ -1,8 +1,11 @@
-"""GPU energy from the NVML total-energy counter, read at window begin and end.
+"""GPU energy from NVML: :class:`NvmlSensor` (the default) and :class:`NvmlCounterSensor`.
 
-``nvmlDeviceGetTotalEnergyConsumption`` (mJ, Volta and newer) steps about every 100 ms and costs
-~3-4 ms per read (DESIGN.md §3): its begin/end delta is accurate for windows of seconds and coarse
-below ~0.15 s, which readings note.  Sub-second attribution from the sample buffer comes later.
+:class:`NvmlSensor` attributes energy per window from the driver's 20 ms power samples, calibrated by
+the energy counter, all read by one background thread (:mod:`ipw.telemetry.sampler`); see
+docs/ENERGY.md for how accurate it is on an H200.  :class:`NvmlCounterSensor` reads
+``nvmlDeviceGetTotalEnergyConsumption`` (mJ, Volta and newer) at window begin and end: it steps about
+every 100 ms and costs ~3-4 ms per read (DESIGN.md §3), so its begin/end delta is accurate for windows
+of seconds and coarse below ~0.15 s, which its readings note.  It stays as the simplest fallback.
 
 Which GPUs: ``indices`` are CUDA ordinals as the inference engine sees them, i.e. positions in
 ``CUDA_VISIBLE_DEVICES`` when it is set (entries are NVML indices or ``GPU-`` UUIDs, full or a unique
@@ -17,10 +20,23 @@ import os
 import time
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.telemetry.estimator import (
+    CALIBRATION_BOUNDS,
+    COUNTER_DELTA_MIN_S,
+    SHORT_WINDOW_S,
+    WindowEstimate,
+)
+from ipw.telemetry.sampler import (
+    CALIBRATION_LOOKBACK_S,
+    COUNTER_CPU_BUDGET,
+    DEFAULT_SAMPLE_SHIFT_S,
+    DEFAULT_SAMPLES_PERIOD_S,
+    NvmlSampler,
+)
 
 #: Windows shorter than this are below the counter's update step (DESIGN.md §3).
 COUNTER_STEP_S = 0.15
@@ -108,6 +124,69 @@ def visible_nvml_indices(pynvml: ModuleType) -> list[int]:
     return visible
 
 
+def mig_enabled(pynvml: ModuleType, handle: Any) -> bool:
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError:
+        return False  # not MIG-capable (or a driver without the call)
+    return current == pynvml.NVML_DEVICE_MIG_ENABLE
+
+
+def select_gpus(pynvml: ModuleType, indices: list[int] | None) -> list[Gpu]:
+    """The GPUs to measure: CUDA ordinals ``indices`` (default: every visible GPU), honoring
+    ``CUDA_VISIBLE_DEVICES``.  NVML errors become IpwError with the fix."""
+    try:
+        visible = visible_nvml_indices(pynvml)
+        ordinals = list(range(len(visible))) if indices is None else list(indices)
+        gpus = []
+        for ordinal in ordinals:
+            if not 0 <= ordinal < len(visible):
+                raise IpwError(
+                    f"GPU {ordinal} is not visible: {len(visible)} GPU(s) visible "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+                )
+            index = visible[ordinal]
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gpus.append(
+                Gpu(
+                    component=f"gpu{ordinal}",
+                    nvml_index=index,
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                    name=_text(pynvml.nvmlDeviceGetName(handle)),
+                    mig_enabled=mig_enabled(pynvml, handle),
+                    handle=handle,
+                )
+            )
+    except pynvml.NVMLError as exc:
+        raise nvml_error(pynvml, exc, "device query") from exc
+    return gpus
+
+
+def _init_probe(pynvml: ModuleType) -> bool:
+    """nvmlInit + "is there a visible GPU", for ``probe``: False when there is no NVML library,
+    driver or visible GPU; IpwError (with the fix) for other failures."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        if _is_error(pynvml, exc, "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
+            return False
+        raise nvml_error(pynvml, exc, "nvmlInit") from exc
+    try:
+        return bool(visible_nvml_indices(pynvml))
+    except pynvml.NVMLError as exc:
+        raise nvml_error(pynvml, exc, "device query") from exc
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpu_params(gpus: list[Gpu]) -> list[dict[str, Any]]:
+    return [
+        {"component": g.component, "nvml_index": g.nvml_index, "uuid": g.uuid, "name": g.name,
+         "mig_enabled": g.mig_enabled}
+        for g in gpus
+    ]
+
+
 class NvmlCounterSensor:
     """Measured GPU energy from begin/end reads of the NVML energy counter."""
 
@@ -138,55 +217,12 @@ class NvmlCounterSensor:
             pynvml = import_pynvml()
         except IpwError:
             return None
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            if _is_error(pynvml, exc, "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"):
-                return None
-            raise nvml_error(pynvml, exc, "nvmlInit") from exc
-        try:
-            if not visible_nvml_indices(pynvml):
-                return None
-        except pynvml.NVMLError as exc:
-            raise nvml_error(pynvml, exc, "device query") from exc
-        finally:
-            pynvml.nvmlShutdown()
+        if not _init_probe(pynvml):
+            return None
         return cls(indices)
 
     def _select(self, indices: list[int] | None) -> list[Gpu]:
-        nvml = self._nvml
-        try:
-            visible = visible_nvml_indices(nvml)
-            ordinals = list(range(len(visible))) if indices is None else list(indices)
-            gpus = []
-            for ordinal in ordinals:
-                if not 0 <= ordinal < len(visible):
-                    raise IpwError(
-                        f"GPU {ordinal} is not visible: {len(visible)} GPU(s) visible "
-                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
-                    )
-                index = visible[ordinal]
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                gpus.append(
-                    Gpu(
-                        component=f"gpu{ordinal}",
-                        nvml_index=index,
-                        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                        name=_text(nvml.nvmlDeviceGetName(handle)),
-                        mig_enabled=self._mig_enabled(handle),
-                        handle=handle,
-                    )
-                )
-        except nvml.NVMLError as exc:
-            raise nvml_error(nvml, exc, "device query") from exc
-        return gpus
-
-    def _mig_enabled(self, handle: Any) -> bool:
-        try:
-            current, _pending = self._nvml.nvmlDeviceGetMigMode(handle)
-        except self._nvml.NVMLError:
-            return False  # not MIG-capable (or a driver without the call)
-        return current == self._nvml.NVML_DEVICE_MIG_ENABLE
+        return select_gpus(self._nvml, indices)
 
     def _read_mj(self, gpu: Gpu) -> int:
         try:
@@ -267,3 +303,259 @@ class NvmlCounterSensor:
         if not self._closed:
             self._closed = True
             self._nvml.nvmlShutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# the sampling sensor
+
+
+def _fmt_j(x: float) -> str:
+    return f"{x:.3g} J" if abs(x) < 100 else f"{x:.0f} J"
+
+
+def reading_from_estimate(
+    gpu: Gpu, est: WindowEstimate, duration_s: float, extra_notes: list[str] | None = None
+) -> EnergyReading:
+    """One EnergyReading (the sensor contract) from one estimator result, every caveat in its note."""
+    notes: list[str] = []
+    if est.source == "nvml.samples" and est.calibration_ratio is not None:
+        notes.append(f"calibration ratio {est.calibration_ratio:.4f}")
+    if est.note:
+        notes.append(est.note)
+    if est.counter_delta_j is not None:
+        notes.append(f"counter delta {_fmt_j(est.counter_delta_j)}")
+    if est.short_window and est.uncertainty_j is not None:
+        notes.append(f"short window: ±{_fmt_j(est.uncertainty_j)}")
+    if gpu.mig_enabled:
+        notes.append("MIG enabled: whole-GPU energy, slices not attributable")
+    notes.extend(extra_notes or [])
+    if est.energy_j is None or est.quality == "unavailable":
+        return EnergyReading(gpu.component, None, est.source or "nvml.samples", "unavailable", "gpu",
+                             duration_s, note="; ".join(notes))
+    return EnergyReading(
+        component=gpu.component,
+        energy_j=max(0.0, float(est.energy_j)),
+        source=est.source,
+        quality=est.quality,  # type: ignore[arg-type]
+        scope="gpu",
+        duration_s=duration_s,
+        note="; ".join(notes),
+    )
+
+
+class PendingWindow:
+    """The deferred result of one :class:`NvmlSensor` window (the runner's ``Deferred``): ready once
+    the sampler has read every signal far enough past the window's end."""
+
+    def __init__(self, sensor: "NvmlSensor", start_ns: int, end_ns: int) -> None:
+        self._sensor = sensor
+        self.start_s = start_ns / 1e9
+        self.end_s = end_ns / 1e9
+        self._result: list[EnergyReading] | None = None
+
+    def ready(self) -> bool:
+        if self._result is not None:
+            return True
+        try:
+            return self._sensor.sampler.settled_until() >= self.end_s
+        except Exception:
+            return True  # result() will say what went wrong
+
+    def result(self) -> list[EnergyReading]:
+        if self._result is None:
+            self._result = self._sensor._readings(self.start_s, self.end_s)
+        return self._result
+
+
+class NvmlSensor:
+    """GPU energy per window from the driver's 20 ms power samples, calibrated by the energy counter.
+
+    One :class:`~ipw.telemetry.sampler.NvmlSampler` thread owns the NVML handles and records the
+    counter (4x a second), the sample buffer (about once a second, and ~60 ms after each window
+    ends) and the instant-power field.  ``begin()`` returns the monotonic time; ``end(token)`` returns
+    a :class:`PendingWindow` whose ``result()`` is one reading per GPU:
+
+    - ``nvml.samples``, ``measured_interpolated``: samples integrated over the window (edges
+      interpolated), scaled by counter / samples over a long enclosing span; the note gives the
+      ratio (flagged outside 0.97-1.03), the counter delta for windows >= 2 s, and an uncertainty
+      for windows < 0.15 s;
+    - fallbacks, labeled: uncalibrated samples (no counter), the counter alone (``nvml.counter``),
+      the instant field (``nvml.instant``), else ``unavailable``.  A counter that goes backwards is a
+      gap, never negative energy; an NVML failure mid-run gives ``unavailable`` readings, not an
+      exception.
+    """
+
+    name = "nvml"
+
+    def __init__(
+        self,
+        indices: list[int] | None = None,
+        *,
+        counter_period_s: float | None = None,
+        samples_period_s: float = DEFAULT_SAMPLES_PERIOD_S,
+        sample_shift_s: float = DEFAULT_SAMPLE_SHIFT_S,
+        threaded: bool = True,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._nvml = import_pynvml()
+        self._closed = False
+        self._clock = clock_ns
+        try:
+            self._nvml.nvmlInit()
+        except self._nvml.NVMLError as exc:
+            raise nvml_error(self._nvml, exc, "nvmlInit") from exc
+        try:
+            self.gpus = select_gpus(self._nvml, indices)
+            self.sampler = NvmlSampler(
+                self._nvml, self.gpus, counter_period_s=counter_period_s,
+                samples_period_s=samples_period_s, sample_shift_s=sample_shift_s,
+                clock_ns=clock_ns, wall_ns=wall_ns,
+            )
+            self._signals = self.sampler.start(threaded=threaded)
+            self._check_signals()
+        except BaseException:
+            if getattr(self, "sampler", None) is not None:
+                self.sampler.stop()
+            self._nvml.nvmlShutdown()
+            raise
+
+    def _check_signals(self) -> None:
+        """Refuse a GPU on which no signal works, with the fix for the counter's error."""
+        nvml = self._nvml
+        for gpu in self.gpus:
+            states = {k: self.sampler.kind_state(gpu.component, k) for k in ("counter", "samples", "instant")}
+            if any(status == "ok" for status, _ in states.values()):
+                continue
+            value = states["counter"][1]
+            if value is None:
+                value = next((v for _, v in states.values() if v is not None), None)
+            err = nvml.NVMLError(value if value is not None else nvml.NVML_ERROR_NOT_SUPPORTED)
+            raise nvml_error(nvml, err, f"power readings of {gpu.component} (energy counter, samples, instant power)")
+
+    @classmethod
+    def probe(cls, indices: list[int] | None = None, **kwargs: Any) -> NvmlSensor | None:
+        """The sensor, or None when there is no NVML library, driver, or visible GPU.
+
+        Other NVML failures (permissions, no power signal at all) raise IpwError with the fix.
+        """
+        try:
+            pynvml = import_pynvml()
+        except IpwError:
+            return None
+        if not _init_probe(pynvml):
+            return None
+        return cls(indices, **kwargs)
+
+    # -- the Sensor protocol ------------------------------------------------------------------
+
+    def info(self) -> SensorInfo:
+        s = self.sampler
+        signals = s.signals()
+        mig = [g.component for g in self.gpus if g.mig_enabled]
+        detail = ", ".join(f"{g.component}: {g.name}" for g in self.gpus)
+        detail += (
+            f"; driver power samples (~20 ms) polled every {s.samples_period_s:g} s, integrated per "
+            f"window and scaled by the energy counter (read every {s.counter_period_s:.2g} s"
+            + (", adapted to its cost)" if s.counter_adaptive else ")")
+        )
+        missing = sorted({f"{k} on {c}" for c, ks in signals.items() for k, v in ks.items() if v != "ok"})
+        if missing:
+            detail += f"; not available: {', '.join(missing)} (fallbacks are labeled per reading)"
+        if mig:
+            detail += (
+                f"; MIG enabled on {', '.join(mig)}: energy is the whole GPU, MIG slices are "
+                "not attributable"
+            )
+        return SensorInfo(
+            name=self.name,
+            available=True,
+            source="nvml.samples",
+            quality="measured_interpolated",
+            scope="gpu",
+            components=tuple(g.component for g in self.gpus),
+            detail=detail,
+            params={
+                "gpus": _gpu_params(self.gpus),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "signals": signals,
+                "counter_period_s": s.counter_period_s,
+                "counter_period_adaptive": s.counter_adaptive,
+                "counter_cpu_budget": COUNTER_CPU_BUDGET if s.counter_adaptive else None,
+                "samples_period_s": s.samples_period_s,
+                "instant_period_s": s.instant_period_s,
+                "settle_margin_s": s.settle_margin_s,
+                "sample_shift_s": s.sample_shift_s,
+                "calibration_lookback_s": CALIBRATION_LOOKBACK_S,
+                "calibration_bounds": list(CALIBRATION_BOUNDS),
+                "short_window_s": SHORT_WINDOW_S,
+                "counter_delta_min_s": COUNTER_DELTA_MIN_S,
+                "mig": "MIG slices are not attributable: readings are whole-GPU energy"
+                if mig else "MIG not enabled",
+                "never_used": "nvmlDeviceGetPowerUsage / NVML_FI_DEV_POWER_AVERAGE (1 s average)",
+            },
+        )
+
+    def begin(self) -> int:
+        start_ns = self._clock()
+        try:
+            self.sampler.mark_begin(start_ns / 1e9)
+        except Exception:
+            pass
+        return start_ns
+
+    def end(self, token: int) -> PendingWindow:
+        end_ns = self._clock()
+        try:
+            # a long window also gets a counter read at its end, for its direct counter delta
+            self.sampler.mark(end_ns / 1e9, counter=(end_ns - token) / 1e9 >= 0.75 * COUNTER_DELTA_MIN_S)
+        except Exception:
+            pass  # the result says what is missing
+        return PendingWindow(self, int(token), end_ns)
+
+    def _readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
+        duration_s = end_s - start_s
+        extra: list[str] = []
+        if self.sampler._fatal:
+            extra.append(f"sampler stopped: {self.sampler._fatal}")
+        try:
+            estimates = self.sampler.energy_windows([(start_s, end_s)])
+        except Exception as exc:  # never an exception into the runner
+            return [
+                EnergyReading(g.component, None, "nvml.samples", "unavailable", "gpu", duration_s,
+                              note=f"estimate failed: {type(exc).__name__}: {exc}")
+                for g in self.gpus
+            ]
+        signals = self.sampler.signals()
+        out = []
+        for gpu in self.gpus:
+            est = estimates[gpu.component][0]
+            notes = list(extra)
+            failed = [f"{k} {v}" for k, v in signals[gpu.component].items() if v.startswith("failed")]
+            if failed and est.coverage < 1.0:
+                notes.append("NVML " + "; ".join(failed))
+            out.append(reading_from_estimate(gpu, est, duration_s, notes))
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.sampler.stop()
+            self._nvml.nvmlShutdown()
+
+    # -- for the runner: manifest, power.parquet, progress display -------------------------------
+
+    def overhead(self) -> dict[str, Any]:
+        """Manifest ``sampler_overhead``: CPU s, wall s, fraction of one core, calls per kind."""
+        return self.sampler.overhead()
+
+    def trace(self, since_s: float | None = None) -> dict[str, Any]:
+        """Columns for ``power.parquet``: t_s, device, power_w, kind, energy_j."""
+        return self.sampler.trace(since_s)
+
+    def current_power_w(self) -> dict[str, float | None]:
+        """Latest watts per GPU, for the live progress display."""
+        return self.sampler.current_power_w()
+
+    def energy_windows(self, windows: list[tuple[float, float]], **kwargs: Any) -> dict[str, list[WindowEstimate]]:
+        return self.sampler.energy_windows(windows, **kwargs)

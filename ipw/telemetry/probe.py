@@ -13,7 +13,7 @@ from typing import Callable
 from ipw.errors import IpwError
 from ipw.telemetry.base import Sensor, SensorInfo
 from ipw.telemetry.cpu_model import CpuModelSensor
-from ipw.telemetry.nvml import NvmlCounterSensor
+from ipw.telemetry.nvml import NvmlSensor
 from ipw.telemetry.rapl import DEFAULT_ROOT, RaplSensor
 
 
@@ -35,7 +35,7 @@ def probe_sensors(
         return []
     sensors: list[Sensor] = []
     if gpu_indices != []:
-        nvml = NvmlCounterSensor.probe(gpu_indices)
+        nvml = NvmlSensor.probe(gpu_indices)
         if nvml is not None:
             sensors.append(nvml)
     try:
@@ -58,7 +58,7 @@ def describe_sensors(
     """All three sensors with their availability on this machine, for ``ipw list``; never raises."""
     infos: list[SensorInfo] = []
     try:
-        nvml = NvmlCounterSensor.probe(gpu_indices)
+        nvml = NvmlSensor.probe(gpu_indices)
     except IpwError as exc:
         infos.append(_unavailable("nvml", "nvml.counter", "gpu", exc.message))
     else:

@@ -1,0 +1,675 @@
+"""One background thread that owns every NVML handle and records what the GPU driver reports.
+
+Per GPU it records three signals, all on the monotonic clock (``time.monotonic_ns``):
+
+- the cumulative energy counter (``nvmlDeviceGetTotalEnergyConsumption``, mJ, ~100 ms steps), read
+  every ``counter_period_s`` and once more at the end of a long window (see :meth:`NvmlSampler.mark`).
+  By default the period adapts to what a read costs: 0.25 s where a read is cheap, slower where it is
+  not (a read costs ~3-5 ms of CPU on an H200 in a VM), so that counter reads use at most
+  ``COUNTER_CPU_BUDGET`` of one core, and never slower than ``MAX_COUNTER_PERIOD_S``;
+- the driver's power-sample buffer (``nvmlDeviceGetSamples(NVML_TOTAL_POWER_SAMPLES, last_seen)``,
+  ~20 ms samples, ~2.4 s deep, ~0.3 ms a call), polled every ``samples_period_s`` (1 s), and sooner
+  when a window closes so that its energy is final about 60 ms after its end;
+- the instant-power field (``NVML_FI_DEV_POWER_INSTANT``, ~100 ms updates, a few µs), read every
+  ``instant_period_s`` (0.25 s): the last fallback and the live display.
+
+The 1 s averaged power (``nvmlDeviceGetPowerUsage``, ``NVML_FI_DEV_POWER_AVERAGE``) is never read:
+integrated over a window it is off by up to +84% (DESIGN.md §3).
+
+Driver sample timestamps are wall-clock µs; each buffer poll also records a (monotonic, wall) clock
+pair, and the samples are converted to monotonic time with
+:func:`ipw.telemetry.estimator.wall_us_to_mono_s` over the most recent pairs.
+
+The thread sleeps on an ``Event`` until the next read is due (never a busy loop) and measures its
+own CPU time with ``time.thread_time()``: :meth:`NvmlSampler.overhead`.  Energy per window comes from
+:func:`ipw.telemetry.estimator.estimate_windows` (samples integrated with edge interpolation, scaled by
+the counter over a long enclosing span): :meth:`NvmlSampler.energy_windows`.
+
+Tests drive the sampler without the thread: ``start(threaded=False)``, then ``run_due()`` at the
+times ``next_due_ns()`` asks for, against a fake clock (tests/test_nvml_sampler.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ipw.telemetry.estimator import (
+    COUNTER_DELTA_MIN_S,
+    WindowEstimate,
+    estimate_windows,
+    wall_us_to_mono_s,
+)
+
+#: Counter reads: every 0.25 s where a read is cheap ...
+DEFAULT_COUNTER_PERIOD_S = 0.25
+#: ... but slower where it is not, so that counter reads use at most this share of one core (a read
+#: costs ~4 ms of CPU on an H200 in a VM: every ~0.7 s there).  The sampler's budget is 2%.
+COUNTER_CPU_BUDGET = 0.006
+#: The adaptive counter period never exceeds this.
+MAX_COUNTER_PERIOD_S = 2.0
+#: Instant-power reads (a few µs each): 4 a second, inside the estimator's 0.5 s gap limit.
+DEFAULT_INSTANT_PERIOD_S = 0.25
+#: Driver sample-buffer polls: about once a second (the buffer holds ~2.4 s of 20 ms samples).
+DEFAULT_SAMPLES_PERIOD_S = 1.0
+#: A window is final once the sample buffer has been polled this long after its end: the driver
+#: stamps a sample ~10-20 ms after the power it reports and posts it a little later.
+SETTLE_MARGIN_S = 0.06
+#: Polls asked for by closing windows are at least this far apart (many short queries share a poll).
+MIN_SAMPLES_POLL_INTERVAL_S = 0.2
+#: Counter reads asked for at the end of long windows are at least this far apart (its step is ~0.1 s).
+MIN_COUNTER_INTERVAL_S = 0.1
+#: Driver sample timestamps trail the power they report.  On the H200 the samples cross half way
+#: between two power levels a median 11.9 ms after the host starts or stops a load (43 edges in two
+#: runs of bench/attribution.py and the doctor's self-test: rises 9.8 ms, falls 13.3 ms, range
+#: 6-19 ms; the recordings in tests/data gave 12-16 ms by correlation): docs/ENERGY.md.  Integration
+#: moves samples this much earlier.  It matters for isolated short windows (without it a 50 ms burst
+#: after idle loses ~11 ms of its power); over back-to-back or long windows it mostly cancels (the
+#: bench's medians move by < 0.7 percentage point between 0 and 20 ms).
+DEFAULT_SAMPLE_SHIFT_S = 0.011
+#: The energy counter updates about every 100 ms (measured: the doctor's self-test, DESIGN.md §3).
+COUNTER_STEP_S = 0.1
+#: Calibration uses at most this much history before the oldest window and the newest data.
+CALIBRATION_LOOKBACK_S = 600.0
+#: Clock pairs whose two monotonic reads are further apart than this were preempted: dropped.
+MAX_PAIR_SPREAD_NS = 200_000
+#: Consecutive errors of one kind after which it is given up on (until the sampler restarts).
+MAX_CONSECUTIVE_ERRORS = 5
+#: Clock pairs kept around the samples being converted (median-smoothed by the estimator).
+_PAIRS_FOR_CONVERSION = 9
+
+KINDS = ("counter", "samples", "instant")
+
+
+def hold_counter_reads(t_s: np.ndarray, e_j: np.ndarray, step_s: float = COUNTER_STEP_S) -> tuple[np.ndarray, np.ndarray]:
+    """Counter reads as the estimator should see them when reads are sparser than the counter's step.
+
+    The estimator places a change of value halfway between the last read showing the old value and
+    the first showing the new one: right when reads are dense (the recordings poll at 100-200 Hz), but
+    reads here are 0.25-1 s apart, and the value a read shows was reached within the one step
+    (~100 ms) before it.  So before every read that follows a longer gap, a read of the previous
+    value is added one step earlier: each change then sits half a step before the read that saw it.
+    On the H200 run this took the counter delta of 2 s windows from 7% median error (up to 18%) to
+    1.8% (docs/ENERGY.md).  A counter that went backwards stays a gap.
+    """
+    t = np.asarray(t_s, dtype=np.float64)
+    e = np.asarray(e_j, dtype=np.float64)
+    if t.size < 2:
+        return t, e
+    idx = np.flatnonzero(np.diff(t) > step_s) + 1
+    tt = np.concatenate([t, t[idx] - step_s])
+    ee = np.concatenate([e, e[idx - 1]])
+    order = np.argsort(tt, kind="stable")
+    return tt[order], ee[order]
+
+
+@dataclass
+class GpuHandle:
+    """What the sampler needs of one GPU (``ipw.telemetry.nvml.Gpu`` fits)."""
+
+    component: str
+    handle: Any
+
+
+class _Columns:
+    """Append-only float64 columns (compact ``array('d')``); copied out as numpy arrays."""
+
+    def __init__(self, n: int) -> None:
+        self.cols = [array("d") for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.cols[0])
+
+    def append(self, *values: float) -> None:
+        for col, v in zip(self.cols, values):
+            col.append(v)
+
+    def extend(self, *values: Sequence[float]) -> None:
+        for col, v in zip(self.cols, values):
+            col.extend(v)
+
+    def numpy(self, lo_t: float | None = None) -> list[np.ndarray]:
+        """Copies of the columns, from the first row whose first column is >= ``lo_t``."""
+        start = 0
+        if lo_t is not None and len(self):
+            start = bisect.bisect_left(self.cols[0], lo_t)
+        return [np.array(col[start:], dtype=np.float64) for col in self.cols]
+
+    def last(self) -> tuple[float, ...] | None:
+        return tuple(col[-1] for col in self.cols) if len(self) else None
+
+
+@dataclass
+class _KindState:
+    status: str = "unknown"  # unknown | ok | unsupported | failed
+    error: str = ""
+    error_value: int | None = None  # the NVML error code of the last failure
+    consecutive_errors: int = 0
+    errors: int = 0
+
+
+@dataclass
+class _GpuState:
+    gpu: Any
+    samples: _Columns = field(default_factory=lambda: _Columns(2))  # t_s (monotonic), W
+    counter: _Columns = field(default_factory=lambda: _Columns(2))  # t_s (middle of the call), J
+    instant: _Columns = field(default_factory=lambda: _Columns(2))  # t_s, W
+    last_sample_ts_us: int = 0
+    sample_gaps: int = 0
+    kinds: dict[str, _KindState] = field(default_factory=lambda: {k: _KindState() for k in KINDS})
+
+
+def _value_attr(nvml: ModuleType, value_type: int) -> str:
+    """The member of an ``nvmlValue_t`` union that holds a value of ``value_type``."""
+    names = {
+        getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
+        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
+        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
+    }
+    return names.get(value_type, "uiVal")
+
+
+class NvmlSampler:
+    """Background recorder of every NVML power signal of ``gpus`` (see the module docstring).
+
+    ``nvml`` is the (initialised) pynvml module; ``gpus`` have ``component`` and ``handle``.  Nothing
+    but this object's thread calls NVML once :meth:`start` has run.  All public times are monotonic
+    seconds (``time.monotonic_ns() / 1e9``).
+    """
+
+    def __init__(
+        self,
+        nvml: ModuleType,
+        gpus: Sequence[Any],
+        *,
+        counter_period_s: float | None = None,
+        samples_period_s: float = DEFAULT_SAMPLES_PERIOD_S,
+        instant_period_s: float | None = DEFAULT_INSTANT_PERIOD_S,
+        sample_shift_s: float = DEFAULT_SAMPLE_SHIFT_S,
+        settle_margin_s: float = SETTLE_MARGIN_S,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        if (counter_period_s is not None and counter_period_s <= 0) or samples_period_s <= 0 or (
+            instant_period_s is not None and instant_period_s <= 0
+        ):
+            raise ValueError("sampler periods must be positive")
+        self._nvml = nvml
+        self._gpus = [_GpuState(g) for g in gpus]
+        self.counter_adaptive = counter_period_s is None
+        self.counter_period_s = DEFAULT_COUNTER_PERIOD_S if counter_period_s is None else float(counter_period_s)
+        self.samples_period_s = float(samples_period_s)
+        self.instant_enabled = instant_period_s is not None
+        self.instant_period_s = float(instant_period_s) if instant_period_s is not None else None
+        self._counter_cpu_s: float | None = None  # smoothed CPU seconds of one round of counter reads
+        self.sample_shift_s = float(sample_shift_s)
+        self.settle_margin_s = float(settle_margin_s)
+        self._clock = clock_ns
+        self._wall = wall_ns
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._alive = False
+        self._fatal = ""
+        self._started_ns: int | None = None
+        self._stopped_ns: int | None = None
+        self._next_counter_ns = 0
+        self._next_instant_ns = 0
+        self._next_samples_ns = 0
+        self._last_counter_ns: int | None = None
+        self._last_samples_poll_ns: int | None = None
+        self._last_instant_ns: int | None = None
+        self._sample_requests: list[int] = []  # sorted monotonic ns at which a poll was asked for
+        self._counter_requests: list[int] = []
+        self._pairs = _Columns(2)  # (monotonic ns, wall µs) as floats: exact below 2**53
+        self._calls = {k: 0 for k in KINDS}
+        self._call_s = {k: 0.0 for k in KINDS}
+        self._iterations = 0
+        self._cpu_s = 0.0
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+
+    def start(self, threaded: bool = True) -> dict[str, dict[str, str]]:
+        """Probe each signal of each GPU once, then (``threaded``) start the thread.
+
+        Returns ``{component: {kind: status}}``, status ``ok``, ``unsupported`` or ``failed: ...``.
+        Without the thread, the caller drives :meth:`run_due` (tests, replays).
+        """
+        if self._started_ns is not None:
+            raise RuntimeError("sampler already started")
+        self._started_ns = self._clock()
+        if threaded:
+            probed = threading.Event()
+            self._alive = True
+            self._thread = threading.Thread(
+                target=self._run, args=(probed,), name="ipw-nvml-sampler", daemon=True
+            )
+            self._thread.start()
+            probed.wait(30.0)
+        else:
+            self._probe()
+        return self.signals()
+
+    def stop(self) -> None:
+        """Stop the thread (idempotent).  Recorded data stays readable."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        if self._stopped_ns is None:
+            self._stopped_ns = self._clock()
+        self._alive = False
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs (always True for an unthreaded, started sampler)."""
+        if self._started_ns is None or self._stop.is_set():
+            return False
+        return self._alive if self._thread is not None else True
+
+    def signals(self) -> dict[str, dict[str, str]]:
+        out = {}
+        for g in self._gpus:
+            out[g.gpu.component] = {
+                k: (s.status if not s.error or s.status == "ok" else f"{s.status}: {s.error}")
+                for k, s in g.kinds.items()
+            }
+        return out
+
+    def _run(self, probed: threading.Event) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._probe()
+            probed.set()
+            while not self._stop.is_set():
+                self._wake.clear()
+                self.run_due()
+                self._cpu_s = time.thread_time() - cpu0
+                delay_s = (self.next_due_ns() - self._clock()) / 1e9
+                if delay_s > 0:
+                    self._wake.wait(min(delay_s, 5.0))
+        except BaseException as exc:  # never dies silently: windows become final and say why
+            self._fatal = f"{type(exc).__name__}: {exc}"
+        finally:
+            probed.set()
+            self._cpu_s = time.thread_time() - cpu0
+            self._alive = False
+
+    # ------------------------------------------------------------------------------------------
+    # scheduling
+
+    def _probe(self) -> None:
+        now = self._clock()
+        self._poll_samples(now)
+        self._read_counter(now, adapt=False)  # a first call costs more than the rest
+        self._read_instant(now)
+        self._next_samples_ns = now + int(self.samples_period_s * 1e9)
+        self._next_counter_ns = now + int(self.counter_period_s * 1e9)
+        if self.instant_period_s is not None:
+            self._next_instant_ns = now + int(self.instant_period_s * 1e9)
+
+    def _active(self, kind: str) -> bool:
+        if kind == "instant" and not self.instant_enabled:
+            return False
+        return any(g.kinds[kind].status in ("ok", "unknown") for g in self._gpus)
+
+    def _requested_samples_ns(self) -> int | None:
+        with self._lock:
+            if not self._sample_requests:
+                return None
+            first = self._sample_requests[0]
+        floor = (self._last_samples_poll_ns or 0) + int(MIN_SAMPLES_POLL_INTERVAL_S * 1e9)
+        return max(first, floor)
+
+    def _requested_counter_ns(self) -> int | None:
+        with self._lock:
+            if not self._counter_requests:
+                return None
+            first = self._counter_requests[0]
+        floor = (self._last_counter_ns or 0) + int(MIN_COUNTER_INTERVAL_S * 1e9)
+        return max(first, floor)
+
+    def next_due_ns(self) -> int:
+        """When the next read is due (monotonic ns); far in the future when nothing is active."""
+        due = [self._next_samples_ns if self._active("samples") else None,
+               self._next_counter_ns if self._active("counter") else None,
+               self._next_instant_ns if self._active("instant") else None,
+               self._requested_samples_ns() if self._active("samples") else None,
+               self._requested_counter_ns() if self._active("counter") else None]
+        due = [d for d in due if d is not None]
+        return min(due) if due else self._clock() + int(3600e9)
+
+    def run_due(self, now_ns: int | None = None) -> None:
+        """Do every read that is due at ``now_ns`` (default: the clock's now)."""
+        now = self._clock() if now_ns is None else now_ns
+        self._iterations += 1
+        req_s = self._requested_samples_ns()
+        if now >= self._next_samples_ns or (req_s is not None and now >= req_s):
+            self._poll_samples(now)
+            self._next_samples_ns = now + int(self.samples_period_s * 1e9)
+            with self._lock:
+                self._sample_requests = [r for r in self._sample_requests if r > now]
+        req_c = self._requested_counter_ns()
+        if now >= self._next_counter_ns or (req_c is not None and now >= req_c):
+            self._read_counter(now)
+            self._next_counter_ns = now + int(self.counter_period_s * 1e9)
+            with self._lock:
+                self._counter_requests = [r for r in self._counter_requests if r > now]
+        if self.instant_period_s is not None and now >= self._next_instant_ns:
+            self._read_instant(now)
+            self._next_instant_ns = now + int(self.instant_period_s * 1e9)
+
+    def mark(self, t_s: float, *, counter: bool = False) -> float:
+        """A window ended at ``t_s``: poll the sample buffer at ``t_s + settle margin`` (rather than at
+        the next regular poll) and, with ``counter``, read the counter once more at ``t_s``.
+
+        Returns the time after which :meth:`settled_until` will pass ``t_s``.
+        """
+        due_ns = int(round((t_s + self.settle_margin_s) * 1e9))
+        with self._lock:
+            bisect.insort(self._sample_requests, due_ns)
+            if counter:
+                bisect.insort(self._counter_requests, int(round(t_s * 1e9)))
+        self._wake.set()
+        return due_ns / 1e9
+
+    def mark_begin(self, t_s: float) -> None:
+        """A window begins at ``t_s``: move the next counter read here when it is due soon anyway
+        (at least 3/4 of the counter period since the last read), so long windows have a read at
+        each edge for their counter delta, at no more than 4/3 of the periodic read rate."""
+        last = self._last_counter_ns
+        if last is not None and t_s * 1e9 - last < 0.75 * self.counter_period_s * 1e9:
+            return
+        with self._lock:
+            bisect.insort(self._counter_requests, int(round(t_s * 1e9)))
+        self._wake.set()
+
+    def settled_until(self) -> float:
+        """Monotonic seconds up to which windows are final: every active signal of every GPU has
+        been read far enough past it.  ``inf`` once the sampler has stopped or died (nothing more
+        will come) and for GPUs on which every signal failed."""
+        if not self.alive:
+            return math.inf
+        until = math.inf
+        margin = self.settle_margin_s
+        for g in self._gpus:
+            if g.kinds["samples"].status == "ok" and self._last_samples_poll_ns is not None:
+                until = min(until, self._last_samples_poll_ns / 1e9 - margin)
+            elif g.kinds["samples"].status == "unknown":
+                until = min(until, -math.inf)
+            else:
+                for kind, last in (("counter", self._last_counter_ns), ("instant", self._last_instant_ns)):
+                    if g.kinds[kind].status in ("ok", "unknown"):
+                        until = min(until, -math.inf if last is None else last / 1e9 - max(margin, 0.11))
+        return until
+
+    # ------------------------------------------------------------------------------------------
+    # reads (sampler thread only)
+
+    def _call(self, g: _GpuState, kind: str, fn: Callable[[], Any]) -> Any:
+        """Run one NVML call; None when it failed (counted; the kind is given up on when it cannot
+        work: unsupported, or failing again and again)."""
+        st = g.kinds[kind]
+        if st.status in ("unsupported", "failed"):
+            return None
+        nvml = self._nvml
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except nvml.NVMLError as exc:
+            self._calls[kind] += 1
+            self._call_s[kind] += time.perf_counter() - t0
+            value = getattr(exc, "value", None)
+            if kind == "samples" and value == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
+                st.status, st.consecutive_errors = "ok", 0  # no new samples since last_seen
+                return []
+            st.errors += 1
+            st.consecutive_errors += 1
+            st.error = f"{exc} (error {value})"
+            st.error_value = value
+            unsupported = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
+            lost = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNINITIALIZED", "NVML_ERROR_RESET_REQUIRED")
+            if st.status == "unknown" and any(value == getattr(nvml, c, None) for c in unsupported):
+                st.status = "unsupported"
+            elif any(value == getattr(nvml, c, None) for c in lost) or st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
+                st.status = "failed"
+            return None
+        except Exception as exc:  # a broken binding must not kill the thread
+            st.errors += 1
+            st.consecutive_errors += 1
+            st.error = f"{type(exc).__name__}: {exc}"
+            if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
+                st.status = "failed"
+            return None
+        self._calls[kind] += 1
+        self._call_s[kind] += time.perf_counter() - t0
+        st.status, st.consecutive_errors = "ok", 0
+        return out
+
+    def _clock_pair(self) -> None:
+        m1 = self._clock()
+        w = self._wall()
+        m2 = self._clock()
+        if m2 - m1 <= MAX_PAIR_SPREAD_NS:
+            self._pairs.append(float((m1 + m2) // 2), float(w // 1000))
+
+    def _poll_samples(self, now_ns: int) -> None:
+        if not self._active("samples"):
+            return
+        nvml = self._nvml
+        kind_total = getattr(nvml, "NVML_TOTAL_POWER_SAMPLES", 0)
+        self._clock_pair()
+        for g in self._gpus:
+            out = self._call(g, "samples", lambda g=g: nvml.nvmlDeviceGetSamples(g.gpu.handle, kind_total, g.last_sample_ts_us))
+            if not out:
+                continue
+            value_type, samples = out
+            attr = _value_attr(nvml, value_type)
+            ts = np.fromiter((int(s.timeStamp) for s in samples), dtype=np.int64, count=len(samples))
+            mw = np.fromiter((float(getattr(s.sampleValue, attr)) for s in samples), dtype=np.float64, count=len(samples))
+            keep = ts > g.last_sample_ts_us
+            ts, mw = ts[keep], mw[keep]
+            if ts.size == 0:
+                continue
+            order = np.argsort(ts, kind="stable")
+            ts, mw = ts[order], mw[order]
+            if g.last_sample_ts_us and ts[0] - g.last_sample_ts_us > 250_000:
+                g.sample_gaps += 1  # the buffer wrapped before this poll: samples were lost
+            pm = np.array(self._pairs.cols[0][-_PAIRS_FOR_CONVERSION:], dtype=np.float64)
+            pw = np.array(self._pairs.cols[1][-_PAIRS_FOR_CONVERSION:], dtype=np.float64)
+            if pm.size:
+                t_s = wall_us_to_mono_s(ts, pm.astype(np.int64), pw.astype(np.int64))
+            else:  # no clean pair yet: the clocks read now
+                t_s = (ts * 1000 + (self._clock() - self._wall())) / 1e9
+            with self._lock:
+                g.samples.extend(t_s.tolist(), (mw / 1000.0).tolist())
+            g.last_sample_ts_us = int(ts[-1])
+        self._last_samples_poll_ns = now_ns
+
+    def _read_counter(self, now_ns: int, adapt: bool = True) -> None:
+        nvml = self._nvml
+        if not self._active("counter"):
+            return
+        cpu0 = time.thread_time()
+        for g in self._gpus:
+            t0 = self._clock()
+            mj = self._call(g, "counter", lambda g=g: nvml.nvmlDeviceGetTotalEnergyConsumption(g.gpu.handle))
+            t1 = self._clock()
+            if mj is not None:
+                with self._lock:
+                    g.counter.append((t0 + t1) / 2e9, int(mj) / 1000.0)
+        cost = time.thread_time() - cpu0
+        if adapt:
+            self._counter_cpu_s = cost if self._counter_cpu_s is None else 0.8 * self._counter_cpu_s + 0.2 * cost
+        if adapt and self.counter_adaptive:
+            period = self._counter_cpu_s / COUNTER_CPU_BUDGET
+            self.counter_period_s = min(MAX_COUNTER_PERIOD_S, max(DEFAULT_COUNTER_PERIOD_S, period))
+        self._last_counter_ns = now_ns
+
+    def _read_instant(self, now_ns: int) -> None:
+        nvml = self._nvml
+        if not self._active("instant"):
+            return
+        fid = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186)
+        for g in self._gpus:
+            t0 = self._clock()
+            fv = self._call(g, "instant", lambda g=g: nvml.nvmlDeviceGetFieldValues(g.gpu.handle, [fid]))
+            t1 = self._clock()
+            if fv is None:
+                continue
+            v = fv[0]
+            ret = getattr(v, "nvmlReturn", 0)
+            if ret != getattr(nvml, "NVML_SUCCESS", 0):
+                st = g.kinds["instant"]
+                st.errors += 1
+                st.error, st.error_value = f"field value error {ret}", ret
+                if ret == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3) and st.status in ("unknown", "ok"):
+                    st.status = "unsupported"
+                else:
+                    st.consecutive_errors += 1
+                    if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
+                        st.status = "failed"
+                continue
+            with self._lock:
+                g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, _value_attr(nvml, v.valueType))) / 1000.0)
+        self._last_instant_ns = now_ns
+
+    # ------------------------------------------------------------------------------------------
+    # results
+
+    def kind_state(self, component: str, kind: str) -> tuple[str, int | None]:
+        """(status, last NVML error code) of one signal of one GPU."""
+        st = next(g for g in self._gpus if g.gpu.component == component).kinds[kind]
+        return st.status, st.error_value
+
+    def components(self) -> list[str]:
+        return [g.gpu.component for g in self._gpus]
+
+    def arrays(self, component: str, lo_s: float | None = None) -> dict[str, np.ndarray]:
+        """Copies of one GPU's recorded signals from ``lo_s`` on (monotonic seconds)."""
+        g = next(g for g in self._gpus if g.gpu.component == component)
+        with self._lock:
+            st, sw = g.samples.numpy(lo_s)
+            ct, cj = g.counter.numpy(lo_s)
+            it, iw = g.instant.numpy(lo_s)
+        return {"samples_t_s": st, "samples_w": sw, "counter_t_s": ct, "counter_j": cj,
+                "instant_t_s": it, "instant_w": iw}
+
+    def energy_windows(
+        self,
+        windows: Sequence[tuple[float, float]],
+        *,
+        calibration_window: tuple[float, float] | None = None,
+        sample_shift_s: float | None = None,
+    ) -> dict[str, list[WindowEstimate]]:
+        """Per GPU, one estimate per ``(start_s, end_s)`` window (monotonic seconds).
+
+        Calibration (counter / integrated samples) is over ``calibration_window`` when given, else
+        over everything recorded from ``CALIBRATION_LOOKBACK_S`` before the newest data (or the
+        oldest window, whichever is earlier; at most since the sampler started) to the newest data.
+        """
+        shift = self.sample_shift_s if sample_shift_s is None else sample_shift_s
+        out: dict[str, list[WindowEstimate]] = {}
+        for g in self._gpus:
+            with self._lock:
+                newest = max([x[0] for x in (g.samples.last(), g.counter.last()) if x is not None], default=0.0)
+            lo = newest - CALIBRATION_LOOKBACK_S
+            if windows:
+                lo = min(lo, min(w[0] for w in windows) - 2.0)
+            if calibration_window is not None:
+                lo = min(lo, calibration_window[0] - 2.0)
+            a = self.arrays(g.gpu.component, lo)
+            counter_t, counter_j = hold_counter_reads(a["counter_t_s"], a["counter_j"])
+            out[g.gpu.component] = estimate_windows(
+                a["samples_t_s"], a["samples_w"], counter_t, counter_j, windows,
+                calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
+                instant_w=a["instant_w"], sample_shift_s=shift,
+            )
+        return out
+
+    def current_power_w(self) -> dict[str, float | None]:
+        """Latest power per GPU for a live display: the instant field (read 4x a second) when it
+        is recent, else the newest driver sample; None when neither is younger than 3 s."""
+        now = self._clock() / 1e9
+        out: dict[str, float | None] = {}
+        for g in self._gpus:
+            with self._lock:
+                inst, samp = g.instant.last(), g.samples.last()
+            best = None
+            for point in (inst, samp):
+                if point is not None and now - point[0] < 3.0:
+                    best = point[1]
+                    break
+            out[g.gpu.component] = best
+        return out
+
+    def trace(self, since_s: float | None = None) -> dict[str, np.ndarray]:
+        """Every recorded point as columns for ``power.parquet``: ``t_s`` (monotonic s), ``device``,
+        ``power_w`` (NaN for counter rows), ``kind`` (``sample`` | ``counter`` | ``instant``),
+        ``energy_j`` (the cumulative counter, counter rows only).  Sorted by time within a device."""
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in ("t_s", "device", "power_w", "kind", "energy_j")}
+        for g in self._gpus:
+            a = self.arrays(g.gpu.component, since_s)
+            parts = [
+                (a["samples_t_s"], a["samples_w"], np.full(a["samples_t_s"].size, np.nan), "sample"),
+                (a["counter_t_s"], np.full(a["counter_t_s"].size, np.nan), a["counter_j"], "counter"),
+                (a["instant_t_s"], a["instant_w"], np.full(a["instant_t_s"].size, np.nan), "instant"),
+            ]
+            t = np.concatenate([p[0] for p in parts])
+            order = np.argsort(t, kind="stable")
+            cols["t_s"].append(t[order])
+            cols["device"].append(np.full(t.size, g.gpu.component, dtype=object))
+            cols["power_w"].append(np.concatenate([p[1] for p in parts])[order])
+            cols["energy_j"].append(np.concatenate([p[2] for p in parts])[order])
+            cols["kind"].append(np.concatenate([np.full(p[0].size, p[3], dtype=object) for p in parts])[order])
+        return {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in cols.items()}
+
+    def overhead(self) -> dict[str, Any]:
+        """The sampler's own cost: CPU seconds of its thread, wall seconds it ran, the fraction of
+        one core, and calls / mean call time per kind of read."""
+        cpu = self._cpu_s  # updated by the thread after every iteration
+        start = self._started_ns
+        end = self._stopped_ns if self._stopped_ns is not None else self._clock()
+        wall = 0.0 if start is None else max(0.0, (end - start) / 1e9)
+        return {
+            "cpu_s": round(cpu, 6),
+            "wall_s": round(wall, 3),
+            "cpu_fraction_of_one_core": round(cpu / wall, 6) if wall > 0 else 0.0,
+            "calls": dict(self._calls),
+            "mean_call_s": {k: (self._call_s[k] / n if n else None) for k, n in self._calls.items()},
+            "iterations": self._iterations,
+            "errors": {g.gpu.component: {k: s.errors for k, s in g.kinds.items()} for g in self._gpus},
+            "sample_buffer_gaps": {g.gpu.component: g.sample_gaps for g in self._gpus},
+            "periods_s": {"counter": self.counter_period_s, "samples": self.samples_period_s,
+                          "instant": self.instant_period_s},
+            "counter_adaptive": self.counter_adaptive,
+            "counter_round_cpu_s": self._counter_cpu_s,
+            "threaded": self._thread is not None,
+            "fatal": self._fatal or None,
+        }
+
+
+__all__ = [
+    "COUNTER_DELTA_MIN_S",
+    "DEFAULT_COUNTER_PERIOD_S",
+    "DEFAULT_SAMPLES_PERIOD_S",
+    "DEFAULT_SAMPLE_SHIFT_S",
+    "hold_counter_reads",
+    "GpuHandle",
+    "NvmlSampler",
+    "SETTLE_MARGIN_S",
+]
