@@ -117,6 +117,16 @@ def make_record(
     )
 
 
+def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Completion | None, Exception | None]:
+    """One query; a failure becomes the error of its record, never a crash (user errors still stop)."""
+    try:
+        return backend.generate(query.render(), config.generation), None
+    except IpwError:
+        raise
+    except Exception as exc:
+        return None, exc
+
+
 ProbeFn = Callable[[Backend], list[Sensor]]
 
 
@@ -166,15 +176,9 @@ def run_backend(
             work = []
         try:
             for repeat, query in work:
-                completion, error = None, None
                 tokens = window.begin()
                 start = time.monotonic()
-                try:
-                    completion = backend.generate(query.render(), config.generation)
-                except IpwError:
-                    raise
-                except Exception as exc:  # a failed query is an error record, never a crash
-                    error = exc
+                completion, error = _generate(backend, query, config)
                 end = time.monotonic()
                 closed = window.end(tokens)
                 pending.append((closed, functools.partial(
@@ -279,14 +283,9 @@ def run_concurrent(
     estimate = getattr(backend, "energy_estimate", None)
 
     def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
-        completion, error = None, None
         start = segments.event(add=job)
         try:
-            completion = backend.generate(query.render(), config.generation)
-        except IpwError:
-            raise
-        except Exception as exc:  # a failed query is an error record, never a crash
-            error = exc
+            completion, error = _generate(backend, query, config)
         finally:
             end = segments.event(remove=job)
         return completion, error, start, end
