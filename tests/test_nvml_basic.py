@@ -1,158 +1,220 @@
+"""NvmlSensor basics against an autospec'd pynvml of three GPUs (tests/nvml_fakes.py): which GPUs
+are read (indices, UUIDs, CUDA_VISIBLE_DEVICES), MIG, NVML errors with their fix, ``probe`` and the
+sensor order of ``probe_sensors`` / ``describe_sensors``."""
+
 from __future__ import annotations
 
 import sys
-from unittest import mock
+import time
 
+import numpy as np
 import pynvml as real_pynvml
 import pytest
+from nvml_fakes import RealClock, err, finish, make_fake, real_offset_ns, synthetic, window
 
 from ipw.errors import IpwError
 from ipw.telemetry import nvml as nvml_mod
-from ipw.telemetry.nvml import NvmlCounterSensor
+from ipw.telemetry.nvml import NvmlSensor
 
 UUIDS = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000", "GPU-cccc3333-0000"]
-
-
-def err(name: str) -> real_pynvml.NVMLError:
-    return real_pynvml.NVMLError(getattr(real_pynvml, name))
+IDLE_W = [100.0, 200.0, 300.0]  # GPU i idles at IDLE_W[i]: a window's energy says which GPU was read
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    """An autospec of the real pynvml module with three GPUs; handles are their indices."""
-    m = mock.create_autospec(real_pynvml)
-    m.NVMLError = real_pynvml.NVMLError
-    for name in dir(real_pynvml):
-        if name.startswith("NVML_"):
-            setattr(m, name, getattr(real_pynvml, name))
-    m.nvmlDeviceGetCount.return_value = len(UUIDS)
-    m.nvmlDeviceGetHandleByIndex.side_effect = lambda i: ("handle", i)
-    m.nvmlDeviceGetUUID.side_effect = lambda h: UUIDS[h[1]]
-    m.nvmlDeviceGetName.side_effect = lambda h: "NVIDIA H200"
-    m.nvmlDeviceGetMigMode.side_effect = err("NVML_ERROR_NOT_SUPPORTED")
-    m.energy_mj = {0: 1_000, 1: 50_000, 2: 900_000}
-    m.nvmlDeviceGetTotalEnergyConsumption.side_effect = lambda h: m.energy_mj[h[1]]
-    monkeypatch.setitem(sys.modules, "pynvml", m)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return m
+def gpus():
+    """Three synthetic GPUs on one fake clock (no load: constant power)."""
+    sigs = []
+    for w in IDLE_W:
+        sig, clock = synthetic(idle_w=w, load=(1000.0, 1001.0))
+        sigs.append(sig)
+    return sigs, clock
 
 
-def test_counter_deltas(fake):
-    sensor = NvmlCounterSensor()
+@pytest.fixture
+def fake(monkeypatch, gpus):
+    sigs, clock = gpus
+    return make_fake(monkeypatch, sigs, clock, uuids=UUIDS)
+
+
+def sensor_at(clock, indices=None, **kw) -> NvmlSensor:
+    return NvmlSensor(indices, threaded=False, clock_ns=clock.mono, wall_ns=clock.wall, **kw)
+
+
+def test_every_gpu_by_default(fake, gpus):
+    _, clock = gpus
+    sensor = sensor_at(clock)
     assert sensor.info().components == ("gpu0", "gpu1", "gpu2")
-    token = sensor.begin()
-    fake.energy_mj[0] += 12_345
-    fake.energy_mj[2] += 500
-    readings = sensor.end(token)
-    assert [(r.component, r.energy_j) for r in readings] == [
-        ("gpu0", 12.345), ("gpu1", 0.0), ("gpu2", 0.5),
-    ]
+    readings = finish(sensor, clock, window(sensor, clock, 10.0, 12.0))
+    assert [r.component for r in readings] == ["gpu0", "gpu1", "gpu2"]
+    assert [r.energy_j for r in readings] == [pytest.approx(2 * w, rel=0.01) for w in IDLE_W]
     r = readings[0]
-    assert (r.source, r.scope, r.quality) == ("nvml.counter", "gpu", "measured")
-    assert "100 ms" in r.note  # an instantaneous window is below the counter step
+    assert (r.source, r.scope, r.quality) == ("nvml.samples", "gpu", "measured_interpolated")
+    assert "calibration ratio" in r.note
     sensor.close()
     sensor.close()
     fake.nvmlShutdown.assert_called_once_with()
 
 
-def test_backwards_counter_is_unavailable_never_negative(fake):
-    sensor = NvmlCounterSensor([1])
-    token = sensor.begin()
-    fake.energy_mj[1] -= 10
-    (reading,) = sensor.end(token)
-    assert reading.energy_j is None
-    assert reading.quality == "unavailable"
-    assert "counter went backwards (gap)" in reading.note
+def test_backwards_counter_is_unavailable_never_negative(fake, gpus):
+    sigs, clock = gpus
+    sigs[1].samples_ok = sigs[1].instant_ok = False  # the counter is all there is
+    sigs[1].ctr_mj = sigs[1].ctr_mj.copy()
+    drop = int(np.searchsorted(sigs[1].ctr_t_ns, clock.mono_ns + 11_000_000_000))
+    sigs[1].ctr_mj[drop:] -= 3_000_000
+    sensor = sensor_at(clock, [1])
+    (r,) = finish(sensor, clock, window(sensor, clock, 10.5, 11.5))
+    assert r.source == "nvml.counter" and "backwards" in r.note
+    assert r.energy_j is None or 0 <= r.energy_j < 200.0
+    sensor.close()
 
 
-def test_cuda_visible_devices_uuids_and_indices(fake, monkeypatch):
+def test_cuda_visible_devices_uuids_and_indices(fake, gpus, monkeypatch):
+    _, clock = gpus
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-cccc3333-0000,GPU-aaaa")  # full UUID, prefix
-    sensor = NvmlCounterSensor()
-    gpus = sensor.info().params["gpus"]
-    assert [(g["component"], g["nvml_index"], g["uuid"]) for g in gpus] == [
+    sensor = sensor_at(clock)
+    params = sensor.info().params
+    assert [(g["component"], g["nvml_index"], g["uuid"]) for g in params["gpus"]] == [
         ("gpu0", 2, UUIDS[2]), ("gpu1", 0, UUIDS[0]),
     ]
-    token = sensor.begin()
-    fake.energy_mj[2] += 2_000
-    assert sensor.end(token)[0].energy_j == 2.0
+    assert params["cuda_visible_devices"] == "GPU-cccc3333-0000,GPU-aaaa"
+    readings = finish(sensor, clock, window(sensor, clock, 10.0, 11.0))
+    assert [r.energy_j for r in readings] == [pytest.approx(300.0, rel=0.01), pytest.approx(100.0, rel=0.01)]
+    sensor.close()
+    read = {c.args[0][1] for c in fake.nvmlDeviceGetTotalEnergyConsumption.call_args_list}
+    assert read == {0, 2}  # GPU 1 is not measured
 
-    only = NvmlCounterSensor([1])  # CUDA ordinal 1 = physical GPU 0
+    only = sensor_at(clock, [1])  # CUDA ordinal 1 = physical GPU 0
     assert only.info().params["gpus"][0]["nvml_index"] == 0
+    (r,) = finish(only, clock, window(only, clock, 20.0, 21.0))
+    assert r.component == "gpu1" and r.energy_j == pytest.approx(100.0, rel=0.01)
+    only.close()
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-nonexistent,0")  # CUDA stops at a bad entry
-    assert [g["nvml_index"] for g in NvmlCounterSensor().info().params["gpus"]] == [1]
+    s = sensor_at(clock)
+    assert [g["nvml_index"] for g in s.info().params["gpus"]] == [1]
+    s.close()
     with pytest.raises(IpwError, match="GPU 1 is not visible"):
-        NvmlCounterSensor([1])
+        sensor_at(clock, [1])
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-1234")
     with pytest.raises(IpwError, match="MIG slice"):
-        NvmlCounterSensor()
+        sensor_at(clock)
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert NvmlCounterSensor.probe() is None
+    assert NvmlSensor.probe() is None
+    assert fake.nvmlShutdown.call_count == fake.nvmlInit.call_count  # failures leave nothing open
 
 
-def test_mig_mode_is_reported(fake):
+def test_mig_mode_is_reported(fake, gpus):
+    _, clock = gpus
     fake.nvmlDeviceGetMigMode.side_effect = lambda h: [
         real_pynvml.NVML_DEVICE_MIG_ENABLE if h[1] == 0 else real_pynvml.NVML_DEVICE_MIG_DISABLE, 0
     ]
-    sensor = NvmlCounterSensor()
+    sensor = sensor_at(clock)
     info = sensor.info()
     assert "MIG enabled on gpu0" in info.detail and "not attributable" in info.detail
     assert [g["mig_enabled"] for g in info.params["gpus"]] == [True, False, False]
-    assert "MIG" in sensor.end(sensor.begin())[0].note
+    assert "not attributable" in info.params["mig"]
+    readings = finish(sensor, clock, window(sensor, clock, 10.0, 11.0))
+    assert "MIG" in readings[0].note and "MIG" not in readings[1].note
+    sensor.close()
 
 
 @pytest.mark.parametrize(
     "where, code, expected",
     [
         ("init", "NVML_ERROR_NO_PERMISSION", "video"),
-        ("energy", "NVML_ERROR_NOT_SUPPORTED", "Volta"),
-        ("energy", "NVML_ERROR_GPU_IS_LOST", "dmesg"),
+        ("power", "NVML_ERROR_NOT_SUPPORTED", "Volta"),
+        ("power", "NVML_ERROR_NO_PERMISSION", "video"),
+        ("power", "NVML_ERROR_GPU_IS_LOST", "dmesg"),
+        ("query", "NVML_ERROR_LIB_RM_VERSION_MISMATCH", "reboot"),
         ("init", "NVML_ERROR_UNKNOWN", "nvidia-smi"),
     ],
 )
-def test_nvml_errors_become_ipw_errors_with_a_fix(fake, where, code, expected):
+def test_nvml_errors_become_ipw_errors_with_a_fix(fake, gpus, where, code, expected):
+    sigs, clock = gpus
     if where == "init":
         fake.nvmlInit.side_effect = err(code)
-    else:
-        fake.nvmlDeviceGetTotalEnergyConsumption.side_effect = err(code)
+    elif where == "query":
+        fake.nvmlDeviceGetCount.side_effect = err(code)
+    else:  # every power signal of GPU 1 fails
+        sigs[1].fail_with = code
     with pytest.raises(IpwError) as e:
-        NvmlCounterSensor()
+        sensor_at(clock)
     assert expected in e.value.message
     if code in nvml_mod._FIXES:
         assert code in e.value.message
+    if where == "power":
+        assert "gpu1" in e.value.message
     with pytest.raises(IpwError):
-        NvmlCounterSensor.probe()  # a GPU that exists but fails is not silently skipped
-    if where == "energy":
-        assert fake.nvmlShutdown.call_count == fake.nvmlInit.call_count
+        NvmlSensor.probe(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)  # not silently skipped
+    # every successful nvmlInit is matched by a shutdown, also when the sensor is refused
+    assert fake.nvmlShutdown.call_count == (0 if where == "init" else fake.nvmlInit.call_count)
+
+
+def test_one_missing_signal_is_not_an_error(fake, gpus):
+    sigs, clock = gpus
+    sigs[0].counter_ok = False
+    sensor = sensor_at(clock)
+    assert "counter on gpu0" in sensor.info().detail  # says what is missing
+    assert sensor.info().params["signals"]["gpu0"]["counter"].startswith("unsupported")
+    sensor.close()
 
 
 @pytest.mark.parametrize("code", ["NVML_ERROR_LIBRARY_NOT_FOUND", "NVML_ERROR_DRIVER_NOT_LOADED"])
 def test_probe_none_without_library_or_driver(fake, code):
     fake.nvmlInit.side_effect = err(code)
-    assert NvmlCounterSensor.probe() is None
+    assert NvmlSensor.probe() is None
+    fake.nvmlShutdown.assert_not_called()
 
 
 def test_probe_none_without_devices_or_pynvml(fake, monkeypatch):
     fake.nvmlDeviceGetCount.return_value = 0
-    assert NvmlCounterSensor.probe() is None
+    assert NvmlSensor.probe() is None
     fake.nvmlShutdown.assert_called_once_with()
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
-    assert NvmlCounterSensor.probe() is None
+    assert NvmlSensor.probe() is None
     with pytest.raises(IpwError, match="pip install nvidia-ml-py"):
         nvml_mod.import_pynvml()
 
 
-def test_probe_sensors_order(fake, tmp_path):
+def test_probe_sensors_order(monkeypatch, tmp_path):
+    """probe_sensors / describe_sensors open the real (threaded) NvmlSensor on the real clock."""
     from ipw.telemetry.probe import describe_sensors, probe_sensors
 
+    sigs = [synthetic(duration_s=60.0, t0_s=time.monotonic(), idle_w=w, load=(100.0, 101.0),
+                      offset_ns=real_offset_ns())[0] for w in IDLE_W[:2]]
+    fake = make_fake(monkeypatch, sigs, RealClock())
     sensors = probe_sensors(lambda: [], rapl_root=tmp_path / "none")
-    assert [s.name for s in sensors] == ["nvml", "cpu_model"]
+    try:
+        assert [s.name for s in sensors] == ["nvml", "cpu_model"]
+        assert sensors[0].info().components == ("gpu0", "gpu1")
+        assert sensors[0].sampler.overhead()["threaded"]
+    finally:
+        for s in sensors:
+            s.close()
     assert [s.name for s in probe_sensors(lambda: [], gpu_indices=[], rapl_root=tmp_path)] == ["cpu_model"]
+    sensors = probe_sensors(lambda: [], gpu_indices=[1], rapl_root=tmp_path / "none")
+    assert sensors[0].info().params["gpus"][0]["nvml_index"] == 1
+    for s in sensors:
+        s.close()
+
+    infos = describe_sensors(rapl_root=tmp_path / "none")
+    assert [(i.name, i.available) for i in infos] == [("nvml", True), ("rapl", False), ("cpu_model", True)]
+    assert infos[0].source == "nvml.samples"
+
+    # describe_sensors never raises: NVML errors and a missing driver become unavailable rows
     fake.nvmlInit.side_effect = err("NVML_ERROR_NO_PERMISSION")
     infos = describe_sensors(rapl_root=tmp_path / "none")
-    assert [(i.name, i.available) for i in infos] == [
-        ("nvml", False), ("rapl", False), ("cpu_model", True),
-    ]
+    assert [(i.name, i.available) for i in infos] == [("nvml", False), ("rapl", False), ("cpu_model", True)]
     assert "video" in infos[0].detail
+    fake.nvmlInit.side_effect = err("NVML_ERROR_DRIVER_NOT_LOADED")
+    infos = describe_sensors(rapl_root=tmp_path / "none")
+    assert infos[0].available is False and "no NVIDIA" in infos[0].detail
+    fake.nvmlInit.side_effect = None
+    sigs[0].fail_with = "NVML_ERROR_NOT_SUPPORTED"
+    infos = describe_sensors(rapl_root=tmp_path / "none")
+    assert infos[0].available is False and "Volta" in infos[0].detail
+    with pytest.raises(IpwError, match="Volta"):
+        probe_sensors(lambda: [], rapl_root=tmp_path / "none")
+    assert fake.nvmlShutdown.call_count == fake.nvmlInit.call_count - 2  # the two failed inits

@@ -1,17 +1,20 @@
-"""GPU energy from NVML: :class:`NvmlSensor` (the default) and :class:`NvmlCounterSensor`.
+"""GPU energy from NVML: :class:`NvmlSensor`.
 
 :class:`NvmlSensor` attributes energy per window from the driver's 20 ms power samples, calibrated by
 the energy counter, all read by one background thread (:mod:`ipw.telemetry.sampler`); see
-docs/ENERGY.md for how accurate it is on an H200.  :class:`NvmlCounterSensor` reads
-``nvmlDeviceGetTotalEnergyConsumption`` (mJ, Volta and newer) at window begin and end: it steps about
-every 100 ms and costs ~3-4 ms per read (DESIGN.md §3), so its begin/end delta is accurate for windows
-of seconds and coarse below ~0.15 s, which its readings note.  It stays as the simplest fallback.
+docs/ENERGY.md for how accurate it is on an H200.  Where the samples are missing it falls back, with
+a label on each reading, to the energy counter alone (``nvml.counter``) or the instant power field.
 
 Which GPUs: ``indices`` are CUDA ordinals as the inference engine sees them, i.e. positions in
 ``CUDA_VISIBLE_DEVICES`` when it is set (entries are NVML indices or ``GPU-`` UUIDs, full or a unique
 prefix; like CUDA, parsing stops at the first entry that names no GPU).  Integer entries are taken
 as NVML (PCI bus) indices, which matches CUDA's order when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on
 machines of identical GPUs.  ``MIG-`` entries are refused: NVML has no energy per MIG slice.
+
+The machine's other GPUs (not selected, or hidden by ``CUDA_VISIBLE_DEVICES``) are *watched*: their
+instant power is read 4x a second, and a window during which one of them was busy says so
+(``foreign activity`` in each reading's note, :attr:`PendingWindow.foreign_activity`): its energy is
+in no reading, so a job spread over more GPUs than were selected is visibly under-measured.
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ from ipw.telemetry.sampler import (
     COUNTER_CPU_BUDGET,
     DEFAULT_SAMPLE_SHIFT_S,
     DEFAULT_SAMPLES_PERIOD_S,
+    FOREIGN_BUSY_FRACTION,
+    FOREIGN_RISE_FRACTION,
     NvmlSampler,
 )
-
-#: Windows shorter than this are below the counter's update step (DESIGN.md §3).
-COUNTER_STEP_S = 0.15
 
 _FIXES = {
     "NVML_ERROR_LIBRARY_NOT_FOUND": "libnvidia-ml.so.1 was not found; install the NVIDIA driver",
@@ -162,6 +164,40 @@ def select_gpus(pynvml: ModuleType, indices: list[int] | None) -> list[Gpu]:
     return gpus
 
 
+def other_gpus(pynvml: ModuleType, selected: list[Gpu]) -> list[Gpu]:
+    """Every NVML device not in ``selected`` (hidden by CUDA_VISIBLE_DEVICES or not chosen), named
+    ``nvml<index>``: watched for foreign activity.  Best effort: a device that cannot be queried is
+    left out, never an error."""
+    taken = {g.nvml_index for g in selected}
+    out: list[Gpu] = []
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return out
+    for index in range(count):
+        if index in taken:
+            continue
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            name = _text(pynvml.nvmlDeviceGetName(handle))
+        except Exception:
+            continue
+        out.append(Gpu(f"nvml{index}", index, uuid, name, False, handle))
+    return out
+
+
+def foreign_note(activity: list[dict[str, Any]], others: dict[str, Gpu]) -> str:
+    """One note for the GPUs outside the measurement that were busy during a window."""
+    parts = []
+    for a in activity:
+        gpu = others.get(a["component"])
+        uuid = f" {gpu.uuid[:12]}" if gpu is not None else ""
+        parts.append(f"{a['component']}{uuid} {a['mean_w']:.0f} W mean vs {a['idle_w']:.0f} W idle, "
+                     f"~{_fmt_j(a['excess_j'])} above idle")
+    return "foreign activity (GPUs not measured were busy; their energy is in no reading): " + "; ".join(parts)
+
+
 def _init_probe(pynvml: ModuleType) -> bool:
     """nvmlInit + "is there a visible GPU", for ``probe``: False when there is no NVML library,
     driver or visible GPU; IpwError (with the fix) for other failures."""
@@ -185,124 +221,6 @@ def _gpu_params(gpus: list[Gpu]) -> list[dict[str, Any]]:
          "mig_enabled": g.mig_enabled}
         for g in gpus
     ]
-
-
-class NvmlCounterSensor:
-    """Measured GPU energy from begin/end reads of the NVML energy counter."""
-
-    name = "nvml"
-
-    def __init__(self, indices: list[int] | None = None) -> None:
-        self._nvml = import_pynvml()
-        self._closed = False
-        try:
-            self._nvml.nvmlInit()
-        except self._nvml.NVMLError as exc:
-            raise nvml_error(self._nvml, exc, "nvmlInit") from exc
-        try:
-            self.gpus = self._select(indices)
-            for gpu in self.gpus:
-                self._read_mj(gpu)  # fail now if the counter is unsupported
-        except BaseException:
-            self._nvml.nvmlShutdown()
-            raise
-
-    @classmethod
-    def probe(cls, indices: list[int] | None = None) -> NvmlCounterSensor | None:
-        """The sensor, or None when there is no NVML library, driver, or visible GPU.
-
-        Other NVML failures (permissions, an unsupported counter) raise IpwError with the fix.
-        """
-        try:
-            pynvml = import_pynvml()
-        except IpwError:
-            return None
-        if not _init_probe(pynvml):
-            return None
-        return cls(indices)
-
-    def _select(self, indices: list[int] | None) -> list[Gpu]:
-        return select_gpus(self._nvml, indices)
-
-    def _read_mj(self, gpu: Gpu) -> int:
-        try:
-            return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(gpu.handle))
-        except self._nvml.NVMLError as exc:
-            raise nvml_error(self._nvml, exc, f"energy counter of {gpu.component}") from exc
-
-    def info(self) -> SensorInfo:
-        mig = [g.component for g in self.gpus if g.mig_enabled]
-        detail = ", ".join(f"{g.component}: {g.name}" for g in self.gpus)
-        detail += "; energy counter read at window edges (~100 ms steps)"
-        if mig:
-            detail += (
-                f"; MIG enabled on {', '.join(mig)}: energy is the whole GPU, MIG slices are "
-                "not attributable"
-            )
-        return SensorInfo(
-            name=self.name,
-            available=True,
-            source="nvml.counter",
-            quality="measured",
-            scope="gpu",
-            components=tuple(g.component for g in self.gpus),
-            detail=detail,
-            params={
-                "gpus": [
-                    {
-                        "component": g.component,
-                        "nvml_index": g.nvml_index,
-                        "uuid": g.uuid,
-                        "name": g.name,
-                        "mig_enabled": g.mig_enabled,
-                    }
-                    for g in self.gpus
-                ],
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            },
-        )
-
-    def begin(self) -> tuple[int, list[int]]:
-        return time.monotonic_ns(), [self._read_mj(g) for g in self.gpus]
-
-    def end(self, token: tuple[int, list[int]]) -> list[EnergyReading]:
-        start_ns, start_mj = token
-        end_mj = [self._read_mj(g) for g in self.gpus]
-        duration_s = (time.monotonic_ns() - start_ns) / 1e9
-        readings = []
-        for gpu, e0, e1 in zip(self.gpus, start_mj, end_mj):
-            notes = []
-            if gpu.mig_enabled:
-                notes.append("MIG enabled: whole-GPU energy, slices not attributable")
-            if e1 < e0:
-                readings.append(
-                    EnergyReading(
-                        gpu.component, None, "nvml.counter", "unavailable", "gpu", duration_s,
-                        note="; ".join(["counter went backwards (gap)", *notes]),
-                    )
-                )
-                continue
-            if duration_s < COUNTER_STEP_S:
-                notes.append(
-                    f"window {duration_s * 1000:.0f} ms is below the counter's ~100 ms step: coarse"
-                )
-            readings.append(
-                EnergyReading(
-                    component=gpu.component,
-                    energy_j=(e1 - e0) / 1000.0,
-                    source="nvml.counter",
-                    quality="measured",
-                    scope="gpu",
-                    duration_s=duration_s,
-                    note="; ".join(notes),
-                )
-            )
-        return readings
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._nvml.nvmlShutdown()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,6 +270,9 @@ class PendingWindow:
         self.start_s = start_ns / 1e9
         self.end_s = end_ns / 1e9
         self._result: list[EnergyReading] | None = None
+        #: The watched GPUs that were busy during the window (see
+        #: :meth:`~ipw.telemetry.sampler.NvmlSampler.foreign_activity`); set by :meth:`result`.
+        self.foreign_activity: list[dict[str, Any]] = []
 
     def ready(self) -> bool:
         if self._result is not None:
@@ -363,7 +284,7 @@ class PendingWindow:
 
     def result(self) -> list[EnergyReading]:
         if self._result is None:
-            self._result = self._sensor._readings(self.start_s, self.end_s)
+            self._result, self.foreign_activity = self._sensor._window(self.start_s, self.end_s)
         return self._result
 
 
@@ -383,6 +304,10 @@ class NvmlSensor:
       the instant field (``nvml.instant``), else ``unavailable``.  A counter that goes backwards is a
       gap, never negative energy; an NVML failure mid-run gives ``unavailable`` readings, not an
       exception.
+
+    The machine's other GPUs are watched (``watch_others``): a reading's note says when one of them
+    was busy during its window (``foreign activity``); :attr:`PendingWindow.foreign_activity` has the
+    numbers.
     """
 
     name = "nvml"
@@ -397,6 +322,7 @@ class NvmlSensor:
         threaded: bool = True,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_ns: Callable[[], int] = time.time_ns,
+        watch_others: bool = True,
     ) -> None:
         self._nvml = import_pynvml()
         self._closed = False
@@ -407,10 +333,11 @@ class NvmlSensor:
             raise nvml_error(self._nvml, exc, "nvmlInit") from exc
         try:
             self.gpus = select_gpus(self._nvml, indices)
+            self.others = other_gpus(self._nvml, self.gpus) if watch_others else []
             self.sampler = NvmlSampler(
                 self._nvml, self.gpus, counter_period_s=counter_period_s,
                 samples_period_s=samples_period_s, sample_shift_s=sample_shift_s,
-                clock_ns=clock_ns, wall_ns=wall_ns,
+                clock_ns=clock_ns, wall_ns=wall_ns, watch=self.others,
             )
             self._signals = self.sampler.start(threaded=threaded)
             self._check_signals()
@@ -467,6 +394,13 @@ class NvmlSensor:
                 f"; MIG enabled on {', '.join(mig)}: energy is the whole GPU, MIG slices are "
                 "not attributable"
             )
+        watched = s.watched()
+        if watched:
+            detail += (
+                f"; not measured, watched for foreign activity: "
+                f"{', '.join(w['component'] for w in watched)}"
+            )
+        others = {g.component: g for g in self.others}
         return SensorInfo(
             name=self.name,
             available=True,
@@ -493,6 +427,16 @@ class NvmlSensor:
                 "mig": "MIG slices are not attributable: readings are whole-GPU energy"
                 if mig else "MIG not enabled",
                 "never_used": "nvmlDeviceGetPowerUsage / NVML_FI_DEV_POWER_AVERAGE (1 s average)",
+                "watched_gpus": [
+                    {**w, "nvml_index": others[w["component"]].nvml_index,
+                     "uuid": others[w["component"]].uuid, "name": others[w["component"]].name}
+                    for w in watched
+                ],
+                "watch_period_s": s.watch_period_s if watched else None,
+                "foreign_activity_rule": (
+                    f"instant power above the GPU's idle by > {FOREIGN_RISE_FRACTION:.0%} of its power "
+                    f"limit, or above {FOREIGN_BUSY_FRACTION:.0%} of it"
+                ),
             },
         )
 
@@ -514,18 +458,29 @@ class NvmlSensor:
         return PendingWindow(self, int(token), end_ns)
 
     def _readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
+        return self._window(start_s, end_s)[0]
+
+    def _window(self, start_s: float, end_s: float) -> tuple[list[EnergyReading], list[dict[str, Any]]]:
+        """The readings of one window and the foreign activity during it."""
         duration_s = end_s - start_s
         extra: list[str] = []
         if self.sampler._fatal:
             extra.append(f"sampler stopped: {self.sampler._fatal}")
+        foreign: list[dict[str, Any]] = []
+        try:
+            foreign = self.sampler.foreign_activity(start_s, end_s)
+        except Exception as exc:  # informational: never fails the window
+            extra.append(f"foreign activity unknown: {type(exc).__name__}: {exc}")
+        if foreign:
+            extra.append(foreign_note(foreign, {g.component: g for g in self.others}))
         try:
             estimates = self.sampler.energy_windows([(start_s, end_s)])
         except Exception as exc:  # never an exception into the runner
             return [
                 EnergyReading(g.component, None, "nvml.samples", "unavailable", "gpu", duration_s,
-                              note=f"estimate failed: {type(exc).__name__}: {exc}")
+                              note="; ".join([f"estimate failed: {type(exc).__name__}: {exc}", *extra]))
                 for g in self.gpus
-            ]
+            ], foreign
         signals = self.sampler.signals()
         out = []
         for gpu in self.gpus:
@@ -535,7 +490,11 @@ class NvmlSensor:
             if failed and est.coverage < 1.0:
                 notes.append("NVML " + "; ".join(failed))
             out.append(reading_from_estimate(gpu, est, duration_s, notes))
-        return out
+        return out, foreign
+
+    def foreign_activity(self, start_s: float, end_s: float) -> list[dict[str, Any]]:
+        """The machine's other (watched, not measured) GPUs that were busy in ``[start_s, end_s]``."""
+        return self.sampler.foreign_activity(start_s, end_s)
 
     def close(self) -> None:
         if not self._closed:

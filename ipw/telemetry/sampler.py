@@ -13,6 +13,10 @@ Per GPU it records three signals, all on the monotonic clock (``time.monotonic_n
 - the instant-power field (``NVML_FI_DEV_POWER_INSTANT``, ~100 ms updates, a few µs), read every
   ``instant_period_s`` (0.25 s): the last fallback and the live display.
 
+It also *watches* other GPUs (``watch``: the machine's GPUs that are not measured), reading only their
+instant power every ``watch_period_s`` (0.25 s, a few µs a read), so that a window can report
+*foreign activity*: a GPU outside the measurement that was busy during it (:meth:`NvmlSampler.foreign_activity`).
+
 The 1 s averaged power (``nvmlDeviceGetPowerUsage``, ``NVML_FI_DEV_POWER_AVERAGE``) is never read:
 integrated over a window it is off by up to +84% (DESIGN.md §3).
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import threading
 import time
 from array import array
@@ -85,6 +90,22 @@ MAX_PAIR_SPREAD_NS = 200_000
 MAX_CONSECUTIVE_ERRORS = 5
 #: Clock pairs kept around the samples being converted (median-smoothed by the estimator).
 _PAIRS_FOR_CONVERSION = 9
+#: Watched (not measured) GPUs: their instant power is read this often.
+DEFAULT_WATCH_PERIOD_S = 0.25
+#: A watched GPU is busy when its instant power is above its idle by more than this share of its
+#: enforced power limit (105 W on a 700 W H200: above the 75-155 W its idle spans after a load) ...
+FOREIGN_RISE_FRACTION = 0.15
+#: ... or, with no power limit known, by this much ...
+FOREIGN_RISE_W = 60.0
+#: ... and never by less than this.
+FOREIGN_MIN_RISE_W = 20.0
+#: A watched GPU above this share of its power limit is busy whatever its idle (one that was busy
+#: since before the sampler started has no idle to rise from).
+FOREIGN_BUSY_FRACTION = 0.45
+#: A watched GPU's idle: the lowest median of this many consecutive instant reads (1 s at 0.25 s)
+#: since the sampler started.  (A percentile over a lookback drifts up to the load's power when the
+#: GPU is busy most of the time: 78 -> 121 W within 100 s on the two-H200 bench, docs/MULTIGPU.md.)
+FOREIGN_IDLE_READS = 4
 
 KINDS = ("counter", "samples", "instant")
 
@@ -109,6 +130,62 @@ def hold_counter_reads(t_s: np.ndarray, e_j: np.ndarray, step_s: float = COUNTER
     ee = np.concatenate([e, e[idx - 1]])
     order = np.argsort(tt, kind="stable")
     return tt[order], ee[order]
+
+
+def idle_from_reads(w: np.ndarray, n: int = FOREIGN_IDLE_READS) -> float:
+    """A watched GPU's idle from its instant-power reads: the lowest median of ``n`` consecutive
+    reads (the sampler keeps the same minimum as reads arrive).  ``inf`` without reads."""
+    w = np.asarray(w, dtype=np.float64)
+    if w.size == 0:
+        return math.inf
+    if w.size < n:
+        return float(w.min())
+    return float(np.median(np.lib.stride_tricks.sliding_window_view(w, n), axis=1).min())
+
+
+def foreign_verdict(component: str, t_s: np.ndarray, w: np.ndarray, idle_w: float, limit_w: float | None,
+                    start_s: float, end_s: float) -> dict[str, Any] | None:
+    """Whether a GPU outside the measurement was busy in ``[start_s, end_s]``, from its instant-power
+    reads ``(t_s, w)``: None when not (or when no read lies within 0.3 s of the window).
+
+    Busy: at least two of the window's reads (its one read, for a window shorter than the read
+    period: the nearest) above ``idle_w`` + 15% of ``limit_w`` (+60 W without a limit, at least
+    +20 W), or above 45% of ``limit_w`` (a GPU busy since before the sampler started has no idle to
+    rise from).  The dict: ``component``, ``mean_w`` / ``max_w`` over those reads, ``idle_w``,
+    ``threshold_w``, ``busy_fraction`` (of the reads), ``excess_j`` (rough: mean above idle times
+    the duration: energy that no reading of the sensor contains) and ``reads``."""
+    t = np.asarray(t_s, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64)
+    if t.size == 0:
+        return None
+    duration = max(0.0, end_s - start_s)
+    inside = (t >= start_s) & (t <= end_s)
+    if inside.any():
+        vals = w[inside]
+    else:
+        mid = 0.5 * (start_s + end_s)
+        k = int(np.argmin(np.abs(t - mid)))
+        if abs(t[k] - mid) > 0.5 * duration + 0.3:
+            return None
+        vals = w[k: k + 1]
+    rise = FOREIGN_RISE_W if limit_w is None else max(FOREIGN_MIN_RISE_W, FOREIGN_RISE_FRACTION * limit_w)
+    threshold = idle_w + rise
+    if limit_w is not None:  # busy since before the sampler started: its "idle" is a load
+        threshold = min(threshold, FOREIGN_BUSY_FRACTION * limit_w)
+    above = vals > threshold
+    if int(above.sum()) < min(2, vals.size):
+        return None
+    mean_w = float(vals.mean())
+    return {
+        "component": component,
+        "mean_w": round(mean_w, 1),
+        "max_w": round(float(vals.max()), 1),
+        "idle_w": round(idle_w, 1),
+        "threshold_w": round(threshold, 1),
+        "busy_fraction": round(float(above.mean()), 3),
+        "excess_j": round(max(0.0, mean_w - idle_w) * duration, 1),
+        "reads": int(vals.size),
+    }
 
 
 @dataclass
@@ -164,6 +241,7 @@ class _GpuState:
     instant: _Columns = field(default_factory=lambda: _Columns(2))  # t_s, W
     last_sample_ts_us: int = 0
     sample_gaps: int = 0
+    idle_w: float = math.inf  # watched GPUs: lowest median of FOREIGN_IDLE_READS consecutive instant reads
     kinds: dict[str, _KindState] = field(default_factory=lambda: {k: _KindState() for k in KINDS})
 
 
@@ -201,13 +279,19 @@ class NvmlSampler:
         settle_margin_s: float = SETTLE_MARGIN_S,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_ns: Callable[[], int] = time.time_ns,
+        watch: Sequence[Any] = (),
+        watch_period_s: float = DEFAULT_WATCH_PERIOD_S,
     ) -> None:
         if (counter_period_s is not None and counter_period_s <= 0) or samples_period_s <= 0 or (
             instant_period_s is not None and instant_period_s <= 0
-        ):
+        ) or watch_period_s <= 0:
             raise ValueError("sampler periods must be positive")
         self._nvml = nvml
         self._gpus = [_GpuState(g) for g in gpus]
+        self._watch = [_GpuState(g) for g in watch]  # instant power only, for foreign activity
+        self._power_limit_w: dict[str, float | None] = {}
+        self.watch_period_s = float(watch_period_s)
+        self._next_watch_ns = 0
         self.counter_adaptive = counter_period_s is None
         self.counter_period_s = DEFAULT_COUNTER_PERIOD_S if counter_period_s is None else float(counter_period_s)
         self.samples_period_s = float(samples_period_s)
@@ -235,8 +319,8 @@ class NvmlSampler:
         self._sample_requests: list[int] = []  # sorted monotonic ns at which a poll was asked for
         self._counter_requests: list[int] = []
         self._pairs = _Columns(2)  # (monotonic ns, wall µs) as floats: exact below 2**53
-        self._calls = {k: 0 for k in KINDS}
-        self._call_s = {k: 0.0 for k in KINDS}
+        self._calls = {k: 0 for k in (*KINDS, "watch")}
+        self._call_s = {k: 0.0 for k in (*KINDS, "watch")}
         self._iterations = 0
         self._cpu_s = 0.0
 
@@ -317,12 +401,17 @@ class NvmlSampler:
         self._poll_samples(now)
         self._read_counter(now, adapt=False)  # a first call costs more than the rest
         self._read_instant(now)
+        self._probe_watch()
+        self._read_watch(now)
+        self._next_watch_ns = now + int(self.watch_period_s * 1e9)
         self._next_samples_ns = now + int(self.samples_period_s * 1e9)
         self._next_counter_ns = now + int(self.counter_period_s * 1e9)
         if self.instant_period_s is not None:
             self._next_instant_ns = now + int(self.instant_period_s * 1e9)
 
     def _active(self, kind: str) -> bool:
+        if kind == "watch":
+            return any(g.kinds["instant"].status in ("ok", "unknown") for g in self._watch)
         if kind == "instant" and not self.instant_enabled:
             return False
         return any(g.kinds[kind].status in ("ok", "unknown") for g in self._gpus)
@@ -348,6 +437,7 @@ class NvmlSampler:
         due = [self._next_samples_ns if self._active("samples") else None,
                self._next_counter_ns if self._active("counter") else None,
                self._next_instant_ns if self._active("instant") else None,
+               self._next_watch_ns if self._active("watch") else None,
                self._requested_samples_ns() if self._active("samples") else None,
                self._requested_counter_ns() if self._active("counter") else None]
         due = [d for d in due if d is not None]
@@ -372,6 +462,9 @@ class NvmlSampler:
         if self.instant_period_s is not None and now >= self._next_instant_ns:
             self._read_instant(now)
             self._next_instant_ns = now + int(self.instant_period_s * 1e9)
+        if self._watch and now >= self._next_watch_ns:
+            self._read_watch(now)
+            self._next_watch_ns = now + int(self.watch_period_s * 1e9)
 
     def mark(self, t_s: float, *, counter: bool = False) -> float:
         """A window ended at ``t_s``: poll the sample buffer at ``t_s + settle margin`` (rather than at
@@ -420,19 +513,20 @@ class NvmlSampler:
     # ------------------------------------------------------------------------------------------
     # reads (sampler thread only)
 
-    def _call(self, g: _GpuState, kind: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, g: _GpuState, kind: str, fn: Callable[[], Any], count_as: str | None = None) -> Any:
         """Run one NVML call; None when it failed (counted; the kind is given up on when it cannot
         work: unsupported, or failing again and again)."""
         st = g.kinds[kind]
         if st.status in ("unsupported", "failed"):
             return None
         nvml = self._nvml
+        counted = count_as or kind
         t0 = time.perf_counter()
         try:
             out = fn()
         except nvml.NVMLError as exc:
-            self._calls[kind] += 1
-            self._call_s[kind] += time.perf_counter() - t0
+            self._calls[counted] += 1
+            self._call_s[counted] += time.perf_counter() - t0
             value = getattr(exc, "value", None)
             if kind == "samples" and value == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
                 st.status, st.consecutive_errors = "ok", 0  # no new samples since last_seen
@@ -455,8 +549,8 @@ class NvmlSampler:
             if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
                 st.status = "failed"
             return None
-        self._calls[kind] += 1
-        self._call_s[kind] += time.perf_counter() - t0
+        self._calls[counted] += 1
+        self._call_s[counted] += time.perf_counter() - t0
         st.status, st.consecutive_errors = "ok", 0
         return out
 
@@ -520,33 +614,57 @@ class NvmlSampler:
             self.counter_period_s = min(MAX_COUNTER_PERIOD_S, max(DEFAULT_COUNTER_PERIOD_S, period))
         self._last_counter_ns = now_ns
 
-    def _read_instant(self, now_ns: int) -> None:
+    def _instant_of(self, g: _GpuState, count_as: str | None = None) -> None:
+        """Read one GPU's instant-power field into ``g.instant``."""
         nvml = self._nvml
+        fid = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186)
+        t0 = self._clock()
+        fv = self._call(g, "instant", lambda: nvml.nvmlDeviceGetFieldValues(g.gpu.handle, [fid]), count_as)
+        t1 = self._clock()
+        if fv is None:
+            return
+        v = fv[0]
+        ret = getattr(v, "nvmlReturn", 0)
+        if ret != getattr(nvml, "NVML_SUCCESS", 0):
+            st = g.kinds["instant"]
+            st.errors += 1
+            st.error, st.error_value = f"field value error {ret}", ret
+            if ret == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3) and st.status in ("unknown", "ok"):
+                st.status = "unsupported"
+            else:
+                st.consecutive_errors += 1
+                if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
+                    st.status = "failed"
+            return
+        with self._lock:
+            g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, _value_attr(nvml, v.valueType))) / 1000.0)
+            if count_as == "watch" and len(g.instant) >= FOREIGN_IDLE_READS:
+                g.idle_w = min(g.idle_w, statistics.median(g.instant.cols[1][-FOREIGN_IDLE_READS:]))
+
+    def _read_instant(self, now_ns: int) -> None:
         if not self._active("instant"):
             return
-        fid = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186)
         for g in self._gpus:
-            t0 = self._clock()
-            fv = self._call(g, "instant", lambda g=g: nvml.nvmlDeviceGetFieldValues(g.gpu.handle, [fid]))
-            t1 = self._clock()
-            if fv is None:
-                continue
-            v = fv[0]
-            ret = getattr(v, "nvmlReturn", 0)
-            if ret != getattr(nvml, "NVML_SUCCESS", 0):
-                st = g.kinds["instant"]
-                st.errors += 1
-                st.error, st.error_value = f"field value error {ret}", ret
-                if ret == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3) and st.status in ("unknown", "ok"):
-                    st.status = "unsupported"
-                else:
-                    st.consecutive_errors += 1
-                    if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-                        st.status = "failed"
-                continue
-            with self._lock:
-                g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, _value_attr(nvml, v.valueType))) / 1000.0)
+            self._instant_of(g)
         self._last_instant_ns = now_ns
+
+    def _probe_watch(self) -> None:
+        """The enforced power limit of each watched GPU (its busy threshold); None where unknown."""
+        for g in self._watch:
+            limit = None
+            try:
+                mw = self._nvml.nvmlDeviceGetEnforcedPowerLimit(g.gpu.handle)
+                if isinstance(mw, (int, float)) and 1_000 <= mw <= 10_000_000:
+                    limit = float(mw) / 1000.0
+            except Exception:  # best effort: a threshold without the limit is used instead
+                pass
+            self._power_limit_w[g.gpu.component] = limit
+
+    def _read_watch(self, now_ns: int) -> None:
+        if not self._active("watch"):
+            return
+        for g in self._watch:
+            self._instant_of(g, count_as="watch")
 
     # ------------------------------------------------------------------------------------------
     # results
@@ -601,6 +719,35 @@ class NvmlSampler:
             )
         return out
 
+    def watched(self) -> list[dict[str, Any]]:
+        """The watched (not measured) GPUs: component, status of their instant power, power limit."""
+        out = []
+        for g in self._watch:
+            st = g.kinds["instant"]
+            out.append({
+                "component": g.gpu.component,
+                "instant": st.status if not st.error or st.status == "ok" else f"{st.status}: {st.error}",
+                "power_limit_w": self._power_limit_w.get(g.gpu.component),
+            })
+        return out
+
+    def foreign_activity(self, start_s: float, end_s: float) -> list[dict[str, Any]]:
+        """The watched GPUs that were busy during ``[start_s, end_s]`` (monotonic s), by
+        :func:`foreign_verdict` on their instant power: above their idle (the lowest 1 s median of
+        their power since the sampler started) by more than 15% of their power limit (60 W when it
+        is unknown), or above 45% of the limit.  One dict per busy GPU (see there)."""
+        out: list[dict[str, Any]] = []
+        for g in self._watch:
+            with self._lock:
+                t, w = g.instant.numpy(end_s - CALIBRATION_LOOKBACK_S)
+            if t.size == 0:
+                continue
+            idle = g.idle_w if math.isfinite(g.idle_w) else float(w.min())
+            v = foreign_verdict(g.gpu.component, t, w, idle, self._power_limit_w.get(g.gpu.component), start_s, end_s)
+            if v is not None:
+                out.append(v)
+        return out
+
     def current_power_w(self) -> dict[str, float | None]:
         """Latest power per GPU for a live display: the instant field (read 4x a second) when it
         is recent, else the newest driver sample; None when neither is younger than 3 s."""
@@ -653,9 +800,11 @@ class NvmlSampler:
             "mean_call_s": {k: (self._call_s[k] / n if n else None) for k, n in self._calls.items()},
             "iterations": self._iterations,
             "errors": {g.gpu.component: {k: s.errors for k, s in g.kinds.items()} for g in self._gpus},
+            "watched": {g.gpu.component: g.kinds["instant"].status for g in self._watch},
             "sample_buffer_gaps": {g.gpu.component: g.sample_gaps for g in self._gpus},
             "periods_s": {"counter": self.counter_period_s, "samples": self.samples_period_s,
-                          "instant": self.instant_period_s},
+                          "instant": self.instant_period_s,
+                          "watch": self.watch_period_s if self._watch else None},
             "counter_adaptive": self.counter_adaptive,
             "counter_round_cpu_s": self._counter_cpu_s,
             "threaded": self._thread is not None,
@@ -668,6 +817,9 @@ __all__ = [
     "DEFAULT_COUNTER_PERIOD_S",
     "DEFAULT_SAMPLES_PERIOD_S",
     "DEFAULT_SAMPLE_SHIFT_S",
+    "DEFAULT_WATCH_PERIOD_S",
+    "foreign_verdict",
+    "idle_from_reads",
     "hold_counter_reads",
     "GpuHandle",
     "NvmlSampler",
