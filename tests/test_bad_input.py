@@ -105,3 +105,33 @@ def test_unknown_backend_option(run_cli):
     assert code == 2 and "--backend nosuch: no backend of that name" in err
     code, _, err = run_cli("run", "--backend", "vllm2:x")
     assert code == 2 and "unknown backend kind 'vllm2'" in err
+
+
+def test_enormous_line(tmp_path, run_cli):
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps({**GOOD, "id": "q2", "prompt": "x" * 2_000_000}) + "\n")
+    code, _, err = run_cli("run", "--dataset", path, "--out", tmp_path / "res")
+    assert code == 2 and ":2: line is longer than" in err
+    assert not (tmp_path / "res").exists()
+
+
+def test_unreadable_dataset_path(tmp_path, run_cli, monkeypatch):
+    path = tmp_path / "locked.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n")
+    real_open = Path.open
+
+    def deny(self, *args, **kwargs):  # root ignores file modes, so deny the read itself
+        if self == path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", deny)
+    code, _, err = run_cli("run", "--dataset", path, "--out", tmp_path / "res")
+    assert code == 2 and "permission denied" in err and str(path) in err
+
+
+def test_unsupported_file_type(tmp_path, run_cli):
+    path = tmp_path / "data.txt"
+    path.write_text("hello\n")
+    code, _, err = run_cli("run", "--dataset", path)
+    assert code == 2 and "unsupported file type" in err
