@@ -147,3 +147,4 @@ def few_shot_prompt(prompt: str) -> str:
 
 register_backend("llama-cpp", "ipw.backends.llama_cpp:LlamaCppBackend")
 register_backend("openai", "ipw.backends.openai_http:OpenAIBackend")
+register_backend("vllm", "ipw.backends.vllm:VllmBackend")

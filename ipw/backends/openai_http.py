@@ -12,9 +12,11 @@
   an error record.
 - The API key is read from the environment variable named by ``api_key_env`` and only ever sent in
   the ``Authorization`` header; the manifest records the variable's name, never its value.
-- ``server = "llama-cpp"`` starts a managed local server (``ipw.backends.servers``) serving
-  ``model``; the machine's own sensors then measure it through the server's PID tree.  A remote
-  endpoint (host not loopback) is not measured: its energy is estimated (``estimate.api``).
+- ``server = "llama-cpp"`` or ``"vllm"`` starts a managed local server (``ipw.backends.servers``)
+  serving ``model`` (vLLM: a Hugging Face folder, or a GGUF converted once; ``repeat_penalty`` is
+  sent under vLLM's name ``repetition_penalty``); the machine's own sensors then measure it through
+  the server's PID tree.  A remote endpoint (host not loopback) is not measured: its energy is
+  estimated (``estimate.api``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class OpenAIBackend:
         "remote": bool, "energy_table": str,
         # managed local server
         "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,
+        "python": str,  # the interpreter of a vLLM server (default: one with vllm, e.g. .venv-vllm/bin/python)
     }
 
     def __init__(self, spec: BackendSpec) -> None:
@@ -88,13 +91,13 @@ class OpenAIBackend:
                 raise IpwError(f"{name}: server must be one of {', '.join(SERVER_KINDS)}, got {self.server_kind!r}")
             if "base_url" in opts:
                 raise IpwError(f"{name}: give either server (a managed local server) or base_url, not both")
-            from ipw.models import resolve_model
+            from ipw.backends.servers import server_model
 
-            self.model_path, default_mode = resolve_model(spec.model)
+            self.model_path, default_mode = server_model(self.server_kind, spec.model)
             default_api = _MODE_TO_API.get(default_mode or "")
         elif "base_url" not in opts:
             raise IpwError(f"{name}: kind 'openai' needs base_url (e.g. \"http://127.0.0.1:8000/v1\") "
-                           "or server = \"llama-cpp\"")
+                           "or server = \"llama-cpp\" / \"vllm\"")
         api = opts.get("api")
         if api is not None and api not in APIS:
             raise IpwError(f"{name}: api must be one of {', '.join(APIS)}, got {api!r}")
@@ -151,7 +154,7 @@ class OpenAIBackend:
             self.server = start_server(
                 self.server_kind, self.model_path, log_dir / f"server-{safe}.log",
                 n_threads=opts.get("n_threads"), n_ctx=opts.get("n_ctx", 4096), alias=self.model_name,
-                timeout_s=opts.get("server_timeout_s", 180.0))
+                timeout_s=opts.get("server_timeout_s", 180.0), python=opts.get("python"))
             self._set_url(self.server.base_url)
         try:
             if self.remote:
@@ -210,8 +213,9 @@ class OpenAIBackend:
             "model": self.model_name, "max_tokens": settings.max_tokens, "temperature": settings.temperature,
             "top_p": settings.top_p, "seed": settings.seed,
         }
-        if self.extensions:
-            params.update(top_k=settings.top_k, repeat_penalty=settings.repeat_penalty)
+        if self.extensions:  # vLLM's name for it is repetition_penalty (it ignores repeat_penalty)
+            penalty = "repetition_penalty" if self.server_kind == "vllm" else "repeat_penalty"
+            params.update({"top_k": settings.top_k, penalty: settings.repeat_penalty})
         stop = list(settings.stop) + (list(FEW_SHOT_STOP) if self.api == "completions" else [])
         if stop:
             params["stop"] = stop
@@ -350,14 +354,11 @@ class OpenAIBackend:
             "request_params": getattr(self, "sent_params", None),
         }
         if self.server is not None:
-            from importlib.metadata import version
-
             out["server"] = {
                 "kind": self.server_kind, "pid": self.server.pid, "port": self.server.port,
                 "command": self.server.command, "log": str(self.server.log_path),
                 "startup_s": round(self.server.startup_s or 0.0, 3),
-                "engine_version": version("llama-cpp-python"),
-                "model_file": str(self.model_path), "model_bytes": self.model_path.stat().st_size,
+                **self.server.info,  # engine, engine_version, model file or folder, model_bytes
             }
         elif not self.remote:
             out["server_pids"] = self._local_pids

