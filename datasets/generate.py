@@ -10,7 +10,7 @@ Every answer of a generated category is computed by code; the multiple-choice it
 only their option order is drawn. Each category draws from its own ``random.Random`` derived from the
 seed, so editing one category does not reshuffle the others. ``ipw-core-default.txt`` lists the 24
 query ids of the small default run: a seeded, stratified pick of 3-4 per category mixing easy and
-hard items.
+hard items (``long_context``, added later, is not in it).
 """
 
 from __future__ import annotations
@@ -594,6 +594,48 @@ def gen_mcq(rng: random.Random, bank: list[tuple[str, str, list[str], str]]) -> 
 
 
 # --------------------------------------------------------------------------------------------
+# long context (exact and numeric): a long generated register with one fact to find or a count to
+# make, and a short answer, so that reading the prompt (prefill) costs more than writing the answer
+
+LOCKER_OWNERS = NAMES + ("Quinn", "Rosa", "Sami", "Tara", "Uma", "Vik", "Wren", "Yusuf", "Zoe", "Abel", "Bea",
+                         "Cyrus", "Dina", "Emil")
+LOCKER_THINGS = ("umbrella", "helmet", "backpack", "toolbox", "camera", "notebook", "lantern", "scarf", "kettle",
+                 "radio", "blanket", "compass")
+LOCKER_COLORS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
+
+
+def article(word: str) -> str:
+    return f"{'an' if word[0] in VOWELS else 'a'} {word}"
+
+
+def gen_long_context(rng: random.Random) -> list[Item]:
+    """24 registers of 36-72 lockers (about 1,000-2,000 tokens each); ask for an owner, a door code, or
+    how many lockers hold an item of one color."""
+    items = []
+    for i in range(24):
+        rows = [(number, rng.choice(LOCKER_OWNERS), rng.choice(LOCKER_COLORS), rng.choice(LOCKER_THINGS),
+                 rng.randint(1000, 9999)) for number in rng.sample(range(100, 1000), rng.randint(36, 72))]
+        register = "\n".join(f"Locker {n}: assigned to {owner}, holds {article(color)} {thing}, door code {code}."
+                             for n, owner, color, thing, code in rows)
+        number, owner, _, _, code = rng.choice(rows)
+        kind = ("owner", "code", "count")[i % 3]
+        if kind == "owner":
+            question, answer, scorer = f"Who is locker {number} assigned to? Answer with just the name.", owner, "exact"
+        elif kind == "code":
+            question, answer, scorer = f"What is the door code of locker {number}? {JUST_NUMBER}", str(code), "numeric"
+        else:
+            color = rng.choice(LOCKER_COLORS)
+            question = f"How many lockers hold {article(color)} item? {JUST_NUMBER}"
+            answer, scorer = str(sum(row[2] == color for row in rows)), "numeric"
+        items.append(Item(f"Here is the register of the lockers in a building:\n{register}\n\n{question}",
+                          answer, scorer, "hard"))
+    return items
+
+
+# --------------------------------------------------------------------------------------------
+
+#: Not in the default subset (its ids stay as they were before these categories were added).
+NOT_IN_DEFAULT = ("long_context",)
 
 CATEGORIES = (  # name, id prefix, generator; the order is the order in the file
     ("arithmetic", "arith", gen_arithmetic),
@@ -603,6 +645,7 @@ CATEGORIES = (  # name, id prefix, generator; the order is the order in the file
     ("logic", "logic", gen_logic),
     ("general_knowledge", "gk", lambda rng: gen_mcq(rng, GENERAL_KNOWLEDGE)),
     ("science", "sci", lambda rng: gen_mcq(rng, SCIENCE)),
+    ("long_context", "long", gen_long_context),
 )
 
 
@@ -627,7 +670,7 @@ def build(seed: int = DEFAULT_SEED) -> tuple[list[dict], list[str]]:
             row["scorer"] = item.scorer
             rows.append(row)
             by_category.setdefault(category, []).append((qid, item.difficulty))
-    return rows, default_subset(by_category, seed)
+    return rows, default_subset({c: v for c, v in by_category.items() if c not in NOT_IN_DEFAULT}, seed)
 
 
 def default_subset(by_category: dict[str, list[tuple[str, str]]], seed: int,

@@ -108,7 +108,7 @@ def _paired(base, cand):
     b, c = per_query(base), per_query(cand)
     ttft_b = base.groupby("query_id")["ttft_s"].mean()
     ttft_c = cand.groupby("query_id")["ttft_s"].mean()
-    joined = b.join(c, lsuffix="_b", rsuffix="_c", how="inner")
+    joined = b.merge(c, left_index=True, right_index=True, suffixes=("_b", "_c"))
     joined = joined.join(ttft_b.rename("ttft_b")).join(ttft_c.rename("ttft_c"))
     return joined
 

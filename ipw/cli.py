@@ -121,6 +121,31 @@ def compare(
 
 
 @app.command()
+def report(
+    runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); every backend in them is shown."),
+    out: Path = typer.Option(Path("report.html"), "--out", "-o", help="The HTML report to write (one "
+                             "self-contained file: plots inlined, nothing fetched when viewed)."),
+    markdown: Optional[Path] = typer.Option(
+        None, "--markdown", help="Also write a Markdown summary (a CI job summary or a pull-request comment)."),
+    reference: Optional[str] = typer.Option(
+        None, "--reference", "-r", help="Backend the others are compared against and the cloud reference of "
+        "routing (as in ipw compare)."),
+    common_queries: bool = typer.Option(
+        False, "--common-queries", help="Runs of different query sets: report on the queries they share."),
+    local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
+    cloud: Optional[List[str]] = typer.Option(None, "--cloud", help="Treat this backend as cloud (repeatable)."),
+    router_accuracy: float = typer.Option(
+        0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
+) -> None:
+    """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
+    from ipw.commands import report_command
+
+    raise typer.Exit(report_command(runs, out=out, markdown=markdown, reference=reference,
+                                    common_queries=common_queries, local=local or [], cloud=cloud or [],
+                                    router_accuracy=router_accuracy))
+
+
+@app.command()
 def check(
     baseline: Path = typer.Argument(..., help="Baseline run folder."),
     candidate: Path = typer.Argument(..., help="Candidate run folder (same dataset)."),

@@ -112,14 +112,15 @@ def _num(x: float, spec: str = ".3g") -> str:
 
 def metrics_table(metrics) -> Table:
     table = Table(title="ipw run: per backend (95% bootstrap CIs)")
-    for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token", "TTFT p50",
-                "errors", "energy"):
+    for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token",
+                "J/prefill token", "J/decode token", "TTFT p50", "errors", "energy"):
         table.add_column(col, justify="left" if col in ("backend", "role", "energy") else "right")
     for m in metrics:
         table.add_row(
             m.backend, m.role,
             f"{m.accuracy.value:.1%} [{m.accuracy.lo:.0%}, {m.accuracy.hi:.0%}]",
             m.energy_per_query_j.fmt(), m.ipj.fmt(), m.ipw.fmt(), _num(m.j_per_output_token.value),
+            m.j_per_prefill_token.fmt(), m.j_per_decode_token.fmt(),
             f"{_num(m.ttft_p50_s * 1000, '.0f')} ms", str(m.n_errors), m.energy_quality,
         )
     return table
@@ -144,6 +145,17 @@ def compare_command(runs, *, reference, common_queries, local, cloud, router_acc
             console.print(f"note: {note}", highlight=False, markup=False)
     else:
         sys.stdout.write({"json": cmp.to_json, "csv": cmp.to_csv, "markdown": cmp.to_markdown}[fmt](result))
+    return 0
+
+
+def report_command(runs, *, out, markdown, reference, common_queries, local, cloud, router_accuracy) -> int:
+    from ipw.report import write
+
+    ctx = write(runs, out, markdown, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
+                router_accuracy=router_accuracy)
+    console = Console(stderr=True)
+    console.print(f"wrote {out} ({len(ctx['figures'])} plots, {ctx['n_records']:,} records)"
+                  + (f" and {markdown}" if markdown else ""), highlight=False, markup=False, soft_wrap=True)
     return 0
 
 

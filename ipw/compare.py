@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.phases import LinearFit, fit_dict, fit_linear
 from ipw.routing import SOLVED_AT, QueryMatrix, Routing, oracle_queries, resolve_roles, route
 from ipw.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 
@@ -33,7 +34,8 @@ FORMATS = ("table", "json", "csv", "markdown")
 J_PER_KWH = 3.6e6
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
-                "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source"]
+                "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
+                "prefill_energy_j", "decode_energy_j"]
 
 # key, label; every key is in each backend's "metrics" and "vs_reference" (JSON)
 METRICS: tuple[tuple[str, str], ...] = (
@@ -43,6 +45,9 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("ipw", "IPW (1/W)"),
     ("mean_power_w", "mean W"),
     ("j_per_output_token", "J/out token"),
+    ("j_per_prefill_token", "J/prefill token"),
+    ("j_per_decode_token", "J/decode token"),
+    ("prefill_energy_share", "prefill share of J"),
     ("ttft_p50_s", "TTFT p50 (s)"),
     ("ttft_p95_s", "TTFT p95 (s)"),
     ("latency_p50_s", "latency p50 (s)"),
@@ -50,7 +55,8 @@ METRICS: tuple[tuple[str, str], ...] = (
     ("errors", "errors"),
     ("cost_per_query_usd", "USD/query"),
 )
-SUMS = ("c", "h", "ch", "e", "th", "kh", "err", "cost", "hc")  # per-backend columns of the bootstrap
+# per-backend columns of the bootstrap
+SUMS = ("c", "h", "ch", "e", "th", "kh", "err", "cost", "hc", "pe", "de", "ph", "dk")
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,12 @@ class PerQuery:
     completion_tokens: np.ndarray
     prompt_tokens: np.ndarray | None
     errors: np.ndarray
+    prefill_energy_j: np.ndarray | None = None  # None when no record of any run has phases
+    decode_energy_j: np.ndarray | None = None
 
 
-FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors")
+FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
+          "prefill_energy_j", "decode_energy_j")
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,7 @@ class Comparison:
     routing: Routing | None
     routing_ci: dict[str, Estimate]  # local_coverage, oracle_accuracy, oracle_<energy|latency|cost>_saved_fraction
     notes: tuple[str, ...] = field(default=())
+    models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
 
 
 # --- loading ------------------------------------------------------------------------------------------
@@ -200,6 +210,9 @@ def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
         "prompt_tokens": mean(_floats(frame["prompt_tokens"])) if prompt_tokens else None,
         "errors": np.bincount(key, frame["error"].notna().to_numpy(), size).reshape(nb, nq),
     }
+    for name in ("prefill_energy_j", "decode_energy_j"):  # None in runs made before phases
+        x = _floats(frame[name])
+        values[name] = None if np.isnan(x).all() else mean(x)
     ccode, cnames = _codes(frame["category"], "")
     category = np.zeros(nq, np.int64)
     category[qcode] = ccode
@@ -304,12 +317,13 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
     n, m = len(universe), len(parts)
     out: dict[str, np.ndarray | None] = {}
     for name in FIELDS:
-        if first.values[name] is None:
+        if all(p.values[name] is None for p in parts):
             out[name] = None
             continue
         mat = np.empty((m, n))
         for j, p in enumerate(parts):
-            mat[j] = aligned(p, p.values.pop(name))
+            v = p.values.pop(name)
+            mat[j] = np.nan if v is None else aligned(p, v)
         out[name] = mat
     pq = PerQuery(query_id=universe, category=category, categories=tuple(categories), **out)
     runs = tuple({p.run.run_id: p.run for p in parts}.values())
@@ -369,6 +383,7 @@ def _metric_values(s: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
     """Backend j's ratio metrics from sums ``s`` (shape (..., n_columns))."""
     g = {k: s[..., col[j, k]] for k in SUMS if (j, k) in col}
     power = _ratio(g["e"], g["th"])
+    nan = np.full(np.shape(g["c"]), np.nan)
     return {
         "accuracy": _ratio(g["c"], s[..., col["one"]]),
         "energy_per_query_j": _ratio(g["e"], g["h"]),
@@ -376,8 +391,11 @@ def _metric_values(s: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
         "ipw": _ratio(_ratio(g["ch"], g["h"]), power),
         "mean_power_w": power,
         "j_per_output_token": _ratio(g["e"], g["kh"]),
+        "j_per_prefill_token": _ratio(g["pe"], g["ph"]) if "pe" in g else nan,
+        "j_per_decode_token": _ratio(g["de"], g["dk"]) if "pe" in g else nan,
+        "prefill_energy_share": _ratio(g["pe"], g["pe"] + g["de"]) if "pe" in g else nan,
         "errors": g["err"],
-        "cost_per_query_usd": _ratio(g["cost"], g["hc"]) if "cost" in g else np.full(np.shape(g["c"]), np.nan),
+        "cost_per_query_usd": _ratio(g["cost"], g["hc"]) if "cost" in g else nan,
     }
 
 
@@ -417,6 +435,13 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
         cols.add((j, "th"), lambda j=j, h=h: np.where(h, np.nan_to_num(pq.duration_s[j]), 0.0))
         cols.add((j, "kh"), lambda j=j, h=h: np.where(h, np.nan_to_num(pq.completion_tokens[j]), 0.0))
         cols.add((j, "err"), lambda j=j: pq.errors[j])
+        if pq.prefill_energy_j is not None and pq.decode_energy_j is not None:
+            hp = ~np.isnan(pq.prefill_energy_j[j]) & ~np.isnan(pq.decode_energy_j[j])
+            if hp.any():  # phases: sums over the queries that have them
+                cols.add((j, "pe"), lambda j=j, hp=hp: np.where(hp, pq.prefill_energy_j[j], 0.0))
+                cols.add((j, "de"), lambda j=j, hp=hp: np.where(hp, pq.decode_energy_j[j], 0.0))
+                cols.add((j, "ph"), lambda j=j, hp=hp: np.where(hp, np.nan_to_num(pq.prompt_tokens[j]), 0.0))
+                cols.add((j, "dk"), lambda j=j, hp=hp: np.where(hp, np.nan_to_num(pq.completion_tokens[j]), 0.0))
         if cost is not None:
             hc = ~np.isnan(cost[j])
             cols.add((j, "cost"), lambda j=j: np.nan_to_num(cost[j]))
@@ -444,7 +469,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     if usd_per_kwh is not None and not usd_per_kwh >= 0:
         raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
     prices_raw = [parse_api_price(p) for p in api_prices]
-    runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=bool(prices_raw))
+    runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
     name = lambda x, opt: resolve_name(x, labels, plain, opt)  # noqa: E731
@@ -496,9 +521,18 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
         if i.label != ref and i.energy_quality != infos[ri].energy_quality:
             notes.append(f"energy of {i.label} is {i.energy_quality}, of the reference {ref} "
                          f"{infos[ri].energy_quality}: their energy differences compare different bases")
+    models = {labels[j]: fitted_models(pq, j) for j in range(m)}
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
-                      routing=routing, routing_ci=routing_ci, notes=tuple(notes))
+                      routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models)
+
+
+def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:
+    """Backend j's OLS fits over its queries without errors: energy (J) and latency (s) against prompt
+    and completion tokens (repeats averaged)."""
+    ok = pq.errors[j] == 0
+    p, k = pq.prompt_tokens[j][ok], pq.completion_tokens[j][ok]
+    return {"energy": fit_linear(p, k, pq.energy_j[j][ok]), "latency": fit_linear(p, k, pq.latency_s[j][ok])}
 
 
 def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
@@ -632,6 +666,8 @@ def to_dict(c: Comparison) -> dict:
             "metrics": {k: _est(e) for k, e in c.metrics[b.label].items()},
             "vs_reference": (None if b.label == c.reference
                              else {k: _est(e) for k, e in c.vs_reference[b.label].items()}),
+            **{f"{what}_model": (fit_dict(f) if f is not None else None)
+               for what, f in ((w, c.models.get(b.label, {}).get(w)) for w in ("energy", "latency"))},
         } for b in c.backends],
         "routing": _routing_dict(c),
         "notes": list(c.notes),
@@ -662,6 +698,10 @@ def csv_rows(c: Comparison) -> list[tuple]:
             add("metric", b["label"], "", k, v)
         for k, v in (b["vs_reference"] or {}).items():
             add("vs_reference", b["label"], d["reference"], k, v)
+        for what in ("energy", "latency"):
+            f = b.get(f"{what}_model")
+            for k in ("intercept", "per_prompt_token", "per_completion_token", "r2") if f else ():
+                add("model", b["label"], what, k, f[k])
     r = d["routing"]
     if r:
         add("routing", "", "", "local_coverage", r["local_coverage"])
@@ -709,7 +749,7 @@ def _pct(x: float | None) -> str:
 def _cell(e: Estimate, key: str, sign: bool = False) -> str:
     if not math.isfinite(e.value):
         return "n/a"
-    if key == "accuracy":
+    if key in ("accuracy", "prefill_energy_share"):
         f = (lambda x: f"{x:+.1%}") if sign else _pct
     else:
         f = (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.3g}") if sign else _f
@@ -731,6 +771,18 @@ def tables(c: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
     if others:
         out.append((f"difference vs {c.reference} (paired over the same queries)", ["metric"] + others,
                     [[names[k]] + [_cell(c.vs_reference[x][k], k, sign=True) for x in others] for k in keys]))
+    fits = [c.models.get(x, {}) for x in labels]
+    if any(math.isfinite(f[w].r2) for f in fits for w in f):
+        rows = []
+        for what, unit in (("energy", "J"), ("latency", "s")):
+            for attr, name in (("intercept", f"a ({unit})"), ("per_prompt_token", f"b ({unit}/prompt token)"),
+                               ("per_completion_token", f"c ({unit}/output token)")):
+                rows.append([f"{what} {name}"] + [_cell(getattr(f[what], attr), attr) if what in f else "n/a"
+                                                  for f in fits])
+            rows.append([f"{what} R² (queries)"] + [f"{_f(f[what].r2, '.3f')} ({f[what].n})" if what in f else "n/a"
+                                                    for f in fits])
+        out.append((f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, {LEVEL:.0%} CIs)",
+                    ["coefficient"] + labels, rows))
     r = c.routing
     if r is not None:
         d = _routing_dict(c)

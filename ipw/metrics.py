@@ -30,6 +30,10 @@ class BackendMetrics:
     j_per_output_token: Estimate
     ttft_p50_s: float
     latency_p50_s: float
+    # over the queries whose records have phases (ipw/phases.py): prefill J / prompt tokens, decode J /
+    # completion tokens
+    j_per_prefill_token: Estimate = NAN
+    j_per_decode_token: Estimate = NAN
 
 
 def _mean(x: np.ndarray) -> np.ndarray:
@@ -39,11 +43,17 @@ def _mean(x: np.ndarray) -> np.ndarray:
 def per_query(frame):
     """One row per query: the means over repeats of correctness, energy, duration and tokens."""
     frame = frame.assign(duration_s=frame["end_s"] - frame["start_s"])
+    for column in ("prefill_energy_j", "decode_energy_j"):  # absent from runs made before phases
+        if column not in frame:
+            frame = frame.assign(**{column: float("nan")})
     return frame.groupby("query_id", sort=True).agg(
         correct=("correct", "mean"),
         energy_j=("energy_j", "mean"),
         duration_s=("duration_s", "mean"),
         completion_tokens=("completion_tokens", "mean"),
+        prompt_tokens=("prompt_tokens", "mean"),
+        prefill_energy_j=("prefill_energy_j", "mean"),
+        decode_energy_j=("decode_energy_j", "mean"),
         category=("category", "first"),
     )
 
@@ -65,6 +75,12 @@ def backend_metrics(frame, *, seed: int = 0) -> BackendMetrics:
         jpt = bootstrap(lambda e, k: e.sum(-1) / k.sum(-1), e, tok, seed=seed)
     else:
         epq = ipj = power = ipw = jpt = NAN
+    has_p = (q["prefill_energy_j"].notna() & q["decode_energy_j"].notna()).to_numpy()
+    pre, dec, ptok, ctok = (q[k].to_numpy(float)[has_p] for k in
+                            ("prefill_energy_j", "decode_energy_j", "prompt_tokens", "completion_tokens"))
+    per_token = lambda e, k: e.sum(-1) / k.sum(-1)  # noqa: E731
+    jpp = bootstrap(per_token, pre, ptok, seed=seed) if has_p.any() else NAN
+    jpd = bootstrap(per_token, dec, ctok, seed=seed) if has_p.any() else NAN
     quality = worst_quality(frame.loc[frame["energy_j"].notna(), "energy_quality"].unique().tolist())
     ttft = frame["ttft_s"].dropna()
     return BackendMetrics(
@@ -84,6 +100,8 @@ def backend_metrics(frame, *, seed: int = 0) -> BackendMetrics:
         j_per_output_token=jpt,
         ttft_p50_s=float(ttft.median()) if len(ttft) else float("nan"),
         latency_p50_s=float(frame["latency_s"].median()),
+        j_per_prefill_token=jpp,
+        j_per_decode_token=jpd,
     )
 
 

@@ -49,6 +49,14 @@ class QueryRecord:
     best_effort_energy_j: float | None  # every available part, measured and estimated, summed
     net_energy_j: float | None  # energy_j minus idle power x duration
     energy_parts: str = "[]"  # JSON list of per-component readings
+    # prefill (window start -> first token) and decode (first token -> end): the same readings as
+    # energy_j cut at the first token, so they sum to it; None without a first token (ipw/phases.py)
+    prefill_energy_j: float | None = None
+    decode_energy_j: float | None = None
+    prefill_uncertainty_j: float | None = None  # ± energy that may belong to the other phase
+    phase_quality: str = ""  # worst quality of the split: measured_interpolated | estimated
+    prefill_unresolved: bool | None = None  # the prefill is shorter than the sensor resolves
+    phase_note: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)

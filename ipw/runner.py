@@ -19,6 +19,7 @@ from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, crea
 from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
+from ipw.phases import first_token_s, record_phases, sensor_splits
 from ipw.results import QueryRecord, RunFolder, new_run_id
 from ipw.scoring import score
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
@@ -85,10 +86,12 @@ def measure_idle(window: Window, seconds: float) -> IdleBaseline:
 def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
-    estimate: Any = None, busy_s: float | None = None,
+    estimate: Any = None, busy_s: float | None = None, splits: Callable[[], dict[str, Any]] | None = None,
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
-    ``busy_s``: the window's share of time when concurrent requests split it (for the idle part)."""
+    ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
+    ``splits``: each component's split at the first token (``ipw.phases.sensor_splits``), called now
+    that the readings are final."""
     duration = end_s - start_s
     if estimate is not None:
         ok = error is None and completion is not None
@@ -114,6 +117,7 @@ def make_record(
         energy_j=total.energy_j, energy_quality=total.quality, energy_source=total.source,
         energy_scope=total.scope, best_effort_energy_j=total.best_effort_j, net_energy_j=net,
         energy_parts=json.dumps([asdict(r) for r in readings]),
+        **record_phases(readings, splits() if splits is not None else {}),
     )
 
 
@@ -183,7 +187,8 @@ def run_backend(
                 closed = window.end(tokens)
                 pending.append((closed, functools.partial(
                     make_record, folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
-                    idle=idle, estimate=getattr(backend, "energy_estimate", None))))
+                    idle=idle, estimate=getattr(backend, "energy_estimate", None),
+                    splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
                 flush(wait=False)
         finally:  # on Ctrl-C too: every finished query gets its record
             flush(wait=True)

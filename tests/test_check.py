@@ -29,7 +29,7 @@ top_k = 0
 name = "smol"
 kind = "llama-cpp"
 model = "smollm2-135m"
-n_threads = 2
+n_threads = 1
 ''')
     out = tmp_path / name
     code, _, err = run_cli("run", config, "--out", out)
@@ -44,6 +44,9 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("check")
     easy = tmp / "easy.jsonl"  # copy tasks the 135M model gets right nearly always
+    stories = tmp / "stories.jsonl"  # open-ended prompts: every answer runs to max_tokens
+    stories.write_text("".join(json.dumps({"id": f"story-{i}", "prompt": f"Write a long story about a {w}.",
+                                           "answer": w, "scorer": "contains"}) + "\n" for i, w in enumerate(WORDS)))
     easy.write_text("".join(json.dumps({"id": f"copy-{i}", "prompt": f"Repeat this word exactly: {w}", "answer": w,
                                         "scorer": "contains"}) + "\n" for i, w in enumerate(WORDS)))
 
@@ -51,13 +54,13 @@ def runs(tmp_path_factory):
         return main([str(a) for a in args]), "", ""
 
     return {
-        "base": _run(cli, tmp, "base", max_tokens=16),
-        "same": _run(cli, tmp, "same", max_tokens=16),
-        "longer": _run(cli, tmp, "longer", max_tokens=28),  # longer answers: a real energy increase
+        "base": _run(cli, tmp, "base", max_tokens=12, dataset=stories),
+        "same": _run(cli, tmp, "same", max_tokens=12, dataset=stories),
+        "longer": _run(cli, tmp, "longer", max_tokens=36, dataset=stories),  # longer answers: a real energy increase
         "easy": _run(cli, tmp, "easy", max_tokens=16, dataset=easy, limit=0),
         # sampling at temperature 5 from the whole vocabulary: the same model answers at random
         "hot": _run(cli, tmp, "hot", max_tokens=16, dataset=easy, limit=0, temperature=5.0),
-        "other": _run(cli, tmp, "other", max_tokens=16, limit=11),  # a different query set
+        "other": _run(cli, tmp, "other", max_tokens=12, dataset=stories, limit=11),  # a different query set
     }
 
 

@@ -17,7 +17,7 @@ from ipw.models import resolve_model
 
 
 class LlamaCppBackend:
-    OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str}
+    OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str, "prefix_cache": bool}
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -34,11 +34,13 @@ class LlamaCppBackend:
             raise missing_extra("llama-cpp-python", "llama") from None
         opts = self.spec.options
         n_gpu_layers = opts.get("n_gpu_layers", -1 if llama_cpp.llama_supports_gpu_offload() else 0)
+        n_threads = opts.get("n_threads", os.cpu_count() or 1)
         try:
             self._llm = llama_cpp.Llama(
                 model_path=str(self.model_path),
                 n_ctx=opts.get("n_ctx", 4096),
-                n_threads=opts.get("n_threads", os.cpu_count() or 1),
+                n_threads=n_threads,
+                n_threads_batch=n_threads,  # prefill too: llama-cpp-python defaults it to every core
                 n_gpu_layers=n_gpu_layers,
                 verbose=False,
             )
@@ -79,6 +81,8 @@ class LlamaCppBackend:
             tokens = tokens[1:]
         if len(tokens) + settings.max_tokens > llm.n_ctx():
             raise IpwError(f"prompt of {len(tokens)} tokens does not fit the context ({llm.n_ctx()}); raise n_ctx")
+        if not self.spec.options.get("prefix_cache", False):
+            llm.reset()  # every query from a clean context: no KV reuse from the previous prompt
         llm.set_seed(settings.seed)
         greedy = settings.temperature <= 0
         start = time.monotonic()
@@ -134,6 +138,7 @@ class LlamaCppBackend:
             "mode": self.mode,
             "gpu_offload": getattr(self, "gpu_offload", False),
             "n_threads": self.spec.options.get("n_threads", os.cpu_count()),
+            "prefix_cache": self.spec.options.get("prefix_cache", False),
         }
 
     def close(self) -> None:

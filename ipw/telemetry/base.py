@@ -90,10 +90,16 @@ class EnergyTotal:
     best_effort_j: float | None
 
 
-def total_energy(readings: list[EnergyReading]) -> EnergyTotal:
+def energy_basis(readings: list[EnergyReading]) -> list[EnergyReading]:
+    """The readings a total sums: the measured ones, or (if there are none) every available one."""
     available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"]
     measured = [r for r in available if r.quality in ("measured", "measured_interpolated")]
-    basis = measured or available
+    return measured or available
+
+
+def total_energy(readings: list[EnergyReading]) -> EnergyTotal:
+    available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"]
+    basis = energy_basis(readings)
     if not basis:
         return EnergyTotal(None, "unavailable", "", "", None)
     return EnergyTotal(

@@ -25,11 +25,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
 from ipw.errors import IpwError
+from ipw.phases import CPU_TICK_S, SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
 from ipw.telemetry.base import EnergyReading, SensorInfo
 
 
@@ -83,6 +84,11 @@ def core_power_for(model_name: str) -> CorePower:
 def process_tree_cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of the given processes, their live descendants, and their reaped
     children.  Processes that vanish are skipped."""
+    return tree_cpu_s(process_tree(pids))
+
+
+def process_tree(pids: list[int]) -> list[psutil.Process]:
+    """The given processes and their live descendants (finding descendants scans every process)."""
     procs: dict[int, psutil.Process] = {}
     for pid in pids:
         try:
@@ -92,8 +98,13 @@ def process_tree_cpu_s(pids: list[int]) -> float:
             continue
         for proc in tree:
             procs.setdefault(proc.pid, proc)
+    return list(procs.values())
+
+
+def tree_cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``procs`` and their reaped children (cheap: no process scan)."""
     total_s = 0.0
-    for proc in procs.values():
+    for proc in procs:
         try:
             t = proc.cpu_times()
         except psutil.NoSuchProcess:
@@ -112,8 +123,12 @@ class CpuModelSensor:
 
     name = "cpu_model"
 
-    def __init__(self, pids_fn: Callable[[], list[int]], watts_per_core: float | None = None) -> None:
+    def __init__(self, pids_fn: Callable[[], list[int]], watts_per_core: float | None = None,
+                 snapshot_period_s: float | None = SNAPSHOT_PERIOD_S) -> None:
+        """``snapshot_period_s``: also read the tree's CPU time this often while a window is open, so
+        that the window can be split at the first token (``split``); None: begin/end only."""
         self.pids_fn = pids_fn
+        self.snapshots = Snapshots(snapshot_period_s) if snapshot_period_s else None
         self.cpu_model = cpu_model_name()
         if watts_per_core is None:
             entry = core_power_for(self.cpu_model)
@@ -138,14 +153,27 @@ class CpuModelSensor:
                 "basis": self.basis,
                 "cpu_model": self.cpu_model,
                 "logical_cpus": os.cpu_count(),
+                "snapshot_period_s": self.snapshots.period_s if self.snapshots else None,
             },
         )
 
-    def begin(self) -> tuple[int, float]:
-        return time.monotonic_ns(), process_tree_cpu_s(self.pids_fn())
+    def begin(self) -> tuple[int, float, Any]:
+        start_ns = time.monotonic_ns()
+        procs = process_tree(self.pids_fn())
+        start_cpu_s = tree_cpu_s(procs)
+        trace = None
+        if self.snapshots is not None:  # for the phase split: the same processes, read cheaply, until end()
+            if [p.pid for p in procs] == [os.getpid()]:  # an in-process engine: the process CPU clock (ns)
+                read, step = (lambda: (time.process_time(),)), 0.0
+            else:  # /proc times, in clock ticks per process
+                read, step = (lambda: (tree_cpu_s(procs),)), CPU_TICK_S * max(1, len(procs))
+            trace = self.snapshots.open(read, time.monotonic(), read(), step=step)
+        return start_ns, start_cpu_s, trace
 
-    def end(self, token: tuple[int, float]) -> list[EnergyReading]:
-        start_ns, start_cpu_s = token
+    def end(self, token: tuple[int, float, Any]) -> list[EnergyReading]:
+        start_ns, start_cpu_s, trace = token
+        if trace is not None:
+            self.snapshots.close(trace)  # type: ignore[union-attr]
         cpu_s = process_tree_cpu_s(self.pids_fn()) - start_cpu_s
         duration_s = (time.monotonic_ns() - start_ns) / 1e9
         if cpu_s < 0:
@@ -167,5 +195,14 @@ class CpuModelSensor:
             )
         ]
 
+    def split(self, token: tuple[int, float, Any], at_s: float) -> list[PhaseSplit]:
+        """The share of the window's CPU time before ``at_s`` (the first token), from the snapshots."""
+        return split_trace(token[2], at_s, ["cpu-process"], "estimated", "CPU time of the process tree")
+
+    def overhead(self) -> dict[str, Any]:
+        """The snapshot thread's CPU time (manifest ``sampler_overhead``)."""
+        return self.snapshots.overhead() if self.snapshots is not None else {}
+
     def close(self) -> None:
-        pass
+        if self.snapshots is not None:
+            self.snapshots.stop()

@@ -23,8 +23,12 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ipw.errors import IpwError
+from ipw.phases import SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
 from ipw.telemetry.base import EnergyReading, Scope, SensorInfo
 
 DEFAULT_ROOT = Path("/sys/class/powercap")
@@ -118,8 +122,11 @@ class RaplSensor:
 
     name = "rapl"
 
-    def __init__(self, root: Path = DEFAULT_ROOT) -> None:
+    def __init__(self, root: Path = DEFAULT_ROOT, snapshot_period_s: float | None = SNAPSHOT_PERIOD_S) -> None:
+        """``snapshot_period_s``: also read the counters this often while a window is open, so that
+        the window can be split at the first token (``split``); None: begin/end only."""
         self.root = Path(root)
+        self.snapshots = Snapshots(snapshot_period_s) if snapshot_period_s else None
         self.zones = discover_zones(self.root)
         if not self.zones:
             raise IpwError(
@@ -146,15 +153,24 @@ class RaplSensor:
             params={
                 "root": str(self.root),
                 "max_energy_range_uj": {z.component: z.max_energy_range_uj for z in self.zones},
+                "snapshot_period_s": self.snapshots.period_s if self.snapshots else None,
             },
         )
 
-    def begin(self) -> tuple[int, tuple[int, ...]]:
-        return time.monotonic_ns(), tuple(_read_uj(z.energy_path) for z in self.zones)
+    def _read_all(self) -> tuple[int, ...]:
+        return tuple(_read_uj(z.energy_path) for z in self.zones)
 
-    def end(self, token: tuple[int, tuple[int, ...]]) -> list[EnergyReading]:
-        start_ns, start_uj = token
-        end_uj = [_read_uj(z.energy_path) for z in self.zones]
+    def begin(self) -> tuple[int, tuple[int, ...], Any]:
+        start_ns = time.monotonic_ns()
+        start_uj = self._read_all()
+        trace = None if self.snapshots is None else self.snapshots.open(self._read_all, start_ns / 1e9, start_uj)
+        return start_ns, start_uj, trace
+
+    def end(self, token: tuple[int, tuple[int, ...], Any]) -> list[EnergyReading]:
+        start_ns, start_uj, trace = token
+        end_uj = self._read_all()
+        if trace is not None:
+            self.snapshots.close(trace, time.monotonic_ns() / 1e9, end_uj)  # type: ignore[union-attr]
         duration_s = (time.monotonic_ns() - start_ns) / 1e9
         readings = []
         for zone, e0, e1 in zip(self.zones, start_uj, end_uj):
@@ -172,5 +188,19 @@ class RaplSensor:
             )
         return readings
 
+    def split(self, token: tuple[int, tuple[int, ...], Any], at_s: float) -> list[PhaseSplit]:
+        """Each zone's share of the window's energy before ``at_s`` (the first token), from the snapshots."""
+        def cumulative(k: int, uj: np.ndarray) -> np.ndarray:  # unwrap each step (at most one wrap)
+            steps = [energy_delta_uj(int(a), int(b), self.zones[k].max_energy_range_uj) for a, b in zip(uj, uj[1:])]
+            return np.concatenate(([0.0], np.cumsum(steps, dtype=float)))
+
+        return split_trace(token[2], at_s, [z.component for z in self.zones], "measured_interpolated",
+                           "RAPL counter", cumulative)
+
+    def overhead(self) -> dict[str, Any]:
+        """The snapshot thread's CPU time (manifest ``sampler_overhead``)."""
+        return self.snapshots.overhead() if self.snapshots is not None else {}
+
     def close(self) -> None:
-        pass
+        if self.snapshots is not None:
+            self.snapshots.stop()

@@ -1,0 +1,501 @@
+"""Harness overhead with llama.cpp: ``ipw run`` against a bare llama-cpp-python loop, side by side.
+
+Each round runs two child processes one after the other, in alternating order (bare first in even
+rounds, ipw first in odd ones, so a drift in the machine's load hits both sides alike):
+
+- **ipw**: the real CLI, ``ipw run CONFIG`` (one llama-cpp backend, SmolLM2-135M-Instruct in chat mode,
+  ``--idle-s 0``, 2 warm-up queries, the default CPU-model sensor with its snapshot thread on), under a
+  pseudo-terminal so that the live progress bar renders as it does for a user;
+- **bare**: this script in ``--bare-worker`` mode: ``llama_cpp.Llama`` with the same model file,
+  ``n_ctx`` and ``n_threads``, the same prompts rendered through the same chat template
+  (``Jinja2ChatFormatter`` with the GGUF's template), the same 2 warm-up queries, and the same greedy
+  settings (``Llama.generate`` with temp 0, top_k 1, top_p 1, min_p 0, repeat_penalty 1), stopping at
+  an end-of-generation token or ``max_tokens``; nothing else (no sensor, no records, no progress bar).
+
+Both sides take the same timestamps around each query (monotonic clock: start of the call, the first
+token, the end), so the figures are defined identically:
+
+- decode tokens/s = sum over queries of (completion tokens - 1) / sum of (end - first token);
+- wall time of the query loop = end of the last query - start of the first (it contains the harness's
+  work between queries: N - 1 of the N gaps);
+- start-up = process spawn -> start of the first measured query (interpreter, imports, model load,
+  warm-up), reported separately.
+
+The outputs of both sides are compared query by query (greedy decoding: they must be identical).
+
+    .venv/bin/python bench/overhead_llama.py                          # writes docs/PERFORMANCE.md
+    .venv/bin/python bench/overhead_llama.py --rounds 3 --queries 20 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "PERFORMANCE.md"
+IPW = str(Path(sys.executable).with_name("ipw"))
+SECTION = "## Harness overhead: llama.cpp in-process"
+MODEL = "smollm2-135m"
+DECODE_TARGET = 0.97
+WALL_TARGET = 1.03
+
+
+# --- shared helpers (also used by the other overhead benchmarks) ---------------------------------------
+
+def machine() -> str:
+    from ipw.telemetry.cpu_model import cpu_model_name
+
+    return f"{os.cpu_count()} logical CPUs, {cpu_model_name()}, Python {platform.python_version()}"
+
+
+class Child:
+    """A child process, its output going to a pseudo-terminal (drained by a thread; rich then renders
+    its live display as in a terminal) or to a file."""
+
+    def __init__(self, cmd: list[str], *, pty: bool, cols: int = 160, rows: int = 40,
+                 env: dict | None = None) -> None:
+        self.cmd, self.chunks = cmd, []
+        self.spawn = time.monotonic()
+        if pty:
+            master, slave = os.openpty()
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env)
+            os.close(slave)
+            self.drain = threading.Thread(target=self._drain, args=(master,), daemon=True)
+            self.drain.start()
+            self.log = None
+        else:
+            self.log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                         cwd=ROOT, env=env)
+            self.drain = None
+        self.stopped: list[tuple[float, float]] = []  # (SIGSTOP sent, SIGCONT sent)
+        self.rc: int | None = None
+        self.cpu_s = 0.0
+        self.end = 0.0
+
+    def _drain(self, master: int) -> None:
+        while True:
+            try:
+                data = os.read(master, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            self.chunks.append(data)
+        os.close(master)
+
+    def poll(self) -> bool:
+        """True once the child has exited (reaped here, with its CPU time)."""
+        if self.rc is not None:
+            return True
+        pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+        if pid == 0:
+            return False
+        self.end = time.monotonic()
+        self.rc = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = self.rc
+        self.cpu_s = usage.ru_utime + usage.ru_stime
+        if self.drain is not None:
+            self.drain.join(timeout=5)
+        return True
+
+    def wait(self) -> None:
+        while not self.poll():
+            time.sleep(0.01)
+
+    def output(self) -> str:
+        if self.log is not None:
+            self.log.seek(0)
+            return self.log.read().decode("utf-8", "replace")
+        return b"".join(self.chunks).decode("utf-8", "replace")
+
+    def active(self, a: float, b: float) -> float:
+        """Seconds in [a, b] during which the child was not stopped."""
+        return (b - a) - sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in self.stopped)
+
+
+def alternate(children: list[Child], slice_s: float) -> None:
+    """Let the children take turns of ``slice_s`` seconds (SIGSTOP / SIGCONT, every other one stopped),
+    until all have exited; a child that is alone runs to its end.  Each child's stopped intervals are
+    recorded, so that durations it measured on the monotonic clock can be reduced to its running time."""
+    for c in children[1:]:
+        os.kill(c.proc.pid, signal.SIGSTOP)
+        c.stopped.append((c.spawn, float("inf")))
+    turn = 0
+    while True:
+        alive = [c for c in children if not c.poll()]
+        if not alive:
+            return
+        c = alive[turn % len(alive)]
+        if c.stopped and c.stopped[-1][1] == float("inf"):
+            os.kill(c.proc.pid, signal.SIGCONT)
+            c.stopped[-1] = (c.stopped[-1][0], time.monotonic())
+        if len(alive) == 1:
+            c.wait()
+            return
+        deadline = time.monotonic() + slice_s
+        while time.monotonic() < deadline and not c.poll():
+            time.sleep(0.005)
+        if c.poll():
+            continue
+        os.kill(c.proc.pid, signal.SIGSTOP)
+        c.stopped.append((time.monotonic(), float("inf")))
+        turn += 1
+
+
+def run_pty(cmd: list[str], *, env: dict | None = None) -> dict:
+    """Run ``cmd`` to its end with a pseudo-terminal as its stdio."""
+    c = Child(cmd, pty=True, env=env)
+    c.wait()
+    return {"spawn": c.spawn, "wall_s": c.end - c.spawn, "rc": c.rc, "cpu_s": c.cpu_s, "output": c.output()}
+
+
+def run_plain(cmd: list[str], env: dict | None = None) -> dict:
+    spawn = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    return {"spawn": spawn, "wall_s": time.monotonic() - spawn, "rc": proc.returncode,
+            "output": proc.stdout + proc.stderr}
+
+
+def write_section(doc: Path, section: str, body: str) -> None:
+    """Replace the section titled ``section`` (up to the next ``## ``) or append it."""
+    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Performance\n\n"
+    body = body.rstrip("\n") + "\n"
+    if section in text:
+        head, _, rest = text.partition(section)
+        nxt = re.search(r"^## ", rest, flags=re.M)
+        text = head + body + ("\n" + rest[nxt.start():] if nxt else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    doc.write_text(text, encoding="utf-8")
+
+
+def loads() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def query_stats(rows: list[dict], active=lambda a, b: b - a) -> dict:
+    """rows: start, first (or None), decode_end, end, tokens (monotonic seconds). ``active(a, b)``: the
+    process's running time in [a, b] (the elapsed time minus the time it was stopped)."""
+    dec = [r for r in rows if r["first"] is not None and r["tokens"] > 1]
+    decode = [active(r["first"], r["decode_end"]) for r in dec]
+    return {
+        "n": len(rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "decode_tps": sum(r["tokens"] - 1 for r in dec) / sum(decode) if sum(decode) > 0 else float("nan"),
+        "loop_wall_s": active(min(r["start"] for r in rows), max(r["end"] for r in rows)),
+        "busy_s": sum(active(r["start"], r["end"]) for r in rows),
+        "ttft_med_s": median([active(r["start"], r["first"]) for r in rows if r["first"] is not None]),
+        # per query, for the paired per-query comparison
+        "query_decode_s": [active(r["first"], r["decode_end"]) if r["first"] is not None else None for r in rows],
+        "query_s": [active(r["start"], r["end"]) for r in rows],
+    }
+
+
+def ipw_rows(run_dir: Path) -> tuple[list[dict], list[str], dict]:
+    """Per-query timings from a run folder's records: start_s/end_s are the measured window; ttft_s and
+    latency_s are relative to the backend's own start of the call, which follows start_s by the prompt's
+    rendering (well under a millisecond), so first token and end of the call are placed from start_s."""
+    rows, outputs = [], []
+    for line in (run_dir / "records.jsonl").read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        first = None if r["ttft_s"] is None else r["start_s"] + r["ttft_s"]
+        rows.append({"start": r["start_s"], "end": r["end_s"], "first": first,
+                     "decode_end": r["start_s"] + r["latency_s"], "tokens": r["completion_tokens"],
+                     "error": r["error"]})
+        outputs.append(r["output"])
+    manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+    return rows, outputs, manifest
+
+
+# --- the bare loop ------------------------------------------------------------------------------------
+
+def bare_worker(args) -> int:
+    t_start = time.monotonic()
+    import llama_cpp
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from ipw.datasets import load_queries
+    from ipw.models import resolve_model
+
+    prompts = [q.render() for q in load_queries(args.dataset)[: args.queries + args.warmup]]
+    warm, prompts = prompts[: args.warmup], prompts[: args.queries]  # ipw warms up on its first queries too
+    path, _ = resolve_model(MODEL)
+    t_import = time.monotonic()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.n_threads, n_gpu_layers=0,
+                          verbose=False)
+    model = llm._model
+    eos, bos = llm.token_eos(), llm.token_bos()
+    fmt = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
+                              eos_token=model.token_get_text(eos) if eos != -1 else "",
+                              bos_token=model.token_get_text(bos) if bos != -1 else "")
+    vocab = model.vocab
+    t_load = time.monotonic()
+
+    def one(prompt: str) -> tuple[dict, str]:
+        start = time.monotonic()
+        text_prompt = fmt(messages=[{"role": "user", "content": prompt}]).prompt
+        tokens = llm.tokenize(text_prompt.encode("utf-8"), add_bos=True, special=True)
+        if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+            tokens = tokens[1:]
+        llm.set_seed(0)
+        out, first = [], None
+        for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            now = time.monotonic()
+            if llama_cpp.llama_vocab_is_eog(vocab, tok):
+                break
+            if first is None:
+                first = now
+            out.append(tok)
+            if len(out) >= args.max_tokens:
+                break
+        end = time.monotonic()
+        text = llm.detokenize(out).decode("utf-8", errors="ignore").strip()
+        return {"start": start, "first": first, "decode_end": end, "end": end, "tokens": len(out)}, text
+
+    for p in warm:
+        one(p)
+    rows, outputs = [], []
+    for p in prompts:
+        row, text = one(p)
+        rows.append(row)
+        outputs.append(text)
+    llm.close()
+    Path(args.bare_worker).write_text(json.dumps({
+        "t_start": t_start, "import_s": t_import - t_start, "load_s": t_load - t_import, "rows": rows,
+        "outputs": outputs}), encoding="utf-8")
+    return 0
+
+
+# --- one trial of each side ------------------------------------------------------------------------------
+
+def config_toml(args, out_dir: Path) -> str:
+    return f"""dataset = "{args.dataset}"
+limit = {args.queries}
+repeats = 1
+warmup = {args.warmup}
+idle_s = 0
+out_dir = "{out_dir}"
+
+[generation]
+max_tokens = {args.max_tokens}
+temperature = 0.0
+
+[[backends]]
+name = "{MODEL}"
+kind = "llama-cpp"
+model = "{MODEL}"
+role = "local"
+mode = "chat"
+n_threads = {args.n_threads}
+n_ctx = {args.n_ctx}
+"""
+
+
+def bare_cmd(args, out: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--bare-worker", str(out), "--queries", str(args.queries),
+            "--warmup", str(args.warmup), "--n-threads", str(args.n_threads), "--max-tokens", str(args.max_tokens),
+            "--n-ctx", str(args.n_ctx), "--dataset", args.dataset]
+
+
+def bare_result(child: Child, out: Path, load: float) -> dict:
+    if child.rc != 0:
+        raise SystemExit(f"bare worker failed:\n{child.output()}")
+    data = json.loads(out.read_text(encoding="utf-8"))
+    stats = query_stats(data["rows"], child.active)
+    first = min(r["start"] for r in data["rows"])
+    stats.update(side="bare", load_avg=load, process_s=child.active(child.spawn, child.end), load_s=data["load_s"],
+                 startup_s=child.active(child.spawn, first), cpu_s=child.cpu_s, outputs=data["outputs"])
+    return stats
+
+
+def ipw_result(child: Child, runs: Path, load: float) -> dict:
+    if child.rc != 0:
+        raise SystemExit(f"ipw run failed:\n{child.output()[-3000:]}")
+    (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
+    rows, outputs, manifest = ipw_rows(run_dir)
+    if any(r["error"] for r in rows):
+        raise SystemExit(f"ipw run had errors: {[r['error'] for r in rows if r['error']][:3]}")
+    stats = query_stats(rows, child.active)
+    backend = manifest["backends"][0]
+    first = min(r["start"] for r in rows)
+    stats.update(side="ipw", load_avg=load, process_s=child.active(child.spawn, child.end), load_s=backend["load_s"],
+                 startup_s=child.active(child.spawn, first), cpu_s=child.cpu_s, outputs=outputs,
+                 sampler_overhead=backend.get("sampler_overhead"))
+    return stats
+
+
+def one_round(args, tmp: Path, r: int) -> dict:
+    """One bare process and one ``ipw run`` process: taking turns of ``--slice-s`` seconds, or (0) one
+    after the other; who starts alternates between rounds."""
+    bare_out = tmp / f"bare-{r}.json"
+    runs = tmp / f"ipw-{r}"
+    cfg = tmp / f"ipw-{r}.toml"
+    cfg.write_text(config_toml(args, runs), encoding="utf-8")
+    order = ("bare", "ipw") if r % 2 == 0 else ("ipw", "bare")
+    make = {"bare": lambda: Child(bare_cmd(args, bare_out), pty=False),
+            "ipw": lambda: Child([IPW, "run", str(cfg)], pty=args.pty)}
+    load = loads()
+    children = {}
+    if args.slice_s > 0:
+        for side in order:
+            children[side] = make[side]()
+        alternate([children[side] for side in order], args.slice_s)
+    else:
+        for side in order:
+            children[side] = make[side]()
+            children[side].wait()
+    load = round((load + loads()) / 2, 2)
+    return {"order": order, "bare": bare_result(children["bare"], bare_out, load),
+            "ipw": ipw_result(children["ipw"], runs, load)}
+
+
+def paired_query_ratio(b: dict, w: dict, key: str) -> float:
+    """Median over queries of bare time / ipw time for the same query (a speed ratio, ipw / bare)."""
+    ratios = [x / y for x, y in zip(b[key], w[key]) if x and y]
+    return median(ratios)
+
+
+def measure(args) -> dict:
+    trials = []
+    with tempfile.TemporaryDirectory(prefix="ipw-overhead-llama-") as tmp_name:
+        tmp = Path(tmp_name)
+        for r in range(args.rounds):
+            pair = one_round(args, tmp, r)
+            for side in pair["order"]:
+                t = pair[side]
+                print(f"round {r + 1} {side:4s}: decode {t['decode_tps']:.1f} tok/s, loop {t['loop_wall_s']:.2f} s, "
+                      f"{t['tokens']} tokens, start-up {t['startup_s']:.2f} s, CPU {t['cpu_s']:.1f} s, "
+                      f"load avg {t['load_avg']}", file=sys.stderr, flush=True)
+            b, w = pair["bare"], pair["ipw"]
+            pair["same_outputs"] = sum(x == y for x, y in zip(b["outputs"], w["outputs"]))
+            pair["decode_ratio"] = w["decode_tps"] / b["decode_tps"]
+            pair["wall_ratio"] = w["loop_wall_s"] / b["loop_wall_s"]
+            pair["query_decode_ratio"] = paired_query_ratio(b, w, "query_decode_s")
+            pair["query_time_ratio"] = 1.0 / paired_query_ratio(b, w, "query_s")
+            print(f"round {r + 1}: decode ratio {pair['decode_ratio']:.4f}, wall ratio {pair['wall_ratio']:.4f} "
+                  f"(per query medians: decode {pair['query_decode_ratio']:.4f}, time {pair['query_time_ratio']:.4f}), "
+                  f"identical outputs {pair['same_outputs']}/{args.queries}", file=sys.stderr, flush=True)
+            for side in ("bare", "ipw"):
+                pair[side].pop("outputs")
+            trials.append(pair)
+    return {"trials": trials, "decode_ratio": median([p["decode_ratio"] for p in trials]),
+            "wall_ratio": median([p["wall_ratio"] for p in trials]),
+            "query_decode_ratio": median([p["query_decode_ratio"] for p in trials]),
+            "query_time_ratio": median([p["query_time_ratio"] for p in trials])}
+
+
+def command(args) -> str:
+    return (f".venv/bin/python bench/overhead_llama.py --queries {args.queries} --rounds {args.rounds} "
+            f"--n-threads {args.n_threads}")
+
+
+def table_rows(res: dict) -> list[str]:
+    t = res["trials"]
+    rows = []
+    for i, p in enumerate(t):
+        b, w = p["bare"], p["ipw"]
+        rows.append(f"| {i + 1} | {'bare, ipw' if i % 2 == 0 else 'ipw, bare'} | {b['decode_tps']:.1f} | "
+                    f"{w['decode_tps']:.1f} | **{p['decode_ratio']:.3f}** | {b['loop_wall_s']:.2f} | "
+                    f"{w['loop_wall_s']:.2f} | **{p['wall_ratio']:.3f}** | {p['same_outputs']}/{b['n']} | "
+                    f"{b['load_avg']}, {w['load_avg']} |")
+    return rows
+
+
+def write_doc(args, res: dict) -> None:
+    t = res["trials"]
+    med = lambda side, key: median([p[side][key] for p in t])  # noqa: E731
+    ok_d = res["decode_ratio"] >= DECODE_TARGET
+    ok_w = res["wall_ratio"] <= WALL_TARGET
+    over = [p["ipw"]["sampler_overhead"] for p in t if p["ipw"].get("sampler_overhead")]
+    snap = [o["cpu_model"]["fraction_of_core"] for o in over if o.get("cpu_model", {}).get("fraction_of_core")]
+    body = f"""{SECTION}
+
+`ipw run` against a bare llama-cpp-python loop: {args.queries} queries of the bundled set `{args.dataset}`
+through SmolLM2-135M-Instruct (Q4_1, chat template from the GGUF), greedy, `max_tokens = {args.max_tokens}`,
+`n_ctx = {args.n_ctx}`, `n_threads = {args.n_threads}`, {args.warmup} warm-up queries, `idle_s = 0`, the
+default sensor (CPU model with its 20 ms snapshot thread) on, the live progress bar rendering into a
+pseudo-terminal. The bare loop (`--bare-worker`) uses the same model file, settings, rendered prompts and
+chat template path (`Jinja2ChatFormatter`) and does nothing else. {args.rounds} rounds, each one bare
+process and one `ipw run` process back to back, in alternating order; {machine()}.
+
+| round | order | bare decode tok/s | ipw decode tok/s | decode ratio | bare loop s | ipw loop s | wall ratio | identical outputs | load avg (bare, ipw) |
+|---|---|---|---|---|---|---|---|---|---|
+{chr(10).join(table_rows(res))}
+
+| measure (median over rounds) | bare | ipw | ratio ipw/bare | target | |
+|---|---|---|---|---|---|
+| decode tokens/s | {med('bare', 'decode_tps'):.1f} | {med('ipw', 'decode_tps'):.1f} | **{res['decode_ratio']:.3f}** | ≥ {DECODE_TARGET} | {'PASS' if ok_d else 'FAIL'} |
+| wall time of the query loop | {med('bare', 'loop_wall_s'):.2f} s | {med('ipw', 'loop_wall_s'):.2f} s | **{res['wall_ratio']:.3f}** | ≤ {WALL_TARGET} | {'PASS' if ok_w else 'FAIL'} |
+| start-up: spawn → first measured query (imports, load, {args.warmup} warm-up) | {med('bare', 'startup_s'):.2f} s | {med('ipw', 'startup_s'):.2f} s | | | |
+| of which model load | {med('bare', 'load_s'):.2f} s | {med('ipw', 'load_s'):.2f} s | | | |
+| whole process | {med('bare', 'process_wall_s'):.2f} s | {med('ipw', 'process_wall_s'):.2f} s | | | |
+
+Ratios are per round (the two processes of a round ran back to back), then the median over rounds.
+Decode tokens/s = Σ(completion tokens − 1) / Σ(end of the call − first token); the loop wall time runs from
+the start of the first measured query to the end of the last, so it contains ipw's work between queries
+(closing and opening the measurement window, building, scoring and fsyncing the record, the progress
+bar), N − 1 gaps of N. The snapshot thread used {', '.join(f'{x:.2%}' for x in snap) or 'n/a'} of a core
+(manifest `sampler_overhead`). Load average: this machine's 2 cores are shared with other sessions' work,
+whose load moves both sides' numbers; the interleaving pairs each ipw process with a bare one under
+about the same load.
+
+Reproduce (writes this section):
+
+```bash
+{command(args)}
+```
+"""
+    write_section(DOC, SECTION, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--queries", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--n-threads", type=int, default=1)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--dataset", default="ipw-core")
+    parser.add_argument("--slice-s", type=float, default=0.5,
+                        help="the two processes of a round take turns of this many seconds (0: one after the other)")
+    parser.add_argument("--no-pty", dest="pty", action="store_false", help="ipw's stdio not a terminal")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bare_worker:
+        return bare_worker(args)
+    res = measure(args)
+    res["args"] = vars(args) | {"json": str(args.json) if args.json else None}
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1), encoding="utf-8")
+    print(json.dumps({k: res[k] for k in ("decode_ratio", "wall_ratio")}))
+    if not args.no_write:
+        write_doc(args, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
