@@ -7,7 +7,8 @@ rounds, ipw first in odd ones, so a drift in the machine's load hits both sides 
   ``--idle-s 0``, 2 warm-up queries, the default CPU-model sensor with its snapshot thread on), under a
   pseudo-terminal so that the live progress bar renders as it does for a user;
 - **bare**: this script in ``--bare-worker`` mode: ``llama_cpp.Llama`` with the same model file,
-  ``n_ctx`` and ``n_threads``, the same prompts rendered through the same chat template
+  ``n_ctx`` and ``n_threads`` (for prefill too: ``n_threads_batch``), a clean context per query
+  (``Llama.reset``, as ipw without ``prefix_cache``), the same prompts rendered through the same chat template
   (``Jinja2ChatFormatter`` with the GGUF's template), the same 2 warm-up queries, and the same greedy
   settings (``Llama.generate`` with temp 0, top_k 1, top_p 1, min_p 0, repeat_penalty 1), stopping at
   an end-of-generation token or ``max_tokens``; nothing else (no sensor, no records, no progress bar).
@@ -242,8 +243,8 @@ def bare_worker(args) -> int:
     warm, prompts = prompts[: args.warmup], prompts[: args.queries]  # ipw warms up on its first queries too
     path, _ = resolve_model(MODEL)
     t_import = time.monotonic()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.n_threads, n_gpu_layers=0,
-                          verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.n_threads,
+                          n_threads_batch=args.n_threads, n_gpu_layers=0, verbose=False)
     model = llm._model
     eos, bos = llm.token_eos(), llm.token_bos()
     fmt = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
@@ -258,6 +259,7 @@ def bare_worker(args) -> int:
         tokens = llm.tokenize(text_prompt.encode("utf-8"), add_bos=True, special=True)
         if len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
             tokens = tokens[1:]
+        llm.reset()  # a clean context per query, as ipw (no KV reuse from the previous prompt)
         llm.set_seed(0)
         out, first = [], None
         for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):

@@ -165,27 +165,43 @@ def scenario(tmp: Path, name: str, query_s: float, seconds: float, tree: bool) -
             "process_cpu_s_per_min": total, "threads_cpu_s_per_min": threads, "manifest_overhead": overhead}
 
 
-def sensor_micro(n: int = 300) -> dict:
-    """CPU time of one CpuModelSensor begin/end pair, in-process and over a 4-process tree."""
+def sensor_micro(extra_procs: int, n: int = 300) -> dict:
+    """CPU time of one CpuModelSensor begin/end pair, in-process and over a 4-process tree; then again
+    with ``extra_procs`` more (sleeping) processes on the machine: finding a tree's descendants
+    (psutil ``children(recursive=True)``) reads every process in /proc, so the cost grows with them."""
+    import psutil
+
     from ipw.telemetry.cpu_model import CpuModelSensor
+
+    def n_procs() -> int:
+        return sum(1 for p in os.listdir("/proc") if p.isdigit())
+
+    def pair_cost(pids: list[int]) -> float:
+        sensor = CpuModelSensor(lambda: pids)
+        try:
+            t0 = time.thread_time()
+            for _ in range(n):
+                sensor.end(sensor.begin())
+            return (time.thread_time() - t0) / n
+        finally:
+            sensor.close()
 
     child = subprocess.Popen([sys.executable, "-c", TREE])
     time.sleep(1.0)
     out = {}
+    sleepers = []
     try:
-        for label, pids in (("in-process", [os.getpid()]), ("server tree (4 processes)", [child.pid])):
-            sensor = CpuModelSensor(lambda pids=pids: pids)
-            try:
-                t0 = time.thread_time()
-                for _ in range(n):
-                    sensor.end(sensor.begin())
-                out[label] = (time.thread_time() - t0) / n
-            finally:
-                sensor.close()
-        out["processes on the machine"] = len(os.listdir("/proc")) and sum(1 for p in os.listdir("/proc") if p.isdigit())
+        for label in ("", f" +{extra_procs}"):
+            if label:
+                sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(extra_procs)]
+            out["processes" + label] = n_procs()
+            out["in-process" + label] = pair_cost([os.getpid()])
+            out["server tree (4 processes)" + label] = pair_cost([child.pid])
     finally:
-        import psutil
-
+        for proc in sleepers:
+            proc.kill()
+        for proc in sleepers:
+            proc.wait()
         for p in [*psutil.Process(child.pid).children(recursive=True), psutil.Process(child.pid)]:
             p.kill()
         child.wait()
@@ -203,7 +219,7 @@ def measure(args) -> dict:
                 print(f"{name}: {json.dumps(row['threads_cpu_s_per_min'])} total {row['process_cpu_s_per_min']:.3f} "
                       f"CPU s/min over {row['wall_s']:.1f} s, load avg {row['load_avg']}", file=sys.stderr, flush=True)
                 rows.append(row)
-    return {"rows": rows, "micro": sensor_micro()}
+    return {"rows": rows, "micro": sensor_micro(args.extra_procs)}
 
 
 def write_doc(args, res: dict) -> None:
@@ -240,9 +256,19 @@ CPU clocks were read at the start of the first measured query and the end of the
 
 (CPU seconds per minute of run. "begin/end reads" = windows per minute x the CPU time of one
 `CpuModelSensor` begin/end pair measured alone: {micro['in-process'] * 1e3:.2f} ms in-process,
-{micro['server tree (4 processes)'] * 1e3:.2f} ms for the 4-process tree, which includes finding the tree's
-descendants by scanning the {micro['processes on the machine']} processes in /proc; these reads run in the
-main thread and are part of its column too.)
+{micro['server tree (4 processes)'] * 1e3:.2f} ms for the 4-process tree, with {micro['processes']} processes on
+the machine; these reads run in the main thread and are part of its column too.)
+
+The begin/end cost grows with the number of processes on the machine, not only with the measured tree:
+finding the tree's descendants (psutil `children(recursive=True)`, at begin and again at end, so that
+processes started during the window are counted) reads every process in /proc. With {args.extra_procs} more
+(sleeping) processes, {micro[f'processes +{args.extra_procs}']} in all, one pair took
+{micro[f'in-process +{args.extra_procs}'] * 1e3:.2f} ms in-process and
+{micro[f'server tree (4 processes) +{args.extra_procs}'] * 1e3:.2f} ms for the tree: at one query every 0.5 s
+that is {micro[f'server tree (4 processes) +{args.extra_procs}'] * 120:.2f} CPU s per minute
+({micro[f'server tree (4 processes) +{args.extra_procs}'] * 120 / 60:.2%} of a core), and
+{micro[f'server tree (4 processes) +{args.extra_procs}'] / 0.5:.2%} of each 0.5 s query's wall time spent
+between queries.
 
 **Target (≤ 2% of one core = 1.2 CPU s per minute) for the sensor and every periodic thread: worst case
 {worst:.3f} CPU s per minute = {worst / 60:.2%} of a core: {'PASS' if ok else 'FAIL'}.** The whole
@@ -269,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each scenario's query loop")
     parser.add_argument("--query-s", type=float, nargs="+", default=[0.5, 0.1])
+    parser.add_argument("--extra-procs", type=int, default=500,
+                        help="sleeping processes added for the second begin/end micro-benchmark")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
