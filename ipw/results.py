@@ -70,6 +70,13 @@ def new_run_id(now: dt.datetime | None = None) -> str:
     return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+def _atomic_write_parquet(frame, path: Path) -> None:
+    """Write to a temporary file, then rename: a crash never leaves a truncated Parquet file."""
+    tmp = path.with_suffix(".parquet.tmp")
+    frame.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
@@ -137,11 +144,11 @@ class RunFolder:
         path = self.path / "power.parquet"
         if path.exists():
             frame = pd.concat([pd.read_parquet(path), frame], ignore_index=True)
-        frame.to_parquet(path, index=False)
+        _atomic_write_parquet(frame, path)
 
     def finish(self, status: str, **updates: Any) -> None:
         frame = load_records_jsonl(self.path / "records.jsonl")
-        frame.to_parquet(self.path / "records.parquet", index=False)
+        _atomic_write_parquet(frame, self.path / "records.parquet")
         self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
 
 
