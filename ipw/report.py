@@ -40,8 +40,8 @@ MAX_TEXT = 1200  # characters of a prompt, reference or output shown
 DPI = 110
 ESTIMATED_NOTE = "hatched bars, hollow markers, dashed lines, '(estimated)': estimated energy (a model, not a sensor)"
 ROUTED_ENERGY_COLUMNS = {"energy saved", "power ≤ W", "energy ≤ J"}
-RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "completion_tokens", "start_s", "end_s",
-                  "energy_j"]
+RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
+                  "start_s", "end_s", "energy_j"]
 TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
 
 
@@ -73,7 +73,7 @@ def _load_records(runs, labels: dict[tuple[str, str], str]):
     frame = pd.concat(frames, ignore_index=True)
     frame["category"] = frame["category"].astype(str).replace({"None": "", "nan": ""})
     frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce").fillna(0.0)  # unscored counts 0
-    for col in ("energy_j", "start_s", "end_s", "completion_tokens"):
+    for col in ("energy_j", "start_s", "end_s", "prompt_tokens", "completion_tokens"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
     return manifests, frame
 
@@ -364,26 +364,46 @@ def _plot_ipj(p: _Plots, d: dict) -> None:
 
 
 def _plot_energy_tokens(p: _Plots, frame) -> None:
-    fig, (ax,) = p.figure()
+    """Energy per query against prompt tokens and against output tokens, with each backend's fitted
+    model E = a + b*prompt + c*output (ipw.phases.fit_linear, the fit ipw compare reports) drawn with
+    the other token count held at its mean."""
+    from ipw.phases import fit_linear
+
+    fig, (ax_p, ax_k) = p.figure(w=10.0, ncols=2)
     rng = np.random.default_rng(0)
     notes, drawn = [], []
     for label, g in frame.groupby("label", sort=False):
         g = g[g["energy_j"].notna() & g["completion_tokens"].notna()]
         if g.empty:
             continue
+        fit = fit_linear(g["prompt_tokens"], g["completion_tokens"], g["energy_j"])
+        shown = g
         if len(g) > MAX_POINTS:
-            g = g.iloc[np.sort(rng.choice(len(g), MAX_POINTS, replace=False))]
+            shown = g.iloc[np.sort(rng.choice(len(g), MAX_POINTS, replace=False))]
             notes.append(f"{label}: {MAX_POINTS:,} of {int((frame['label'] == label).sum()):,} records")
-        ax.scatter(g["completion_tokens"], g["energy_j"], s=14, alpha=0.55, label=p.name(label),
-                   **p.marker_style(label))
+        style = p.marker_style(label)
+        for ax, col in ((ax_p, "prompt_tokens"), (ax_k, "completion_tokens")):
+            ax.scatter(shown[col], shown["energy_j"], s=14, alpha=0.55, label=p.name(label), **style)
+        if np.isfinite(fit.per_prompt_token.value):
+            a, b, c = fit.intercept.value, fit.per_prompt_token.value, fit.per_completion_token.value
+            xs = np.linspace(g["prompt_tokens"].min(), g["prompt_tokens"].max(), 50)
+            ax_p.plot(xs, a + b * xs + c * g["completion_tokens"].mean(), lw=1.2, ls="--",
+                      label=f"fit {p.name(label)}: {b:.3g} J/prompt tok (R² {fit.r2:.2f})")
+            xs = np.linspace(g["completion_tokens"].min(), g["completion_tokens"].max(), 50)
+            ax_k.plot(xs, a + b * g["prompt_tokens"].mean() + c * xs, lw=1.2, ls="--",
+                      label=f"fit {p.name(label)}: {c:.3g} J/output tok")
         drawn.append(label)
     if not drawn:
         return
-    ax.set_xlabel("output tokens")
-    ax.set_ylabel("J/query" + (" (estimated where marked)" if any(p.est.get(x) for x in drawn) else ""))
-    ax.legend(fontsize=8)
+    unit = "J/query" + (" (estimated where marked)" if any(p.est.get(x) for x in drawn) else "")
+    for ax, xlabel in ((ax_p, "prompt tokens"), (ax_k, "output tokens")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=7)
     sample = f" Seeded random sample shown ({'; '.join(notes)})." if notes else ""
-    p.add(fig, "energy_tokens", "Energy per query vs output tokens", "One point per record." + sample,
+    p.add(fig, "energy_tokens", "Energy per query vs prompt and output tokens",
+          "One point per record; dashed: the fitted model E = a + b·prompt + c·output per backend (other "
+          "token count at its mean), the same least-squares fit ipw compare reports." + sample,
           any(p.est.get(x) for x in drawn))
 
 
