@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 import typer
+
+# numpy's OpenBLAS keeps its idle threads spinning: on a busy or shared machine (a CI runner) that made
+# `ipw check` and `ipw compare` 9-15x slower, while their matrix products are thin enough that one
+# thread is as fast (docs/PERFORMANCE.md, "Analysis at scale").  Set before numpy loads; an explicit
+# setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 app = typer.Typer(
     add_completion=False,

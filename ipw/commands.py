@@ -19,7 +19,10 @@ def _progress_columns():
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[rate]} q/s"), TextColumn("{task.fields[jpq]} J/query"),
         TextColumn("{task.fields[acc]} correct"), TimeElapsedColumn(),
-        console=Console(stderr=True), transient=False,
+        # 2 redraws a second, not rich's 10: the numbers change once per query, and at 10 a second the
+        # redraw thread alone took ~0.8% of a core, which an in-process engine's CPU energy would include
+        # (docs/PERFORMANCE.md, "Sampler CPU overhead")
+        console=Console(stderr=True), transient=False, refresh_per_second=2,
     )
 
 

@@ -81,6 +81,13 @@ def core_power_for(model_name: str) -> CorePower:
     return GENERIC_CORE_POWER
 
 
+#: How often the measured processes' descendants are looked for again (a scan of every process in
+#: /proc: ~1 ms per 70 processes, ~11 ms per begin/end pair with 470; it ran twice per window, which
+#: took 2-3% of a core at 10 queries a second, docs/PERFORMANCE.md).  In between, the processes found
+#: last time are read again (cheap); a process born into the tree is found within this time.
+TREE_RESCAN_S = 1.0
+
+
 def process_tree_cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of the given processes, their live descendants, and their reaped
     children.  Processes that vanish are skipped."""
@@ -128,6 +135,7 @@ class CpuModelSensor:
         """``snapshot_period_s``: also read the tree's CPU time this often while a window is open, so
         that the window can be split at the first token (``split``); None: begin/end only."""
         self.pids_fn = pids_fn
+        self._tree: tuple[float, list[int], list[psutil.Process]] | None = None  # (scanned at, roots, processes)
         self.snapshots = Snapshots(snapshot_period_s) if snapshot_period_s else None
         self.cpu_model = cpu_model_name()
         if watts_per_core is None:
@@ -157,9 +165,16 @@ class CpuModelSensor:
             },
         )
 
+    def processes(self) -> list[psutil.Process]:
+        """The measured processes and their descendants, scanned again at most every ``TREE_RESCAN_S``."""
+        now, pids = time.monotonic(), list(self.pids_fn())
+        if self._tree is None or now - self._tree[0] >= TREE_RESCAN_S or self._tree[1] != pids:
+            self._tree = (now, pids, process_tree(pids))
+        return self._tree[2]
+
     def begin(self) -> tuple[int, float, Any]:
         start_ns = time.monotonic_ns()
-        procs = process_tree(self.pids_fn())
+        procs = self.processes()
         start_cpu_s = tree_cpu_s(procs)
         trace = None
         if self.snapshots is not None:  # for the phase split: the same processes, read cheaply, until end()
@@ -174,7 +189,7 @@ class CpuModelSensor:
         start_ns, start_cpu_s, trace = token
         if trace is not None:
             self.snapshots.close(trace)  # type: ignore[union-attr]
-        cpu_s = process_tree_cpu_s(self.pids_fn()) - start_cpu_s
+        cpu_s = tree_cpu_s(self.processes()) - start_cpu_s
         duration_s = (time.monotonic_ns() - start_ns) / 1e9
         if cpu_s < 0:
             return [
