@@ -9,6 +9,7 @@ with ``--strict``). Exit codes: 0 pass, 1 regression, 2 not comparable or usage 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -103,12 +104,33 @@ def comparability(base_manifest: dict, cand_manifest: dict, allow_hardware_misma
     if fb != fc:
         reasons.append(f"dataset fingerprints differ ({fb} vs {fc})")
     if not allow_hardware_mismatch:
-        hb, hc = base_manifest.get("hardware", {}), cand_manifest.get("hardware", {})
-        diff = [k for k in HARDWARE_KEYS if hb.get(k) != hc.get(k)]
-        if diff:
-            shown = "; ".join(f"{k}: {hb.get(k)!r} vs {hc.get(k)!r}" for k in diff)
-            reasons.append(f"hardware differs ({shown}); pass --allow-hardware-mismatch to compare anyway")
+        mb, mc = machines(base_manifest), machines(cand_manifest)
+        if len(mb) == 1 and len(mc) == 1:
+            hb, hc = mb[0], mc[0]
+            diff = [k for k in HARDWARE_KEYS if hb.get(k) != hc.get(k)]
+            if diff:
+                shown = "; ".join(f"{k}: {hb.get(k)!r} vs {hc.get(k)!r}" for k in diff)
+                reasons.append(f"hardware differs ({shown}); pass --allow-hardware-mismatch to compare anyway")
+        elif {_hardware_key(h) for h in mb} != {_hardware_key(h) for h in mc}:
+            reasons.append(f"hardware differs (the baseline ran on {len(mb)} kind(s) of machine, the candidate on "
+                           f"{len(mc)}, not the same ones); pass --allow-hardware-mismatch to compare anyway")
     return reasons
+
+
+def _hardware_key(hardware: dict) -> str:
+    return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
+
+
+def machines(manifest: dict) -> list[dict]:
+    """The kinds of machine (HARDWARE_KEYS) that measured a run's records: a sharded run (Ray, or merged
+    from ``--shard`` runs) lists every node in ``hardware_by_id``; a run made in one place has its
+    ``hardware`` (and, if resumed elsewhere, that machine too)."""
+    by_id = list((manifest.get("hardware_by_id") or {}).values())
+    found = by_id if by_id and ("ray" in manifest or "merged_from" in manifest) else [manifest.get("hardware", {}), *by_id]
+    unique: dict[str, dict] = {}
+    for hardware in found:
+        unique.setdefault(_hardware_key(hardware), hardware)
+    return list(unique.values())
 
 
 def _paired(base, cand):

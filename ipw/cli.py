@@ -58,14 +58,25 @@ def run(
         None, "--sample", help="Run a random sample of N queries, the same for the same --seed (0 = all)."),
     resume: Optional[Path] = typer.Option(
         None, "--resume", help="Continue an interrupted run folder: queries already recorded are kept, the "
-        "rest run with the run's own config (give no other option)."),
+        "rest run with the run's own config (give no other option than --shard, --ray, --shards)."),
+    shard: Optional[str] = typer.Option(
+        None, "--shard", help="K/N: run only shard K of N of the query set (query i goes to shard i % N + 1), e.g. "
+        "--shard $SLURM_ARRAY_TASK_ID/4 with --array=1-4; combine the shard folders with ipw merge."),
+    ray: Optional[str] = typer.Option(
+        None, "--ray", help="ADDRESS: run on a Ray cluster, one task per (backend, shard), each measuring on its "
+        "node: auto (RAY_ADDRESS or the cluster this machine joined), HOST:6379, ray://HOST:10001, or local. "
+        "Needs pip install 'ipw[ray]'."),
+    shards: Optional[int] = typer.Option(
+        None, "--shards", help="With --ray: split the query set into N shards (default: as many tasks as the "
+        "cluster runs at once)."),
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
     from ipw.commands import run_command
 
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
                                  repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
-                                 dataset_preset=dataset_preset, split=split, categories=category, sample=sample))
+                                 dataset_preset=dataset_preset, split=split, categories=category, sample=sample,
+                                 shard=shard, ray=ray, shards=shards))
 
 
 @app.command()
@@ -150,6 +161,18 @@ def report(
     raise typer.Exit(report_command(runs, out=out, markdown=markdown, reference=reference,
                                     common_queries=common_queries, local=local or [], cloud=cloud or [],
                                     router_accuracy=router_accuracy))
+
+
+@app.command()
+def merge(
+    shards: List[Path] = typer.Argument(..., help="The run folders of every shard (ipw run --shard K/N) of one run."),
+    out: Path = typer.Option(Path("results"), "--out", "-o", help="Folder that receives the merged run folder."),
+) -> None:
+    """Combine the shard runs of one split (--shard 1/N ... N/N) into one run that compare, report and check
+    treat like an unsharded run; prints its folder."""
+    from ipw.commands import merge_command
+
+    raise typer.Exit(merge_command(shards, out=out))
 
 
 @app.command()

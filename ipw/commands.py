@@ -46,12 +46,27 @@ def _sigterm_as_interrupt() -> None:
 
 
 def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
-                dataset_preset=None, split=None, categories=None, sample=None) -> int:
+                dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
+                shards=None) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
     from ipw.runner import execute, resume_run, start_run
+    from ipw.shard import parse_shard
 
+    the_shard = parse_shard(shard) if shard is not None else None
+    if ray is not None and the_shard is not None:
+        raise IpwError("--ray and --shard: choose one (--ray splits the run into shards itself)")
+    if shards is not None and ray is None:
+        raise IpwError("--shards: only with --ray (for one shard of a run without Ray, give --shard K/N)")
+    if shards is not None and shards < 1:
+        raise IpwError(f"--shards: must be >= 1, got {shards}")
+    ray_options = None
+    if ray is not None:
+        from ipw.ray_runner import RayOptions, import_ray
+
+        import_ray()  # a missing extra fails before the run folder exists
+        ray_options = RayOptions(ray, shards)
     done: frozenset = frozenset()
     if resume is not None:
         given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
@@ -61,16 +76,26 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         folder, config, queries, done = resume_run(str(resume))
+        have = folder.manifest.get("shard")
+        if the_shard is not None and not have:
+            raise IpwError(f"--shard {shard}: {resume} is not a shard run; resume it without --shard")
+        if the_shard is not None and (have["index"], have["count"]) != (the_shard.index, the_shard.count):
+            raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
+                           f"--shard {have['index']}/{have['count']} or without --shard")
     else:
         config = apply_overrides(
             load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
             backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
             idle_s=idle_s, dataset_preset=dataset_preset, split=split, categories=categories, sample=sample,
         )
-        folder, queries = start_run(config)
+        folder, queries = start_run(config, shard=the_shard)
     _sigterm_as_interrupt()
     console = Console(stderr=True)
     verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
+    if folder.manifest.get("shard"):
+        verb += f" shard {folder.manifest['shard']['index']}/{folder.manifest['shard']['count']}"
+    if ray_options is not None:
+        verb += f" on Ray ({ray})"
     console.print(f"{verb} [bold]{folder.manifest['run_id']}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
     state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "t0": time.monotonic()}
@@ -91,7 +116,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
                 acc=f"{state['correct'] / state['n']:.0%}",
             )
 
-        execute(folder, config, queries, on_record, done=done)
+        execute(folder, config, queries, on_record, done=done, ray=ray_options)
     from ipw.metrics import run_metrics
     from ipw.results import load_run
 
@@ -224,6 +249,20 @@ def list_command() -> int:
     return 0
 
 
+
+
+def merge_command(shards, *, out) -> int:
+    """``ipw merge``: the merged run folder's path goes to stdout."""
+    from ipw.merge import merge_runs
+
+    folder = merge_runs(shards, out)
+    info = folder.manifest["dataset"]
+    Console(stderr=True).print(
+        f"merged {len(folder.manifest['merged_from'])} shards: {info['n_queries']} queries "
+        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest['merged_from'])} records, "
+        f"{len(folder.manifest['hardware_by_id'])} machine fingerprint(s)", highlight=False, markup=False)
+    print(folder.path)
+    return 0
 
 
 def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,

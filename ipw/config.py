@@ -65,6 +65,8 @@ _TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int
 _GENERATION = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                "repeat_penalty": float, "stop": list}
 _BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
+# what a backend's Ray task asks for (ipw.ray_runner.task_resources); kept in the backend's options
+_RAY_RESOURCES = {"ray_num_cpus": float, "ray_num_gpus": float}
 _JUDGE = {"name": str, "kind": str, "model": str, "mode": str, "grading": str, "prompt": str, "max_tokens": int,
           "usd_per_mtok_in": float, "usd_per_mtok_out": float}
 
@@ -142,8 +144,11 @@ def parse_config(text: str, path: str) -> RunConfig:
         kind = entry.get("kind")
         if kind not in backend_kinds():
             raise IpwError(f"{where(prefix + 'kind', 'kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
-        allowed = {**_BACKEND, **backend_options(kind)}
+        allowed = {**_BACKEND, **backend_options(kind), **_RAY_RESOURCES}
         fields = _check_table(entry, allowed, prefix, where)
+        for key in _RAY_RESOURCES:
+            if fields.get(key, 0) < 0:
+                raise IpwError(f"{where(prefix + key, key)}: must be >= 0")
         for key in ("name", "model"):
             if key not in fields:
                 raise IpwError(f"{path}: field '{prefix}{key}': required")

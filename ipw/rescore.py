@@ -65,6 +65,8 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
     for key in ("repeat", "prompt_tokens", "completion_tokens"):
         out[key] = int(out[key] or 0)
     out["energy_parts"] = out["energy_parts"] or "[]"
+    for key in ("node", "hardware_id"):  # absent in runs written before records named their node
+        out[key] = out[key] or ""
     return out
 
 

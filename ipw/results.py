@@ -57,6 +57,10 @@ class QueryRecord:
     phase_quality: str = ""  # worst quality of the split: measured_interpolated | estimated
     prefill_unresolved: bool | None = None  # the prefill is shorter than the sensor resolves
     phase_note: str = ""
+    # the machine that measured the record (ipw.telemetry.hardware.NodeIdentity): a hash of its host name,
+    # and the key of its hardware fingerprint in the manifest's ``hardware_by_id``; "" in older runs
+    node: str = ""
+    hardware_id: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)

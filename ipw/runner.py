@@ -22,7 +22,9 @@ from ipw.errors import IpwError
 from ipw.phases import first_token_s, record_phases, sensor_splits
 from ipw.results import QueryRecord, RunFolder, new_run_id
 from ipw.scoring import score
+from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
+from ipw.telemetry.hardware import NodeIdentity, node_identity
 
 
 @dataclass(frozen=True)
@@ -87,11 +89,13 @@ def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
     estimate: Any = None, busy_s: float | None = None, splits: Callable[[], dict[str, Any]] | None = None,
+    identity: NodeIdentity | None = None,
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
     ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
     ``splits``: each component's split at the first token (``ipw.phases.sensor_splits``), called now
-    that the readings are final."""
+    that the readings are final; ``identity``: the machine that measured it (default: this one)."""
+    identity = identity or node_identity()[0]
     duration = end_s - start_s
     if estimate is not None:
         ok = error is None and completion is not None
@@ -118,6 +122,7 @@ def make_record(
         energy_scope=total.scope, best_effort_energy_j=total.best_effort_j, net_energy_j=net,
         energy_parts=json.dumps([asdict(r) for r in readings]),
         **record_phases(readings, splits() if splits is not None else {}),
+        node=identity.node, hardware_id=identity.hardware_id,
     )
 
 
@@ -309,23 +314,41 @@ def run_concurrent(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def start_run(config: RunConfig, command: list[str] | None = None) -> tuple[RunFolder, list[Query]]:
-    """Validate everything that can be validated before any model loads, then create the folder."""
-    from ipw.telemetry.hardware import hardware_fingerprint, software_fingerprint
-
+def _load_full(config: RunConfig) -> list[Query]:
+    """The run's full query set: the dataset with its options, cut to ``limit``."""
     queries = load_queries(config.dataset, **config.dataset_options())
-    if config.limit:
-        queries = queries[: config.limit]
+    return queries[: config.limit] if config.limit else queries
+
+
+def _dataset_entry(config: RunConfig, queries: list[Query]) -> dict[str, Any]:
+    return {"name": config.dataset, "n_queries": len(queries), "fingerprint": fingerprint(queries),
+            "categories": sorted({q.category for q in queries})}
+
+
+def start_run(config: RunConfig, command: list[str] | None = None,
+              shard: Shard | None = None) -> tuple[RunFolder, list[Query]]:
+    """Validate everything that can be validated before any model loads, then create the folder.
+
+    ``shard``: run only that shard of the query set (``ipw.shard``); the folder's ``dataset`` then
+    describes the shard's queries and ``shard`` names the full set, which ``ipw merge`` restores."""
+    from ipw.telemetry.hardware import software_fingerprint
+
+    queries = full = _load_full(config)
+    if shard is not None:
+        queries = shard_items(full, shard)
     for spec in config.backends:
         create_backend(spec)  # resolves the model file: a missing one fails here, before the run
     run_id = new_run_id()
+    identity, hardware = node_identity()
     folder = RunFolder.create(config.out_dir, run_id, {
         "ipw_version": __version__,
         "command": command if command is not None else sys.argv,
         "config": config.to_dict(),
-        "dataset": {"name": config.dataset, "n_queries": len(queries), "fingerprint": fingerprint(queries),
-                    "categories": sorted({q.category for q in queries})},
-        "hardware": hardware_fingerprint(),
+        "dataset": _dataset_entry(config, queries),
+        **({"shard": {"index": shard.index, "count": shard.count, "dataset": _dataset_entry(config, full)}}
+           if shard is not None else {}),
+        "hardware": hardware,
+        "hardware_by_id": {identity.hardware_id: hardware},  # every machine whose records the run holds
         "software": software_fingerprint(),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "backends": [],
@@ -337,13 +360,15 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
     """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
     folder = RunFolder.reopen(run_dir)
     config = RunConfig.from_dict(folder.manifest["config"])
-    queries = load_queries(config.dataset, **config.dataset_options())
-    if config.limit:
-        queries = queries[: config.limit]
+    queries = _load_full(config)
+    if folder.manifest.get("shard"):
+        queries = shard_items(queries, Shard(folder.manifest["shard"]["index"], folder.manifest["shard"]["count"]))
     if fingerprint(queries) != folder.manifest["dataset"]["fingerprint"]:
         raise IpwError(f"{run_dir}: the dataset {config.dataset} changed since the run started "
                        "(fingerprints differ); start a new run")
     done = frozenset(folder.done_keys())
+    identity, hardware = node_identity()
+    folder.write_manifest(hardware_by_id={**folder.manifest.get("hardware_by_id", {}), identity.hardware_id: hardware})
     folder.write_manifest(status="running", resumed_at=folder.manifest.get("resumed_at", [])
                           + [time.strftime("%Y-%m-%dT%H:%M:%S")])
     return folder, config, queries, done
@@ -351,11 +376,16 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-            done: frozenset[tuple[str, str, int]] = frozenset()) -> None:
+            done: frozenset[tuple[str, str, int]] = frozenset(), ray: Any = None) -> None:
     """Run every backend; the manifest ends ``complete``, or ``interrupted`` on Ctrl-C, SIGTERM or a
-    crash (then ``ipw run --resume`` continues it)."""
+    crash (then ``ipw run --resume`` continues it).  ``ray``: an ``ipw.ray_runner.RayOptions``: run the
+    (backend, shard) tasks on a Ray cluster instead of here."""
     try:
-        for spec in config.backends:
+        if ray is not None:
+            from ipw.ray_runner import run_on_ray
+
+            run_on_ray(folder, config, queries, progress, ray, done)
+        for spec in config.backends if ray is None else ():
             info = run_backend(folder, config, spec, queries, progress, probe, done)
             if info is not None:
                 others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]

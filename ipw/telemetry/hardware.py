@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import platform
+import socket
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -84,3 +89,25 @@ def software_fingerprint() -> dict[str, Any]:
         "python_implementation": platform.python_implementation(),
         "packages": {d: _version(d) for d in SOFTWARE_DISTRIBUTIONS},
     }
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Which machine measured a record: ``node`` is a hash of the host name (records never carry the
+    name itself), ``hardware_id`` a hash of the hardware fingerprint, a key of the manifest's
+    ``hardware_by_id``."""
+
+    node: str
+    hardware_id: str
+
+
+def hardware_id(fingerprint: dict[str, Any]) -> str:
+    return "hw-" + hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def node_identity() -> tuple[NodeIdentity, dict[str, Any]]:
+    """This machine's identity and hardware fingerprint (computed once per process)."""
+    fingerprint = hardware_fingerprint()
+    node = "node-" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:10]
+    return NodeIdentity(node, hardware_id(fingerprint)), fingerprint

@@ -22,8 +22,13 @@ def probe_sensors(
     gpu_indices: list[int] | None = None,
     rapl_root: Path = DEFAULT_ROOT,
     remote: bool = False,
+    rapl: bool = True,
 ) -> list[Sensor]:
     """The sensors to open around each query.  ``gpu_indices=[]`` skips the GPU.
+
+    ``rapl=False``: the CPU package is shared with other measured work (Ray tasks on one node), so
+    the CPU part is the CPU model of this process tree, never the package-wide RAPL counters, which
+    would charge each task the others' energy too (``ipw.ray_runner``).
 
     ``remote=True`` (the endpoint is on another machine): none.  This machine's sensors do not see
     that work; its energy is estimated per query instead (``ipw.telemetry.api_estimate``, labeled
@@ -39,12 +44,12 @@ def probe_sensors(
         if nvml is not None:
             sensors.append(nvml)
     try:
-        rapl = RaplSensor.probe(rapl_root)
+        package = RaplSensor.probe(rapl_root) if rapl else None
     except BaseException:
         for sensor in sensors:
             sensor.close()
         raise
-    sensors.append(rapl if rapl is not None else CpuModelSensor(pids_fn))
+    sensors.append(package if package is not None else CpuModelSensor(pids_fn))
     return sensors
 
 

@@ -1,0 +1,168 @@
+"""``ipw merge SHARD_RUN... --out DIR``: combine the run folders of ``ipw run --shard K/N`` into one run.
+
+The shards must be the complete set 1..N of one split, each complete, with one config (``out_dir``
+aside) and one full query set; no record may occur twice.  The merged run's manifest carries the
+full set's dataset fingerprint, so ``compare``, ``report`` and ``check`` treat it like an unsharded
+run; every record keeps the node that measured it (``node``, ``hardware_id``), the fingerprints of
+all machines are in ``hardware_by_id``, and ``merged_from`` lists the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ipw import __version__
+from ipw.errors import IpwError
+from ipw.results import RunFolder, new_run_id
+from ipw.shard import combine_backend_infos
+
+_CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IpwError(f"{path}: not a run folder (no manifest.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IpwError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
+    """The first key path where two JSON values differ, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            found = _first_difference(a.get(key), b.get(key), f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+        return None
+    return None if a == b else (where or "<root>")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(path / "records.jsonl", encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise IpwError(f"{path / 'records.jsonl'}:{number}: torn record; resume the shard first "
+                                   f"(ipw run --resume {path})") from None
+    return rows
+
+
+def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] | None = None) -> RunFolder:
+    """Validate the shards (IpwError with the reason, one line), then write the merged run folder."""
+    if not paths:
+        raise IpwError("ipw merge: give the shard run folders to merge")
+    shards = []
+    for p in map(Path, paths):
+        m = _read_manifest(p)
+        info = m.get("shard")
+        if not info:
+            raise IpwError(f"{p}: not a shard run (it was not made with --shard K/N); nothing to merge")
+        if m.get("status") != "complete":
+            raise IpwError(f"{p}: shard {info['index']}/{info['count']} is {m.get('status')}; finish it first "
+                           f"(ipw run --resume {p})")
+        shards.append((p, m))
+    (p0, m0) = shards[0]
+    count = m0["shard"]["count"]
+    full = m0["shard"]["dataset"]
+    config0 = {k: v for k, v in m0["config"].items() if k not in _CONFIG_IGNORED}
+    by_index: dict[int, Path] = {}
+    for p, m in shards:
+        info = m["shard"]
+        if info["count"] != count:
+            raise IpwError(f"{p}: shard {info['index']}/{info['count']} is of another split than {p0} "
+                           f"({m0['shard']['index']}/{count})")
+        if info["dataset"]["fingerprint"] != full["fingerprint"]:
+            raise IpwError(f"{p}: its full query set differs from {p0}'s (dataset fingerprints "
+                           f"{info['dataset']['fingerprint']} vs {full['fingerprint']})")
+        diff = _first_difference(config0, {k: v for k, v in m["config"].items() if k not in _CONFIG_IGNORED})
+        if diff:
+            raise IpwError(f"{p}: its config differs from {p0}'s (field '{diff}'); shards of one run share one config")
+        if info["index"] in by_index:
+            raise IpwError(f"shard {info['index']}/{count} given twice ({by_index[info['index']]} and {p})")
+        by_index[info["index"]] = p
+    missing = [f"{k}/{count}" for k in range(1, count + 1) if k not in by_index]
+    if missing:
+        raise IpwError(f"missing shard(s) {', '.join(missing)}: merging needs all {count} shards of the split")
+    if sum(m["dataset"]["n_queries"] for _, m in shards) != full["n_queries"]:
+        raise IpwError(f"the shards hold {sum(m['dataset']['n_queries'] for _, m in shards)} queries, but their "
+                       f"full set has {full['n_queries']}")
+
+    shards.sort(key=lambda s: s[1]["shard"]["index"])
+    run_id = new_run_id()
+    order = {b["name"]: i for i, b in enumerate(m0["config"]["backends"])}
+    rows, seen, n_records = [], {}, {}
+    for p, m in shards:
+        shard_rows = _records(p)
+        n_records[p] = len(shard_rows)
+        for row in shard_rows:
+            key = (row["backend"], row["query_id"], int(row["repeat"]))
+            if key in seen:
+                raise IpwError(f"duplicate record: backend {key[0]}, query {key[1]}, repeat {key[2]} is in "
+                               f"{seen[key]} and {p}")
+            seen[key] = p
+            rows.append({**row, "run_id": run_id})
+    rows.sort(key=lambda r: (order.get(r["backend"], len(order)), int(r["repeat"])))  # stable: shard order within
+
+    hardware_by_id: dict[str, Any] = {}
+    for _, m in shards:
+        hardware_by_id.update(m.get("hardware_by_id") or {})
+    backends = []
+    for b in m0["config"]["backends"]:
+        infos = [{**info, "shard": m["shard"]["index"]} for _, m in shards
+                 for info in m.get("backends", []) if info["name"] == b["name"]]
+        if infos:
+            backends.append(combine_backend_infos(infos))
+    folder = RunFolder.create(out_dir, run_id, {
+        "ipw_version": __version__,
+        "command": command if command is not None else sys.argv,
+        "config": m0["config"],
+        "dataset": full,
+        "hardware": m0.get("hardware", {}),
+        "hardware_by_id": hardware_by_id,
+        "software": m0.get("software", {}),
+        "started_at": min(m.get("started_at", "") for _, m in shards),
+        "backends": backends,
+        "merged_from": [{"shard": m["shard"]["index"], "of": count, "path": str(p), "run_id": m["run_id"],
+                         "dataset_fingerprint": m["dataset"]["fingerprint"], "n_records": n_records[p],
+                         "hardware_ids": sorted(m.get("hardware_by_id") or {}), "software": m.get("software"),
+                         "started_at": m.get("started_at"), "finished_at": m.get("finished_at")}
+                        for p, m in shards],
+        "merged_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    })
+    with open(folder.path / "records.jsonl", "a", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    _merge_power(folder, shards)
+    folder.finish("complete")
+    return folder
+
+
+def _merge_power(folder: RunFolder, shards: list[tuple[Path, dict[str, Any]]]) -> None:
+    """Each shard's power.parquet, with the node it was measured on (time is per node)."""
+    import pandas as pd
+
+    frames = []
+    for p, m in shards:
+        path = p / "power.parquet"
+        if path.exists():
+            frame = pd.read_parquet(path)
+            if "node" not in frame.columns:
+                nodes = {r.get("node") for r in _records(p)[:1]}
+                frame["node"] = next(iter(nodes), "") or ""
+            frames.append(frame)
+    if frames:
+        from ipw.results import _atomic_write_parquet
+
+        _atomic_write_parquet(pd.concat(frames, ignore_index=True), folder.path / "power.parquet")
