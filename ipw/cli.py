@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=argv, prog_name="ipw", standalone_mode=False)
     except IpwError as exc:
-        _console().print(f"[bold red]error:[/] {exc.message}", highlight=False, markup=True, soft_wrap=True)
+        from rich.markup import escape  # a message may hold brackets, e.g. pip install 'ipw[ray]'
+
+        _console().print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, markup=True, soft_wrap=True)
         return exc.exit_code
     except KeyboardInterrupt:
         _console().print("interrupted")

@@ -48,10 +48,6 @@ def _sigterm_as_interrupt() -> None:
 def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
                 dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
                 shards=None) -> int:
-    import time
-
-    from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute, resume_run, start_run
     from ipw.shard import parse_shard
 
     the_shard = parse_shard(shard) if shard is not None else None
@@ -61,12 +57,40 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         raise IpwError("--shards: only with --ray (for one shard of a run without Ray, give --shard K/N)")
     if shards is not None and shards < 1:
         raise IpwError(f"--shards: must be >= 1, got {shards}")
-    ray_options = None
-    if ray is not None:
-        from ipw.ray_runner import RayOptions, import_ray
+    if the_shard is not None and resume is not None and (Path(resume) / "manifest.json").exists():
+        import json
 
-        import_ray()  # a missing extra fails before the run folder exists
+        have = json.loads((Path(resume) / "manifest.json").read_text(encoding="utf-8")).get("shard")
+        if not have:
+            raise IpwError(f"--shard {shard}: {resume} is not a shard run; resume it without --shard")
+        if (have["index"], have["count"]) != (the_shard.index, the_shard.count):
+            raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
+                           f"--shard {have['index']}/{have['count']} or without --shard")
+    ray_options, connected = None, False
+    if ray is not None:
+        from ipw.ray_runner import RayOptions, connect
+
+        connected = connect(ray)  # a missing extra or no cluster fails before the run folder exists
         ray_options = RayOptions(ray, shards)
+    try:
+        return _run(config_path, dataset=dataset, limit=limit, backends=backends, out=out, seed=seed,
+                    repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume, dataset_preset=dataset_preset,
+                    split=split, categories=categories, sample=sample, the_shard=the_shard,
+                    ray_options=ray_options)
+    finally:
+        if connected:
+            import ray as ray_module
+
+            ray_module.shutdown()
+
+
+def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume, dataset_preset, split,
+         categories, sample, the_shard, ray_options) -> int:
+    import time
+
+    from ipw.config import apply_overrides, load_config
+    from ipw.runner import execute, resume_run, start_run
+
     done: frozenset = frozenset()
     if resume is not None:
         given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
@@ -76,12 +100,6 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         folder, config, queries, done = resume_run(str(resume))
-        have = folder.manifest.get("shard")
-        if the_shard is not None and not have:
-            raise IpwError(f"--shard {shard}: {resume} is not a shard run; resume it without --shard")
-        if the_shard is not None and (have["index"], have["count"]) != (the_shard.index, the_shard.count):
-            raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
-                           f"--shard {have['index']}/{have['count']} or without --shard")
     else:
         config = apply_overrides(
             load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
@@ -95,7 +113,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
     if folder.manifest.get("shard"):
         verb += f" shard {folder.manifest['shard']['index']}/{folder.manifest['shard']['count']}"
     if ray_options is not None:
-        verb += f" on Ray ({ray})"
+        verb += f" on Ray ({ray_options.address})"
     console.print(f"{verb} [bold]{folder.manifest['run_id']}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
     state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "t0": time.monotonic()}

@@ -198,7 +198,11 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
         n = max(1, min(n, len(queries)))
         remote = ray.remote(shard_task)
         seen = set(done)
-        hardware_by_id = dict(folder.manifest.get("hardware_by_id") or {})
+        # the machines that measured records (not the driver's, unless it did)
+        from ipw.results import load_records_jsonl
+
+        measured = set(load_records_jsonl(folder.path / "records.jsonl")["hardware_id"].dropna())
+        hardware_by_id = {h: fp for h, fp in (folder.manifest.get("hardware_by_id") or {}).items() if h in measured}
         fingerprints: dict[str, dict] = {}  # hardware_id -> fingerprint, as tasks report their node
         tasks = {(t["backend"], t["shard"]): t for t in previous.get("tasks", [])}
         infos: dict[str, list[dict]] = {}
