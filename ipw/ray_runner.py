@@ -127,14 +127,18 @@ def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done:
     yield ("node", identity, hardware)
     out: queue.Queue[Any] = queue.Queue()
     result: dict[str, Any] = {}
+    sink = _Sink(run_id, out)
 
     def work() -> None:
         try:
-            result["info"] = run_backend(_Sink(run_id, out), config, spec, queries, lambda record: None,
-                                         shared_node_probe, done)
+            result["info"] = run_backend(sink, config, spec, queries, lambda record: None, shared_node_probe, done)
         except BaseException as exc:  # re-raised in the task, where Ray reports it to the driver
             result["error"] = exc
         finally:
+            try:
+                sink.path.rmdir()  # kept when it holds something (a managed server's log)
+            except OSError:
+                pass
             out.put(None)
 
     thread = threading.Thread(target=work, name="ipw-shard", daemon=True)
