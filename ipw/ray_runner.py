@@ -148,7 +148,8 @@ def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done:
     thread.join()
     if "error" in result:
         raise result["error"]
-    yield ("backend", result["info"])
+    if result.get("info") is not None:  # None: nothing was left to run
+        yield ("backend", result["info"])
 
 
 # -- on the driver --------------------------------------------------------------------------------
