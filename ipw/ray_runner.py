@@ -238,7 +238,9 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
                 submit(spec, k)
         save()
         while running:
-            ready, _ = ray.wait(list(running), num_returns=1)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            if not ready:  # a stream that ended is not always reported ready
+                ready = [gen for gen in running if gen.is_finished()]
             for gen in ready:
                 spec, k = running[gen]
                 task = tasks[(spec.name, k)]
