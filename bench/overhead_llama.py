@@ -431,6 +431,10 @@ def write_doc(args, res: dict) -> None:
     ok_w = res["wall_ratio"] <= WALL_TARGET
     over = [p["ipw"]["sampler_overhead"] for p in t if p["ipw"].get("sampler_overhead")]
     snap = [o["cpu_model"]["fraction_of_core"] for o in over if o.get("cpu_model", {}).get("fraction_of_core")]
+    turns = (f"taking turns of {args.slice_s:g} s (SIGSTOP/SIGCONT: one runs while the other is stopped, so "
+             "both meet the same machine load; every duration is reduced to the process's running time), "
+             "who goes first alternating between rounds" if args.slice_s > 0 else
+             "back to back, in alternating order")
     body = f"""{SECTION}
 
 `ipw run` against a bare llama-cpp-python loop: {args.queries} queries of the bundled set `{args.dataset}`
@@ -439,7 +443,7 @@ through SmolLM2-135M-Instruct (Q4_1, chat template from the GGUF), greedy, `max_
 default sensor (CPU model with its 20 ms snapshot thread) on, the live progress bar rendering into a
 pseudo-terminal. The bare loop (`--bare-worker`) uses the same model file, settings, rendered prompts and
 chat template path (`Jinja2ChatFormatter`) and does nothing else. {args.rounds} rounds, each one bare
-process and one `ipw run` process back to back, in alternating order; {machine()}.
+process and one `ipw run` process {turns}; {machine()}.
 
 | round | order | bare decode tok/s | ipw decode tok/s | decode ratio | bare loop s | ipw loop s | wall ratio | identical outputs | load avg (bare, ipw) |
 |---|---|---|---|---|---|---|---|---|---|
@@ -451,9 +455,9 @@ process and one `ipw run` process back to back, in alternating order; {machine()
 | wall time of the query loop | {med('bare', 'loop_wall_s'):.2f} s | {med('ipw', 'loop_wall_s'):.2f} s | **{res['wall_ratio']:.3f}** | ≤ {WALL_TARGET} | {'PASS' if ok_w else 'FAIL'} |
 | start-up: spawn → first measured query (imports, load, {args.warmup} warm-up) | {med('bare', 'startup_s'):.2f} s | {med('ipw', 'startup_s'):.2f} s | | | |
 | of which model load | {med('bare', 'load_s'):.2f} s | {med('ipw', 'load_s'):.2f} s | | | |
-| whole process | {med('bare', 'process_wall_s'):.2f} s | {med('ipw', 'process_wall_s'):.2f} s | | | |
+| whole process | {med('bare', 'process_s'):.2f} s | {med('ipw', 'process_s'):.2f} s | | | |
 
-Ratios are per round (the two processes of a round ran back to back), then the median over rounds.
+Ratios are per round (the two processes of a round ran side by side), then the median over rounds.
 Decode tokens/s = Σ(completion tokens − 1) / Σ(end of the call − first token); the loop wall time runs from
 the start of the first measured query to the end of the last, so it contains ipw's work between queries
 (closing and opening the measurement window, building, scoring and fsyncing the record, the progress
@@ -486,11 +490,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--from-json", type=Path, help="write the doc from a saved --json result (no run)")
     args = parser.parse_args(argv)
     if args.bare_worker:
         return bare_worker(args)
-    res = measure(args)
-    res["args"] = vars(args) | {"json": str(args.json) if args.json else None}
+    if args.from_json:
+        res = json.loads(args.from_json.read_text(encoding="utf-8"))
+        args = argparse.Namespace(**(res["args"] | {"no_write": args.no_write, "json": None}))
+    else:
+        res = measure(args)
+        res["args"] = vars(args) | {"json": str(args.json) if args.json else None}
     if args.json:
         args.json.write_text(json.dumps(res, indent=1), encoding="utf-8")
     print(json.dumps({k: res[k] for k in ("decode_ratio", "wall_ratio")}))

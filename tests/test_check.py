@@ -57,6 +57,7 @@ def runs(tmp_path_factory):
         "base": _run(cli, tmp, "base", max_tokens=12, dataset=stories),
         "same": _run(cli, tmp, "same", max_tokens=12, dataset=stories),
         "longer": _run(cli, tmp, "longer", max_tokens=36, dataset=stories),  # longer answers: a real energy increase
+        "bit_longer": _run(cli, tmp, "bit_longer", max_tokens=15, dataset=stories),  # 3 more tokens: about +20%
         "easy": _run(cli, tmp, "easy", max_tokens=16, dataset=easy, limit=0),
         # sampling at temperature 5 from the whole vocabulary: the same model answers at random
         "hot": _run(cli, tmp, "hot", max_tokens=16, dataset=easy, limit=0, temperature=5.0),
@@ -84,6 +85,21 @@ def test_longer_answers_fail_on_energy(runs, run_cli, tmp_path):
     assert "::error title=ipw check regression: smol energy_per_query" in out
     assert "regression" in md.read_text()
     assert "<failure" in (tmp_path / "v.xml").read_text()
+
+
+def test_twenty_percent_more_energy_fails(runs, run_cli, tmp_path):
+    """A real, modest increase (answers 12 -> 15 tokens) is caught by the default thresholds, while the
+    identical configuration's run-to-run jitter (test_identical_configs_pass) is not."""
+    from ipw.results import load_run
+
+    e = {k: load_run(runs[k])[1]["energy_j"].mean() for k in ("base", "same", "bit_longer")}
+    assert 1.10 < e["bit_longer"] / e["base"] < 1.35, e  # the change is a real one of about 20%
+    assert abs(e["same"] / e["base"] - 1) < 0.05, e  # jitter stays inside the default +5%
+    md = tmp_path / "v.md"
+    code, out, err = run_cli("check", runs["base"], runs["bit_longer"], "--markdown", md)
+    assert code == 1, out + err
+    row = next(line for line in md.read_text().splitlines() if "energy_per_query" in line)
+    assert "regression" in row
 
 
 def test_accuracy_drop_fails(runs, run_cli):
