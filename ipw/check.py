@@ -100,6 +100,10 @@ class CheckResult:
 def comparability(base_manifest: dict, cand_manifest: dict, allow_hardware_mismatch: bool) -> list[str]:
     """Reasons the two runs cannot be compared (empty when they can)."""
     reasons = []
+    for role, m in (("baseline", base_manifest), ("candidate", cand_manifest)):
+        if m.get("status") != "complete":  # an interrupted run covers only some queries of some backends
+            reasons.append(f"the {role} run is {m.get('status', 'of unknown status')}, not complete "
+                           f"(finish it with: ipw run --resume RUN_DIR)")
     fb, fc = base_manifest["dataset"]["fingerprint"], cand_manifest["dataset"]["fingerprint"]
     if fb != fc:
         reasons.append(f"dataset fingerprints differ ({fb} vs {fc})")

@@ -125,6 +125,16 @@ def test_hardware_mismatch_exit_2_unless_allowed(runs, run_cli, tmp_path):
     assert code == 0
 
 
+def test_interrupted_run_is_not_comparable(runs, run_cli, tmp_path):
+    copy = tmp_path / "cut"
+    shutil.copytree(runs["same"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["status"] = "interrupted"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("check", runs["base"], copy)
+    assert code == 2 and "candidate run is interrupted" in err and "--resume" in err
+
+
 @pytest.mark.parametrize("text", ["energy:+5%", "accuracy:-2%", "energy_per_query:5", "x"])
 def test_bad_thresholds(text):
     with pytest.raises(IpwError):

@@ -141,8 +141,8 @@ def test_check_machines_of_sharded_runs():
     from ipw.check import comparability, machines
 
     a, b = {"cpu_model": "A", "cpu_logical_cores": 2}, {"cpu_model": "B", "cpu_logical_cores": 2}
-    single = {"dataset": {"fingerprint": "f"}, "hardware": a, "hardware_by_id": {"hw-a": a}}
-    merged = {"dataset": {"fingerprint": "f"}, "hardware": b, "hardware_by_id": {"hw-a": a}, "merged_from": []}
+    single = {"status": "complete", "dataset": {"fingerprint": "f"}, "hardware": a, "hardware_by_id": {"hw-a": a}}
+    merged = {"status": "complete", "dataset": {"fingerprint": "f"}, "hardware": b, "hardware_by_id": {"hw-a": a}, "merged_from": []}
     assert machines(merged) == [a], "a merged run is the machines that measured it, not the first shard's header"
     assert comparability(single, merged, False) == []
     two = {**merged, "hardware_by_id": {"hw-a": a, "hw-b": b}}
