@@ -69,6 +69,8 @@ def test_managed_llama_server_end_to_end(small_jsonl, tmp_path, run_cli):
     assert list(frame["query_id"]) == ["a1", "a2", "m1", "s1"]
     assert frame["error"].isna().all(), frame["error"].tolist()
     assert (frame["completion_tokens"] > 0).all() and (frame["completion_tokens"] <= 16).all()
+    # streamed without usage: prompt tokens counted with the GGUF's tokenizer (exactness: the test below)
+    assert (frame["prompt_tokens"] > 5).all() and "GGUF's tokenizer" in info["usage_source"]
     assert (frame["ttft_s"] > 0).all() and (frame["latency_s"] >= frame["ttft_s"]).all()
     # the server's own process tree is measured (CPU model here: no RAPL, no GPU on these machines)
     assert set(frame["energy_source"]) == {"model.cpu"} and set(frame["energy_quality"]) == {"estimated"}
@@ -129,3 +131,34 @@ def test_server_that_cannot_start_fails_cleanly(tmp_path):
         start_server("llama-cpp", bad, tmp_path / "server.log", n_threads=1, alias="x", timeout_s=120)
     assert (tmp_path / "server.log").read_text()
     assert not llama_servers()
+
+
+def test_prompt_tokens_counted_as_the_server_counts_them(tmp_path):
+    """llama.cpp's server sends no usage while streaming; ipw counts prompt tokens with the GGUF's own
+    tokenizer and chat template. The count must equal the server's own, which it reports when not
+    streaming, for the chat and the completions API."""
+    import http.client
+
+    from ipw.backends.base import few_shot_prompt
+    from ipw.backends.llama_cpp import PromptTokenCounter
+    from ipw.backends.servers import start_server
+    from ipw.models import resolve_model
+
+    path, _ = resolve_model("smollm2-135m")
+    counter = PromptTokenCounter(path, "t")
+    server = start_server("llama-cpp", path, tmp_path / "s.log", n_threads=1, n_ctx=1024, alias="m", timeout_s=300)
+    try:
+        for question in ("What is 2 + 3?", "Which planet is known as the Red Planet?\nA. Venus\nB. Mars"):
+            messages = [{"role": "user", "content": question}]
+            for route, body, mine in (
+                ("chat/completions", {"messages": messages}, counter.count(messages=messages)),
+                ("completions", {"prompt": few_shot_prompt(question)}, counter.count(prompt=few_shot_prompt(question))),
+            ):
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+                conn.request("POST", f"/v1/{route}", json.dumps({"model": "m", "max_tokens": 1, **body}),
+                             {"Content-Type": "application/json"})
+                usage = json.loads(conn.getresponse().read())["usage"]
+                conn.close()
+                assert mine == usage["prompt_tokens"] > 5, (route, question, mine, usage)
+    finally:
+        server.stop()

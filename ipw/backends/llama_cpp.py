@@ -8,7 +8,9 @@ through the chat template stored in the GGUF; base models get a few-shot complet
 from __future__ import annotations
 
 import os
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from ipw.backends.base import FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, few_shot_prompt
@@ -29,7 +31,6 @@ class LlamaCppBackend:
     def load(self) -> None:
         try:
             import llama_cpp
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
         except ImportError:
             raise missing_extra("llama-cpp-python", "llama") from None
         opts = self.spec.options
@@ -48,17 +49,7 @@ class LlamaCppBackend:
             raise IpwError(f"backend {self.spec.name!r}: cannot load {self.model_path}: {exc}") from None
         self.gpu_offload = bool(n_gpu_layers) and llama_cpp.llama_supports_gpu_offload()
         if self.mode == "chat":
-            template = opts.get("chat_template") or self._llm.metadata.get("tokenizer.chat_template")
-            if not template:
-                raise IpwError(f"backend {self.spec.name!r}: {self.model_path.name} has no chat template; "
-                               "set mode = \"completion\" for a base model or give chat_template")
-            model = self._llm._model
-            eos, bos = self._llm.token_eos(), self._llm.token_bos()
-            self._formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=model.token_get_text(eos) if eos != -1 else "",
-                bos_token=model.token_get_text(bos) if bos != -1 else "",
-            )
+            self._formatter = chat_formatter(self._llm, opts.get("chat_template"), self.spec.name, self.model_path)
 
     def _prompt(self, prompt: str) -> tuple[str, tuple[str, ...]]:
         if self.mode == "chat":
@@ -145,3 +136,44 @@ class LlamaCppBackend:
         if self._llm is not None:
             self._llm.close()
             self._llm = None
+
+
+def chat_formatter(llm: Any, template: str | None, backend: str, model_path: Path) -> Any:
+    """The chat template (given, else the GGUF's) as llama-cpp-python renders it, with the model's own
+    BOS and EOS texts: what the in-process backend uses and what llama.cpp's server applies."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = template or llm.metadata.get("tokenizer.chat_template")
+    if not template:
+        raise IpwError(f"backend {backend!r}: {model_path.name} has no chat template; "
+                       "set mode = \"completion\" for a base model or give chat_template")
+    eos, bos = llm.token_eos(), llm.token_bos()
+    return Jinja2ChatFormatter(template=template,
+                               eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                               bos_token=llm._model.token_get_text(bos) if bos != -1 else "")
+
+
+class PromptTokenCounter:
+    """Prompt tokens of a request to a llama.cpp server (``python -m llama_cpp.server``), which sends no
+    usage while streaming: the GGUF's vocabulary alone (``vocab_only``, no weights) tokenizes the prompt
+    as the server does: the chat API through the model's chat template (no extra BOS: the template
+    writes it), the completions API as raw text with BOS."""
+
+    def __init__(self, model_path: Path, backend: str, chat_template: str | None = None) -> None:
+        try:
+            import llama_cpp
+        except ImportError:
+            raise missing_extra("llama-cpp-python", "llama") from None
+        self._llm = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
+        self._template, self._backend, self._path = chat_template, backend, model_path
+        self._formatter: Any = None
+        self._lock = threading.Lock()  # requests run on several threads at concurrency > 1
+
+    def count(self, *, messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> int:
+        with self._lock:
+            if messages is not None:
+                if self._formatter is None:
+                    self._formatter = chat_formatter(self._llm, self._template, self._backend, self._path)
+                text = self._formatter(messages=messages).prompt
+                return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+            return len(self._llm.tokenize((prompt or "").encode("utf-8"), add_bos=True, special=True))

@@ -3,7 +3,8 @@
 - Streaming (SSE) gives the time of the first token (TTFT) and of every content chunk.  Token usage
   comes from the response (``stream_options.include_usage``); when the server sends none (llama.cpp's
   server does not while streaming) completion tokens are counted as content chunks, and prompt tokens
-  are 0 (unknown).
+  are counted with the model's own tokenizer and chat template for a managed llama.cpp server
+  (``PromptTokenCounter``), else 0 (unknown).
 - Every generation setting is sent explicitly (llama.cpp's server would otherwise apply
   ``repeat_penalty`` 1.1); ``top_k`` and ``repeat_penalty`` are not part of OpenAI's own API, so
   ``sampling_extensions = false`` leaves them out for endpoints that reject them.
@@ -21,6 +22,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import ipaddress
 import json
@@ -121,6 +123,7 @@ class OpenAIBackend:
         self.energy_estimate: Any = None
         self._key: str | None = None
         self._local_pids: list[int] = []
+        self._prompt_tokens: Any = None  # a PromptTokenCounter for a managed llama.cpp server
         self._set_url(opts.get("base_url", "http://127.0.0.1:0/v1"))
         self.remote = bool(opts.get("remote", self.server_kind is None and not is_loopback(self.host)))
 
@@ -156,6 +159,10 @@ class OpenAIBackend:
                 n_threads=opts.get("n_threads"), n_ctx=opts.get("n_ctx", 4096), alias=self.model_name,
                 timeout_s=opts.get("server_timeout_s", 180.0), python=opts.get("python"))
             self._set_url(self.server.base_url)
+            if self.server_kind == "llama-cpp":
+                from ipw.backends.llama_cpp import PromptTokenCounter
+
+                self._prompt_tokens = PromptTokenCounter(self.model_path, self.spec.name, opts.get("chat_template"))
         try:
             if self.remote:
                 from ipw.telemetry.api_estimate import ApiEnergyEstimate
@@ -234,7 +241,11 @@ class OpenAIBackend:
         attempt = 0
         while True:
             try:
-                return self._attempt(payload, start, body.get("stop", []))
+                completion = self._attempt(payload, start, body.get("stop", []))
+                if completion.prompt_tokens == 0 and self._prompt_tokens is not None:
+                    n = self._prompt_tokens.count(messages=body.get("messages"), prompt=body.get("prompt"))
+                    completion = dataclasses.replace(completion, prompt_tokens=n)
+                return completion
             except _Retryable as exc:
                 if attempt >= self.max_retries:
                     raise QueryError(f"{exc} (after {attempt + 1} attempts)", exc.category) from None
@@ -350,7 +361,8 @@ class OpenAIBackend:
             "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
             "api_key_env": self.spec.options.get("api_key_env"), "api_key_sent": bool(self._key),
             "sampling_extensions": self.extensions,
-            "usage_source": "response usage when sent, else content chunks counted",
+            "usage_source": "response usage when sent, else content chunks counted and prompt tokens "
+                            + ("counted with the GGUF's tokenizer" if self._prompt_tokens is not None else "unknown (0)"),
             "request_params": getattr(self, "sent_params", None),
         }
         if self.server is not None:
