@@ -119,9 +119,25 @@ def cluster():
     c.shutdown()
 
 
+WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone", "cloud", "bread", "chair", "water"]
+
+
+def _dataset(tmp_path: Path) -> Path:
+    """Queries SmolLM2-135M answers right often (copying a word) and some it gets wrong (arithmetic), so
+    that the accuracy compared is neither 0 nor 1."""
+    rows = [{"id": f"copy-{i}", "prompt": f"Repeat this word exactly: {w}", "answer": w, "scorer": "contains",
+             "category": "copy"} for i, w in enumerate(WORDS)]
+    rows += [{"id": f"add-{a}-{b}", "prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b),
+              "scorer": "numeric", "category": "arithmetic"} for a, b in ((17, 25), (38, 46), (123, 389), (7, 8))]
+    rows = [rows[i] for i in (0, 12, 1, 2, 13, 3, 4, 14, 5, 6, 15, 7, 8, 9, 10, 11)]  # mixed order
+    path = tmp_path / "easy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _config(tmp_path: Path, limit: int = 10, max_tokens: int = 12) -> Path:
     path = tmp_path / "ray.toml"
-    path.write_text(f'''dataset = "ipw-core"
+    path.write_text(f'''dataset = "{_dataset(tmp_path)}"
 limit = {limit}
 warmup = 0
 idle_s = 0
@@ -159,6 +175,7 @@ def _same_as_unsharded(run_dir: Path, unsharded: Path) -> pd.DataFrame:
     a, b = _records(unsharded), _records(run_dir)
     assert list(a.index) == list(b.index) and b.index.is_unique, "exactly the unsharded run's queries, each once"
     assert (a["output"] == b["output"]).all(), "greedy decoding: the same answers"
+    assert 0 < a["correct"].mean() < 1, "an accuracy that can differ"
     assert a["correct"].mean() == b["correct"].mean()
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
@@ -278,7 +295,7 @@ def test_killed_worker_is_recovered(cluster, unsharded, tmp_path, run_cli):
     def kill():
         proc = _task_worker()
         if proc is not None:
-            killed.append(proc.cmdline())
+            killed.append(" ".join(proc.cmdline()).strip())
             os.kill(proc.pid, signal.SIGKILL)
 
     watcher = _when_records(tmp_path / "out", 2, kill)
