@@ -247,6 +247,13 @@ class _Segments:
         with self.lock:
             return [seg for seg in self.closed if job in seg[3]]
 
+    def release(self, done_through: int) -> set[int]:
+        """Forget the segments of requests up to ``done_through`` (recorded, in job order), so that a long
+        run holds only the segments of requests in flight; returns the jobs those still involve."""
+        with self.lock:
+            self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
+            return set().union(*(seg[3] for seg in self.closed)) | self.active
+
 
 def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> tuple[list[EnergyReading], float]:
     """This request's share of each component's energy over its segments (which tile its window),
@@ -301,7 +308,8 @@ def run_concurrent(
         return completion, error, start, end
 
     pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="ipw-request")
-    futures = [pool.submit(one, i, query) for i, (_, query) in enumerate(work)]
+    futures = {i: pool.submit(one, i, query) for i, (_, query) in enumerate(work)}
+    kept: list[int] = []  # recorded requests whose results a later record's energy split may still need
     try:
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
@@ -310,6 +318,12 @@ def run_concurrent(
                                  readings, idle=idle, estimate=estimate, busy_s=busy_s)
             folder.append(record)
             progress(record)
+            # memory stays flat over long runs: drop what no later record needs (docs/RELIABILITY.md)
+            needed = segments.release(job)
+            for j in kept + [job]:
+                if j not in needed:
+                    del futures[j]
+            kept = [j for j in kept + [job] if j in needed]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
