@@ -24,7 +24,7 @@ from ipw.results import QueryRecord, RunFolder, new_run_id
 from ipw.scoring import score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
-from ipw.telemetry.hardware import NodeIdentity, node_identity
+from ipw.telemetry.hardware import node_identity
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,12 @@ def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
     estimate: Any = None, busy_s: float | None = None, splits: Callable[[], dict[str, Any]] | None = None,
-    identity: NodeIdentity | None = None,
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
     ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
     ``splits``: each component's split at the first token (``ipw.phases.sensor_splits``), called now
-    that the readings are final; ``identity``: the machine that measured it (default: this one)."""
-    identity = identity or node_identity()[0]
+    that the readings are final.  The record names the machine that measured it (``node_identity``)."""
+    identity = node_identity()[0]
     duration = end_s - start_s
     if estimate is not None:
         ok = error is None and completion is not None
@@ -382,9 +381,9 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
                        "(fingerprints differ); start a new run")
     done = frozenset(folder.done_keys())
     identity, hardware = node_identity()
-    folder.write_manifest(hardware_by_id={**folder.manifest.get("hardware_by_id", {}), identity.hardware_id: hardware})
     folder.write_manifest(status="running", resumed_at=folder.manifest.get("resumed_at", [])
-                          + [time.strftime("%Y-%m-%dT%H:%M:%S")])
+                          + [time.strftime("%Y-%m-%dT%H:%M:%S")],
+                          hardware_by_id={**folder.manifest.get("hardware_by_id", {}), identity.hardware_id: hardware})
     return folder, config, queries, done
 
 
