@@ -33,3 +33,19 @@ def small_jsonl(tmp_path: Path) -> Path:
     path = tmp_path / "small.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone", "cloud", "bread", "chair", "water"]
+
+
+def mixed_accuracy_jsonl(tmp_path: Path) -> Path:
+    """Queries SmolLM2-135M answers right often (copying a word) and some it gets wrong (arithmetic), so
+    that an accuracy compared across runs is neither 0 nor 1; categories interleaved."""
+    rows = [{"id": f"copy-{i}", "prompt": f"Repeat this word exactly: {w}", "answer": w, "scorer": "contains",
+             "category": "copy"} for i, w in enumerate(WORDS)]
+    rows += [{"id": f"add-{a}-{b}", "prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b),
+              "scorer": "numeric", "category": "arithmetic"} for a, b in ((17, 25), (38, 46), (123, 389), (7, 8))]
+    rows = [rows[i] for i in (0, 12, 1, 2, 13, 3, 4, 14, 5, 6, 15, 7, 8, 9, 10, 11)]  # mixed order
+    path = tmp_path / "easy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -8,6 +8,7 @@ import pytest
 
 from ipw.errors import IpwError
 from ipw.shard import Shard, combine_backend_infos, parse_shard, shard_items
+from conftest import mixed_accuracy_jsonl
 
 
 # -- the assignment ----------------------------------------------------------------------------
@@ -153,25 +154,9 @@ def test_check_machines_of_sharded_runs():
 # -- real runs: a sharded run is the unsharded run, split --------------------------------------------
 
 
-WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone", "cloud", "bread", "chair", "water"]
-
-
-def _dataset(tmp_path: Path) -> Path:
-    """Queries SmolLM2-135M answers right often (copying a word) and some it gets wrong (arithmetic), so
-    that the accuracy compared is neither 0 nor 1."""
-    rows = [{"id": f"copy-{i}", "prompt": f"Repeat this word exactly: {w}", "answer": w, "scorer": "contains",
-             "category": "copy"} for i, w in enumerate(WORDS)]
-    rows += [{"id": f"add-{a}-{b}", "prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b),
-              "scorer": "numeric", "category": "arithmetic"} for a, b in ((17, 25), (38, 46), (123, 389), (7, 8))]
-    rows = [rows[i] for i in (0, 12, 1, 2, 13, 3, 4, 14, 5, 6, 15, 7, 8, 9, 10, 11)]  # mixed order
-    path = tmp_path / "easy.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def _config(tmp_path: Path, limit: int = 9) -> Path:
     path = tmp_path / "shard.toml"
-    path.write_text(f'''dataset = "{_dataset(tmp_path)}"
+    path.write_text(f'''dataset = "{mixed_accuracy_jsonl(tmp_path)}"
 limit = {limit}
 warmup = 0
 idle_s = 0
