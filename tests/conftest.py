@@ -49,3 +49,28 @@ def mixed_accuracy_jsonl(tmp_path: Path) -> Path:
     path = tmp_path / "easy.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def smol_config(path: Path, dataset: Path, *, limit: int, max_tokens: int, out_dir: Path, top: str = "") -> Path:
+    """A run config of SmolLM2-135M in-process (one thread, no warm-up, no idle baseline)."""
+    path.write_text(f'''dataset = "{dataset}"
+limit = {limit}
+warmup = 0
+idle_s = 0
+out_dir = "{out_dir}"
+{top}
+[generation]
+max_tokens = {max_tokens}
+[[backends]]
+name = "smol"
+kind = "llama-cpp"
+model = "smollm2-135m"
+n_threads = 1
+''')
+    return path
+
+
+def only_run(folder: Path) -> Path:
+    """The one run folder written under ``folder``."""
+    (run_dir,) = [p for p in folder.iterdir() if p.is_dir()]
+    return run_dir

@@ -17,7 +17,7 @@ import pytest
 
 from ipw.backends.base import BackendSpec
 from ipw.errors import IpwError
-from conftest import mixed_accuracy_jsonl
+from conftest import mixed_accuracy_jsonl, only_run, smol_config
 
 KEY = ["backend", "query_id", "repeat"]
 
@@ -121,26 +121,8 @@ def cluster():
 
 
 def _config(tmp_path: Path, limit: int = 10, max_tokens: int = 12) -> Path:
-    path = tmp_path / "ray.toml"
-    path.write_text(f'''dataset = "{mixed_accuracy_jsonl(tmp_path)}"
-limit = {limit}
-warmup = 0
-idle_s = 0
-out_dir = "{tmp_path / 'unused'}"
-[generation]
-max_tokens = {max_tokens}
-[[backends]]
-name = "smol"
-kind = "llama-cpp"
-model = "smollm2-135m"
-n_threads = 1
-''')
-    return path
-
-
-def _only(folder: Path) -> Path:
-    (run_dir,) = [p for p in folder.iterdir() if p.is_dir()]
-    return run_dir
+    return smol_config(tmp_path / "ray.toml", mixed_accuracy_jsonl(tmp_path), limit=limit, max_tokens=max_tokens,
+                       out_dir=tmp_path / "unused")
 
 
 def _records(run_dir: Path) -> pd.DataFrame:
@@ -153,7 +135,7 @@ def unsharded(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("unsharded")
     assert main(["run", str(_config(tmp)), "--out", str(tmp / "out")]) == 0
-    return _only(tmp / "out")
+    return only_run(tmp / "out")
 
 
 def _same_as_unsharded(run_dir: Path, unsharded: Path) -> pd.DataFrame:
@@ -175,7 +157,7 @@ def _same_as_unsharded(run_dir: Path, unsharded: Path) -> pd.DataFrame:
 def test_ray_run_covers_the_unsharded_queries(cluster, unsharded, tmp_path, run_cli):
     code, _, err = run_cli("run", _config(tmp_path), "--ray", cluster.address, "--out", tmp_path / "out")
     assert code == 0, err
-    run_dir = _only(tmp_path / "out")
+    run_dir = only_run(tmp_path / "out")
     _same_as_unsharded(run_dir, unsharded)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["ray"]["shards"] == 2, "as many shards as the cluster runs at once (2 nodes x 1 CPU)"
@@ -219,7 +201,7 @@ def test_tasks_sharing_a_machine_do_not_double_count(cluster, tmp_path, run_cli)
         stop.set()
         sampler.join()
     assert code == 0, err
-    frame = pd.read_parquet(_only(tmp_path / "out") / "records.parquet")
+    frame = pd.read_parquet(only_run(tmp_path / "out") / "records.parquet")
     cpu_s = [float(re.match(r"([0-9.]+) CPU s", json.loads(p)[0]["note"]).group(1)) for p in frame["energy_parts"]]
     windows = sorted(zip(frame["start_s"], frame["end_s"]))
     overlapping = sum(max(0.0, min(a1, b1) - max(a0, b0)) for i, (a0, a1) in enumerate(windows)
@@ -288,7 +270,7 @@ def test_killed_worker_is_recovered(cluster, unsharded, tmp_path, run_cli):
     watcher.join()
     assert code == 0, err
     assert killed, "a worker was killed mid-run"
-    run_dir = _only(tmp_path / "out")
+    run_dir = only_run(tmp_path / "out")
     _same_as_unsharded(run_dir, unsharded)
     tasks = json.loads((run_dir / "manifest.json").read_text())["ray"]["tasks"]
     retried = [t for t in tasks if t["attempts"] == 2]
@@ -321,7 +303,7 @@ def test_lost_node_is_recovered(cluster, unsharded, tmp_path, run_cli):
             cluster.add_node(num_cpus=1)
     assert code == 0, err
     assert lost, "a node was removed mid-run"
-    run_dir = _only(tmp_path / "out")
+    run_dir = only_run(tmp_path / "out")
     _same_as_unsharded(run_dir, unsharded)
     tasks = json.loads((run_dir / "manifest.json").read_text())["ray"]["tasks"]
     assert sorted(t["attempts"] for t in tasks) == [1, 2], tasks
@@ -334,7 +316,7 @@ def test_resume_a_ray_run(cluster, unsharded, tmp_path, run_cli):
     """An interrupted Ray run resumes on Ray and runs only the missing keys."""
     code, _, err = run_cli("run", _config(tmp_path), "--ray", cluster.address, "--out", tmp_path / "out")
     assert code == 0, err
-    run_dir = _only(tmp_path / "out")
+    run_dir = only_run(tmp_path / "out")
     lines = (run_dir / "records.jsonl").read_text().splitlines(keepends=True)
     kept = lines[:3]
     (run_dir / "records.jsonl").write_text("".join(kept))
@@ -369,7 +351,7 @@ n_threads = 1
     code, out, err = run_cli("run", config, "--ray", cluster.address, "--shards", "1", "--out", tmp_path / "out")
     assert code == 2 and "backend broken shard 1/1 failed 3 times" in err and "--resume" in err, err
     assert "Traceback" not in err + out
-    manifest = json.loads((_only(tmp_path / "out") / "manifest.json").read_text())
+    manifest = json.loads((only_run(tmp_path / "out") / "manifest.json").read_text())
     assert manifest["status"] == "interrupted"
     (task,) = manifest["ray"]["tasks"]
     assert task["attempts"] == 3 and len(task["errors"]) == 3, task

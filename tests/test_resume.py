@@ -1,7 +1,6 @@
 """Resume after a crash: SIGKILL at random moments, resume, and every query is recorded exactly once."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -11,28 +10,15 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import smol_config
 
 pytestmark = pytest.mark.llama
 IPW = [sys.executable, "-m", "ipw.cli"]
 
 
 def _config(tmp_path: Path, dataset: Path | str, limit: int = 0) -> Path:
-    path = tmp_path / "resume.toml"
-    path.write_text(f'''dataset = "{dataset}"
-limit = {limit}
-repeats = 2
-warmup = 0
-idle_s = 0
-out_dir = "{tmp_path / 'res'}"
-[generation]
-max_tokens = 8
-[[backends]]
-name = "smol"
-kind = "llama-cpp"
-model = "smollm2-135m"
-n_threads = 1
-''')
-    return path
+    return smol_config(tmp_path / "resume.toml", dataset, limit=limit, max_tokens=8, out_dir=tmp_path / "res",
+                       top="repeats = 2")
 
 
 def test_sigkill_and_resume_loop(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from ipw.errors import IpwError
 from ipw.shard import Shard, combine_backend_infos, parse_shard, shard_items
-from conftest import mixed_accuracy_jsonl
+from conftest import mixed_accuracy_jsonl, only_run, smol_config
 
 
 # -- the assignment ----------------------------------------------------------------------------
@@ -155,26 +155,8 @@ def test_check_machines_of_sharded_runs():
 
 
 def _config(tmp_path: Path, limit: int = 9) -> Path:
-    path = tmp_path / "shard.toml"
-    path.write_text(f'''dataset = "{mixed_accuracy_jsonl(tmp_path)}"
-limit = {limit}
-warmup = 0
-idle_s = 0
-out_dir = "{tmp_path / 'unused'}"
-[generation]
-max_tokens = 8
-[[backends]]
-name = "smol"
-kind = "llama-cpp"
-model = "smollm2-135m"
-n_threads = 1
-''')
-    return path
-
-
-def _only(folder: Path) -> Path:
-    (run_dir,) = [p for p in folder.iterdir() if p.is_dir()]
-    return run_dir
+    return smol_config(tmp_path / "shard.toml", mixed_accuracy_jsonl(tmp_path), limit=limit, max_tokens=8,
+                       out_dir=tmp_path / "unused")
 
 
 @pytest.mark.llama
@@ -182,12 +164,12 @@ def test_shards_merged_equal_the_unsharded_run(tmp_path, run_cli):
     config = _config(tmp_path)
     code, _, err = run_cli("run", config, "--out", tmp_path / "full")
     assert code == 0, err
-    full = _only(tmp_path / "full")
+    full = only_run(tmp_path / "full")
     shards = []
     for k in (1, 2, 3):
         code, _, err = run_cli("run", config, "--shard", f"{k}/3", "--out", tmp_path / f"s{k}")
         assert code == 0, err
-        shards.append(_only(tmp_path / f"s{k}"))
+        shards.append(only_run(tmp_path / f"s{k}"))
         manifest = json.loads((shards[-1] / "manifest.json").read_text())
         assert manifest["shard"]["index"] == k and manifest["dataset"]["n_queries"] == 3
     code, out, err = run_cli("merge", *reversed(shards), "--out", tmp_path / "merged")
@@ -221,7 +203,7 @@ def test_resume_a_shard(tmp_path, run_cli):
     config = _config(tmp_path, limit=6)
     code, _, err = run_cli("run", config, "--shard", "2/2", "--out", tmp_path / "s")
     assert code == 0, err
-    run_dir = _only(tmp_path / "s")
+    run_dir = only_run(tmp_path / "s")
     # make it look interrupted after its first query
     lines = (run_dir / "records.jsonl").read_text().splitlines(keepends=True)
     (run_dir / "records.jsonl").write_text(lines[0])
