@@ -163,8 +163,9 @@ Reproduce (writes this section and the trace):
 {command}
 ```
 """
-    write_section(DOC, SECTION, body) if DOC.exists() else DOC.write_text(
-        "# Reliability\n\n" + body, encoding="utf-8")
+    if not DOC.exists():
+        DOC.write_text("# Reliability\n", encoding="utf-8")
+    write_section(DOC, SECTION, body)
 
 
 def main(argv: list[str] | None = None) -> int:

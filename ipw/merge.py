@@ -100,10 +100,11 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     shards.sort(key=lambda s: s[1]["shard"]["index"])
     run_id = new_run_id()
     order = {b["name"]: i for i, b in enumerate(m0["config"]["backends"])}
-    rows, seen, n_records = [], {}, {}
+    rows, seen, n_records, node_of = [], {}, {}, {}
     for p, m in shards:
         shard_rows = _records(p)
         n_records[p] = len(shard_rows)
+        node_of[p] = (shard_rows[0].get("node") or "") if shard_rows else ""  # for power traces without one
         for row in shard_rows:
             key = (row["backend"], row["query_id"], int(row["repeat"]))
             if key in seen:
@@ -144,23 +145,22 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    _merge_power(folder, shards)
+    _merge_power(folder, shards, node_of)
     folder.finish("complete")
     return folder
 
 
-def _merge_power(folder: RunFolder, shards: list[tuple[Path, dict[str, Any]]]) -> None:
+def _merge_power(folder: RunFolder, shards: list[tuple[Path, dict[str, Any]]], node_of: dict[Path, str]) -> None:
     """Each shard's power.parquet, with the node it was measured on (time is per node)."""
     import pandas as pd
 
     frames = []
-    for p, m in shards:
+    for p, _ in shards:
         path = p / "power.parquet"
         if path.exists():
             frame = pd.read_parquet(path)
             if "node" not in frame.columns:
-                nodes = {r.get("node") for r in _records(p)[:1]}
-                frame["node"] = next(iter(nodes), "") or ""
+                frame["node"] = node_of[p]
             frames.append(frame)
     if frames:
         from ipw.results import _atomic_write_parquet

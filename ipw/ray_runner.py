@@ -28,8 +28,7 @@ import math
 import queue
 import tempfile
 import threading
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 

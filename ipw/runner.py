@@ -251,7 +251,7 @@ class _Segments:
         run holds only the segments of requests in flight; returns the jobs those still involve."""
         with self.lock:
             self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
-            return set().union(*(seg[3] for seg in self.closed)) | self.active
+            return set().union(*(seg[3] for seg in self.closed))
 
 
 def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> tuple[list[EnergyReading], float]:
@@ -398,11 +398,12 @@ def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             from ipw.ray_runner import run_on_ray
 
             run_on_ray(folder, config, queries, progress, ray, done)
-        for spec in config.backends if ray is None else ():
-            info = run_backend(folder, config, spec, queries, progress, probe, done)
-            if info is not None:
-                others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]
-                folder.write_manifest(backends=others + [info])
+        else:
+            for spec in config.backends:
+                info = run_backend(folder, config, spec, queries, progress, probe, done)
+                if info is not None:
+                    others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]
+                    folder.write_manifest(backends=others + [info])
     except KeyboardInterrupt:
         folder.finish("interrupted", reason="interrupted by the user")
         raise
