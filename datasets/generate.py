@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate the bundled query set ``ipw-core`` deterministically (stdlib only).
 
-    python datasets/generate.py                 # writes datasets/ipw-core.jsonl and ipw-core-default.txt
+    python datasets/generate.py                 # writes ipw/data/ipw-core.jsonl and ipw-core-default.txt
     python datasets/generate.py --check         # regenerates in memory and fails if the files differ
     python datasets/generate.py --seed 7 --out /tmp/x.jsonl
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 DEFAULT_SEED = 20261129
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "ipw-core.jsonl"
+DEFAULT_OUT = HERE.parent / "ipw" / "data" / "ipw-core.jsonl"  # shipped in the package
 DEFAULT_SUBSET_SIZE = 24
 
 JUST_NUMBER = "Answer with just the number."

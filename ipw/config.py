@@ -16,8 +16,9 @@ from typing import Any
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
 from ipw.judge import GRADINGS, JudgeSpec
+from ipw.resources import resource_path
 
-EMBEDDED_DEFAULT = Path(__file__).with_name("default.toml")
+EMBEDDED_DEFAULT = resource_path("default.toml")
 ROLES = ("local", "cloud")
 MODES = ("chat", "completion")
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipw.errors import IpwError, where
+from ipw.resources import resource_path
 
-DATASETS_DIR = Path(__file__).resolve().parent.parent / "datasets"
+DATASETS_DIR = resource_path("data")  # ships in the package (ipw/data, written by datasets/generate.py)
 # short name -> (file, optional file of the ids to keep)
 BUNDLED = {
     "ipw-core": ("ipw-core.jsonl", None),

@@ -30,8 +30,9 @@ from typing import Any, Callable
 
 from ipw.backends.base import BackendSpec, GenerationSettings, create_backend
 from ipw.errors import IpwError
+from ipw.resources import resource_path
 
-PROMPTS_DIR = Path(__file__).with_name("judge_prompts")
+PROMPTS_DIR = resource_path("judge_prompts")
 GRADINGS = ("reference", "pairwise")
 PLACEHOLDERS = {"reference": ("question", "reference", "response"), "pairwise": ("question", "answer_a", "answer_b")}
 

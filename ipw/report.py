@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.resources import resource_path
 
 MAX_POINTS = 2000  # records per backend in a scatter plot
 MAX_WINDOWS = 1500  # steps of power over time per backend
@@ -666,7 +667,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
 def _env():
     import jinja2
 
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(resource_path("templates")),
                               autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
                               lstrip_blocks=True)
 

@@ -11,7 +11,7 @@ import pytest
 from ipw.datasets import DATASETS_DIR, LETTERS, load_queries
 from ipw.scoring import score
 
-GENERATOR = DATASETS_DIR / "generate.py"
+GENERATOR = Path(__file__).resolve().parents[1] / "datasets" / "generate.py"
 
 
 @pytest.fixture(scope="module")

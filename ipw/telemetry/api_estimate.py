@@ -1,7 +1,7 @@
 """Estimated energy of queries to a remote LLM API, from a cited coefficient table.
 
 A remote endpoint's machines cannot be measured from here, so each query's energy is estimated from
-published figures (``configs/api-energy.toml``: per query and per output token, each with low,
+published figures (``ipw/data/api-energy.toml``: per query and per output token, each with low,
 central and high values, and the sources with dates).  Every reading is labeled quality
 ``estimated``, source ``estimate.api``, scope ``datacenter_estimate``; it is only used for endpoints
 that are not on this machine, and never added to a measured total (see ``total_energy``).
@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ipw.errors import IpwError
+from ipw.resources import resource_path
 from ipw.telemetry.base import EnergyReading, SensorInfo
 
-DEFAULT_TABLE = Path(__file__).resolve().parents[2] / "configs" / "api-energy.toml"
+DEFAULT_TABLE = resource_path("data", "api-energy.toml")  # shipped in the package
 WH_TO_J = 3600.0
 METHODS = ("per_output_token", "per_query")
 
@@ -44,7 +45,7 @@ class ApiEnergyEstimate:
             raw = tomllib.loads(target.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise IpwError(f"{target}: API energy table not found; give energy_table = \"PATH\" "
-                           "(see configs/api-energy.toml)") from None
+                           "(the bundled table is ipw/data/api-energy.toml)") from None
         except tomllib.TOMLDecodeError as exc:
             raise IpwError(f"{target}: invalid TOML: {exc}") from None
 
