@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.sanitize import github_escape, github_property, md_text
 from ipw.stats import bootstrap_draws
 
 # metric -> (unit of the threshold, statistic of the change over paired per-query columns)
@@ -238,9 +239,9 @@ def markdown(result: CheckResult) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for v in result.verdicts:
         unit = "pp" if v.metric == "accuracy" else "%"
-        lines.append(f"| {v.backend} | {v.metric} | {v.threshold} | {v.baseline:.4g} | {v.candidate:.4g} | "
+        lines.append(f"| {md_text(v.backend)} | {v.metric} | {v.threshold} | {v.baseline:.4g} | {v.candidate:.4g} | "
                      f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}] | {v.p_value:.3g} | {icon[v.status]} |")
-    lines += [""] + [f"- {n}" for n in result.notes]
+    lines += [""] + [f"- {md_text(n)}" for n in result.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -249,8 +250,11 @@ def github_annotations(result: CheckResult) -> str:
     for v in result.verdicts:
         if v.status in ("regression", "inconclusive"):
             level = "error" if v.status == "regression" or result.strict else "warning"
-            out.append(f"::{level} title=ipw check {v.status}: {v.backend} {v.metric}::{v.metric} changed "
-                       f"{v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, n={v.n_queries})")
+            # a backend name is the user's text: escaped, it can neither end the command nor start another
+            title = github_property(f"ipw check {v.status}: {v.backend} {v.metric}")
+            out.append(f"::{level} title={title}::" + github_escape(
+                f"{v.backend}: {v.metric} changed {v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, "
+                f"n={v.n_queries})"))
     return "\n".join(out)
 
 

@@ -19,9 +19,30 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     rich_markup_mode=None,
+    # an unexpected exception is one line (main); never typer's rich traceback, which shows local variables
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
     help="ipw measures the intelligence efficiency of LLM inference: correct answers per joule (IPJ), "
     "accuracy per watt (IPW) and routing coverage, on your own hardware.",
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from ipw import __version__
+
+        print(f"ipw {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version of ipw and exit."),
+    debug: bool = typer.Option(False, "--debug", help="On an unexpected error, show the traceback (also "
+                               "accepted after the command, e.g. ipw run --debug; or set IPW_DEBUG=1)."),
+) -> None:
+    """ipw measures the intelligence efficiency of LLM inference."""
 
 
 def _console():
@@ -69,6 +90,10 @@ def run(
     shards: Optional[int] = typer.Option(
         None, "--shards", help="With --ray: split the query set into N shards (default: as many tasks as the "
         "cluster runs at once)."),
+    repair: bool = typer.Option(
+        False, "--repair", help="With --resume: drop the damaged lines of the run's records.jsonl (a line torn "
+        "before the end, which ipw otherwise refuses to read past); they are kept in records.dropped.jsonl and "
+        "their queries run again."),
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
     from ipw.commands import run_command
@@ -76,7 +101,7 @@ def run(
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
                                  repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
                                  dataset_preset=dataset_preset, split=split, categories=category, sample=sample,
-                                 shard=shard, ray=ray, shards=shards))
+                                 shard=shard, ray=ray, shards=shards, repair=repair))
 
 
 @app.command()
@@ -227,33 +252,85 @@ def convert(
     raise typer.Exit(convert_command(model, out_dir, force=force))
 
 
+EXIT_USAGE = 2  # a usage error or bad input (IpwError's default)
+EXIT_BUG = 3  # an unexpected exception: a bug in ipw (or in an engine); --debug shows the traceback
+
+
+def _is_click_exception(exc: BaseException) -> bool:
+    """A usage error of the click that typer brings: the click package (typer < 0.22) or typer's own copy
+    of it (typer._click), whose classes are not click's; recognized by name, so any typer version works."""
+    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__)
+
+
+def _error(text: str) -> None:
+    """One line on stderr: secrets scrubbed, URLs redacted, control characters escaped, rich markup off."""
+    from ipw.sanitize import message, printable
+
+    _console().print(f"[bold red]error:[/] {_escape(printable(message(text)))}", highlight=False, markup=True,
+                     soft_wrap=True)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape  # a message may hold brackets, e.g. pip install 'ipw[ray]'
+
+    return escape(text)
+
+
+def _traceback() -> None:
+    import traceback
+
+    from ipw.sanitize import scrub
+
+    sys.stderr.write(scrub(traceback.format_exc()))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``ipw`` entry point: returns the exit code (0 ok, 1 a failed check or an unfinished run,
+    2 a usage error or bad input, 3 an unexpected error, 130 interrupted)."""
     from ipw.errors import IpwError
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["--help"]  # bare `ipw`: the help, exit 0, whatever click does with no_args_is_help
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end] or os.environ.get("IPW_DEBUG", "") not in ("", "0")
+    args = [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]  # accepted anywhere
     try:
-        result = app(args=argv, prog_name="ipw", standalone_mode=False)
+        result = app(args=args, prog_name="ipw", standalone_mode=False)
     except IpwError as exc:
-        from rich.markup import escape  # a message may hold brackets, e.g. pip install 'ipw[ray]'
-
-        _console().print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, markup=True, soft_wrap=True)
+        if debug:
+            _traceback()
+        _error(exc.message)
         return exc.exit_code
     except KeyboardInterrupt:
         _console().print("interrupted")
         return 130
     except typer.Exit as exc:
         return exc.exit_code
+    except typer.Abort:
+        _console().print("aborted")
+        return 130
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    except Exception as exc:  # click's usage errors
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return 2
-        if isinstance(exc, click.exceptions.Abort):
-            return 130
-        raise
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except Exception as exc:
+        if _is_click_exception(exc):  # click's usage errors: bad option, bad type, missing argument
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+            _error(exc.format_message() + hint)
+            return int(getattr(exc, "exit_code", EXIT_USAGE) or EXIT_USAGE)
+        if debug:
+            _traceback()
+        _error(f"unexpected {type(exc).__name__}: {_first_line(exc)} (a bug in ipw? rerun with --debug for the "
+               "traceback)")
+        return EXIT_BUG
     return result if isinstance(result, int) else 0
+
+
+def _first_line(exc: BaseException) -> str:
+    from ipw.sanitize import scrub
+
+    text = scrub(str(exc)).strip()  # scrubbed before it is cut short
+    return (text.splitlines() or [""])[0][:300]
 
 
 if __name__ == "__main__":

@@ -47,8 +47,11 @@ def _sigterm_as_interrupt() -> None:
 
 def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
                 dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
-                shards=None) -> int:
+                shards=None, repair=False) -> int:
     from ipw.shard import parse_shard
+
+    if repair and resume is None:
+        raise IpwError("--repair: only with --resume RUN_DIR (it drops the damaged lines of that run's records.jsonl)")
 
     the_shard = parse_shard(shard) if shard is not None else None
     if ray is not None and the_shard is not None:
@@ -57,10 +60,10 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         raise IpwError("--shards: only with --ray (for one shard of a run without Ray, give --shard K/N)")
     if shards is not None and shards < 1:
         raise IpwError(f"--shards: must be >= 1, got {shards}")
-    if the_shard is not None and resume is not None and (Path(resume) / "manifest.json").exists():
-        import json
+    if the_shard is not None and resume is not None:
+        from ipw.results import read_manifest
 
-        have = json.loads((Path(resume) / "manifest.json").read_text(encoding="utf-8")).get("shard")
+        have = read_manifest(resume).get("shard")
         if not have:
             raise IpwError(f"--shard {shard}: {resume} is not a shard run; resume it without --shard")
         if (have["index"], have["count"]) != (the_shard.index, the_shard.count):
@@ -76,7 +79,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         return _run(config_path, dataset=dataset, limit=limit, backends=backends, out=out, seed=seed,
                     repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume, dataset_preset=dataset_preset,
                     split=split, categories=categories, sample=sample, the_shard=the_shard,
-                    ray_options=ray_options)
+                    ray_options=ray_options, repair=repair)
     finally:
         if connected:
             import ray as ray_module
@@ -85,7 +88,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
 
 
 def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume, dataset_preset, split,
-         categories, sample, the_shard, ray_options) -> int:
+         categories, sample, the_shard, ray_options, repair=False) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
@@ -99,6 +102,8 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
                                 ("--split", split), ("--category", categories), ("--sample", sample)) if v]
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
+        if repair:
+            _repair(Path(resume))
         folder, config, queries, done = resume_run(str(resume))
     else:
         config = apply_overrides(
@@ -142,6 +147,20 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
     _stdout().print(metrics_table(run_metrics(frame, seed=config.generation.seed)))
     console.print(f"wrote {folder.path}")
     return 0
+
+
+def _repair(run_dir: Path) -> None:
+    """``--resume --repair``: drop the lines of the log that are not records (kept in records.dropped.jsonl)."""
+    from ipw.results import read_manifest, repair_records
+
+    manifest = read_manifest(run_dir)
+    if manifest.get("status") == "complete":
+        raise IpwError(f"{run_dir}: the run is already complete; nothing to resume or repair")
+    dropped = repair_records(run_dir / "records.jsonl")
+    Console(stderr=True).print(
+        f"repaired {run_dir / 'records.jsonl'}: dropped line(s) {', '.join(map(str, dropped))} (kept in "
+        "records.dropped.jsonl); their queries run again" if dropped else
+        f"{run_dir / 'records.jsonl'}: every line is a record; nothing to repair", highlight=False, markup=False)
 
 
 def _stdout() -> Console:
@@ -291,8 +310,11 @@ def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware
     if not 0 < alpha < 1:
         raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
     thresholds = [parse_threshold(t) for t in (fail_if or DEFAULT_THRESHOLDS)]
-    base_manifest, base = load_run(baseline)
-    cand_manifest, cand = load_run(candidate)
+    for option, path in (("--markdown", markdown_path), ("--junit", junit_path)):
+        if path is not None:
+            _check_writable(Path(path), option)  # before the (long) analysis, not after it
+    base_manifest, base = load_run(baseline, require=("dataset.fingerprint",))
+    cand_manifest, cand = load_run(candidate, require=("dataset.fingerprint",))
     result = check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
                         allow_hardware_mismatch=allow_hardware_mismatch)
     table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g})")
@@ -309,14 +331,33 @@ def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware
     for note in result.notes:
         out.print(f"note: {note}")
     if markdown_path:
-        Path(markdown_path).write_text(markdown(result), encoding="utf-8")
+        _write_text(markdown_path, markdown(result), "--markdown")
     if junit_path:
-        Path(junit_path).write_text(junit_xml(result), encoding="utf-8")
+        _write_text(junit_path, junit_xml(result), "--junit")
     if github:
         text = github_annotations(result)
         if text:
             print(text)
     return result.exit_code
+
+
+def _check_writable(path: Path, option: str) -> None:
+    if path.is_dir():
+        raise IpwError(f"{option} {path}: is a folder; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise IpwError(f"{option} {path}: the folder {parent} does not exist")
+    import os
+
+    if not os.access(parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+        raise IpwError(f"{option} {path}: not writable (permission denied)")
+
+
+def _write_text(path, text: str, option: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise IpwError(f"{option} {path}: cannot write it ({exc.strerror or type(exc).__name__})") from None
 
 
 def convert_command(model, out_dir, *, force) -> int:

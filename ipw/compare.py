@@ -838,12 +838,15 @@ def tables(c: Comparison) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def to_markdown(c: Comparison) -> str:
+    from ipw.sanitize import md_text  # backend names, categories and notes are the user's text
+
     lines = []
     for title, headers, rows in tables(c):
-        lines += [f"### {title}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+        lines += [f"### {md_text(title)}", "", "| " + " | ".join(map(md_text, headers)) + " |",
+                  "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(md_text(cell) for cell in row) + " |" for row in rows]
         lines.append("")
-    lines += [f"- {note}" for note in c.notes]
+    lines += [f"- {md_text(note)}" for note in c.notes]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

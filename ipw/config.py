@@ -7,11 +7,12 @@ and warm-up queries.  ``ipw run`` with no config uses the embedded default (``ip
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
@@ -42,7 +43,15 @@ class RunConfig:
     judge: JudgeSpec | None = None  # the [judge] table: the judge `ipw rescore --scorer judge` uses
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """As stored in the manifest: a ``base_url``'s ``user:password@`` and secret query values redacted
+        (ipw never sends them: keys go only in the Authorization header, from ``api_key_env``)."""
+        from ipw.sanitize import redact_url
+
+        data = dataclasses.asdict(self)
+        for backend in list(data["backends"]) + ([data["judge"]["backend"]] if data.get("judge") else []):
+            if isinstance(backend.get("options", {}).get("base_url"), str):
+                backend["options"]["base_url"] = redact_url(backend["options"]["base_url"])
+        return data
 
     def dataset_options(self) -> dict[str, Any]:
         """The keyword arguments of ``load_queries`` besides the dataset itself."""
@@ -50,14 +59,18 @@ class RunConfig:
                 "sample": self.sample, "seed": self.seed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
-        """Inverse of ``to_dict`` (used by ``--resume`` to rebuild the config from a manifest)."""
-        gen = dict(data.get("generation", {}))
-        gen["stop"] = tuple(gen.get("stop", ()))
-        return cls(**{**data, "generation": GenerationSettings(**gen),
-                      "backends": tuple(BackendSpec(**b) for b in data["backends"]),
-                      "categories": tuple(data.get("categories") or ()),
-                      "judge": JudgeSpec.from_dict(data["judge"]) if data.get("judge") else None})
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> "RunConfig":
+        """Inverse of ``to_dict`` (used by ``--resume`` to rebuild the config from a manifest); an
+        IpwError naming ``where`` when ``data`` is not a run config."""
+        try:
+            gen = dict(data.get("generation", {}))
+            gen["stop"] = tuple(gen.get("stop", ()))
+            return cls(**{**data, "generation": GenerationSettings(**gen),
+                          "backends": tuple(BackendSpec(**b) for b in data["backends"]),
+                          "categories": tuple(data.get("categories") or ()),
+                          "judge": JudgeSpec.from_dict(data["judge"]) if data.get("judge") else None})
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise IpwError(f"{where}: not a run config ({type(exc).__name__}: {exc})") from None
 
 
 _TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
@@ -92,7 +105,51 @@ def _check_type(value: Any, expected: type, loc: str) -> Any:
         return float(value)
     if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
         raise IpwError(f"{loc}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+    if expected is float and not math.isfinite(value):  # TOML has nan and inf; 1e309 is inf too
+        raise IpwError(f"{loc}: must be a finite number, got {value!r}")
     return value
+
+
+MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
+
+
+def check_range(value: float, loc: str, *, low: float | None = None, high: float | None = None,
+                low_open: bool = False) -> None:
+    """``low <= value <= high`` (``low < value`` when ``low_open``) and finite, else an IpwError at ``loc``."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        bounds = " and ".join(b for b in ((f"> {low:g}" if low_open else f">= {low:g}") if low is not None else "",
+                                          f"<= {high:g}" if high is not None else "") if b)
+        raise IpwError(f"{loc}: must be a finite number {bounds}, got {value!r}")
+
+
+def check_generation(gen: dict[str, Any], loc: Callable[[str], str]) -> None:
+    """Generation settings in range: what a backend would otherwise reject mid-run, or accept silently."""
+    if "max_tokens" in gen and gen["max_tokens"] < 1:
+        raise IpwError(f"{loc('max_tokens')}: must be >= 1")
+    if "temperature" in gen:
+        check_range(gen["temperature"], loc("temperature"), low=0.0, high=100.0)
+    if "top_p" in gen:
+        check_range(gen["top_p"], loc("top_p"), low=0.0, high=1.0, low_open=True)
+    if "top_k" in gen:
+        check_range(gen["top_k"], loc("top_k"), low=0)
+    if "repeat_penalty" in gen:
+        check_range(gen["repeat_penalty"], loc("repeat_penalty"), low=0.0, low_open=True)
+    for i, stop in enumerate(gen.get("stop", ())):
+        if not isinstance(stop, str) or not stop:
+            raise IpwError(f"{loc('stop')}: item {i} must be a non-empty string, got {stop!r}")
+
+
+def check_idle_s(value: float, loc: str) -> None:
+    check_range(value, loc, low=0.0, high=MAX_IDLE_S)
+
+
+# engine options that are counts (the same meaning for every kind that has them)
+_AT_LEAST_ONE = ("n_threads", "n_ctx")
 
 
 def _check_table(table: dict, allowed: dict[str, type], prefix: str, where: _Where) -> dict:
@@ -110,6 +167,8 @@ def parse_config(text: str, path: str) -> RunConfig:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise IpwError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise IpwError(f"{path}: invalid TOML: nested too deeply") from None
     where = _Where(path, text)
     top = _check_table(raw, _TOP, "", where)
     if "dataset" not in top:
@@ -122,6 +181,8 @@ def parse_config(text: str, path: str) -> RunConfig:
 
         if top["dataset_preset"] not in PRESETS:
             raise IpwError(f"{where('dataset_preset')}: unknown preset (known: {', '.join(PRESETS)})")
+    if "idle_s" in top:
+        check_idle_s(top["idle_s"], where("idle_s"))
     if "categories" in top:
         top["categories"] = tuple(str(c) for c in top["categories"])
     if "judge" in top:
@@ -129,10 +190,9 @@ def parse_config(text: str, path: str) -> RunConfig:
     if top.get("repeats", 1) < 1:
         raise IpwError(f"{where('repeats')}: must be >= 1")
     gen = _check_table(top.pop("generation", {}), _GENERATION, "generation.", where)
+    check_generation(gen, lambda key: where(f"generation.{key}", key))
     if "stop" in gen:
-        gen["stop"] = tuple(str(s) for s in gen["stop"])
-    if gen.get("max_tokens", 1) < 1:
-        raise IpwError(f"{where('generation.max_tokens')}: must be >= 1")
+        gen["stop"] = tuple(gen["stop"])
     backends = []
     names: set[str] = set()
     raw_backends = top.pop("backends", [])
@@ -150,6 +210,9 @@ def parse_config(text: str, path: str) -> RunConfig:
         for key in _RAY_RESOURCES:
             if fields.get(key, 0) < 0:
                 raise IpwError(f"{where(prefix + key, key)}: must be >= 0")
+        for key in _AT_LEAST_ONE:
+            if key in fields and fields[key] < 1:
+                raise IpwError(f"{where(prefix + key, key)}: must be >= 1, got {fields[key]}")
         for key in ("name", "model"):
             if key not in fields:
                 raise IpwError(f"{path}: field '{prefix}{key}': required")
@@ -194,6 +257,9 @@ def parse_judge_table(table: dict, path: str, text: str) -> JudgeSpec:
         raise IpwError(f"{loc('grading')}: must be one of {', '.join(GRADINGS)}")
     if fields.get("max_tokens", 1) < 1:
         raise IpwError(f"{loc('max_tokens')}: must be >= 1")
+    for key in _AT_LEAST_ONE:
+        if key in fields and fields[key] < 1:
+            raise IpwError(f"{loc(key)}: must be >= 1, got {fields[key]}")
     backend = BackendSpec(fields.get("name", f"judge:{kind}:{Path(fields['model']).stem}"), kind, fields["model"],
                           "local", fields.get("mode"), {k: v for k, v in fields.items() if k not in _JUDGE})
     return JudgeSpec(backend, **{k: v for k, v in fields.items() if k in _JUDGE and k not in _BACKEND})
@@ -208,6 +274,8 @@ def load_judge_config(path: str) -> JudgeSpec:
         raise IpwError(f"{path}: cannot read config ({exc.__class__.__name__})") from None
     except tomllib.TOMLDecodeError as exc:
         raise IpwError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise IpwError(f"{path}: invalid TOML: nested too deeply") from None
     if not isinstance(raw.get("judge"), dict):
         raise IpwError(f"{path}: field 'judge': no [judge] table")
     return parse_judge_table(raw["judge"], path, text)
@@ -262,6 +330,8 @@ def apply_overrides(
         raise IpwError(f"--repeats: must be >= 1, got {repeats}")
     if warmup is not None and warmup < 0:
         raise IpwError(f"--warmup: must be >= 0, got {warmup}")
+    if idle_s is not None:
+        check_idle_s(idle_s, "--idle-s")
     if backends:
         by_name = {b.name: b for b in config.backends}
         chosen = []

@@ -63,6 +63,8 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
     for key in REQUIRED:
         if key not in row or row[key] is None or row[key] == "":
             raise IpwError(f"{where(path, line, key)}: required field is missing")
+        if isinstance(row[key], str) and not row[key].strip():
+            raise IpwError(f"{where(path, line, key)}: required field is blank (only whitespace)")
     unknown = sorted(set(row) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
         raise IpwError(f"{where(path, line, unknown[0])}: unknown field (allowed: {', '.join(REQUIRED + OPTIONAL)})")
@@ -95,6 +97,13 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
         if len(letter) != 1 or letter not in LETTERS[: len(choices)]:
             raise IpwError(f"{where(path, line, 'answer')}: for 'mcq' the answer must be a letter A-{LETTERS[len(choices) - 1]}")
         answer = letter
+    else:
+        from ipw.scoring import check_answer
+
+        try:
+            check_answer(scorer, answer)  # a numeric answer is a number, a regex compiles
+        except IpwError as exc:
+            raise IpwError(f"{where(path, line, 'answer')}: {exc.message}") from None
     category = row.get("category") or "default"
     if not isinstance(category, str):
         raise IpwError(f"{where(path, line, 'category')}: expected a string")
@@ -113,18 +122,50 @@ def _rows_jsonl(path: Path):
             if not text.strip():
                 continue
             try:
-                yield line_no, json.loads(text)
+                yield line_no, json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
             except json.JSONDecodeError as exc:
                 raise IpwError(f"{where(path, line_no)}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            except _StrictJsonError as exc:
+                raise IpwError(f"{where(path, line_no)}: invalid JSON ({exc})") from None
+            except RecursionError:
+                raise IpwError(f"{where(path, line_no)}: invalid JSON (nested too deeply)") from None
+
+
+class _StrictJsonError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _StrictJsonError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> None:
+    raise _StrictJsonError(f"{name} is not a JSON number")
 
 
 def _rows_csv(path: Path):
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            for i, row in enumerate(csv.DictReader(fh), start=2):  # line 1 is the header
-                yield i, {k: v for k, v in row.items() if v not in (None, "")}
+        # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name
+        with path.open(newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            for row in reader:
+                line = reader.line_num  # the row's last physical line (a quoted cell may span lines)
+                if None in row:
+                    raise IpwError(f"{where(path, line)}: {len(reader.fieldnames) + len(row[None])} fields, but the "
+                                   f"header has {len(reader.fieldnames)}")
+                if None in row.values():
+                    have = sum(v is not None for v in row.values())
+                    raise IpwError(f"{where(path, line)}: {have} fields, but the header has {len(reader.fieldnames)}")
+                yield line, {k: v for k, v in row.items() if v != ""}
     except UnicodeDecodeError as exc:
         raise IpwError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
+    except csv.Error as exc:
+        raise IpwError(f"{path}: invalid CSV ({exc})") from None
 
 
 def _rows_parquet(path: Path):

@@ -18,19 +18,14 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.results import RunFolder, new_run_id
+from ipw.results import RunFolder, new_run_id, read_manifest, read_records
 from ipw.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IpwError(f"{path}: not a run folder (no manifest.json)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IpwError(f"{path}: unreadable manifest.json ({type(exc).__name__})") from None
+    return read_manifest(path, require=("config", "dataset.fingerprint", "dataset.n_queries"))
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
@@ -45,16 +40,7 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(path / "records.jsonl", encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    raise IpwError(f"{path / 'records.jsonl'}:{number}: torn record; resume the shard first "
-                                   f"(ipw run --resume {path})") from None
-    return rows
+    return read_records(path / "records.jsonl")
 
 
 def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] | None = None) -> RunFolder:
@@ -67,6 +53,10 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
         info = m.get("shard")
         if not info:
             raise IpwError(f"{p}: not a shard run (it was not made with --shard K/N); nothing to merge")
+        if not (isinstance(info, dict) and isinstance(info.get("index"), int) and isinstance(info.get("count"), int)
+                and isinstance(info.get("dataset"), dict) and "fingerprint" in info["dataset"]):
+            raise IpwError(f"{p / 'manifest.json'}: field 'shard': expected index, count and dataset; the manifest "
+                           "is damaged")
         if m.get("status") != "complete":
             raise IpwError(f"{p}: shard {info['index']}/{info['count']} is {m.get('status')}; finish it first "
                            f"(ipw run --resume {p})")

@@ -56,7 +56,23 @@ def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
     if not path.is_file():
         known = ", ".join(BUNDLED_MODELS)
         raise IpwError(f"model file {path} not found (give a .gguf path or a bundled model: {known})")
+    check_gguf(path)
     return path, None
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF file starts with the magic ``GGUF``: checked here, before a run folder exists, rather than
+    by the engine after the run started."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError as exc:
+        raise IpwError(f"model file {path}: cannot read it ({exc.strerror})") from None
+    if head != GGUF_MAGIC:
+        raise IpwError(f"model file {path}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})")
 
 
 def _assemble_gemma(model: BundledModel) -> Path:

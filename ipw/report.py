@@ -677,9 +677,10 @@ def render_html(ctx: dict) -> str:
 
 
 def _md_cell(text: str) -> str:
-    """A table cell's text: pipes and newlines escaped, HTML shown as text (GitHub renders inline HTML)."""
-    text = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text shown literally (``ipw.sanitize.md_text``): pipes, newlines, HTML and link brackets escaped."""
+    from ipw.sanitize import md_text
+
+    return md_text(text)
 
 
 def render_markdown(ctx: dict, html_name: str | None = None) -> str:

@@ -1,7 +1,10 @@
 """Run folders: ``results/<run_id>/`` with manifest.json, records.jsonl, records.parquet, power.parquet.
 
 ``records.jsonl`` is appended and flushed per query, so a crash loses at most the query in flight.
-This is the only module that turns records into pandas frames.
+This is the only module that turns records into pandas frames, and the one reader of run folders
+(resume, compare, report, check, merge, rescore): a folder is read whole, or an IpwError names the
+file (and line) and what is wrong with it.  Nothing is dropped silently: only a torn *last* line of
+the log (no newline at its end: the query in flight when the process died) is left out.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import Any
 from ipw.errors import IpwError
 
 SCHEMA_VERSION = 1
+STATUSES = ("running", "complete", "interrupted", "failed")
+KEY_FIELDS = ("backend", "query_id", "repeat")  # what identifies a record
+NUMERIC_COLUMNS = ("correct", "energy_j")  # what every analysis reads: numbers (or null)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,9 @@ class QueryRecord:
     hardware_id: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+        from ipw.sanitize import scrub  # an API key never reaches the run folder, whatever a server echoed
+
+        return scrub(json.dumps(dataclasses.asdict(self), ensure_ascii=False))
 
 
 RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
@@ -82,8 +90,10 @@ def _atomic_write_parquet(frame, path: Path) -> None:
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    from ipw.sanitize import scrub  # e.g. a ``reason`` that quotes an exception which quoted a header
+
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(scrub(json.dumps(data, indent=2, ensure_ascii=False, default=str)) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -108,15 +118,17 @@ class RunFolder:
 
     @classmethod
     def reopen(cls, run_dir: str | Path) -> "RunFolder":
-        """Reopen an unfinished run folder for ``--resume``: repair a torn last line of the log."""
+        """Reopen an unfinished run folder for ``--resume``: the manifest holds a run config and the log
+        only records (else an IpwError, before anything changes); a torn last line is cut off."""
+        from ipw.config import RunConfig
+
         path = Path(run_dir)
-        manifest_path = path / "manifest.json"
-        if not manifest_path.exists():
-            raise IpwError(f"{path}: not a run folder (no manifest.json)")
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_manifest(path, require=("config", "dataset.fingerprint"))
         if manifest.get("status") == "complete":
             raise IpwError(f"{path}: the run is already complete; nothing to resume")
+        RunConfig.from_dict(manifest["config"], where=f"{path / 'manifest.json'}: field 'config'")
         log = path / "records.jsonl"
+        read_records(log)  # every line but a torn last one is a record
         data = log.read_bytes() if log.exists() else b""
         if data and not data.endswith(b"\n"):  # the query in flight when the process died
             log.write_bytes(data[: data.rfind(b"\n") + 1])
@@ -156,42 +168,202 @@ class RunFolder:
         self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
 
 
+def read_manifest(run_dir: str | Path, require: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A run folder's manifest.json, checked: a JSON object of a schema this ipw reads, with a known
+    ``status``; ``require`` names further fields that must be there (``dataset.fingerprint``)."""
+    path = Path(run_dir)
+    file = path / "manifest.json"
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        raise IpwError(f"{path}: not a run folder (no manifest.json)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IpwError(f"{file}: cannot read it ({type(exc).__name__})") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise IpwError(f"{file}:{exc.lineno}: invalid JSON ({exc.msg}); the manifest is damaged") from None
+    except RecursionError:
+        raise IpwError(f"{file}: invalid JSON (nested too deeply); the manifest is damaged") from None
+    if not isinstance(manifest, dict):
+        raise IpwError(f"{file}: expected a JSON object, got {type(manifest).__name__}; the manifest is damaged")
+    version = manifest.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise IpwError(f"{file}: field 'schema_version': expected an integer, got {version!r}")
+    if version > SCHEMA_VERSION:
+        raise IpwError(f"{file}: field 'schema_version': {version} was written by a newer ipw (this one reads up to "
+                       f"{SCHEMA_VERSION}); upgrade ipw")
+    status = manifest.get("status")
+    if status not in STATUSES:
+        raise IpwError(f"{file}: field 'status': expected one of {', '.join(STATUSES)}, got {status!r}")
+    for key in ("config", "dataset"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            raise IpwError(f"{file}: field '{key}': expected an object, got {type(manifest[key]).__name__}")
+    for field_path in require:
+        value: Any = manifest
+        for part in field_path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None:
+            raise IpwError(f"{file}: field '{field_path}': missing")
+    return manifest
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record in a ``records.jsonl``.  A torn last line (no newline at its end: the query in flight
+    when the process died) is left out; any other line that is not a record is an error naming its
+    line, so that nothing after it is ever dropped silently."""
+    try:
+        fh = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise IpwError(f"{path}: missing; the run folder is incomplete") from None
+    except OSError as exc:
+        raise IpwError(f"{path}: cannot read it ({exc.strerror})") from None
+    rows: list[dict[str, Any]] = []
+    bad: tuple[int, str, bool] | None = None  # line number, problem, ends with a newline
+    number = 0
+    with fh:
+        try:
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                if bad is not None:  # more follows the bad line: it is not a crash's torn tail
+                    raise _torn(path, bad)
+                problem = _record_problem(line)
+                if problem:
+                    bad = (number, problem, line.endswith("\n"))
+                else:
+                    rows.append(json.loads(line))
+        except UnicodeDecodeError as exc:
+            raise IpwError(f"{path}:{number + 1}: not valid UTF-8 (byte {exc.start}); to drop this line only: "
+                           f"ipw run --resume {path.parent} --repair") from None
+    if bad is not None and bad[2]:  # the last line, but complete: damaged, not torn by a crash
+        raise _torn(path, bad)
+    return rows
+
+
+def _torn(path: Path, bad: tuple[int, str, bool]) -> IpwError:
+    return IpwError(f"{path}:{bad[0]}: {bad[1]}; the records after it would be lost. To drop this line only "
+                    f"(its query runs again): ipw run --resume {path.parent} --repair")
+
+
+def _record_problem(line: str) -> str | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"torn or corrupt record (invalid JSON: {exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return "corrupt record (JSON nested too deeply)"
+    if not isinstance(row, dict):
+        return f"corrupt record (a JSON {type(row).__name__}, not an object)"
+    missing = [k for k in KEY_FIELDS if k not in row]
+    if missing:
+        return f"corrupt record (no field '{missing[0]}')"
+    return None
+
+
+def repair_records(path: Path) -> list[int]:
+    """Drop the lines of a ``records.jsonl`` that are not records (``ipw run --resume --repair``); they
+    are kept in ``records.dropped.jsonl`` beside it.  Returns their line numbers."""
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except OSError as exc:
+        raise IpwError(f"{path}: cannot read it ({exc.strerror})") from None
+    keep, dropped, numbers = [], [], []
+    for number, raw in enumerate(lines, start=1):
+        try:
+            text: str | None = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or text.strip() and _record_problem(text):
+            dropped.append(raw if raw.endswith(b"\n") else raw + b"\n")
+            numbers.append(number)
+        else:
+            keep.append(raw)
+    if numbers:
+        with open(path.with_name("records.dropped.jsonl"), "ab") as fh:
+            fh.writelines(dropped)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(b"".join(keep))
+        os.replace(tmp, path)
+    return numbers
+
+
 def load_records_jsonl(path: Path):
     import pandas as pd
 
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a torn last line from a crash: everything before it is intact
-    return pd.DataFrame(rows, columns=RECORD_COLUMNS)
+    frame = pd.DataFrame(read_records(path), columns=RECORD_COLUMNS)
+    _check_numeric(frame, path)
+    return frame
 
 
-def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = ()):
-    """Manifest and records of a run folder (parquet when complete, else the JSONL log).
+def _check_numeric(frame, path: Path) -> None:
+    import pandas as pd
 
-    ``columns`` reads only those record columns (default: all); one missing from the file is all null.
+    for column in NUMERIC_COLUMNS:
+        if column not in frame.columns:
+            continue
+        values = frame[column]
+        if not pd.api.types.is_numeric_dtype(values):  # object, or pandas' string dtype
+            numbers = pd.to_numeric(values.map(lambda v: None if isinstance(v, bool) else v), errors="coerce")
+            wrong = values.notna() & numbers.isna()
+            if wrong.any():
+                example = values[wrong].iloc[0]
+                raise IpwError(f"{path}: column '{column}': expected numbers, got {type(example).__name__} "
+                               f"{str(example)[:40]!r}")
+            frame[column] = numbers
+
+
+def _parquet_schema_problem(schema, columns: list[str] | None) -> str | None:
+    import pyarrow as pa
+
+    names = set(schema.names)
+    needed = [c for c in KEY_FIELDS + NUMERIC_COLUMNS if columns is None or c in columns]
+    missing = [c for c in needed if c not in names]
+    if missing:
+        return f"column '{missing[0]}' is missing"
+    for column in NUMERIC_COLUMNS:
+        if column in names and (columns is None or column in columns):
+            kind = schema.field(column).type
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+                    or pa.types.is_null(kind) or pa.types.is_decimal(kind)):
+                return f"column '{column}': expected numbers, got {kind}"
+    return None
+
+
+def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = (),
+             require: tuple[str, ...] = ()):
+    """Manifest and records of a run folder (parquet when complete, else the JSONL log), read whole or
+    an IpwError naming the file and what is wrong.
+
+    ``columns`` reads only those record columns (default: all); one missing from the file is all null,
+    except the record's key and its ``correct`` and ``energy_j``, which must be there.
     ``categorical`` columns come back as pandas categoricals (fast for low-cardinality strings).
+    ``require``: manifest fields that must be there (see :func:`read_manifest`).
     """
     path = Path(run_dir)
-    manifest_path = path / "manifest.json"
-    if not manifest_path.exists():
-        raise IpwError(f"{path}: not a run folder (no manifest.json)")
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = read_manifest(path, require)
     parquet = path / "records.parquet"
     if parquet.exists():
         import pandas as pd
-
-        if columns is None:
-            return manifest, pd.read_parquet(parquet)
         import pyarrow.parquet as pq
 
-        present = set(pq.read_schema(parquet).names)
-        frame = pd.read_parquet(parquet, columns=[c for c in columns if c in present],
-                                read_dictionary=[c for c in categorical if c in present])
+        try:
+            schema = pq.read_schema(parquet)
+            problem = _parquet_schema_problem(schema, columns)
+            if problem:
+                raise IpwError(f"{parquet}: {problem}")
+            if columns is None:
+                return manifest, pd.read_parquet(parquet)
+            present = set(schema.names)
+            frame = pd.read_parquet(parquet, columns=[c for c in columns if c in present],
+                                    read_dictionary=[c for c in categorical if c in present])
+        except IpwError:
+            raise
+        except Exception as exc:  # pyarrow raises many types for a truncated or corrupt file
+            text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise IpwError(f"{parquet}: cannot read Parquet ({type(exc).__name__}: {text}); the file is damaged"
+                           + (f" (its log records.jsonl is there: delete records.parquet to read the log)"
+                              if (path / "records.jsonl").exists() else "")) from None
         return manifest, frame.assign(**{c: None for c in columns if c not in present})[columns]
     frame = load_records_jsonl(path / "records.jsonl")
     if columns is not None:

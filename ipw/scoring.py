@@ -501,6 +501,16 @@ SCORERS: dict[str, Callable[[str, str, tuple[str, ...] | None], bool]] = {
 }
 
 
+def check_answer(scorer: str, answer: str) -> None:
+    """Raise :class:`IpwError` when ``scorer`` could never score against the reference ``answer`` (a
+    ``numeric`` answer that is not a number, a ``regex`` that does not compile), so that a dataset fails
+    when it loads, not when the query is scored."""
+    if scorer == "numeric":
+        _reference_number(answer)
+    elif scorer == "regex":
+        _compile(answer)
+
+
 def score(scorer: str, output: str, answer: str, choices: tuple[str, ...] | None = None) -> bool:
     """Score one output with the named scorer; raises :class:`IpwError` for an unknown name."""
     fn = SCORERS.get(scorer)

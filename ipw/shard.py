@@ -39,8 +39,13 @@ def parse_shard(text: str) -> Shard:
 
 
 def shard_items(items: Sequence[T], shard: Shard) -> list[T]:
-    """The items of ``shard``: every ``count``-th item, starting at ``index - 1``."""
-    return list(items[shard.index - 1 :: shard.count])
+    """The items of ``shard``: every ``count``-th item, starting at ``index - 1``.  A shard without
+    items is an error (an empty run would be marked complete)."""
+    part = list(items[shard.index - 1 :: shard.count])
+    if not part:
+        raise IpwError(f"--shard {shard.text}: shard {shard.index} of {shard.count} is empty: the query set has "
+                       f"only {len(items)} queries (give N <= {max(len(items), 1)})")
+    return part
 
 
 def combine_backend_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:

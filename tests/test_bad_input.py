@@ -135,3 +135,267 @@ def test_unsupported_file_type(tmp_path, run_cli):
     path.write_text("hello\n")
     code, _, err = run_cli("run", "--dataset", path)
     assert code == 2 and "unsupported file type" in err
+
+
+# -- round 2 (issue 19): every input below is caught before anything loads -------------------------
+# A table of inputs -> the message fragment, exit code 2, one line on stderr, no traceback, no run folder.
+# Each case gives (dataset lines or file, config text or None, extra CLI options, environment).
+
+def _jsonl_text(*rows) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+FOUR = _jsonl_text(*({"id": f"q{i}", "prompt": f"What is {i} + 1?", "answer": str(i + 1), "scorer": "numeric"}
+                     for i in range(4)))
+STUB_BACKEND = '[[backends]]\nname = "api"\nkind = "openai"\nmodel = "m"\nbase_url = "http://127.0.0.1:9/v1"\n'
+
+
+def _cfg(top: str = "", gen: str = "", backend: str = "") -> str:
+    return f'dataset = "DATA"\nwarmup = 0\n{top}\n[generation]\nmax_tokens = 4\n{gen}\n{STUB_BACKEND}{backend}'
+
+
+ROUND2_CASES = {
+    # datasets
+    "nested json": (("data.jsonl", "[" * 100_000 + "]" * 100_000 + "\n"), None, [], {}, ":1: invalid JSON (nested too deeply)"),
+    "ragged csv row": (("data.csv", "id,prompt,answer\nq1,p,a\nq2,p,a,extra\n"), None, [], {},
+                       "data.csv:3: 4 fields, but the header has 3"),
+    "short csv row": (("data.csv", "id,prompt,answer\nq1,p\n"), None, [], {}, "data.csv:2: 2 fields, but the header has 3"),
+    "escape in field name": (("data.csv", "id,prompt,answer,\x1b[31mred\nq1,p,a,x\n"), None, [], {},
+                             "field '\\x1b[31mred': unknown field"),
+    "numeric answer not a number": ((_jsonl_text({**GOOD, "answer": "ten"}),), None, [], {},
+                                    ":1: field 'answer': scorer 'numeric': reference answer 'ten' is not a number"),
+    "numeric answer NaN": ((_jsonl_text({**GOOD, "answer": "NaN"}),), None, [], {}, ":1: field 'answer': scorer 'numeric'"),
+    "numeric answer 1e309": (('{"id": "q", "prompt": "p", "answer": 1e309, "scorer": "numeric"}\n',), None, [], {},
+                             ":1: field 'answer': scorer 'numeric': reference answer 'inf' is not a number"),
+    "invalid regex answer": ((_jsonl_text({**GOOD, "id": "r", "answer": "(unclosed", "scorer": "regex"}),), None, [], {},
+                             ":1: field 'answer': scorer 'regex': invalid pattern '(unclosed'"),
+    "prompt of spaces": ((_jsonl_text({**GOOD, "prompt": "   "}),), None, [], {}, ":1: field 'prompt': required field is blank"),
+    "answer of spaces": ((_jsonl_text({**GOOD, "answer": " \t "}),), None, [], {}, ":1: field 'answer': required field is blank"),
+    "duplicate json key": (('{"id": "q", "prompt": "p", "answer": "1", "answer": "2"}\n',), None, [], {},
+                           ":1: invalid JSON (duplicate key 'answer')"),
+    "NaN literal": (('{"id": "q", "prompt": "p", "answer": NaN}\n',), None, [], {}, ":1: invalid JSON (NaN is not a JSON number)"),
+    "Infinity literal": (('{"id": "q", "prompt": "p", "answer": -Infinity}\n',), None, [], {},
+                         ":1: invalid JSON (-Infinity is not a JSON number)"),
+    # models and environment
+    "gguf that is not gguf": ((FOUR,), _cfg().replace(STUB_BACKEND, '[[backends]]\nname = "l"\nkind = "llama-cpp"\n'
+                                                       'model = "FAKE_GGUF"\n'), [], {}, "not a GGUF file"),
+    "api_key_env not set": ((FOUR,), _cfg(backend='api_key_env = "IPW_NO_SUCH_VARIABLE"\n'), [], {},
+                            "the environment variable IPW_NO_SUCH_VARIABLE (api_key_env) is not set"),
+    "api key empty": ((FOUR,), _cfg(backend='api_key_env = "IPW_EMPTY_KEY"\n'), [], {"IPW_EMPTY_KEY": "  \r\n"},
+                      "IPW_EMPTY_KEY (api_key_env) is empty"),
+    # generation settings and idle seconds
+    "idle_s 1e309 (inf)": ((FOUR,), _cfg(top="idle_s = 1e309"), [], {}, "field 'idle_s': must be a finite number"),
+    "idle_s nan": ((FOUR,), _cfg(top="idle_s = nan"), [], {}, "field 'idle_s': must be a finite number"),
+    "idle_s too long": ((FOUR,), _cfg(top="idle_s = 1e7"), [], {}, "field 'idle_s': must be a finite number >= 0 and <= 86400"),
+    "--idle-s inf": ((FOUR,), None, ["--idle-s", "inf"], {}, "--idle-s: must be a finite number"),
+    "--idle-s -3": ((FOUR,), None, ["--idle-s", "-3"], {}, "--idle-s: must be a finite number >= 0"),
+    "temperature -1": ((FOUR,), _cfg(gen="temperature = -1"), [], {}, ":6: field 'generation.temperature': must be"),
+    "top_p 5": ((FOUR,), _cfg(gen="top_p = 5"), [], {}, "field 'generation.top_p': must be a finite number > 0 and <= 1"),
+    "top_k -7": ((FOUR,), _cfg(gen="top_k = -7"), [], {}, "field 'generation.top_k': must be a finite number >= 0"),
+    "repeat_penalty inf": ((FOUR,), _cfg(gen="repeat_penalty = inf"), [], {}, "field 'generation.repeat_penalty': must be"),
+    "stop not strings": ((FOUR,), _cfg(gen="stop = [1, 2]"), [], {}, "field 'generation.stop': item 0 must be a non-empty string"),
+    "n_threads -4": ((FOUR,), _cfg(backend="n_threads = -4\n"), [], {}, "field 'backends[0].n_threads': must be >= 1"),
+    "timeout nan": ((FOUR,), _cfg(backend="timeout_s = nan\n"), [], {}, "field 'backends[0].timeout_s': must be a finite"),
+    # shards
+    "empty shard": ((FOUR,), None, ["--shard", "5/5"], {}, "--shard 5/5: shard 5 of 5 is empty: the query set has only 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND2_CASES))
+def test_bad_input_round2(case, tmp_path, run_cli, monkeypatch):
+    data, config, options, env, expected = ROUND2_CASES[case]
+    name, text = data if len(data) == 2 else ("data.jsonl", data[0])
+    dataset = tmp_path / name
+    dataset.write_text(text, encoding="utf-8")
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"<html>not a model</html>" * 10)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("IPW_NO_SUCH_VARIABLE", raising=False)
+    args = ["run", "--dataset", dataset] if config is None else ["run", tmp_path / "run.toml"]
+    if config is not None:
+        (tmp_path / "run.toml").write_text(config.replace("DATA", str(dataset)).replace("FAKE_GGUF", str(fake)))
+    code, out, err = run_cli(*args, *options, "--out", tmp_path / "res")
+    assert code == 2, err
+    assert expected in err, err
+    assert err.count("\n") == 1 and "Traceback" not in out + err
+    assert "\x1b" not in err  # a field name's escape sequence is shown escaped, never sent to the terminal
+    assert not (tmp_path / "res").exists()
+
+
+def test_csv_with_a_byte_order_mark_loads(tmp_path):
+    """Excel saves CSV with a BOM: it is not part of the first column's name."""
+    from ipw.datasets import load_queries
+
+    path = tmp_path / "excel.csv"
+    path.write_bytes("id,prompt,answer\nq1,What is 1 + 1?,2\n".encode("utf-8-sig"))
+    (query,) = load_queries(str(path))
+    assert (query.id, query.answer) == ("q1", "2")
+
+
+# -- run folders: one reader, read whole or one line naming the file ---------------------------------
+
+from openai_stub import Stub, stub_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stub_run(tmp_path_factory):
+    """A complete run of 6 queries through the stub endpoint (no model)."""
+    from ipw.cli import main
+
+    tmp = tmp_path_factory.mktemp("stubrun")
+    stub = Stub()
+    try:
+        data = tmp / "six.jsonl"
+        data.write_text(_jsonl_text(*({"id": f"q{i}", "prompt": f"Say {i}", "answer": "42"} for i in range(6))))
+        cfg = stub_config(tmp / "run.toml", data, stub.base_url, out_dir=tmp / "res")
+        assert main(["run", str(cfg)]) == 0
+        (run_dir,) = (tmp / "res").iterdir()
+        yield run_dir, stub
+    finally:
+        stub.close()
+
+
+def _copy(run_dir: Path, dest: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run_dir, dest))
+
+
+def _manifest(run: Path, **changes) -> None:
+    m = json.loads((run / "manifest.json").read_text())
+    m.update(changes)
+    (run / "manifest.json").write_text(json.dumps(m))
+
+
+def _parquet(run: Path, change) -> None:
+    import pandas as pd
+
+    frame = pd.read_parquet(run / "records.parquet")
+    change(frame).to_parquet(run / "records.parquet", index=False)
+
+
+def _torn_middle(run: Path) -> None:
+    lines = (run / "records.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = lines[2][:40] + "\n"  # a record cut short, with records after it
+    (run / "records.jsonl").write_text("".join(lines))
+    (run / "records.parquet").unlink()
+    _manifest(run, status="interrupted")
+
+
+FOLDER_DAMAGE = {
+    "corrupt manifest": (lambda r: (r / "manifest.json").write_text('{"run_id": "x", '), "manifest.json:1: invalid JSON"),
+    "manifest is []": (lambda r: (r / "manifest.json").write_text("[]"), "manifest.json: expected a JSON object, got list"),
+    "newer manifest": (lambda r: _manifest(r, schema_version=99), "field 'schema_version': 99 was written by a newer ipw"),
+    "unknown status": (lambda r: _manifest(r, status="exploded"), "field 'status': expected one of running, complete"),
+    "truncated parquet": (lambda r: (r / "records.parquet").write_bytes((r / "records.parquet").read_bytes()[:300]),
+                          "records.parquet: cannot read Parquet"),
+    "string correct": (lambda r: _parquet(r, lambda f: f.assign(correct=f["correct"].map(lambda x: "yes"))),
+                       "records.parquet: column 'correct': expected numbers, got"),
+    "no correct column": (lambda r: _parquet(r, lambda f: f.drop(columns=["correct"])),
+                          "records.parquet: column 'correct' is missing"),
+    "no energy_j column": (lambda r: _parquet(r, lambda f: f.drop(columns=["energy_j"])),
+                           "records.parquet: column 'energy_j' is missing"),
+    "torn line in the middle": (_torn_middle, "records.jsonl:3: torn or corrupt record"),
+    "string correct in the log": (lambda r: ((r / "records.parquet").unlink(), (r / "records.jsonl").write_text(
+        (r / "records.jsonl").read_text().replace('"correct": 1.0', '"correct": "yes"').replace('"correct": 0.0', '"correct": "no"')),
+        _manifest(r, status="interrupted")), "records.jsonl: column 'correct': expected numbers, got str"),
+}
+
+
+@pytest.mark.parametrize("command", ["compare", "report", "check", "rescore"])
+@pytest.mark.parametrize("damage", list(FOLDER_DAMAGE))
+def test_damaged_run_folder_is_one_line(damage, command, stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    harm, expected = FOLDER_DAMAGE[damage]
+    harm(broken)
+    args = {"compare": ["compare", broken], "report": ["report", broken, "--out", tmp_path / "r.html"],
+            "check": ["check", run_dir, broken], "rescore": ["rescore", broken, "--out", tmp_path / "new"]}[command]
+    code, out, err = run_cli(*args)
+    assert code == 2, out + err
+    assert expected in err and str(broken) in err, err
+    assert err.count("\n") == 1 and "Traceback" not in out + err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("damage", ["corrupt manifest", "manifest is []", "newer manifest", "unknown status",
+                                    "torn line in the middle", "no config"])
+def test_resume_of_a_damaged_run_is_one_line(damage, stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    _manifest(broken, status="interrupted")
+    if damage == "no config":
+        m = json.loads((broken / "manifest.json").read_text())
+        del m["config"]
+        (broken / "manifest.json").write_text(json.dumps(m))
+        expected = "field 'config': missing"
+    else:
+        harm, expected = FOLDER_DAMAGE[damage]
+        harm(broken)
+    before = {p.name: p.read_bytes() for p in broken.iterdir()}
+    code, out, err = run_cli("run", "--resume", broken)
+    assert code == 2, out + err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in out + err, err
+    assert {p.name: p.read_bytes() for p in broken.iterdir()} == before  # nothing changed
+
+
+def test_a_config_that_is_not_a_run_config_is_one_line(stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    _manifest(broken, status="interrupted", config={"dataset": "x", "backends": [{"nme": "typo"}]})
+    code, _, err = run_cli("run", "--resume", broken)
+    assert code == 2 and "manifest.json: field 'config': not a run config" in err, err
+
+
+def test_torn_line_is_repaired_by_dropping_that_line_only(stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    _torn_middle(broken)
+    torn = (broken / "records.jsonl").read_text().splitlines()[2]
+    code, _, err = run_cli("compare", broken)
+    assert code == 2 and "records.jsonl:3: torn or corrupt record" in err and "--repair" in err, err
+    code, _, err = run_cli("run", "--resume", broken, "--repair")
+    assert code == 0, err
+    assert "dropped line(s) 3" in err
+    assert (broken / "records.dropped.jsonl").read_text() == torn + "\n"
+    import pandas as pd
+
+    frame = pd.read_parquet(broken / "records.parquet")
+    assert sorted(frame["query_id"]) == [f"q{i}" for i in range(6)]  # 5 kept, the torn one ran again
+    assert json.loads((broken / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_torn_last_line_is_the_query_in_flight(stub_run, tmp_path, run_cli):
+    """Only a torn *last* line (no newline: a crash mid-write) is left out, and resume runs it again."""
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    text = (broken / "records.jsonl").read_text()
+    (broken / "records.jsonl").write_text(text[: len(text) - 30])  # the last record cut, no newline
+    (broken / "records.parquet").unlink()
+    _manifest(broken, status="interrupted")
+    code, out, err = run_cli("compare", broken, "--common-queries")
+    assert code == 0, err
+    code, _, err = run_cli("run", "--resume", broken)
+    assert code == 0 and "resuming (5 records kept)" in err, err
+
+
+def test_merge_reads_with_the_same_reader(stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    harm, expected = FOLDER_DAMAGE["corrupt manifest"]
+    harm(broken)
+    code, _, err = run_cli("merge", broken, "--out", tmp_path / "merged")
+    assert code == 2 and expected in err and not (tmp_path / "merged").exists(), err
+
+
+def test_repair_needs_resume(run_cli):
+    code, _, err = run_cli("run", "--repair")
+    assert code == 2 and "--repair: only with --resume" in err
+
+
+@pytest.mark.parametrize("target", ["missing-dir/v.xml", "."])
+def test_check_junit_to_an_unwritable_path(target, stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    code, out, err = run_cli("check", run_dir, run_dir, "--junit", tmp_path / target)
+    assert code == 2 and "--junit" in err and err.count("\n") == 1 and "Traceback" not in out + err, err

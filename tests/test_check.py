@@ -82,7 +82,7 @@ def test_longer_answers_fail_on_energy(runs, run_cli, tmp_path):
     code, out, err = run_cli("check", runs["base"], runs["longer"], "--github", "--markdown", md,
                              "--junit", tmp_path / "v.xml")
     assert code == 1, out + err
-    assert "::error title=ipw check regression: smol energy_per_query" in out
+    assert "::error title=ipw check regression%3A smol energy_per_query::smol: energy_per_query changed" in out
     assert "regression" in md.read_text()
     assert "<failure" in (tmp_path / "v.xml").read_text()
 

@@ -23,7 +23,7 @@ def test_parse_shard():
             parse_shard(bad)
 
 
-@pytest.mark.parametrize("n_items,count", [(0, 1), (1, 3), (7, 3), (12, 4), (100, 7)])
+@pytest.mark.parametrize("n_items,count", [(1, 1), (3, 3), (7, 3), (12, 4), (100, 7)])
 def test_shards_partition_the_set(n_items, count):
     items = [f"q{i}" for i in range(n_items)]
     parts = [shard_items(items, Shard(k, count)) for k in range(1, count + 1)]
@@ -31,6 +31,13 @@ def test_shards_partition_the_set(n_items, count):
     assert max(map(len, parts)) - min(map(len, parts)) <= 1, "balanced"
     for k, part in enumerate(parts, start=1):  # round-robin, deterministic
         assert part == [items[i] for i in range(n_items) if i % count == k - 1]
+
+
+@pytest.mark.parametrize("n_items,shard", [(0, Shard(1, 1)), (1, Shard(2, 3)), (4, Shard(5, 5))])
+def test_an_empty_shard_is_an_error(n_items, shard):
+    """An empty shard would make an empty run marked complete (issue 19)."""
+    with pytest.raises(IpwError, match=f"--shard {shard.text}: shard {shard.index} of {shard.count} is empty"):
+        shard_items([f"q{i}" for i in range(n_items)], shard)
 
 
 def test_combine_backend_infos_keeps_every_shard():

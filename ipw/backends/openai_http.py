@@ -26,7 +26,6 @@ import dataclasses
 import http.client
 import ipaddress
 import json
-import os
 import re
 import tempfile
 import time
@@ -39,6 +38,7 @@ import psutil
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
                                few_shot_prompt)
 from ipw.errors import IpwError
+from ipw.sanitize import read_key, redact_url, scrub
 
 APIS = ("chat", "completions")
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
@@ -121,7 +121,9 @@ class OpenAIBackend:
         self.server: Any = None
         self.run_dir: Path | None = None
         self.energy_estimate: Any = None
-        self._key: str | None = None
+        # read and checked now, before the run folder exists: unset, empty or unsendable fails here
+        env = opts.get("api_key_env")
+        self._key: str | None = read_key(env, spec.name) if env else None
         self._local_pids: list[int] = []
         self._prompt_tokens: Any = None  # a PromptTokenCounter for a managed llama.cpp server
         self._set_url(opts.get("base_url", "http://127.0.0.1:0/v1"))
@@ -130,7 +132,8 @@ class OpenAIBackend:
     def _set_url(self, base_url: str) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise IpwError(f"backend {self.spec.name!r}: base_url must be http(s)://HOST[:PORT]/PATH, got {base_url!r}")
+            raise IpwError(f"backend {self.spec.name!r}: base_url must be http(s)://HOST[:PORT]/PATH, got "
+                           f"{redact_url(base_url)!r}")
         self.scheme, self.host = parts.scheme, parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.prefix = parts.path.rstrip("/")
@@ -143,11 +146,6 @@ class OpenAIBackend:
         self.run_dir = Path(run_dir)
 
     def load(self) -> None:
-        env = self.spec.options.get("api_key_env")
-        if env:
-            self._key = os.environ.get(env)
-            if not self._key:
-                raise IpwError(f"backend {self.spec.name!r}: the environment variable {env} (api_key_env) is not set")
         if self.server_kind is not None:
             from ipw.backends.servers import start_server
 
@@ -212,7 +210,9 @@ class OpenAIBackend:
         return headers
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._key, "***") if self._key else text
+        """Scrub before cutting a text short: a key cut in two is no longer found."""
+        text = text.replace(self._key, "***") if self._key else text
+        return scrub(text)
 
     def request_params(self, settings: GenerationSettings) -> dict[str, Any]:
         """The generation parameters sent with every request (recorded in the manifest)."""
@@ -263,7 +263,7 @@ class OpenAIBackend:
             conn.request("POST", path, body=payload, headers=self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
-                detail = self._scrub(resp.read(300).decode("utf-8", errors="replace")).strip()
+                detail = self._scrub(resp.read(64 * 1024).decode("utf-8", errors="replace")).strip()[:300]
                 message = f"HTTP {resp.status} from {self.base_url}: {detail}"
                 if resp.status == 429:
                     raise _Retryable(message, "http_429", _retry_after(resp.getheader("Retry-After")))
@@ -306,15 +306,15 @@ class OpenAIBackend:
             try:
                 chunk = json.loads(data)
             except json.JSONDecodeError:
-                raise QueryError(f"malformed stream chunk: {self._scrub(data[:120])!r}", "malformed_stream") from None
+                raise QueryError(f"malformed stream chunk: {self._scrub(data)[:120]!r}", "malformed_stream") from None
             if not isinstance(chunk, dict) or "error" in chunk:
-                raise QueryError(f"error in stream: {self._scrub(str(chunk)[:200])}", "malformed_stream")
+                raise QueryError(f"error in stream: {self._scrub(str(chunk))[:200]}", "malformed_stream")
             usage = chunk.get("usage") or usage
             choices = chunk.get("choices")
             if not isinstance(choices, list):
                 if chunk.get("usage"):
                     continue
-                raise QueryError(f"stream chunk without choices: {self._scrub(data[:120])!r}", "malformed_stream")
+                raise QueryError(f"stream chunk without choices: {self._scrub(data)[:120]!r}", "malformed_stream")
             for choice in choices:
                 piece = self._content(choice) if isinstance(choice, dict) else ""
                 if piece:

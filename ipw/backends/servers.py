@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -55,9 +56,24 @@ def vllm_command(python: str, model_dir: Path, port: int, *, max_model_len: int,
             "--enforce-eager", "--max-model-len", str(max_model_len), "--generation-config", "vllm", "--seed", "0"]
 
 
+# What a managed server inherits: what it needs to run Python, find its libraries and use the devices,
+# never the rest of ipw's environment (API keys, tokens, cloud credentials).
+_ENV_KEEP = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TMP", "TEMP", "PYTHONPATH",
+             "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "LD_PRELOAD", "SSL_CERT_FILE", "SSL_CERT_DIR")
+_ENV_KEEP_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_", "KMP_", "OPENBLAS_", "MKL_",
+                      "GGML_", "LLAMA_", "VLLM_", "HF_", "TORCH", "PYTORCH_", "TRANSFORMERS_", "TOKENIZERS_")
+_SECRET_NAME = re.compile(r"(?i)(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)")
+
+
+def server_env() -> dict[str, str]:
+    """The environment of a managed server: the allowed names of this process's environment, no secrets."""
+    return {k: v for k, v in os.environ.items()
+            if (k in _ENV_KEEP or k.startswith(_ENV_KEEP_PREFIXES)) and not _SECRET_NAME.search(k)}
+
+
 def vllm_env(kv_cache_gb: float = 1.0) -> dict[str, str]:
     """The environment of a vLLM server: an explicit KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB) and no hub."""
-    env = dict(os.environ)
+    env = server_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gb:g}")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -205,7 +221,7 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
         port = free_port()
         command = llama_cpp_command(model_path, port, n_threads=n_threads or os.cpu_count() or 1,
                                     n_ctx=n_ctx, alias=alias)
-        env, info = None, {"engine": "llama-cpp-python", "engine_version": _version("llama-cpp-python"),
+        env, info = server_env(), {"engine": "llama-cpp-python", "engine_version": _version("llama-cpp-python"),
                            "model_file": str(model_path), "model_bytes": model_path.stat().st_size}
     elif kind == "vllm":
         # vLLM usually lives in its own environment (.venv-vllm, made by .ci/setup-vllm); n_threads does

@@ -1,0 +1,88 @@
+"""A small OpenAI-compatible stub on 127.0.0.1 for tests that need a backend that answers at once.
+
+Every answer is ``ANSWER``, streamed as SSE.  ``modes`` is a list of actions for the next POSTs
+(then ``ok``): ``500:N`` answers HTTP 500 with a body that echoes the request's headers after N
+filler characters, ``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
+``errchunk`` an ``{"error": ...}`` chunk holding the headers.  ``required_key`` makes ``GET /models``
+answer 401 unless the Authorization header carries that key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ANSWER = "42"
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.modes: list[str] = []
+        self.required_key: str | None = None
+        self.auth_seen: list[str | None] = []
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                ok = not stub.required_key or self.headers.get("Authorization") == f"Bearer {stub.required_key}"
+                self._send(200 if ok else 401, json.dumps({"object": "list", "data": [{"id": "stub"}]}).encode())
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with stub.lock:
+                    stub.auth_seen.append(self.headers.get("Authorization"))
+                    mode = stub.modes.pop(0) if stub.modes else "ok"
+                # the Authorization header first, so that the key falls inside what an error message keeps
+                items = sorted(self.headers.items(), key=lambda kv: kv[0].lower() != "authorization")
+                echoed = "".join(f"{k}: {v}\r\n" for k, v in items)
+                if mode.startswith("500"):
+                    filler = int(mode.split(":")[1]) if ":" in mode else 0
+                    self._send(500, ("x" * filler + "you sent " + echoed).encode(), "text/plain")
+                    return
+                events = []
+                if mode == "badchunk":
+                    events.append(echoed.replace("\r\n", " | "))
+                elif mode == "errchunk":
+                    events.append(json.dumps({"error": {"message": echoed}}))
+                else:
+                    events += [json.dumps({"choices": [{"index": 0, "delta": {"content": ANSWER}, "finish_reason": None}]}),
+                               json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+                               json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}),
+                               "[DONE]"]
+                self._send(200, "".join(f"data: {e}\n\n" for e in events).encode(), "text/event-stream")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def stub_config(path, dataset, base_url: str, *, out_dir, extra: str = "", backend_extra: str = "") -> "object":
+    """A run config of one ``openai`` backend at ``base_url``: no warm-up, no idle baseline, no retries."""
+    path.write_text(f'dataset = "{dataset}"\nout_dir = "{out_dir}"\nwarmup = 0\nidle_s = 0\n{extra}\n'
+                    '[generation]\nmax_tokens = 4\n'
+                    '[[backends]]\nname = "stub"\nkind = "openai"\nmodel = "stub"\n'
+                    f'base_url = "{base_url}"\nmax_retries = 0\ntimeout_s = 10\n{backend_extra}')
+    return path
