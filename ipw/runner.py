@@ -26,6 +26,7 @@ from ipw.scoring import score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
+from ipw.telemetry.window import Closed, Window
 
 
 @dataclass(frozen=True)
@@ -35,39 +36,6 @@ class IdleBaseline:
     power_w: dict[str, float]
     spread_w: dict[str, float]  # standard deviation over 1 s slices
     duration_s: float
-
-
-class Closed:
-    """A closed window: each sensor's readings, or a deferred result that becomes final later."""
-
-    def __init__(self, parts: list[Any]) -> None:
-        self.parts = parts
-
-    def ready(self) -> bool:
-        return all(isinstance(p, list) or p.ready() for p in self.parts)
-
-    def readings(self, timeout_s: float = 10.0) -> list[EnergyReading]:
-        """All readings; waits (sleeping, not spinning) for deferred parts, at most ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        out: list[EnergyReading] = []
-        for part in self.parts:
-            out.extend(part if isinstance(part, list) else part.result())
-        return out
-
-
-class Window:
-    """Opens a measurement window on every sensor and closes it."""
-
-    def __init__(self, sensors: list[Sensor]) -> None:
-        self.sensors = sensors
-
-    def begin(self) -> list[Any]:
-        return [s.begin() for s in self.sensors]
-
-    def end(self, tokens: list[Any]) -> Closed:
-        return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
 
 
 def measure_idle(window: Window, seconds: float) -> IdleBaseline:

