@@ -171,6 +171,11 @@ def check_runs(base_manifest: dict, base, cand_manifest: dict, cand, thresholds:
         cols = [p[k].to_numpy(float) for k in ("correct_b", "correct_c", "energy_j_b", "energy_j_c",
                                                 "completion_tokens_b", "completion_tokens_c", "ttft_b", "ttft_c")]
         usable = np.all([np.isfinite(x) for x in cols], axis=0)
+        if len(usable) and not usable.any():  # nothing to test: a gate that passes on no data would lie
+            missing = [k for k, x in zip(("energy_j", "energy_j", "completion_tokens", "completion_tokens", "ttft_s",
+                                          "ttft_s"), cols[2:]) if not np.isfinite(x).any()]
+            raise IpwError(f"not comparable: backend {name}: no query has {missing[0] if missing else 'every value'} "
+                           "in both runs (records without energy cannot be checked)")
         if not usable.all():
             notes.append(f"{name}: {int((~usable).sum())} queries without energy or TTFT left out")
         cols = [x[usable] for x in cols]

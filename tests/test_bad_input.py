@@ -399,3 +399,12 @@ def test_check_junit_to_an_unwritable_path(target, stub_run, tmp_path, run_cli):
     run_dir, _ = stub_run
     code, out, err = run_cli("check", run_dir, run_dir, "--junit", tmp_path / target)
     assert code == 2 and "--junit" in err and err.count("\n") == 1 and "Traceback" not in out + err, err
+
+
+def test_check_on_runs_without_energy_is_not_a_pass(stub_run, tmp_path, run_cli):
+    """Records without energy cannot be gated: exit 2, not a pass on no data."""
+    run_dir, _ = stub_run
+    empty = _copy(run_dir, tmp_path / "no-energy")
+    _parquet(empty, lambda f: f.assign(energy_j=None))
+    code, out, err = run_cli("check", empty, empty)
+    assert code == 2 and "no query has energy_j in both runs" in err and "Traceback" not in out + err, err
