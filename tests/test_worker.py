@@ -269,3 +269,26 @@ def test_a_build_this_cpu_cannot_run_is_refused_in_one_line(tmp_path, monkeypatc
     assert result.returncode == 2 and "which this CPU lacks" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()  # refused before the run folder
+
+
+def test_no_engine_outlives_a_killed_ipw(tmp_path):
+    """SIGKILL of `ipw run` (nothing of ipw runs any more): its worker leaves by itself within seconds."""
+    proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, _words_jsonl(tmp_path, 40)))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    deadline, worker = time.monotonic() + 120, None
+    while worker is None and time.monotonic() < deadline and proc.poll() is None:
+        if list((tmp_path / "out").glob("*/records.jsonl")) and _lines_of(tmp_path) > 0:
+            worker = next(iter(psutil.Process(proc.pid).children()), None)
+        time.sleep(0.02)
+    assert worker is not None
+    proc.kill()
+    proc.wait()
+    try:
+        worker.wait(timeout=10)  # psutil waits for a process that is not our child too
+    except psutil.TimeoutExpired:
+        worker.kill()
+        pytest.fail("the worker outlived ipw")
+
+
+def _lines_of(tmp_path: Path) -> int:
+    return sum(p.read_bytes().count(b"\n") for p in (tmp_path / "out").glob("*/records.jsonl"))

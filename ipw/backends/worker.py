@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -337,15 +338,17 @@ def raise_answer_error(answer: dict[str, Any]) -> None:
 
 # -- the worker side ---------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when ipw dies (so no engine outlives a killed run)."""
-    try:
-        import ctypes
+def _die_with_parent(poll_s: float = 1.0) -> None:
+    """Leave when ipw is gone (killed, say), even mid-answer, so no engine outlives its run.  (Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that started the worker ends.)"""
+    parent = os.getppid()
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ipw-worker-watchdog", daemon=True).start()
 
 
 def serve(fd_in: int, fd_out: int) -> None:
