@@ -290,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     from ipw.errors import IpwError
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        args = ["--help"]  # bare `ipw`: the help, exit 0, whatever click does with no_args_is_help
     end = args.index("--") if "--" in args else len(args)
     debug = "--debug" in args[:end] or os.environ.get("IPW_DEBUG", "") not in ("", "0")
     args = [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]  # accepted anywhere
+    if not args:
+        args = ["--help"]  # bare `ipw`: the help, exit 0, whatever click does with no_args_is_help
     try:
         result = app(args=args, prog_name="ipw", standalone_mode=False)
     except IpwError as exc:
