@@ -18,7 +18,7 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.results import RunFolder, new_run_id, read_manifest, read_records
+from ipw.results import RunFolder, new_run_id, read_manifest, read_parquet, read_records
 from ipw.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
@@ -113,6 +113,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
                  for info in m.get("backends", []) if info["name"] == b["name"]]
         if infos:
             backends.append(combine_backend_infos(infos))
+    power = _merged_power(shards, node_of)  # read (and checked) before the merged folder exists
     folder = RunFolder.create(out_dir, run_id, {
         "ipw_version": __version__,
         "command": command if command is not None else sys.argv,
@@ -135,24 +136,24 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-    _merge_power(folder, shards, node_of)
+    if power is not None:
+        from ipw.results import _atomic_write_parquet
+
+        _atomic_write_parquet(power, folder.path / "power.parquet")
     folder.finish("complete")
     return folder
 
 
-def _merge_power(folder: RunFolder, shards: list[tuple[Path, dict[str, Any]]], node_of: dict[Path, str]) -> None:
-    """Each shard's power.parquet, with the node it was measured on (time is per node)."""
+def _merged_power(shards: list[tuple[Path, dict[str, Any]]], node_of: dict[Path, str]):
+    """Each shard's power.parquet, with the node it was measured on (time is per node); None when none has one."""
     import pandas as pd
 
     frames = []
     for p, _ in shards:
         path = p / "power.parquet"
         if path.exists():
-            frame = pd.read_parquet(path)
+            frame = read_parquet(path)
             if "node" not in frame.columns:
                 frame["node"] = node_of[p]
             frames.append(frame)
-    if frames:
-        from ipw.results import _atomic_write_parquet
-
-        _atomic_write_parquet(pd.concat(frames, ignore_index=True), folder.path / "power.parquet")
+    return pd.concat(frames, ignore_index=True) if frames else None

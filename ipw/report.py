@@ -423,11 +423,16 @@ def _read_power(path: Path):
     import pandas as pd
     import pyarrow.parquet as pq
 
-    present = set(pq.read_schema(path).names)
+    from ipw.results import read_parquet
+
+    try:
+        present = set(pq.read_schema(path).names)
+    except Exception as exc:  # a truncated or corrupt file
+        raise IpwError(f"{path}: cannot read Parquet ({type(exc).__name__}); the file is damaged") from None
     if not {"t_s", "power_w"} <= present:
         return None
-    power = pd.read_parquet(path, columns=[c for c in ("t_s", "device", "power_w") if c in present],
-                            read_dictionary=["device"] if "device" in present else None)
+    power = read_parquet(path, columns=[c for c in ("t_s", "device", "power_w") if c in present],
+                         read_dictionary=["device"] if "device" in present else None)
     power = power[np.isfinite(power["power_w"].to_numpy(float)) & np.isfinite(power["t_s"].to_numpy(float))]
     if "device" not in power:
         power = power.assign(device="power")

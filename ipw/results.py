@@ -330,6 +330,18 @@ def _parquet_schema_problem(schema, columns: list[str] | None) -> str | None:
     return None
 
 
+def read_parquet(path: Path, **options: Any):
+    """``pandas.read_parquet`` of a run folder's Parquet file, or an IpwError naming it (pyarrow raises
+    many types for a truncated or corrupt file)."""
+    import pandas as pd
+
+    try:
+        return pd.read_parquet(path, **options)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise IpwError(f"{path}: cannot read Parquet ({type(exc).__name__}: {text}); the file is damaged") from None
+
+
 def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = (),
              require: tuple[str, ...] = ()):
     """Manifest and records of a run folder (parquet when complete, else the JSONL log), read whole or

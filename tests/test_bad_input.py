@@ -408,3 +408,11 @@ def test_check_on_runs_without_energy_is_not_a_pass(stub_run, tmp_path, run_cli)
     _parquet(empty, lambda f: f.assign(energy_j=None))
     code, out, err = run_cli("check", empty, empty)
     assert code == 2 and "no query has energy_j in both runs" in err and "Traceback" not in out + err, err
+
+
+def test_damaged_power_trace_is_one_line(stub_run, tmp_path, run_cli):
+    run_dir, _ = stub_run
+    broken = _copy(run_dir, tmp_path / "broken")
+    (broken / "power.parquet").write_bytes(b"PAR1 truncated")
+    code, out, err = run_cli("report", broken, "--out", tmp_path / "r.html")
+    assert code == 2 and "power.parquet: cannot read Parquet" in err and "Traceback" not in out + err, err
