@@ -416,3 +416,22 @@ def test_damaged_power_trace_is_one_line(stub_run, tmp_path, run_cli):
     (broken / "power.parquet").write_bytes(b"PAR1 truncated")
     code, out, err = run_cli("report", broken, "--out", tmp_path / "r.html")
     assert code == 2 and "power.parquet: cannot read Parquet" in err and "Traceback" not in out + err, err
+
+
+def test_merge_refuses_a_shard_with_a_torn_line_in_the_middle(tmp_path, run_cli):
+    stub = Stub()
+    try:
+        data = tmp_path / "six.jsonl"
+        data.write_text(_jsonl_text(*({"id": f"q{i}", "prompt": f"Say {i}", "answer": "42"} for i in range(6))))
+        cfg = stub_config(tmp_path / "run.toml", data, stub.base_url, out_dir=tmp_path / "shards")
+        code, _, err = run_cli("run", cfg, "--shard", "1/1")
+        assert code == 0, err
+    finally:
+        stub.close()
+    (shard,) = (tmp_path / "shards").iterdir()
+    lines = (shard / "records.jsonl").read_text().splitlines(keepends=True)
+    lines[1] = lines[1][:25] + "\n"
+    (shard / "records.jsonl").write_text("".join(lines))
+    code, out, err = run_cli("merge", shard, "--out", tmp_path / "merged")
+    assert code == 2 and "records.jsonl:2: torn or corrupt record" in err and "Traceback" not in out + err, err
+    assert not (tmp_path / "merged").exists()
