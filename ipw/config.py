@@ -132,7 +132,7 @@ def check_generation(gen: dict[str, Any], loc: Callable[[str], str]) -> None:
     if "max_tokens" in gen and gen["max_tokens"] < 1:
         raise IpwError(f"{loc('max_tokens')}: must be >= 1")
     if "temperature" in gen:
-        check_range(gen["temperature"], loc("temperature"), low=0.0, high=100.0)
+        check_range(gen["temperature"], loc("temperature"), low=0.0)
     if "top_p" in gen:
         check_range(gen["top_p"], loc("top_p"), low=0.0, high=1.0, low_open=True)
     if "top_k" in gen:
