@@ -144,7 +144,7 @@ def one_round(args, tmp: Path, port: int, concurrency: int, r: int) -> dict:
             stats = throughput(rows)
             stats["outputs"] = [row["text"] for row in rows]
         else:
-            child = Child([IPW, "run", str(cfg)], pty=args.pty)
+            child = Child([*IPW, "run", str(cfg)], pty=args.pty)
             child.wait()
             if child.rc != 0:
                 raise SystemExit(f"ipw run failed:\n{child.output()[-3000:]}")

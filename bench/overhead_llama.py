@@ -49,8 +49,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "PERFORMANCE.md"
-IPW = str(Path(sys.executable).with_name("ipw"))
-SECTION = "## Harness overhead: llama.cpp in-process"
+# the console script beside this interpreter, else the module (a GPU server running ipw from a checkout)
+IPW = ([str(Path(sys.executable).with_name("ipw"))] if Path(sys.executable).with_name("ipw").exists()
+       else [sys.executable, "-m", "ipw.cli"])
+SECTION = "## Harness overhead: llama.cpp in a worker process"
 MODEL = "smollm2-135m"
 DECODE_TARGET = 0.97
 WALL_TARGET = 1.03
@@ -131,12 +133,28 @@ class Child:
         return (b - a) - sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in self.stopped)
 
 
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to a process and all its descendants (ipw's engine worker runs in a session of its own,
+    so a process group would miss it)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def alternate(children: list[Child], slice_s: float) -> None:
     """Let the children take turns of ``slice_s`` seconds (SIGSTOP / SIGCONT, every other one stopped),
     until all have exited; a child that is alone runs to its end.  Each child's stopped intervals are
     recorded, so that durations it measured on the monotonic clock can be reduced to its running time."""
     for c in children[1:]:
-        os.kill(c.proc.pid, signal.SIGSTOP)
+        signal_tree(c.proc.pid, signal.SIGSTOP)
         c.stopped.append((c.spawn, float("inf")))
     turn = 0
     while True:
@@ -145,7 +163,7 @@ def alternate(children: list[Child], slice_s: float) -> None:
             return
         c = alive[turn % len(alive)]
         if c.stopped and c.stopped[-1][1] == float("inf"):
-            os.kill(c.proc.pid, signal.SIGCONT)
+            signal_tree(c.proc.pid, signal.SIGCONT)
             c.stopped[-1] = (c.stopped[-1][0], time.monotonic())
         if len(alive) == 1:
             c.wait()
@@ -155,7 +173,7 @@ def alternate(children: list[Child], slice_s: float) -> None:
             time.sleep(0.005)
         if c.poll():
             continue
-        os.kill(c.proc.pid, signal.SIGSTOP)
+        signal_tree(c.proc.pid, signal.SIGSTOP)
         c.stopped.append((time.monotonic(), float("inf")))
         turn += 1
 
@@ -244,7 +262,7 @@ def bare_worker(args) -> int:
     path, _ = resolve_model(MODEL)
     t_import = time.monotonic()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.n_ctx, n_threads=args.n_threads,
-                          n_threads_batch=args.n_threads, n_gpu_layers=0, verbose=False)
+                          n_threads_batch=args.n_threads, n_gpu_layers=args.n_gpu_layers, verbose=False)
     model = llm._model
     eos, bos = llm.token_eos(), llm.token_bos()
     fmt = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"],
@@ -311,12 +329,14 @@ role = "local"
 mode = "chat"
 n_threads = {args.n_threads}
 n_ctx = {args.n_ctx}
+n_gpu_layers = {args.n_gpu_layers}
 """
 
 
 def bare_cmd(args, out: Path) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--bare-worker", str(out), "--queries", str(args.queries),
-            "--warmup", str(args.warmup), "--n-threads", str(args.n_threads), "--max-tokens", str(args.max_tokens),
+            "--warmup", str(args.warmup), "--n-threads", str(args.n_threads),
+            "--n-gpu-layers", str(args.n_gpu_layers), "--max-tokens", str(args.max_tokens),
             "--n-ctx", str(args.n_ctx), "--dataset", args.dataset]
 
 
@@ -356,7 +376,7 @@ def one_round(args, tmp: Path, r: int) -> dict:
     cfg.write_text(config_toml(args, runs), encoding="utf-8")
     order = ("bare", "ipw") if r % 2 == 0 else ("ipw", "bare")
     make = {"bare": lambda: Child(bare_cmd(args, bare_out), pty=False),
-            "ipw": lambda: Child([IPW, "run", str(cfg)], pty=args.pty)}
+            "ipw": lambda: Child([*IPW, "run", str(cfg)], pty=args.pty)}
     load = loads()
     children = {}
     if args.slice_s > 0:
@@ -482,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--n-threads", type=int, default=1)
     parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--n-gpu-layers", type=int, default=0, help="-1: every layer on the GPU (a CUDA build)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dataset", default="ipw-core")
     parser.add_argument("--slice-s", type=float, default=0.5,

@@ -20,6 +20,7 @@ DATASETS_DIR = resource_path("data")  # ships in the package (ipw/data, written 
 BUNDLED = {
     "ipw-core": ("ipw-core.jsonl", None),
     "ipw-core-default": ("ipw-core.jsonl", "ipw-core-default.txt"),
+    "ipw-long": ("ipw-long.jsonl", None),  # 30 prompts with long answers (essays, counting, lists): docs/GPU.md
 }
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 REQUIRED = ("id", "prompt", "answer")

@@ -1,0 +1,120 @@
+"""The figures of docs/GPU.md, from ipw run folders and the counter recorded by bench/gpu_counter.py.
+
+    python bench/gpu_figures.py COUNTER.csv RUN_DIR [RUN_DIR ...] [--json OUT.json]
+
+Per run: GPU J/query and J/token (the NVML parts of every record), how many windows the estimator
+flagged short, the sum of per-query GPU energy against the reference counter over the same windows
+(linearly interpolated at each window's edges between reads taken back to back by another process),
+begin/end counter reads on the same windows (the last read before each edge, as a harness that reads
+the counter at its anchors would get) with their zero count, the net energy against the idle baseline,
+and the sampler's CPU share.  Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def gpu_parts(frame: pd.DataFrame) -> np.ndarray:
+    """Each record's GPU energy (the sum of its NVML readings; NaN when one is missing)."""
+    out = []
+    for parts in frame["energy_parts"]:
+        gpu = [p for p in json.loads(parts) if p["source"].startswith("nvml")]
+        out.append(np.nan if not gpu or any(p["energy_j"] is None for p in gpu) else sum(p["energy_j"] for p in gpu))
+    return np.array(out)
+
+
+def short_windows(frame: pd.DataFrame) -> int:
+    return sum(any("window shorter than" in (p.get("note") or "") for p in json.loads(parts)
+                   if p["source"].startswith("nvml")) for parts in frame["energy_parts"])
+
+
+def counter_series(counter: pd.DataFrame, gpu: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = counter[counter["gpu"] == gpu]
+    mid = ((rows["t_before_s"] + rows["t_after_s"]) / 2).to_numpy()
+    return mid, rows["t_after_s"].to_numpy(), rows["energy_mj"].to_numpy() / 1000.0
+
+
+def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    frame = pd.read_parquet(run_dir / "records.parquet")
+    gpu_j = gpu_parts(frame)
+    start, end = frame["start_s"].to_numpy(), frame["end_s"].to_numpy()
+    mid, after, joules = counter_series(counter, 0)
+    interp = np.interp(end, mid, joules) - np.interp(start, mid, joules)
+    # begin/end reads: the last read completed before each edge (a step function)
+    idx_s = np.searchsorted(after, start, side="right") - 1
+    idx_e = np.searchsorted(after, end, side="right") - 1
+    begin_end = joules[idx_e] - joules[idx_s]
+    span = float(np.interp(end.max(), mid, joules) - np.interp(start.min(), mid, joules))
+    backend = manifest["backends"][0]
+    idle = backend.get("idle_baseline", {})
+    overhead = backend.get("sampler_overhead", {})
+    ok = ~np.isnan(gpu_j)
+    tokens = frame["completion_tokens"].to_numpy()
+    return {
+        "run": run_dir.name, "dataset": manifest["dataset"]["name"], "status": manifest["status"],
+        "queries": int(len(frame)), "errors": int(frame["error"].notna().sum()),
+        "median_latency_s": float(frame["latency_s"].median()), "median_tokens": float(np.median(tokens)),
+        "gpu_j_per_query": float(np.nanmean(gpu_j)), "gpu_j_per_token": float(np.nansum(gpu_j) / tokens[ok].sum()),
+        "short_windows": int(short_windows(frame)), "records_with_gpu_energy": int(ok.sum()),
+        "sum_ipw_gpu_j": float(np.nansum(gpu_j)), "sum_counter_interpolated_j": float(interp[ok].sum()),
+        "ipw_vs_counter": float(np.nansum(gpu_j) / interp[ok].sum() - 1),
+        "sum_begin_end_j": float(begin_end[ok].sum()), "begin_end_zero_windows": int((begin_end[ok] == 0).sum()),
+        "begin_end_vs_counter": float(begin_end[ok].sum() / interp[ok].sum() - 1),
+        "counter_span_j": span, "windows_share_of_span": float((end - start).sum() / (end.max() - start.min())),
+        "idle_power_w": idle.get("power_w", {}), "idle_spread_w": idle.get("spread_w", {}),
+        "net_j_per_query": float(frame["net_energy_j"].mean()), "gross_j_per_query": float(frame["energy_j"].mean()),
+        "energy_basis": sorted(set(frame["energy_source"])), "sampler_overhead": overhead,
+        "engine": {k: backend.get(k) for k in ("engine_version", "cpu_variant", "gpu_offload", "system_info")},
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| figure | " + " | ".join(r["dataset"] + " " + r["run"] for r in rows) + " |",
+             "|---|" + "---|" * len(rows)]
+
+    def add(name, fn):
+        lines.append(f"| {name} | " + " | ".join(fn(r) for r in rows) + " |")
+
+    add("queries (errors), status", lambda r: f"{r['queries']} ({r['errors']}), {r['status']}")
+    add("median latency, tokens", lambda r: f"{r['median_latency_s'] * 1000:.0f} ms, {r['median_tokens']:.0f}")
+    add("GPU J/query", lambda r: f"{r['gpu_j_per_query']:.3f}")
+    add("GPU J/token", lambda r: f"{r['gpu_j_per_token']:.4f}")
+    add("windows flagged short (< 0.15 s)", lambda r: f"{r['short_windows']} of {r['queries']}")
+    add("Σ ipw GPU energy", lambda r: f"{r['sum_ipw_gpu_j']:.1f} J")
+    add("Σ reference counter, same windows", lambda r: f"{r['sum_counter_interpolated_j']:.1f} J")
+    add("ipw vs reference", lambda r: f"{r['ipw_vs_counter']:+.2%}")
+    add("Σ begin/end counter reads", lambda r: f"{r['sum_begin_end_j']:.1f} J ({r['begin_end_vs_counter']:+.1%})")
+    add("begin/end windows reading 0 J", lambda r: f"{r['begin_end_zero_windows']} of {r['records_with_gpu_energy']}")
+    add("idle GPU power (spread)", lambda r: ", ".join(f"{k} {v:.1f} W (±{r['idle_spread_w'].get(k, 0):.1f})"
+                                                       for k, v in r["idle_power_w"].items() if k.startswith("gpu")))
+    add("gross / net J/query", lambda r: f"{r['gross_j_per_query']:.3f} / {r['net_j_per_query']:.3f}")
+    add("sampler CPU share", lambda r: ", ".join(
+        f"{k} {v.get('cpu_fraction_of_one_core', float('nan')):.2%}" for k, v in r["sampler_overhead"].items()
+        if isinstance(v, dict) and "cpu_fraction_of_one_core" in v) or "n/a")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("counter", type=Path)
+    ap.add_argument("runs", type=Path, nargs="+")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    counter = pd.read_csv(args.counter)
+    rows = [figures(run, counter) for run in args.runs]
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str))
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
