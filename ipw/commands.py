@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ipw.errors import IpwError
@@ -139,13 +140,20 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
                 acc=f"{state['correct'] / state['n']:.0%}",
             )
 
-        execute(folder, config, queries, on_record, done=done, ray=ray_options)
+        def on_notice(line: str) -> None:
+            progress.console.print(f"[bold red]backend stopped:[/] {escape(line)}", highlight=False)
+
+        status = execute(folder, config, queries, on_record, done=done, ray=ray_options, notice=on_notice)
     from ipw.metrics import run_metrics
     from ipw.results import load_run
 
     _, frame = load_run(folder.path)
     _stdout().print(metrics_table(run_metrics(frame, seed=config.generation.seed)))
     console.print(f"wrote {folder.path}")
+    if status != "complete":
+        console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
+                      f"ipw run --resume {escape(str(folder.path))}", highlight=False)
+        return 1
     return 0
 
 

@@ -214,9 +214,10 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
     """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy.
     ``python``: the interpreter of a vLLM server (default: see ``ipw.backends.vllm.find_vllm_python``)."""
     if kind == "llama-cpp":
-        try:
-            import llama_cpp.server  # noqa: F401  (fail early, with the extra to install)
-        except ImportError:
+        import importlib.util
+
+        # fail early, with the extra to install; found, not imported: this process loads no engine
+        if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("uvicorn") is None:
             raise IpwError("the llama.cpp server is not installed; install it with: pip install 'ipw[server]'") from None
         port = free_port()
         command = llama_cpp_command(model_path, port, n_threads=n_threads or os.cpu_count() or 1,
