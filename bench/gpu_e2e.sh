@@ -21,7 +21,7 @@ BUILD=${BUILD:-/tmp/ipw-cuda-build}
 ARCH=${ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1 | tr -d '.')}
 
 mkdir -p "$BUILD/parts"
-cp -n "$wheels"/* "$BUILD/parts/"  # each call carries a part of the files; they gather here
+find "$wheels" -type f -exec cp {} "$BUILD/parts/" \;  # each call carries a part of the files; they gather here
 
 if [ "$stage" = build ]; then
   tar xzf "$BUILD"/parts/llama_cpp_python-0.3.36.tar.gz -C "$BUILD"

@@ -4,7 +4,8 @@
 
 Per run: GPU J/query and J/token (the NVML parts of every record), how many windows the estimator
 flagged short, the sum of per-query GPU energy against the reference counter over the same windows
-(linearly interpolated at each window's edges between reads taken back to back by another process),
+(read back to back by another process; its ~100 ms steps, located to a few ms, linearly interpolated
+at each window's edges),
 begin/end counter reads on the same windows (the last read before each edge, as a harness that reads
 the counter at its anchors would get) with their zero count, the net energy against the idle baseline,
 and the sampler's CPU share.  Prints a Markdown table.
@@ -35,10 +36,15 @@ def short_windows(frame: pd.DataFrame) -> int:
                    if p["source"].startswith("nvml")) for parts in frame["energy_parts"])
 
 
-def counter_series(counter: pd.DataFrame, gpu: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def counter_series(counter: pd.DataFrame, gpu: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The reference curve and the raw reads.  The counter steps about every 100 ms; read a few hundred
+    times a second, each step's moment is known to a few ms: (time of the step, value) points, linearly
+    interpolated, are the cumulative energy (exact at every step, average power within one).  Linear
+    interpolation between the raw reads instead would keep the steps (a begin/end read in disguise)."""
     rows = counter[counter["gpu"] == gpu]
-    mid = ((rows["t_before_s"] + rows["t_after_s"]) / 2).to_numpy()
-    return mid, rows["t_after_s"].to_numpy(), rows["energy_mj"].to_numpy() / 1000.0
+    after, joules = rows["t_after_s"].to_numpy(), rows["energy_mj"].to_numpy() / 1000.0
+    step = np.flatnonzero(np.diff(joules) != 0) + 1
+    return (after[step - 1] + after[step]) / 2, joules[step], after, joules
 
 
 def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
@@ -46,13 +52,13 @@ def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
     frame = pd.read_parquet(run_dir / "records.parquet")
     gpu_j = gpu_parts(frame)
     start, end = frame["start_s"].to_numpy(), frame["end_s"].to_numpy()
-    mid, after, joules = counter_series(counter, 0)
-    interp = np.interp(end, mid, joules) - np.interp(start, mid, joules)
+    step_t, step_j, after, joules = counter_series(counter, 0)
+    interp = np.interp(end, step_t, step_j) - np.interp(start, step_t, step_j)
     # begin/end reads: the last read completed before each edge (a step function)
     idx_s = np.searchsorted(after, start, side="right") - 1
     idx_e = np.searchsorted(after, end, side="right") - 1
     begin_end = joules[idx_e] - joules[idx_s]
-    span = float(np.interp(end.max(), mid, joules) - np.interp(start.min(), mid, joules))
+    span = float(np.interp(end.max(), step_t, step_j) - np.interp(start.min(), step_t, step_j))
     backend = manifest["backends"][0]
     idle = backend.get("idle_baseline", {})
     overhead = backend.get("sampler_overhead", {})
