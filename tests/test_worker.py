@@ -21,7 +21,7 @@ from ipw.backends.base import BackendSpec, GenerationSettings, QueryError
 from ipw.backends.llama_cpp import LlamaCppBackend, probe_engine
 from ipw.backends.worker import MAX_RESTARTS, EngineStopped, exit_text
 from ipw.errors import IpwError
-from tests.conftest import WORDS, only_run
+from conftest import WORDS, only_run
 
 pytestmark = pytest.mark.llama
 IPW = [sys.executable, "-m", "ipw.cli"]
@@ -226,13 +226,17 @@ def test_a_backend_that_keeps_crashing_stops_and_the_others_go_on(tmp_path):
 
 def test_ipw_process_maps_no_engine_while_running(tmp_path):
     """While `ipw run` runs, its own memory maps hold no libllama/libggml, and its worker's do."""
-    proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, _words_jsonl(tmp_path, 6)))],
+    proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, _words_jsonl(tmp_path, 12)))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     seen_worker = False
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline and not seen_worker:
-            for child in psutil.Process(proc.pid).children():
+            try:
+                children = psutil.Process(proc.pid).children()
+            except psutil.NoSuchProcess:
+                break
+            for child in children:
                 try:
                     worker_maps = Path(f"/proc/{child.pid}/maps").read_text()
                     own_maps = Path(f"/proc/{proc.pid}/maps").read_text()
@@ -292,3 +296,45 @@ def test_no_engine_outlives_a_killed_ipw(tmp_path):
 
 def _lines_of(tmp_path: Path) -> int:
     return sum(p.read_bytes().count(b"\n") for p in (tmp_path / "out").glob("*/records.jsonl"))
+
+
+def test_nvml_measures_a_gpu_offloaded_worker(tmp_path, monkeypatch):
+    """The GPU sensor with an engine whose PID tree is not ipw's own: NVML attributes by device and
+    window, so the worker's records carry the GPU energy of their windows (a mocked pynvml, autospec'd,
+    at a constant 300 W on the real clock), and the CPU model still measures the worker's tree."""
+    from nvml_fakes import RealClock, make_fake, real_offset_ns, synthetic
+
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+
+    sig, _ = synthetic(duration_s=600, idle_w=300.0, load_w=300.0, load=(0.0, 0.0), offset_ns=real_offset_ns(),
+                       t0_s=time.monotonic() - 10)
+    make_fake(monkeypatch, [sig], RealClock())
+    cfg = _config(tmp_path, _words_jsonl(tmp_path, 4))
+    # an idle baseline first, as a real run has: the counter then calibrates the samples over seconds
+    cfg.write_text(cfg.read_text().replace("idle_s = 0", "idle_s = 3") + "n_gpu_layers = -1\n")
+    config = load_config(str(cfg))
+    folder, queries = start_run(config)
+    assert execute(folder, config, queries, lambda record: None) == "complete"
+    records = _records(folder.path)
+    assert len(records) == 4
+    for r in records:
+        parts = {p["component"]: p for p in json.loads(r["energy_parts"])}
+        assert parts["gpu0"]["source"].startswith("nvml") and parts["gpu0"]["quality"] == "measured_interpolated"
+        assert parts["cpu-process"]["energy_j"] > 0  # the worker's CPU time, estimated, kept apart
+        assert r["energy_source"].startswith("nvml") and r["energy_quality"] == "measured_interpolated"
+        assert r["energy_j"] / (r["end_s"] - r["start_s"]) == pytest.approx(300.0, rel=0.1), parts
+    (backend,) = json.loads((folder.path / "manifest.json").read_text())["backends"]
+    assert backend["worker"]["python"] == sys.executable and "nvml" in backend["sampler_overhead"]
+
+
+def test_a_worker_gets_no_secrets(monkeypatch):
+    """An engine needs no API key: the worker's environment has none of ipw's secrets."""
+    from ipw.backends.worker import worker_env
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SENTINEL-123")
+    monkeypatch.setenv("IPW_MODEL_CACHE", "/tmp/models")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    env = worker_env(sys.executable)
+    assert "OPENAI_API_KEY" not in env and "SENTINEL" not in " ".join(env.values())
+    assert env["IPW_MODEL_CACHE"] == "/tmp/models" and env["CUDA_VISIBLE_DEVICES"] == "0"

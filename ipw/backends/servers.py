@@ -65,10 +65,11 @@ _ENV_KEEP_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_"
 _SECRET_NAME = re.compile(r"(?i)(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)")
 
 
-def server_env() -> dict[str, str]:
-    """The environment of a managed server: the allowed names of this process's environment, no secrets."""
+def server_env(extra_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a managed server (or an engine worker, with ``extra_prefixes=("IPW_",)``): the
+    allowed names of this process's environment, no secrets."""
     return {k: v for k, v in os.environ.items()
-            if (k in _ENV_KEEP or k.startswith(_ENV_KEEP_PREFIXES)) and not _SECRET_NAME.search(k)}
+            if (k in _ENV_KEEP or k.startswith(_ENV_KEEP_PREFIXES + extra_prefixes)) and not _SECRET_NAME.search(k)}
 
 
 def vllm_env(kv_cache_gb: float = 1.0) -> dict[str, str]:

@@ -92,10 +92,13 @@ def _tail(path: Path, limit: int = 200) -> str:
 
 
 def worker_env(python: str) -> dict[str, str]:
-    """The worker's environment: ours, and where the interpreter is not this one, a folder on its path
-    that holds only this ``ipw`` package (a link), so the worker runs this very code and nothing else
-    of this environment."""
-    env = dict(os.environ)
+    """The worker's environment: what an engine needs of ours (``servers.server_env``: no API keys,
+    tokens or credentials) and ipw's own settings; where the interpreter is not this one, a folder on its
+    path that holds only this ``ipw`` package (a link), so the worker runs this very code and nothing
+    else of this environment."""
+    from ipw.backends.servers import server_env
+
+    env = server_env(extra_prefixes=("IPW_",))
     env["PYTHONUNBUFFERED"] = "1"
     if os.path.realpath(python) != os.path.realpath(sys.executable):
         link_dir = Path(tempfile.gettempdir()) / f"ipw-worker-path-{os.getuid()}-{os.getpid()}"
