@@ -1,0 +1,70 @@
+"""The llama.cpp build for a CPU (ipw/llama_build.py): flags from /proc/cpuinfo, AMX never, and a wheel
+cache key that differs between CPUs, so a wheel built for another machine is never reused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from ipw.llama_build import cache_key, cmake_args, compiled_features, cpu_flags, missing_features, variant
+
+ROOT = Path(__file__).resolve().parents[1]
+AVX2_EPYC = "fpu sse sse2 ssse3 sse4_1 sse4_2 pni fma avx f16c avx2 bmi1 bmi2 popcnt aes"  # an AVX2-only EPYC
+SAPPHIRE = (AVX2_EPYC + " avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni avx512_bf16"
+            " amx_tile amx_int8 amx_bf16")  # AVX-512 and AMX advertised
+INFO_AVX512 = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | "
+               "AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
+
+
+def _flags(text: str) -> frozenset[str]:
+    return cpu_flags(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {text}\n")
+
+
+def test_flags_are_explicit_and_amx_never():
+    args = cmake_args(_flags(AVX2_EPYC), "x86_64").split()
+    assert "-DGGML_AVX2=ON" in args and "-DGGML_FMA=ON" in args and "-DGGML_AVX512=OFF" in args
+    assert "-DGGML_AVX512_VNNI=OFF" in args and "-DGGML_AVX_VNNI=OFF" in args and "-DGGML_NATIVE=OFF" in args
+    sapphire = cmake_args(_flags(SAPPHIRE), "x86_64").split()
+    assert "-DGGML_AVX512=ON" in sapphire and "-DGGML_AVX512_BF16=ON" in sapphire
+    for amx in ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"):
+        assert amx in sapphire  # advertised is not usable: never built in
+    assert not any("AMX" in a and a.endswith("=ON") for a in sapphire)
+    assert "-DGGML_CUDA=ON" in cmake_args(_flags(AVX2_EPYC), "x86_64", "90").split()
+    # AVX512 needs all five of its subsets: a CPU with only avx512f does not get it
+    assert "-DGGML_AVX512=OFF" in cmake_args(_flags(AVX2_EPYC + " avx512f"), "x86_64").split()
+
+
+def test_cache_key_differs_between_cpus_and_builds():
+    avx2, avx512 = _flags(AVX2_EPYC), _flags(SAPPHIRE)
+    key = cache_key("0.3.36", avx2, "x86_64", python_tag="cp311")
+    assert key.startswith("0.3.36-cp311-x86_64-") and "avx2" in key and "avx512" not in key
+    assert key != cache_key("0.3.36", avx512, "x86_64", python_tag="cp311")  # a foreign CPU's wheel
+    assert key != cache_key("0.3.36", avx2, "x86_64", "90", python_tag="cp311")  # CUDA is another build
+    assert key != cache_key("0.3.37", avx2, "x86_64", python_tag="cp311")
+    assert key == cache_key("0.3.36", avx2, "x86_64", python_tag="cp311")  # stable on the same CPU
+    assert variant(avx2, "x86_64") == "x86_64+sse42+avx+avx2+bmi2+fma+f16c"
+
+
+def test_a_build_for_another_cpu_is_recognised():
+    assert compiled_features(INFO_AVX512)[:4] == ["SSE3", "SSSE3", "AVX", "AVX2"]
+    assert missing_features(INFO_AVX512, _flags(SAPPHIRE)) == []
+    assert missing_features(INFO_AVX512, _flags(AVX2_EPYC)) == ["AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                                                                "AVX512_BF16"]
+    assert missing_features(INFO_AVX512, frozenset()) == []  # flags unknown: no verdict
+
+
+def test_script_reads_the_cpu_named_by_ipw_cpuinfo(tmp_path):
+    """`.ci/setup` asks the script for the key: another CPU's /proc/cpuinfo gives another key."""
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(f"flags\t\t: {AVX2_EPYC}\n")
+    run = lambda *a, env=None: subprocess.run([sys.executable, str(ROOT / "ipw" / "llama_build.py"), *a],  # noqa: E731
+                                              capture_output=True, text=True, check=True, env=env).stdout.strip()
+    import os
+
+    mine = run("key", "--version", "0.3.36")
+    theirs = run("key", "--version", "0.3.36", env={**os.environ, "IPW_CPUINFO": str(fake)})
+    if "avx512" in mine:
+        assert mine != theirs
+    assert "avx512" not in theirs and "-DGGML_AVX512=OFF" in run("cmake-args", env={**os.environ,
+                                                                                   "IPW_CPUINFO": str(fake)})
