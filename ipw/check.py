@@ -16,34 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
 from ipw.stats import bootstrap_draws
 
-# metric -> (unit of the threshold, statistic of the change over paired per-query columns)
-# columns: base correct, cand correct, base energy, cand energy, base tokens, cand tokens, base ttft, cand ttft
-
-
-def _rel(b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    return c / b - 1.0
-
-
-METRICS = {
-    "energy_per_query": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(eb.mean(-1), ec.mean(-1))),
-    "accuracy": ("pp", lambda cb, cc, eb, ec, kb, kc, tb, tc: 100 * (cc.mean(-1) - cb.mean(-1))),
-    "j_per_token": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(eb.sum(-1) / kb.sum(-1), ec.sum(-1) / kc.sum(-1))),
-    "ipj": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(cb.mean(-1) / eb.mean(-1), cc.mean(-1) / ec.mean(-1))),
-    "ttft_p50": ("%", lambda cb, cc, eb, ec, kb, kc, tb, tc: _rel(np.median(tb, -1), np.median(tc, -1))),
-}
-# the same statistics from a resample's weighted column sums (w: the weights' total) and TTFT medians,
-# so that a resample is one row of weights, never a copy of the columns (see _draws)
-_FROM_DRAWS = {
-    "energy_per_query": lambda d: d["ec"] / d["eb"] - 1.0,
-    "accuracy": lambda d: 100 * (d["cc"] - d["cb"]) / d["w"],
-    "j_per_token": lambda d: (d["ec"] / d["kc"]) / (d["eb"] / d["kb"]) - 1.0,
-    "ipj": lambda d: (d["cc"] / d["ec"]) / (d["cb"] / d["eb"]) - 1.0,
-    "ttft_p50": lambda d: d["tc"] / d["tb"] - 1.0,
-}
-DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp")
+# the metrics and their aliases come from ipw.metrics (the one table); failed candidate queries count
+# as incorrect, and their share is itself gated
+DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp")
 HARDWARE_KEYS = ("cpu_model", "cpu_logical_cores", "machine", "gpus")
 
 
@@ -63,10 +42,12 @@ def parse_threshold(text: str) -> Threshold:
     if not m:
         raise IpwError(f"--fail-if {text!r}: expected METRIC:+N% or METRIC:-Npp, e.g. energy_per_query:+5%")
     metric, sign, number, unit = m.groups()
-    if metric not in METRICS:
-        raise IpwError(f"--fail-if {text!r}: unknown metric {metric!r} (known: {', '.join(METRICS)})")
-    if unit != METRICS[metric][0]:
-        raise IpwError(f"--fail-if {text!r}: {metric} takes a threshold in {METRICS[metric][0]}")
+    found = gated_metric(metric)
+    if found is None:
+        known = [name for x in METRICS if x.better for name in (x.name, *x.aliases)]
+        raise IpwError(f"--fail-if {text!r}: unknown metric {metric!r} (known: {', '.join(known)})")
+    if unit != found.change_unit:
+        raise IpwError(f"--fail-if {text!r}: {metric} takes a threshold in {found.change_unit}")
     return Threshold(metric, float(number) * (1 if sign == "+" else -1), unit)
 
 
@@ -138,55 +119,82 @@ def machines(manifest: dict) -> list[dict]:
     return list(unique.values())
 
 
-def _paired(base, cand):
-    from ipw.metrics import per_query
+def _per_query(manifest: dict, frame) -> dict:
+    from ipw.compare import parts_of
 
-    b, c = per_query(base), per_query(cand)
-    ttft_b = base.groupby("query_id")["ttft_s"].mean()
-    ttft_c = cand.groupby("query_id")["ttft_s"].mean()
-    joined = b.merge(c, left_index=True, right_index=True, suffixes=("_b", "_c"))
-    joined = joined.join(ttft_b.rename("ttft_b")).join(ttft_c.rename("ttft_c"))
-    return joined
+    return {p.info.backend: p for p in parts_of(manifest.get("run_id", "run"), manifest, frame)}
+
+
+def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: int, q_offset: int) -> dict:
+    """One run's metric inputs (ipw.metrics.values) from the draws' sums and quantiles."""
+    g = {}
+    for k, make in cols.items():
+        g[k] = s[..., offset + names.index(make if isinstance(make, str) else k)]
+    g.update((k, q[..., q_offset + i]) for i, k in enumerate(quantile_keys()))
+    return g
 
 
 def check_runs(base_manifest: dict, base, cand_manifest: dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
                n_boot: int = 4000, seed: int = 0) -> CheckResult:
+    """Every metric is computed with ipw.metrics over the queries both runs have: a query the candidate
+    failed counts as incorrect (and as an error); a query without energy is missing from the energy
+    metrics (and noted), never a reason to drop it from the others."""
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))
     verdicts, notes = [], []
-    backends = list(dict.fromkeys(base["backend"]))
-    missing = [b for b in backends if b not in set(cand["backend"])]
+    bparts, cparts = _per_query(base_manifest, base), _per_query(cand_manifest, cand)
+    missing = [b for b in bparts if b not in cparts]
     if missing:
         raise IpwError(f"not comparable: backend(s) {', '.join(missing)} missing from the candidate run")
-    for name in backends:
-        b, c = base[base["backend"] == name], cand[cand["backend"] == name]
-        qb = set(b.loc[b["energy_j"].notna(), "energy_quality"])
-        qc = set(c.loc[c["energy_j"].notna(), "energy_quality"])
-        measured = {"measured", "measured_interpolated"}
+    measured = {"measured", "measured_interpolated"}
+    for name, pb in bparts.items():
+        pc = cparts[name]
+        qb, qc = set(pb.info.energy_qualities), set(pc.info.energy_qualities)
         if bool(qb & measured) != bool(qc & measured) or bool(qb - measured) != bool(qc - measured):
             raise IpwError(f"not comparable: backend {name}: energy bases differ ({sorted(qb)} vs {sorted(qc)})")
-        p = _paired(b, c)
-        cols = [p[k].to_numpy(float) for k in ("correct_b", "correct_c", "energy_j_b", "energy_j_c",
-                                                "completion_tokens_b", "completion_tokens_c", "ttft_b", "ttft_c")]
-        usable = np.all([np.isfinite(x) for x in cols], axis=0)
-        if len(usable) and not usable.any():  # nothing to test: a gate that passes on no data would lie
-            missing = [k for k, x in zip(("energy_j", "energy_j", "completion_tokens", "completion_tokens", "ttft_s",
-                                          "ttft_s"), cols[2:]) if not np.isfinite(x).any()]
-            raise IpwError(f"not comparable: backend {name}: no query has {missing[0] if missing else 'every value'} "
-                           "in both runs (records without energy cannot be checked)")
-        if not usable.all():
-            notes.append(f"{name}: {int((~usable).sum())} queries without energy or TTFT left out")
-        cols = [x[usable] for x in cols]
-        draws = _draws(cols, n_boot, seed)  # one paired bootstrap per backend, shared by every threshold
+        common = pb.query_id[pb.present].intersection(pc.query_id[pc.present], sort=False)
+        vb = {k: (None if x is None else x[pb.query_id.get_indexer(common)]) for k, x in pb.values.items()}
+        vc = {k: (None if x is None else x[pc.query_id.get_indexer(common)]) for k, x in pc.values.items()}
+        n = len(common)
+        if n == 0:
+            raise IpwError(f"not comparable: backend {name}: the runs share no query")
+        if n < max(int(pb.present.sum()), int(pc.present.sum())):
+            notes.append(f"{name}: compared on the {n} queries both runs have")
+        for role, v in (("baseline", vb), ("candidate", vc)):
+            failed, no_energy = int((v["error_share"] > 0).sum()), int(np.isnan(v["energy_j"]).sum())
+            if failed:
+                notes.append(f"{name}: {failed} of {n} {role} queries failed (counted incorrect)")
+            if no_energy:
+                notes.append(f"{name}: {no_energy} of {n} {role} queries have no energy (missing from the "
+                             "energy metrics)")
+        cb, cc = query_columns(vb), query_columns(vc)
+        nb_ = [k for k, m in cb.items() if not isinstance(m, str)]  # the columns to make (others: equal to one)
+        nc_ = [k for k, m in cc.items() if not isinstance(m, str)]
+        columns = [cb[k]() for k in nb_] + [cc[k]() for k in nc_]
+        quantiles = [(x, ps) for v in (vb, vc) for _, x, ps in quantile_inputs(v)]
+        d = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed)  # paired: one set of resample weights
+        nq = len(quantile_keys())
+        point_b = values(_sums(nb_, cb, d.point_sums, np.asarray(d.point_quantiles), 0, 0))
+        point_c = values(_sums(nc_, cc, d.point_sums, np.asarray(d.point_quantiles), len(nb_), nq))
+        boot_b = values(_sums(nb_, cb, d.sums, d.quantiles, 0, 0))
+        boot_c = values(_sums(nc_, cc, d.sums, d.quantiles, len(nb_), nq))
         for t in thresholds:
+            metric = gated_metric(t.metric)
+            bv, cv = float(point_b[metric.name]), float(point_c[metric.name])
+            if not (np.isfinite(bv) and np.isfinite(cv)):  # nothing to test: a gate that passes on no data would lie
+                empty = [k for k in ("energy_j", "ttft_s", "completion_tokens")
+                         if np.isnan(vb[k]).all() or np.isnan(vc[k]).all()]
+                raise IpwError(f"not comparable: backend {name}: {t.metric} is unknown (no query has "
+                               f"{empty[0] if empty else 'every value'} in both runs; records without energy cannot "
+                               "be checked)")
             with np.errstate(divide="ignore", invalid="ignore"):
-                change = float(METRICS[t.metric][1](*cols)) if len(cols[0]) else float("nan")
-                stats = _FROM_DRAWS[t.metric](draws) if draws is not None else np.empty(0)
+                if t.unit == "%":
+                    change, stats = 100 * (cv / bv - 1.0), 100 * (boot_c[metric.name] / boot_b[metric.name] - 1.0)
+                else:
+                    change, stats = 100 * (cv - bv), 100 * (boot_c[metric.name] - boot_b[metric.name])
             stats = stats[np.isfinite(stats)]
-            unit = 100.0 if t.unit == "%" else 1.0
-            change, stats = change * unit, stats * unit
             bad_up = t.limit > 0
             worse = stats > 0 if bad_up else stats < 0
             p_value = float((np.sum(~worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
@@ -201,38 +209,9 @@ def check_runs(base_manifest: dict, base, cand_manifest: dict, cand, thresholds:
             else:
                 status = "pass"
             lo, hi = (np.quantile(stats, [0.025, 0.975]) if len(stats) else (np.nan, np.nan))
-            bv, cv = _levels(t.metric, cols)
-            verdicts.append(Verdict(name, t.metric, t.text, bv, cv, change, float(lo), float(hi), p_value, status,
-                                    len(cols[0])))
+            verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), float(lo), float(hi), p_value,
+                                    status, n))
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
-
-
-def _draws(cols: list[np.ndarray], n_boot: int, seed: int) -> dict[str, np.ndarray] | None:
-    """Paired bootstrap of the queries: per resample, the weighted sums of every column (and of the
-    weights) and the median TTFT of each run.  Memory is bounded and time linear in the queries
-    (``ipw.stats.bootstrap_draws``: a resample is a row of weights); copying the columns per resample
-    took n_boot x queries x 8 values (30 GB at 100,000 queries)."""
-    if len(cols[0]) == 0:
-        return None
-    cb, cc, eb, ec, kb, kc, tb, tc = cols
-    d = bootstrap_draws([cb, cc, eb, ec, kb, kc, np.ones(len(cb))], [(tb, (0.5,)), (tc, (0.5,))],
-                        n_boot=n_boot, seed=seed)
-    out = {k: d.sums[:, i] for i, k in enumerate(("cb", "cc", "eb", "ec", "kb", "kc", "w"))}
-    out.update(tb=d.quantiles[:, 0], tc=d.quantiles[:, 1])
-    return out
-
-
-def _levels(metric: str, cols: list[np.ndarray]) -> tuple[float, float]:
-    cb, cc, eb, ec, kb, kc, tb, tc = cols
-    if metric == "energy_per_query":
-        return float(eb.mean()), float(ec.mean())
-    if metric == "accuracy":
-        return float(cb.mean()), float(cc.mean())
-    if metric == "j_per_token":
-        return float(eb.sum() / kb.sum()), float(ec.sum() / kc.sum())
-    if metric == "ipj":
-        return float(cb.mean() / eb.mean()), float(cc.mean() / ec.mean())
-    return float(np.median(tb)), float(np.median(tc))
 
 
 def markdown(result: CheckResult) -> str:
@@ -243,7 +222,7 @@ def markdown(result: CheckResult) -> str:
              "| backend | metric | threshold | baseline | candidate | change [95% CI] | p | verdict |",
              "|---|---|---|---|---|---|---|---|"]
     for v in result.verdicts:
-        unit = "pp" if v.metric == "accuracy" else "%"
+        unit = "pp" if v.threshold.endswith("pp") else "%"
         lines.append(f"| {md_text(v.backend)} | {v.metric} | {v.threshold} | {v.baseline:.4g} | {v.candidate:.4g} | "
                      f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}] | {v.p_value:.3g} | {icon[v.status]} |")
     lines += [""] + [f"- {md_text(n)}" for n in result.notes]

@@ -206,7 +206,8 @@ def check(
     candidate: Path = typer.Argument(..., help="Candidate run folder (same dataset)."),
     fail_if: Optional[List[str]] = typer.Option(
         None, "--fail-if", help="METRIC:THRESHOLD, e.g. energy_per_query:+5%, accuracy:-2pp, j_per_token:+10%, "
-        "ipj:-5%, ttft_p50:+20%. Repeat for several. Default: energy_per_query:+5% and accuracy:-2pp."),
+        "ipj:-5%, ttft_p50:+20%, error_rate:+2pp. Repeat for several. Default: energy_per_query:+5%, accuracy:-2pp "
+        "and error_rate:+2pp."),
     alpha: float = typer.Option(0.01, "--alpha", help="Significance level of the paired bootstrap test."),
     strict: bool = typer.Option(False, "--strict", help="Fail on inconclusive changes too (beyond the threshold, "
                                 "not significant)."),

@@ -144,11 +144,13 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             progress.console.print(f"[bold red]backend stopped:[/] {escape(line)}", highlight=False)
 
         status = execute(folder, config, queries, on_record, done=done, ray=ray_options, notice=on_notice)
-    from ipw.metrics import run_metrics
-    from ipw.results import load_run
+    from ipw.compare import compare
 
-    _, frame = load_run(folder.path)
-    _stdout().print(metrics_table(run_metrics(frame, seed=config.generation.seed)))
+    # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.metrics)
+    try:
+        _stdout().print(metrics_table(compare([folder.path], seed=config.generation.seed, common_queries=True)))
+    except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
+        console.print(f"no summary: {escape(str(exc))}", highlight=False)
     console.print(f"wrote {folder.path}")
     if status != "complete":
         console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
@@ -183,18 +185,21 @@ def _num(x: float, spec: str = ".3g") -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
 
 
-def metrics_table(metrics) -> Table:
+def metrics_table(c) -> Table:
+    """``ipw run``'s final table: a few of compare's metrics per backend (a ``Comparison``)."""
     table = Table(title="ipw run: per backend (95% bootstrap CIs)")
     for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token",
                 "J/prefill token", "J/decode token", "TTFT p50", "errors", "energy"):
         table.add_column(col, justify="left" if col in ("backend", "role", "energy") else "right")
-    for m in metrics:
+    for b in c.backends:
+        m = c.metrics[b.label]
+        acc = m["accuracy"]
         table.add_row(
-            m.backend, m.role,
-            f"{m.accuracy.value:.1%} [{m.accuracy.lo:.0%}, {m.accuracy.hi:.0%}]",
-            m.energy_per_query_j.fmt(), m.ipj.fmt(), m.ipw.fmt(), _num(m.j_per_output_token.value),
-            m.j_per_prefill_token.fmt(), m.j_per_decode_token.fmt(),
-            f"{_num(m.ttft_p50_s * 1000, '.0f')} ms", str(m.n_errors), m.energy_quality,
+            b.backend, b.role,
+            f"{acc.value:.1%} [{acc.lo:.0%}, {acc.hi:.0%}]" if math.isfinite(acc.lo) else f"{acc.value:.1%}",
+            m["energy_per_query_j"].fmt(), m["ipj"].fmt(), m["ipw"].fmt(), _num(m["j_per_output_token"].value),
+            m["j_per_prefill_token"].fmt(), m["j_per_decode_token"].fmt(),
+            f"{_num(m['ttft_p50_s'].value * 1000, '.0f')} ms", f"{m['errors'].value:.0f}", b.energy_quality,
         )
     return table
 
@@ -330,7 +335,7 @@ def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware
         table.add_column(col)
     style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green"}
     for v in result.verdicts:
-        unit = "pp" if v.metric == "accuracy" else "%"
+        unit = "pp" if v.threshold.endswith("pp") else "%"
         table.add_row(v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
                       f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", f"{v.p_value:.3g}",
                       f"[{style[v.status]}]{v.status}[/]")

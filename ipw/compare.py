@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ipw import metrics as metric_table
 from ipw.errors import IpwError
 from ipw.phases import LinearFit, fit_dict, fit_linear
 from ipw.routing import SOLVED_AT, QueryMatrix, Routing, oracle_queries, resolve_roles, route
@@ -37,26 +38,9 @@ LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "
                 "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
                 "prefill_energy_j", "decode_energy_j"]
 
-# key, label; every key is in each backend's "metrics" and "vs_reference" (JSON)
-METRICS: tuple[tuple[str, str], ...] = (
-    ("accuracy", "accuracy"),
-    ("energy_per_query_j", "J/query"),
-    ("ipj", "IPJ (1/J)"),
-    ("ipw", "IPW (1/W)"),
-    ("mean_power_w", "mean W"),
-    ("j_per_output_token", "J/out token"),
-    ("j_per_prefill_token", "J/prefill token"),
-    ("j_per_decode_token", "J/decode token"),
-    ("prefill_energy_share", "prefill share of J"),
-    ("ttft_p50_s", "TTFT p50 (s)"),
-    ("ttft_p95_s", "TTFT p95 (s)"),
-    ("latency_p50_s", "latency p50 (s)"),
-    ("latency_p95_s", "latency p95 (s)"),
-    ("errors", "errors"),
-    ("cost_per_query_usd", "USD/query"),
-)
-# per-backend columns of the bootstrap
-SUMS = ("c", "h", "ch", "e", "th", "kh", "err", "cost", "hc", "pe", "de", "ph", "dk")
+# key, label (from the one metric table, ipw.metrics); every key is in each backend's "metrics" and
+# "vs_reference" (JSON)
+METRICS: tuple[tuple[str, str], ...] = tuple((m.name, m.label) for m in metric_table.METRICS)
 
 
 @dataclass(frozen=True)
@@ -98,12 +82,14 @@ class PerQuery:
     ttft_s: np.ndarray
     completion_tokens: np.ndarray
     prompt_tokens: np.ndarray | None
-    errors: np.ndarray
+    errors: np.ndarray  # error records per query
+    error_share: np.ndarray  # errored records / records
     prefill_energy_j: np.ndarray | None = None  # None when no record of any run has phases
     decode_energy_j: np.ndarray | None = None
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
+          "error_share",
           "prefill_energy_j", "decode_energy_j")
 
 
@@ -171,14 +157,23 @@ def _release_arrow_memory() -> None:
 
 
 def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
-    import pandas as pd
-
     from ipw.results import load_run
-    from ipw.telemetry.base import QUALITY_ORDER
 
     manifest, frame = load_run(path, columns=LOAD_COLUMNS + (["prompt_tokens"] if prompt_tokens else []),
                                categorical=CATEGORICAL)
     _release_arrow_memory()  # the Arrow table behind the frame is gone: keep the peak low
+    return parts_of(path, manifest, frame, prompt_tokens)
+
+
+def parts_of(path: Path, manifest: dict, frame, prompt_tokens: bool = True) -> list[_Part]:
+    """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
+    import pandas as pd
+
+    from ipw.telemetry.base import QUALITY_ORDER
+
+    path = Path(path)
+    if prompt_tokens and "prompt_tokens" not in frame:
+        prompt_tokens = False
     dataset = manifest.get("dataset") or {}
     run_id = str(manifest.get("run_id") or path.name)
     if len(frame) == 0:
@@ -201,7 +196,8 @@ def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
             return (np.bincount(key, np.where(ok, x, 0.0), size) / np.bincount(key, ok, size)).reshape(nb, nq)
 
     values = {
-        "correct": mean(np.nan_to_num(_floats(frame["correct"]))),  # a missing score counts 0
+        # an errored query, or one without a score, counts incorrect (ipw.metrics)
+        "correct": mean(np.where(frame["error"].notna().to_numpy(), 0.0, np.nan_to_num(_floats(frame["correct"])))),
         "energy_j": mean(_floats(frame["energy_j"])),
         "duration_s": mean(_floats(frame["end_s"]) - _floats(frame["start_s"])),
         "latency_s": mean(_floats(frame["latency_s"])),
@@ -209,6 +205,7 @@ def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
         "completion_tokens": mean(_floats(frame["completion_tokens"])),
         "prompt_tokens": mean(_floats(frame["prompt_tokens"])) if prompt_tokens else None,
         "errors": np.bincount(key, frame["error"].notna().to_numpy(), size).reshape(nb, nq),
+        "error_share": mean(frame["error"].notna().to_numpy(float)),
     }
     for name in ("prefill_energy_j", "decode_energy_j"):  # None in runs made before phases
         x = _floats(frame[name])
@@ -379,24 +376,20 @@ def _ratio(a, b):
         return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
 
 
-def _metric_values(s: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
-    """Backend j's ratio metrics from sums ``s`` (shape (..., n_columns))."""
-    g = {k: s[..., col[j, k]] for k in SUMS if (j, k) in col}
-    power = _ratio(g["e"], g["th"])
-    nan = np.full(np.shape(g["c"]), np.nan)
-    return {
-        "accuracy": _ratio(g["c"], s[..., col["one"]]),
-        "energy_per_query_j": _ratio(g["e"], g["h"]),
-        "ipj": _ratio(g["ch"], g["e"]),
-        "ipw": _ratio(_ratio(g["ch"], g["h"]), power),
-        "mean_power_w": power,
-        "j_per_output_token": _ratio(g["e"], g["kh"]),
-        "j_per_prefill_token": _ratio(g["pe"], g["ph"]) if "pe" in g else nan,
-        "j_per_decode_token": _ratio(g["de"], g["dk"]) if "pe" in g else nan,
-        "prefill_energy_share": _ratio(g["pe"], g["pe"] + g["de"]) if "pe" in g else nan,
-        "errors": g["err"],
-        "cost_per_query_usd": _ratio(g["cost"], g["hc"]) if "cost" in g else nan,
-    }
+def _metric_values(s: np.ndarray, q: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
+    """Backend j's metrics (ipw.metrics) from sums ``s`` (shape (..., n_columns)) and quantiles ``q``
+    (shape (..., n_quantiles))."""
+    g = {key[1]: s[..., i] for key, i in col.items() if isinstance(key, tuple) and key[0] == j}
+    keys = metric_table.quantile_keys()
+    g.update((k, q[..., j * len(keys) + i]) for i, k in enumerate(keys))
+    return metric_table.values(g)
+
+
+def backend_values(pq: PerQuery, j: int, cost: np.ndarray | None = None) -> dict[str, np.ndarray | None]:
+    """Backend j's per-query values, as ipw.metrics takes them."""
+    v = {k: (None if getattr(pq, k) is None else getattr(pq, k)[j]) for k in FIELDS}
+    v["cost_usd"] = None if cost is None else cost[j]
+    return v
 
 
 class _Columns:
@@ -414,38 +407,28 @@ class _Columns:
             self.index[name] = len(self.makers)
             self.makers.append(make)
 
+    def add_backend(self, j: int, v: dict) -> None:
+        """Backend j's columns (ipw.metrics.query_columns), keyed (j, name)."""
+        for name, make in metric_table.query_columns(v).items():
+            if name == "n" and "one" in self.index:
+                self.add((j, name), same_as="one")
+            elif isinstance(make, str):
+                self.add((j, name), same_as=(j, make))
+            else:
+                self.add((j, name), make)
+
     def made(self):
         for make in self.makers:
             yield make()
 
 
 def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
-    """Per backend j: c (correct), h (has energy), ch, e (energy), th (window s), kh (output tokens),
-    err (error records), cost and hc (has cost); ("route", ...) the oracle's per-query values."""
-    m, n = pq.correct.shape
+    """Per backend j: its metric columns (ipw.metrics.query_columns); ("route", ...) the oracle's
+    per-query values."""
     cols = _Columns()
-    cols.add("one", lambda: np.ones(n))
-    for j in range(m):
-        h = ~np.isnan(pq.energy_j[j])
-        full = bool(h.all())
-        cols.add((j, "c"), lambda j=j: pq.correct[j])
-        cols.add((j, "h"), lambda h=h: h.astype(float), same_as="one" if full else None)
-        cols.add((j, "ch"), lambda j=j, h=h: np.where(h, pq.correct[j], 0.0), same_as=(j, "c") if full else None)
-        cols.add((j, "e"), lambda j=j, h=h: np.where(h, pq.energy_j[j], 0.0))
-        cols.add((j, "th"), lambda j=j, h=h: np.where(h, np.nan_to_num(pq.duration_s[j]), 0.0))
-        cols.add((j, "kh"), lambda j=j, h=h: np.where(h, np.nan_to_num(pq.completion_tokens[j]), 0.0))
-        cols.add((j, "err"), lambda j=j: pq.errors[j])
-        if pq.prefill_energy_j is not None and pq.decode_energy_j is not None:
-            hp = ~np.isnan(pq.prefill_energy_j[j]) & ~np.isnan(pq.decode_energy_j[j])
-            if hp.any():  # phases: sums over the queries that have them
-                cols.add((j, "pe"), lambda j=j, hp=hp: np.where(hp, pq.prefill_energy_j[j], 0.0))
-                cols.add((j, "de"), lambda j=j, hp=hp: np.where(hp, pq.decode_energy_j[j], 0.0))
-                cols.add((j, "ph"), lambda j=j, hp=hp: np.where(hp, np.nan_to_num(pq.prompt_tokens[j]), 0.0))
-                cols.add((j, "dk"), lambda j=j, hp=hp: np.where(hp, np.nan_to_num(pq.completion_tokens[j]), 0.0))
-        if cost is not None:
-            hc = ~np.isnan(cost[j])
-            cols.add((j, "cost"), lambda j=j: np.nan_to_num(cost[j]))
-            cols.add((j, "hc"), lambda hc=hc: hc.astype(float), same_as="one" if hc.all() else None)
+    cols.add("one", lambda: np.ones(pq.correct.shape[1]))
+    for j in range(pq.correct.shape[0]):
+        cols.add_backend(j, backend_values(pq, j, cost))
     if oq is not None:
         same = {"cloud_energy": (ri, "e"), "cloud_cost": (ri, "cost")}
         for key, x in (("covered", oq.covered), ("correct", oq.correct), ("energy", oq.energy_j),
@@ -455,6 +438,12 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
                 continue  # unknown somewhere: no interval (the point value says so too)
             cols.add(("route", key), lambda x=x: x.astype(float), same_as=same.get(key))
     return cols
+
+
+def quantiles_of(pq: PerQuery) -> list:
+    """The quantile inputs of every backend, in ``_metric_values``' order."""
+    return [(x, ps) for j in range(pq.correct.shape[0])
+            for _, x, ps in metric_table.quantile_inputs(backend_values(pq, j))]
 
 
 def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
@@ -507,8 +496,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
 
     cols = _columns(pq, cost, oq, ri)
     col = cols.index
-    quantiles = [(pq.ttft_s[j], (0.5, 0.95)) for j in range(m)] + [(pq.latency_s[j], (0.5, 0.95)) for j in range(m)]
-    draws = bootstrap_draws(cols.made(), quantiles, n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed)
+    draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed)
     metrics, vs_ref = _estimates(draws, col, labels, ri)
     routing_ci = _routing_estimates(draws, col, routing) if routing else {}
     if routing:
@@ -537,22 +525,16 @@ def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:
 
 def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
     m = len(labels)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        point = [_metric_values(draws.point_sums, col, j) for j in range(m)]
-        boot = [_metric_values(draws.sums, col, j) for j in range(m)]
-    for j in range(m):  # quantile order: ttft (p50, p95) of every backend, then latency (p50, p95)
-        for q, key in enumerate(("ttft_p50_s", "ttft_p95_s")):
-            point[j][key], boot[j][key] = draws.point_quantiles[2 * j + q], draws.quantiles[:, 2 * j + q]
-        for q, key in enumerate(("latency_p50_s", "latency_p95_s")):
-            i = 2 * m + 2 * j + q
-            point[j][key], boot[j][key] = draws.point_quantiles[i], draws.quantiles[:, i]
+    point = [_metric_values(draws.point_sums, np.asarray(draws.point_quantiles), col, j) for j in range(m)]
+    boot = [_metric_values(draws.sums, draws.quantiles, col, j) for j in range(m)]
     keys = [k for k, _ in METRICS]
     metrics = {labels[j]: {k: interval(float(point[j][k]), boot[j][k], LEVEL) for k in keys} for j in range(m)}
     vs_ref = {}
-    for j in range(m):
-        if j != ri:
-            vs_ref[labels[j]] = {k: interval(float(point[j][k] - point[ri][k]), boot[j][k] - boot[ri][k], LEVEL)
-                                 for k in keys}
+    with np.errstate(invalid="ignore"):
+        for j in range(m):
+            if j != ri:
+                vs_ref[labels[j]] = {k: interval(float(point[j][k] - point[ri][k]), boot[j][k] - boot[ri][k], LEVEL)
+                                     for k in keys}
     return metrics, vs_ref
 
 
@@ -749,7 +731,7 @@ def _pct(x: float | None) -> str:
 def _cell(e: Estimate, key: str, sign: bool = False) -> str:
     if not math.isfinite(e.value):
         return "n/a"
-    if key in ("accuracy", "prefill_energy_share"):
+    if key in ("accuracy", "error_rate", "prefill_energy_share"):
         f = (lambda x: f"{x:+.1%}") if sign else _pct
     else:
         f = (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.3g}") if sign else _f

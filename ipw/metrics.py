@@ -1,109 +1,140 @@
-"""The metric contract (DESIGN.md §2): accuracy, J/query, IPJ, mean power, IPW, J per output token.
+"""The metric contract (DESIGN.md §2), defined once: ``ipw run``'s summary, ``compare``, ``report``,
+``check`` and the routing analysis all compute their numbers from this table.
 
-Repeats of a query are averaged first; confidence intervals resample queries.
+Per query (repeats averaged first): ``correct`` in [0, 1], where an errored query, or one without a
+score, counts 0; its error share (errored records / records); its energy, window, tokens and cost
+where they were measured (otherwise the query is *missing* from the energy sums, never counted 0).
+Every metric is then a ratio of per-query column sums, or a lower quantile (the ceil(p·N)-th smallest
+of the per-query values), so the same definition serves a point value and every bootstrap resample
+(``ipw.stats.bootstrap_draws``) and paired differences between runs.
+
+Columns (per backend, one value per query; ``query_columns``):
+  n  1                     c   correct                er  error share          err  error records
+  h  1 if it has energy    e   energy (J) or 0        th  window (s) if energy kh   output tokens if energy
+  pe, de: prefill/decode J where both are known; ph, dk: prompt/output tokens there
+  cost, hc: USD and 1 where a cost is known
+Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the per-query means.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ipw.stats import NAN, Estimate, bootstrap
+QUANTILES = (("ttft", "ttft_s", (0.5, 0.95)), ("latency", "latency_s", (0.5, 0.95)))  # key, per-query value, ps
+
+
+def _ratio(a, b):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
 
 
 @dataclass(frozen=True)
-class BackendMetrics:
-    backend: str
-    model: str
-    role: str
-    n_queries: int
-    n_records: int
-    n_errors: int
-    n_with_energy: int
-    energy_quality: str  # the worst quality among the records used
-    accuracy: Estimate
-    energy_per_query_j: Estimate
-    ipj: Estimate  # correct answers per joule
-    mean_power_w: Estimate
-    ipw: Estimate  # accuracy per watt
-    j_per_output_token: Estimate
-    ttft_p50_s: float
-    latency_p50_s: float
-    # over the queries whose records have phases (ipw/phases.py): prefill J / prompt tokens, decode J /
-    # completion tokens
-    j_per_prefill_token: Estimate = NAN
-    j_per_decode_token: Estimate = NAN
+class Metric:
+    name: str  # the key in compare's JSON and the name in ``ipw check --fail-if``
+    label: str  # the row of the human tables
+    unit: str
+    better: str  # "higher" | "lower" | "" (shown, never gated)
+    counts: str  # which queries count
+    value: Callable[[Mapping[str, Any]], Any]  # from column sums (a point, or one per resample)
+    change_unit: str = "%"  # a change is relative (%) or in percentage points (pp)
+    aliases: tuple[str, ...] = ()  # older ``--fail-if`` names
 
 
-def _mean(x: np.ndarray) -> np.ndarray:
-    return x.mean(axis=-1)
+ALL = "every query (an errored or unscored one counts incorrect)"
+WITH_ENERGY = "queries with energy (the others are listed as missing)"
+METRICS: tuple[Metric, ...] = (
+    Metric("accuracy", "accuracy", "", "higher", ALL, lambda g: _ratio(g["c"], g["n"]), "pp"),
+    Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["er"], g["n"]), "pp", ("errors",)),
+    Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["h"]),
+           aliases=("energy_per_query",)),
+    Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over every query / J per query",
+           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["h"]))),
+    Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over every query / mean power",
+           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["th"]))),
+    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"])),
+    Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["kh"]),
+           aliases=("j_per_token",)),
+    Metric("j_per_prefill_token", "J/prefill token", "J/token", "lower", "queries with phases",
+           lambda g: _ratio(g["pe"], g["ph"])),
+    Metric("j_per_decode_token", "J/decode token", "J/token", "lower", "queries with phases",
+           lambda g: _ratio(g["de"], g["dk"])),
+    Metric("prefill_energy_share", "prefill share of J", "", "", "queries with phases",
+           lambda g: _ratio(g["pe"], g["pe"] + g["de"])),
+    Metric("ttft_p50_s", "TTFT p50 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p50"],
+           aliases=("ttft_p50",)),
+    Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
+    Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"]),
+    Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"]),
+    Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["err"]),
+    Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost", lambda g: _ratio(g["cost"], g["hc"])),
+)
+BY_NAME = {m.name: m for m in METRICS}
 
 
-def per_query(frame):
-    """One row per query: the means over repeats of correctness, energy, duration and tokens."""
-    frame = frame.assign(duration_s=frame["end_s"] - frame["start_s"])
-    for column in ("prefill_energy_j", "decode_energy_j"):  # absent from runs made before phases
-        if column not in frame:
-            frame = frame.assign(**{column: float("nan")})
-    return frame.groupby("query_id", sort=True).agg(
-        correct=("correct", "mean"),
-        energy_j=("energy_j", "mean"),
-        duration_s=("duration_s", "mean"),
-        completion_tokens=("completion_tokens", "mean"),
-        prompt_tokens=("prompt_tokens", "mean"),
-        prefill_energy_j=("prefill_energy_j", "mean"),
-        decode_energy_j=("decode_energy_j", "mean"),
-        category=("category", "first"),
-    )
+def gated_metric(name: str) -> Metric | None:
+    """The metric a ``--fail-if`` name means (its own name or an older alias), or None."""
+    for m in METRICS:
+        if m.better and name in (m.name, *m.aliases):
+            return m
+    return None
 
 
-def backend_metrics(frame, *, seed: int = 0) -> BackendMetrics:
-    """Metrics of one backend's records (a pandas frame with the QueryRecord columns)."""
-    from ipw.telemetry.base import worst_quality
-
-    q = per_query(frame)
-    correct = q["correct"].to_numpy(float)
-    accuracy = bootstrap(_mean, correct, seed=seed)
-    has_e = q["energy_j"].notna().to_numpy()
-    e, t, tok, c = (q[k].to_numpy(float)[has_e] for k in ("energy_j", "duration_s", "completion_tokens", "correct"))
-    if has_e.any():
-        epq = bootstrap(_mean, e, seed=seed)
-        ipj = bootstrap(lambda c, e: c.mean(-1) / e.mean(-1), c, e, seed=seed)
-        power = bootstrap(lambda e, t: e.sum(-1) / t.sum(-1), e, t, seed=seed)
-        ipw = bootstrap(lambda c, e, t: c.mean(-1) / (e.sum(-1) / t.sum(-1)), c, e, t, seed=seed)
-        jpt = bootstrap(lambda e, k: e.sum(-1) / k.sum(-1), e, tok, seed=seed)
-    else:
-        epq = ipj = power = ipw = jpt = NAN
-    has_p = (q["prefill_energy_j"].notna() & q["decode_energy_j"].notna()).to_numpy()
-    pre, dec, ptok, ctok = (q[k].to_numpy(float)[has_p] for k in
-                            ("prefill_energy_j", "decode_energy_j", "prompt_tokens", "completion_tokens"))
-    per_token = lambda e, k: e.sum(-1) / k.sum(-1)  # noqa: E731
-    jpp = bootstrap(per_token, pre, ptok, seed=seed) if has_p.any() else NAN
-    jpd = bootstrap(per_token, dec, ctok, seed=seed) if has_p.any() else NAN
-    quality = worst_quality(frame.loc[frame["energy_j"].notna(), "energy_quality"].unique().tolist())
-    ttft = frame["ttft_s"].dropna()
-    return BackendMetrics(
-        backend=str(frame["backend"].iloc[0]),
-        model=str(frame["model"].iloc[0]),
-        role=str(frame["role"].iloc[0]),
-        n_queries=len(q),
-        n_records=len(frame),
-        n_errors=int(frame["error"].notna().sum()),
-        n_with_energy=int(has_e.sum()),
-        energy_quality=quality,
-        accuracy=accuracy,
-        energy_per_query_j=epq,
-        ipj=ipj,
-        mean_power_w=power,
-        ipw=ipw,
-        j_per_output_token=jpt,
-        ttft_p50_s=float(ttft.median()) if len(ttft) else float("nan"),
-        latency_p50_s=float(frame["latency_s"].median()),
-        j_per_prefill_token=jpp,
-        j_per_decode_token=jpd,
-    )
+def values(g: Mapping[str, Any]) -> dict[str, Any]:
+    """Every metric from one backend's column sums and quantiles ``g``; a metric whose columns are
+    absent (no phases, no cost) is NaN, shaped like the sums."""
+    nan = np.full(np.shape(g["n"]), np.nan)
+    out = {}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for m in METRICS:
+            try:
+                out[m.name] = m.value(g)
+            except KeyError:
+                out[m.name] = nan
+    return out
 
 
-def run_metrics(frame, *, seed: int = 0) -> list[BackendMetrics]:
-    return [backend_metrics(group, seed=seed) for _, group in frame.groupby("backend", sort=False)]
+def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], np.ndarray] | str]:
+    """One backend's per-query columns (see the module docstring) from its per-query values ``v``
+    (correct, error_share, errors, energy_j, duration_s, completion_tokens, and where known
+    prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd): name -> a function that makes the
+    column, or the name of a column known to be equal (made once)."""
+    n = len(v["correct"])
+    h = ~np.isnan(v["energy_j"])
+    full = bool(h.all())
+    cols: dict[str, Callable[[], np.ndarray] | str] = {
+        "n": lambda: np.ones(n),
+        "c": lambda: np.nan_to_num(v["correct"]),
+        "er": lambda: v["error_share"],
+        "err": lambda: v["errors"],
+        "h": "n" if full else (lambda: h.astype(float)),
+        "e": lambda: np.where(h, v["energy_j"], 0.0),
+        "th": lambda: np.where(h, np.nan_to_num(v["duration_s"]), 0.0),
+        "kh": lambda: np.where(h, np.nan_to_num(v["completion_tokens"]), 0.0),
+    }
+    pre, dec = v.get("prefill_energy_j"), v.get("decode_energy_j")
+    if pre is not None and dec is not None:
+        hp = ~np.isnan(pre) & ~np.isnan(dec)
+        if hp.any():  # phases: sums over the queries that have them
+            cols["pe"] = lambda: np.where(hp, pre, 0.0)
+            cols["de"] = lambda: np.where(hp, dec, 0.0)
+            cols["ph"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
+            cols["dk"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
+    cost = v.get("cost_usd")
+    if cost is not None:
+        hc = ~np.isnan(cost)
+        cols["cost"] = lambda: np.nan_to_num(cost)
+        cols["hc"] = "n" if hc.all() else (lambda: hc.astype(float))
+    return cols
+
+
+def quantile_inputs(v: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray, tuple[float, ...]]]:
+    """The per-query values whose lower quantiles are metrics: (key prefix, values, ps)."""
+    return [(key, v[column], ps) for key, column, ps in QUANTILES]
+
+
+def quantile_keys() -> list[str]:
+    """The names of the quantiles, in the order of ``quantile_inputs`` flattened."""
+    return [f"{key}_p{round(p * 100)}" for key, _, ps in QUANTILES for p in ps]

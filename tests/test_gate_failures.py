@@ -1,0 +1,49 @@
+"""ipw check sees failures (issue 20): a candidate whose answers fail on 30% of the queries is a
+regression, by default, on the error rate and on accuracy (failed queries count as incorrect). No engine:
+the run folders are written with the shared helper."""
+
+from pathlib import Path
+
+from runfolders import write_run
+
+GOLDEN = Path(__file__).parent / "golden" / "check_failing_candidate.md"
+N = 20
+
+
+def _runs(tmp_path: Path) -> tuple[Path, Path]:
+    base = {"smol": {"correct": [1] * 16 + [0] * 4, "energy": [2.0] * N, "tokens": [10] * N}}
+    failed = {0, 3, 7, 10, 13, 17}  # 6 of 20: 30%
+    assert len(failed) == 6
+    cand = {"smol": {
+        "correct": [0 if i in failed else c for i, c in enumerate(base["smol"]["correct"])],
+        # a timed-out query was measured; a crashed engine's was not (it is missing, not 0 J)
+        "energy": [None if i in (0, 10) else 2.0 for i in range(N)],
+        "ttft": [None if i in failed else 0.1 for i in range(N)],
+        "tokens": [0 if i in failed else 10 for i in range(N)],
+        "error": ["timeout" if i in failed else None for i in range(N)],
+    }}
+    return write_run(tmp_path / "base", "base", base), write_run(tmp_path / "cand", "cand", cand)
+
+
+def test_thirty_percent_failed_candidate_exits_1(tmp_path, run_cli):
+    base, cand = _runs(tmp_path)
+    md = tmp_path / "verdict.md"
+    code, out, err = run_cli("check", base, cand, "--markdown", md)
+    assert code == 1, out + err
+    text = md.read_text()
+    assert text == GOLDEN.read_text(), text  # the golden verdict table
+    rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| smol")}
+    assert "regression" in rows["error_rate"] and "+30.00pp" in rows["error_rate"]
+    assert "regression" in rows["accuracy"]  # the 6 failed queries count as incorrect: 80% -> 55%
+    assert "6 of 20 candidate queries failed (counted incorrect)" in text
+    assert "2 of 20 candidate queries have no energy" in text
+
+
+def test_old_metric_names_are_aliases(tmp_path, run_cli):
+    base, cand = _runs(tmp_path)
+    code, out, err = run_cli("check", base, base, "--fail-if", "energy_per_query:+15%", "--fail-if",
+                             "accuracy:-2pp", "--fail-if", "errors:+2pp", "--fail-if", "j_per_token:+10%",
+                             "--fail-if", "ttft_p50:+20%")
+    assert code == 0, out + err
+    code, out, err = run_cli("check", base, cand, "--fail-if", "errors:+2pp")
+    assert code == 1, out + err

@@ -1,0 +1,95 @@
+"""One metric contract (issue 20): on the same run folder, ``ipw run``'s final table, ``compare --format
+json``, ``check`` against itself and the report's numbers agree metric by metric, errors included."""
+
+import json
+import re
+
+import pytest
+
+from openai_stub import Stub, stub_config
+from runfolders import write_run
+
+
+def _compare(run_cli, run) -> dict:
+    code, out, err = run_cli("compare", run, "--format", "json")
+    assert code == 0, err
+    return {b["label"]: b["metrics"] for b in json.loads(out)["backends"]}
+
+
+def _fmt(e: dict) -> str:
+    return f"{e['value']:.3g} [{e['lo']:.3g}, {e['hi']:.3g}]"
+
+
+def _check_levels(run_cli, run, tmp_path) -> dict:
+    md = tmp_path / "self.md"
+    names = ["accuracy:-2pp", "error_rate:+2pp", "energy_per_query:+5%", "ipj:-5%", "j_per_token:+10%",
+             "ttft_p50:+20%"]
+    code, out, err = run_cli("check", run, run, "--markdown", md, *[a for n in names for a in ("--fail-if", n)])
+    assert code == 0, out + err
+    levels = {}
+    for line in md.read_text().splitlines():
+        if line.startswith("| ") and not line.startswith("| backend"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            assert cells[3] == cells[4]  # against itself
+            levels[(cells[0], cells[1])] = float(cells[3])
+    return levels
+
+
+ALIAS = {"accuracy": "accuracy", "error_rate": "error_rate", "energy_per_query": "energy_per_query_j",
+         "ipj": "ipj", "j_per_token": "j_per_output_token", "ttft_p50": "ttft_p50_s"}
+
+
+def _agree(compared: dict, levels: dict) -> None:
+    for (backend, name), level in levels.items():
+        assert level == pytest.approx(compared[backend][ALIAS[name]]["value"], rel=1e-3), (backend, name)
+
+
+def test_run_table_compare_check_and_report_agree(tmp_path, run_cli):
+    from ipw import report
+
+    stub = Stub()
+    stub.modes = ["ok", "ok", "500", "ok", "ok", "ok", "500", "ok"]  # 2 of 8 queries fail
+    try:
+        data = tmp_path / "eight.jsonl"
+        data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say {i}", "answer": "42"}) + "\n"
+                                for i in range(8)))
+        cfg = stub_config(tmp_path / "run.toml", data, stub.base_url, out_dir=tmp_path / "res",
+                          backend_extra="remote = true")  # energy: the API estimate
+        code, out, err = run_cli("run", cfg)
+    finally:
+        stub.close()
+    assert code == 0, out + err
+    (run,) = (tmp_path / "res").iterdir()
+    compared = _compare(run_cli, run)
+    m = compared["stub"]
+    assert m["error_rate"]["value"] == 0.25 and m["errors"]["value"] == 2
+    # the final table of ipw run: the same estimates, formatted
+    row = next(line for line in out.splitlines() if re.match(r"\W*stub\W", line))
+    for key in ("energy_per_query_j", "ipj", "ipw"):
+        assert _fmt(m[key]) in row, (key, row)
+    assert f"{m['accuracy']['value']:.1%}" in row
+    _agree(compared, _check_levels(run_cli, run, tmp_path))
+    ctx = report.build([run])
+    assert {b["label"]: b["metrics"] for b in ctx["backends"]} == compared
+
+
+def test_failed_and_unmeasured_queries_count_the_same_everywhere(tmp_path, run_cli):
+    """Errored queries count as incorrect (accuracy, IPJ); a query without energy is missing from the
+    energy metrics, never 0 J; repeats are averaged first."""
+    from ipw import report
+
+    run = write_run(tmp_path / "r", "r1", {
+        # the timed-out query's score (1) is ignored: it counts 0
+        "a": {"correct": [1, 1, 1, 0, 1], "energy": [1.0, None, 2.0, 3.0, 2.0], "ttft": [0.1, 0.2, None, 0.4, 0.3],
+              "error": [None, None, "timeout", None, None]},
+        "b": {"correct": [1, 0, 1, 1, 0], "energy": [0.5, 0.5, 1.0, 1.0, 2.0]},
+    }, repeats=2)
+    compared = _compare(run_cli, run)
+    a = compared["a"]
+    assert a["accuracy"]["value"] == pytest.approx(0.6)
+    assert a["error_rate"]["value"] == pytest.approx(0.2)
+    assert a["energy_per_query_j"]["value"] == pytest.approx(2.0)  # over the 4 queries with energy
+    assert a["ipj"]["value"] == pytest.approx(0.6 / 2.0)
+    assert a["ttft_p50_s"]["value"] == pytest.approx(0.2)  # lower median of the 4 known TTFTs
+    _agree(compared, _check_levels(run_cli, run, tmp_path))
+    assert {b["label"]: b["metrics"] for b in report.build([run])["backends"]} == compared
