@@ -143,7 +143,13 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         def on_notice(line: str) -> None:
             progress.console.print(f"[bold red]backend stopped:[/] {escape(line)}", highlight=False)
 
-        status = execute(folder, config, queries, on_record, done=done, ray=ray_options, notice=on_notice)
+        dispatch = None
+        if ray_options is not None:
+            from ipw.ray_runner import run_on_ray
+
+            def dispatch(folder, config, queries, progress, done):
+                run_on_ray(folder, config, queries, progress, ray_options, done)
+        status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
     from ipw.compare import compare
 
     # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.metrics)

@@ -217,7 +217,8 @@ class Judge:
         self.load_s = 0.0
 
     def __enter__(self) -> "Judge":
-        from ipw.runner import Window, default_probe
+        from ipw.telemetry.probe import default_probe
+        from ipw.telemetry.window import Window
 
         t0 = time.monotonic()
         self.backend.load()

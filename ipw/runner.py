@@ -26,6 +26,7 @@ from ipw.scoring import score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
+from ipw.telemetry.probe import default_probe
 from ipw.telemetry.window import Closed, Window
 
 
@@ -106,12 +107,6 @@ def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Comple
 
 
 ProbeFn = Callable[[Backend], list[Sensor]]
-
-
-def default_probe(backend: Backend) -> list[Sensor]:
-    from ipw.telemetry.probe import probe_sensors
-
-    return probe_sensors(backend.pids, remote=getattr(backend, "remote", False))
 
 
 def run_backend(
@@ -371,20 +366,18 @@ def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozens
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-            done: frozenset[tuple[str, str, int]] = frozenset(), ray: Any = None,
+            done: frozenset[tuple[str, str, int]] = frozenset(), dispatch: Callable[..., None] | None = None,
             notice: Callable[[str], None] = lambda line: None) -> str:
     """Run every backend and return the run's final status, which the manifest records with
     records.parquet in every case: ``complete``; ``failed`` when a backend stopped (its engine kept
     crashing; the other backends went on) or the run hit an error; ``interrupted`` on Ctrl-C or SIGTERM.
     ``ipw run --resume`` continues a failed or interrupted run.  ``notice`` gets one line per stopped
-    backend.  ``ray``: an ``ipw.ray_runner.RayOptions``: run the (backend, shard) tasks on a Ray cluster
-    instead of here."""
+    backend.  ``dispatch(folder, config, queries, progress, done)`` runs the backends elsewhere instead
+    of here (the command layer binds ``ipw.ray_runner.run_on_ray`` to its options)."""
     stopped: list[str] = []
     try:
-        if ray is not None:
-            from ipw.ray_runner import run_on_ray
-
-            run_on_ray(folder, config, queries, progress, ray, done)
+        if dispatch is not None:
+            dispatch(folder, config, queries, progress, done)
         else:
             for spec in config.backends:
                 info = run_backend(folder, config, spec, queries, progress, probe, done)

@@ -65,6 +65,31 @@ _ENV_KEEP_PREFIXES = ("LC_", "XDG_", "CUDA_", "NVIDIA_", "ROCR_", "HIP_", "OMP_"
 _SECRET_NAME = re.compile(r"(?i)(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(?:_|$)")
 
 
+def find_vllm_python(explicit: str | None = None) -> str:
+    """The interpreter that runs vLLM: ``explicit``, ``$IPW_VLLM_PYTHON``, ``$IPW_VLLM_VENV/bin/python``,
+    this one when it can import vllm, else ``.venv-vllm/bin/python`` of this checkout or of the
+    current folder."""
+    import importlib.util
+
+    venv = os.environ.get("IPW_VLLM_VENV")
+    candidates = [explicit, os.environ.get("IPW_VLLM_PYTHON"), venv and str(Path(venv) / "bin" / "python")]
+    for candidate in candidates:
+        if candidate:
+            if not Path(candidate).exists():
+                raise IpwError(f"vLLM interpreter {candidate} not found (set by the backend option python, "
+                               "IPW_VLLM_PYTHON or IPW_VLLM_VENV); run bash .ci/setup-vllm")
+            return candidate
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    here = Path(__file__).resolve().parents[2]
+    for root in (here, Path.cwd()):
+        python = root / ".venv-vllm" / "bin" / "python"
+        if python.exists():
+            return str(python)
+    raise IpwError("no Python with vLLM found: run `bash .ci/setup-vllm` (creates .venv-vllm), or set "
+                   "IPW_VLLM_PYTHON to an interpreter that has vllm")
+
+
 def server_env(extra_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     """The environment of a managed server (or an engine worker, with ``extra_prefixes=("IPW_",)``): the
     allowed names of this process's environment, no secrets."""
@@ -213,7 +238,7 @@ def _python_dist_version(python: str, *dists: str) -> str | None:
 def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int | None = None,
                  n_ctx: int = 4096, alias: str, timeout_s: float = 120.0, python: str | None = None) -> ManagedServer:
     """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy.
-    ``python``: the interpreter of a vLLM server (default: see ``ipw.backends.vllm.find_vllm_python``)."""
+    ``python``: the interpreter of a vLLM server (default: see ``find_vllm_python``)."""
     if kind == "llama-cpp":
         import importlib.util
 
@@ -228,7 +253,6 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
     elif kind == "vllm":
         # vLLM usually lives in its own environment (.venv-vllm, made by .ci/setup-vllm); n_threads does
         # not apply: vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
-        from ipw.backends.vllm import find_vllm_python
         from ipw.convert import conversion_info, resolve_hf_model
 
         python = find_vllm_python(python)

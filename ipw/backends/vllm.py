@@ -40,36 +40,12 @@ from typing import Any
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
                                few_shot_prompt)
+from ipw.backends.servers import find_vllm_python  # noqa: F401 (also imported from here)
 from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError
 
 SETUP_HINT = ("vLLM is not installed in this environment; on a CPU machine run `bash .ci/setup-vllm` and use "
               ".venv-vllm/bin/ipw (GPU machines: pip install 'ipw[vllm]')")
-
-
-def find_vllm_python(explicit: str | None = None) -> str:
-    """The interpreter that runs vLLM: ``explicit``, ``$IPW_VLLM_PYTHON``, ``$IPW_VLLM_VENV/bin/python``,
-    this one when it can import vllm, else ``.venv-vllm/bin/python`` of this checkout or of the
-    current folder."""
-    import importlib.util
-
-    venv = os.environ.get("IPW_VLLM_VENV")
-    candidates = [explicit, os.environ.get("IPW_VLLM_PYTHON"), venv and str(Path(venv) / "bin" / "python")]
-    for candidate in candidates:
-        if candidate:
-            if not Path(candidate).exists():
-                raise IpwError(f"vLLM interpreter {candidate} not found (set by the backend option python, "
-                               "IPW_VLLM_PYTHON or IPW_VLLM_VENV); run bash .ci/setup-vllm")
-            return candidate
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    here = Path(__file__).resolve().parents[2]
-    for root in (here, Path.cwd()):
-        python = root / ".venv-vllm" / "bin" / "python"
-        if python.exists():
-            return str(python)
-    raise IpwError("no Python with vLLM found: run `bash .ci/setup-vllm` (creates .venv-vllm), or set "
-                   "IPW_VLLM_PYTHON to an interpreter that has vllm")
 
 
 def sampling_params_dict(settings: GenerationSettings, stop: tuple[str, ...]) -> dict[str, Any]:

@@ -17,6 +17,11 @@ from ipw.telemetry.nvml import NvmlSensor
 from ipw.telemetry.rapl import DEFAULT_ROOT, RaplSensor
 
 
+def default_probe(backend) -> list:
+    """The sensors of a loaded backend's processes (or the API estimate of a remote one)."""
+    return probe_sensors(backend.pids, remote=getattr(backend, "remote", False))
+
+
 def probe_sensors(
     pids_fn: Callable[[], list[int]],
     gpu_indices: list[int] | None = None,
