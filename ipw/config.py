@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -76,8 +77,17 @@ class RunConfig:
 _TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
         "out_dir": str, "generation": dict, "backends": list,
         "dataset_preset": str, "split": str, "categories": list, "sample": int, "judge": dict}
-_GENERATION = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
-               "repeat_penalty": float, "stop": list}
+
+
+def _table_types(cls) -> dict[str, type]:
+    """A dataclass's fields as the types of a TOML table's keys (a tuple is a TOML list): the dataclass
+    is the one declaration."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: list if typing.get_origin(hints[f.name]) is tuple else hints[f.name]
+            for f in dataclasses.fields(cls)}
+
+
+_GENERATION = _table_types(GenerationSettings)  # [generation]: every field of GenerationSettings, seed included
 _BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
 # what a backend's Ray task asks for (ipw.ray_runner.task_resources); kept in the backend's options
 _RAY_RESOURCES = {"ray_num_cpus": float, "ray_num_gpus": float}
@@ -190,6 +200,8 @@ def parse_config(text: str, path: str) -> RunConfig:
     if top.get("repeats", 1) < 1:
         raise IpwError(f"{where('repeats')}: must be >= 1")
     gen = _check_table(top.pop("generation", {}), _GENERATION, "generation.", where)
+    if "seed" in top:  # one seed: the query sample's and the decoder's ([generation] seed wins for decoding)
+        gen.setdefault("seed", top["seed"])
     check_generation(gen, lambda key: where(f"generation.{key}", key))
     if "stop" in gen:
         gen["stop"] = tuple(gen["stop"])

@@ -21,6 +21,7 @@ class Stub:
         self.modes: list[str] = []
         self.required_key: str | None = None
         self.auth_seen: list[str | None] = []
+        self.bodies: list[dict] = []  # the JSON body of every completion request
         self.lock = threading.Lock()
         stub = self
 
@@ -42,8 +43,12 @@ class Stub:
                 self._send(200 if ok else 401, json.dumps({"object": "list", "data": [{"id": "stub"}]}).encode())
 
             def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with stub.lock:
+                    try:
+                        stub.bodies.append(json.loads(body))
+                    except ValueError:
+                        stub.bodies.append({})
                     stub.auth_seen.append(self.headers.get("Authorization"))
                     mode = stub.modes.pop(0) if stub.modes else "ok"
                 # the Authorization header first, so that the key falls inside what an error message keeps
