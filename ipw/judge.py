@@ -234,6 +234,7 @@ class Judge:
 
     def call(self, prompt: str) -> JudgeCall:
         from ipw.telemetry.base import total_energy
+        from ipw.telemetry.window import with_estimate
 
         tokens = self.window.begin()
         start = time.monotonic()
@@ -246,10 +247,9 @@ class Judge:
             error = f"{type(exc).__name__}: {exc}"
         end = time.monotonic()
         readings = self.window.end(tokens).readings()
-        estimate = getattr(self.backend, "energy_estimate", None)
-        if estimate is not None:
-            ok = completion is not None
-            readings = [*readings, estimate.reading(completion.completion_tokens if ok else 0, ok, end - start)]
+        ok = completion is not None
+        readings = with_estimate(readings, getattr(self.backend, "energy_estimate", None),
+                                 completion.completion_tokens if ok else 0, ok, end - start)
         total = total_energy(readings)
         return JudgeCall(
             output=completion.text if completion else "",

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable
 
 import numpy as np
@@ -27,32 +26,7 @@ from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
-from ipw.telemetry.window import Closed, Window
-
-
-@dataclass(frozen=True)
-class IdleBaseline:
-    """Idle power per component, measured with the model loaded and no request in flight."""
-
-    power_w: dict[str, float]
-    spread_w: dict[str, float]  # standard deviation over 1 s slices
-    duration_s: float
-
-
-def measure_idle(window: Window, seconds: float) -> IdleBaseline:
-    slices: dict[str, list[float]] = {}
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        tokens = window.begin()
-        time.sleep(min(1.0, max(0.0, end - time.monotonic())))
-        for r in window.end(tokens).readings():
-            if r.energy_j is not None and r.duration_s > 0:
-                slices.setdefault(r.component, []).append(r.energy_j / r.duration_s)
-    return IdleBaseline(
-        power_w={k: statistics.fmean(v) for k, v in slices.items()},
-        spread_w={k: statistics.pstdev(v) if len(v) > 1 else 0.0 for k, v in slices.items()},
-        duration_s=seconds,
-    )
+from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, with_estimate
 
 
 def make_record(
@@ -66,9 +40,8 @@ def make_record(
     that the readings are final.  The record names the machine that measured it (``node_identity``)."""
     identity = node_identity()[0]
     duration = end_s - start_s
-    if estimate is not None:
-        ok = error is None and completion is not None
-        readings = [*readings, estimate.reading(completion.completion_tokens if ok else 0, ok, duration)]
+    ok = error is None and completion is not None
+    readings = with_estimate(readings, estimate, completion.completion_tokens if ok else 0, ok, duration)
     total = total_energy(readings)
     net = None
     if total.energy_j is not None:

@@ -5,7 +5,9 @@ Shared by ``ipw run`` (a window per query) and ``ipw.measure`` (a window around 
 
 from __future__ import annotations
 
+import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ipw.telemetry.base import EnergyReading, Sensor
@@ -42,3 +44,37 @@ class Window:
 
     def end(self, tokens: list[Any]) -> Closed:
         return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
+
+
+@dataclass(frozen=True)
+class IdleBaseline:
+    """Idle power per component, measured with the model loaded and no request in flight."""
+
+    power_w: dict[str, float]
+    spread_w: dict[str, float]  # standard deviation over 1 s slices
+    duration_s: float
+
+
+def measure_idle(window: Window, seconds: float) -> IdleBaseline:
+    slices: dict[str, list[float]] = {}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tokens = window.begin()
+        time.sleep(min(1.0, max(0.0, end - time.monotonic())))
+        for r in window.end(tokens).readings():
+            if r.energy_j is not None and r.duration_s > 0:
+                slices.setdefault(r.component, []).append(r.energy_j / r.duration_s)
+    return IdleBaseline(
+        power_w={k: statistics.fmean(v) for k, v in slices.items()},
+        spread_w={k: statistics.pstdev(v) if len(v) > 1 else 0.0 for k, v in slices.items()},
+        duration_s=seconds,
+    )
+
+
+def with_estimate(readings: list[EnergyReading], estimate: Any, completion_tokens: int, ok: bool,
+                  duration_s: float) -> list[EnergyReading]:
+    """A window's readings plus a remote endpoint's ``estimate.api`` reading (``estimate``: an
+    ApiEnergyEstimate, or None for none): shared by a run's queries and the judge's calls."""
+    if estimate is None:
+        return readings
+    return [*readings, estimate.reading(completion_tokens, ok, duration_s)]
