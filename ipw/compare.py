@@ -479,15 +479,12 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     local_idx = [j for j in range(m) if roles[j] == "local" and j != ri]
     routing = None
     oq = None
-    with np.errstate(invalid="ignore", divide="ignore"):
-        e_all = np.where(np.isnan(pq.energy_j), 0.0, pq.energy_j)
-        t_all = np.where(np.isnan(pq.energy_j), 0.0, np.nan_to_num(pq.duration_s))
-        mean_power = e_all.sum(axis=1) / t_all.sum(axis=1)
+    mean_power = [metric_table.point_values(backend_values(pq, j))["mean_power_w"] for j in range(m)]
     matrix = QueryMatrix(labels, tuple(i.energy_quality for i in infos), pq.correct.T, pq.energy_j.T,
                          pq.latency_s.T, None if cost is None else cost.T, category=pq.category,
                          categories=pq.categories)
     if local_idx:
-        routing = route(matrix, local=[labels[j] for j in local_idx], cloud=ref, mean_power_w=list(mean_power),
+        routing = route(matrix, local=[labels[j] for j in local_idx], cloud=ref, mean_power_w=mean_power,
                         router_accuracy=router_accuracy, cloud_is_stand_in=roles[ri] != "cloud")
         oq = oracle_queries(matrix, local_idx, ri)
     else:

@@ -138,3 +138,15 @@ def quantile_inputs(v: Mapping[str, np.ndarray]) -> list[tuple[str, np.ndarray, 
 def quantile_keys() -> list[str]:
     """The names of the quantiles, in the order of ``quantile_inputs`` flattened."""
     return [f"{key}_p{round(p * 100)}" for key, _, ps in QUANTILES for p in ps]
+
+
+def point_values(v: Mapping[str, np.ndarray | None]) -> dict[str, float]:
+    """Every metric of one backend's per-query values ``v`` (see ``query_columns``), without intervals."""
+    from ipw.stats import lower_quantile
+
+    cols = query_columns(v)
+    made = {k: make() for k, make in cols.items() if not isinstance(make, str)}
+    g: dict[str, Any] = {k: float(made[make if isinstance(make, str) else k].sum()) for k, make in cols.items()}
+    for key, x, ps in quantile_inputs(v):
+        g.update((f"{key}_p{round(p * 100)}", lower_quantile(x, p)) for p in ps)
+    return {k: float(x) for k, x in values(g).items()}

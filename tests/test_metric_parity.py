@@ -93,3 +93,19 @@ def test_failed_and_unmeasured_queries_count_the_same_everywhere(tmp_path, run_c
     assert a["ttft_p50_s"]["value"] == pytest.approx(0.2)  # lower median of the 4 known TTFTs
     _agree(compared, _check_levels(run_cli, run, tmp_path))
     assert {b["label"]: b["metrics"] for b in report.build([run])["backends"]} == compared
+
+
+def test_point_values_are_compares_numbers(tmp_path, run_cli):
+    """``ipw.metrics.point_values`` (no bootstrap) gives the point values compare reports."""
+    from ipw import compare as cmp
+    from ipw.metrics import METRICS, point_values
+
+    run = write_run(tmp_path / "r", "r1", {
+        "a": {"correct": [1, 0, 1], "energy": [1.0, None, 3.0], "error": [None, "timeout", None]}})
+    _, _, pq, _ = cmp.load([run], prompt_tokens=True)
+    compared = _compare(run_cli, run)["a"]
+    for name, value in point_values(cmp.backend_values(pq, 0)).items():
+        expected = compared[name]["value"]
+        assert (expected is None and value != value) or value == pytest.approx(expected), name
+    assert {m.name for m in METRICS} == set(compared)
+    assert all(m.better in ("higher", "lower", "") and m.change_unit in ("%", "pp") for m in METRICS)
