@@ -57,6 +57,10 @@ def _clean(row: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key in RECORD_COLUMNS:
         value = row.get(key)
+        if key == "choices":  # a list (JSONL), an array (Parquet), or missing in older runs
+            out[key] = tuple(str(c) for c in value) if isinstance(value, (list, tuple)) or hasattr(value, "tolist") \
+                else ()
+            continue
         if hasattr(value, "item") and not isinstance(value, str):
             value = value.item()
         if isinstance(value, float) and math.isnan(value):
@@ -186,7 +190,7 @@ def rescore(
 
 def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, folder: RunFolder) -> QueryRecord:
     name = scorer or row["scorer"]
-    choices = choices_from_prompt(row["prompt"])
+    choices = row["choices"] or choices_from_prompt(row["prompt"])  # runs before records kept choices
     if judge is not None:
         verdict, why = None, None
         if row["error"] is not None:

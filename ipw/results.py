@@ -67,6 +67,7 @@ class QueryRecord:
     # and the key of its hardware fingerprint in the manifest's ``hardware_by_id``; "" in older runs
     node: str = ""
     hardware_id: str = ""
+    choices: tuple[str, ...] = ()  # the query's options (mcq), kept for rescoring; () in older runs
 
     def to_json(self) -> str:
         from ipw.sanitize import scrub  # an API key never reaches the run folder, whatever a server echoed

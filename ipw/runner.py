@@ -64,7 +64,7 @@ def make_record(
         energy_scope=total.scope, best_effort_energy_j=total.best_effort_j, net_energy_j=net,
         energy_parts=json.dumps([asdict(r) for r in readings]),
         **record_phases(readings, splits() if splits is not None else {}),
-        node=identity.node, hardware_id=identity.hardware_id,
+        node=identity.node, hardware_id=identity.hardware_id, choices=tuple(query.choices or ()),
     )
 
 

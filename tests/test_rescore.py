@@ -161,3 +161,19 @@ def test_real_run_with_a_preset_then_rescore(tmp_path, run_cli):
     frame = pd.read_parquet(other / "records.parquet")
     assert list(frame["correct"]) == [float(score("contains", o, a)) for o, a in zip(original["output"],
                                                                                        original["answer"])]
+
+
+def test_records_keep_choices_and_rescore_uses_them(tmp_path, run_cli):
+    """A record keeps its query's choices (through records.parquet): rescoring an mcq answer needs no
+    options rendered in the prompt (issue 20)."""
+    q = Query("m1", "Which planet is red?", "B", ("Venus", "Mars", "Jupiter"), "science", "mcq")
+    run = make_run(tmp_path, items=[(q, "I'd say Mars.", None)], finish=False)
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    lines = [{**r, "prompt": "Which planet is red?", "choices": list(q.choices)} for r in records]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    RunFolder.reopen(run).finish("complete")  # records.parquet from records.jsonl
+    assert list(pd.read_parquet(run / "records.parquet")["choices"].iloc[0]) == list(q.choices)
+    code, out, err = run_cli("rescore", run, "--scorer", "mcq")
+    assert code == 0, err
+    frame = pd.read_parquet(_new_run(tmp_path, run) / "records.parquet")
+    assert list(frame["correct"]) == [1.0] and list(frame["choices"].iloc[0]) == list(q.choices)
