@@ -357,6 +357,9 @@ def _die_with_parent(poll_s: float = 1.0) -> None:
 def serve(fd_in: int, fd_out: int) -> None:
     """Answer requests until ``close`` or the end of the request pipe; then leave at once (no
     interpreter teardown, where native libraries have crashed before)."""
+    import faulthandler
+
+    faulthandler.enable()  # a native crash leaves the Python stack in the worker's log (then the record)
     _die_with_parent()
     requests = os.fdopen(fd_in, "r", encoding="utf-8")
     answers = os.fdopen(fd_out, "w", encoding="utf-8")
