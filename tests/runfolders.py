@@ -1,8 +1,29 @@
-"""The one test helper that writes run folders (through ipw.results, as ``ipw run`` does)."""
+"""The one test helper that writes run folders (through ipw.results, as ``ipw run`` does): ``create``
+a folder, ``record`` a QueryRecord with plain defaults, or ``write_run`` a whole run from per-query lists.
+Tests that damage a folder on purpose write those files by hand."""
 
 from pathlib import Path
 
 from ipw.results import QueryRecord, RunFolder
+
+
+def record(**fields) -> QueryRecord:
+    """A record of one successful, correct query with estimated CPU energy; ``fields`` override any
+    field (``energy_j=None`` makes the energy unavailable)."""
+    energy = fields.get("energy_j", 1.0)
+    base = dict(run_id="r1", backend="b", model="m", role="local", query_id="q0", category="", repeat=0,
+                scorer="exact", prompt="p", answer="a", output="a", correct=1.0, error=None, error_category=None,
+                prompt_tokens=10, completion_tokens=10, ttft_s=0.1, latency_s=1.0, start_s=0.0, end_s=1.0,
+                energy_j=energy, energy_quality="estimated" if energy is not None else "unavailable",
+                energy_source="model.cpu" if energy is not None else "",
+                energy_scope="cpu_package" if energy is not None else "",
+                best_effort_energy_j=energy, net_energy_j=energy)
+    return QueryRecord(**{**base, **fields})
+
+
+def create(out: Path, run_id: str, manifest: dict | None = None) -> RunFolder:
+    """An open run folder (status running) with a minimal manifest, or ``manifest``."""
+    return RunFolder.create(out, run_id, manifest if manifest is not None else {"command": ["test"], "config": {}})
 
 
 def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categories=None,
@@ -13,7 +34,7 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
     n = len(next(iter(backends.values()))["correct"])
     query_ids = query_ids or [f"q{i}" for i in range(n)]
     categories = categories or ["cat"] * n
-    folder = RunFolder.create(out, run_id, {
+    folder = create(out, run_id, {
         "command": ["test"], "config": {},
         "dataset": {"name": "fixture", "n_queries": n, "fingerprint": fingerprint},
     })
@@ -24,17 +45,15 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
                 energy = b["energy"][i]
                 duration = b.get("duration", [1.0] * n)[i]
                 error = (b.get("error") or [None] * n)[i]
-                folder.append(QueryRecord(
+                folder.append(record(
                     run_id=run_id, backend=name, model=b.get("model", name), role=b.get("role", "local"),
-                    query_id=qid, category=categories[i], repeat=r, scorer="exact", prompt="p", answer="a",
-                    output="a" if b["correct"][i] else "b", correct=float(b["correct"][i]), error=error,
-                    error_category="timeout" if error else None, prompt_tokens=b.get("prompt_tokens", 10),
-                    completion_tokens=b.get("tokens", [10] * n)[i],
+                    query_id=qid, category=categories[i], repeat=r, output="a" if b["correct"][i] else "b",
+                    correct=float(b["correct"][i]), error=error, error_category="timeout" if error else None,
+                    prompt_tokens=b.get("prompt_tokens", 10), completion_tokens=b.get("tokens", [10] * n)[i],
                     ttft_s=b.get("ttft", [0.1] * n)[i], latency_s=b.get("latency", [duration] * n)[i],
                     start_s=t, end_s=t + duration, energy_j=energy,
                     energy_quality=b.get("quality", "estimated") if energy is not None else "unavailable",
-                    energy_source="model.cpu" if energy is not None else "", energy_scope="cpu_package",
-                    best_effort_energy_j=energy, net_energy_j=energy,
+                    energy_scope="cpu_package",
                 ))
                 t += duration + 0.01
     folder.finish(status)

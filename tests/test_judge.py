@@ -14,6 +14,7 @@ from ipw.errors import IpwError
 from ipw.judge import (PROMPTS_DIR, JudgeCall, JudgeSpec, grade_pairwise, grade_reference, load_prompt,
                        parse_pairwise_verdict, parse_reference_verdict, render)
 from ipw.telemetry.base import EnergyReading, SensorInfo
+from runfolders import create, record
 
 ITEMS = [  # (query, output, error) of the judged run
     (Query("n1", "What is 3 + 4?", "7", scorer="numeric"), "3 + 4 makes seven, so 7.", None),
@@ -25,20 +26,16 @@ ITEMS = [  # (query, output, error) of the judged run
 
 def make_run(out: Path) -> Path:
     """A finished run folder of ITEMS (as the runner writes it), without running a model."""
-    from ipw.results import QueryRecord, RunFolder
     from ipw.scoring import score
 
-    folder = RunFolder.create(out, "20260101-000000-orig", {"config": {"dataset": "hand-made", "backends": []},
-                                                            "dataset": {"name": "hand-made"}, "backends": []})
+    folder = create(out, "20260101-000000-orig", {"config": {"dataset": "hand-made", "backends": []},
+                                                  "dataset": {"name": "hand-made"}, "backends": []})
     for i, (q, output, error) in enumerate(ITEMS):
-        folder.append(QueryRecord(
-            run_id=folder.path.name, backend="b", model="m", role="local", query_id=q.id, category=q.category,
-            repeat=0, scorer=q.scorer, prompt=q.render(), answer=q.answer, output=output,
-            correct=0.0 if error else float(score(q.scorer, output, q.answer, q.choices)), error=error,
-            error_category="timeout" if error else None, prompt_tokens=10, completion_tokens=3 + i, ttft_s=0.05,
-            latency_s=0.2, start_s=float(i), end_s=i + 0.2, energy_j=1.5 + i, energy_quality="estimated",
-            energy_source="model.cpu", energy_scope="cpu_package", best_effort_energy_j=1.5 + i,
-            net_energy_j=1.0 + i))
+        folder.append(record(
+            run_id=folder.path.name, query_id=q.id, category=q.category, scorer=q.scorer, prompt=q.render(),
+            answer=q.answer, output=output, correct=0.0 if error else float(score(q.scorer, output, q.answer, q.choices)),
+            error=error, error_category="timeout" if error else None, completion_tokens=3 + i, ttft_s=0.05,
+            latency_s=0.2, start_s=float(i), end_s=i + 0.2, energy_j=1.5 + i, net_energy_j=1.0 + i))
     folder.finish("complete")
     return folder.path
 

@@ -17,7 +17,8 @@ import pytest
 from ipw.backends.base import Completion, register_backend, unregister_backend
 from ipw.phases import (PhaseSplit, Snapshots, fit_linear, record_phases, sensor_splits, split_sampled,
                         split_series, t_quantile)
-from ipw.results import QueryRecord, RunFolder
+import runfolders
+from ipw.results import QueryRecord
 from ipw.telemetry.base import EnergyReading, total_energy
 from ipw.telemetry.cpu_model import CpuModelSensor
 from ipw.telemetry.estimator import estimate_windows
@@ -281,19 +282,15 @@ def test_fit_refuses_what_it_cannot_identify():
 # --- ipw compare ---------------------------------------------------------------------------------------
 
 def record(i, prompt, completion, energy, pre, dec, backend="b", run_id="r1"):
-    return QueryRecord(
-        run_id=run_id, backend=backend, model="m", role="local", query_id=f"q{i}", category="c", repeat=0,
-        scorer="exact", prompt="p", answer="a", output="a", correct=1.0, error=None, error_category=None,
-        prompt_tokens=prompt, completion_tokens=completion, ttft_s=0.01 * prompt,
-        latency_s=0.01 * prompt + 0.05 * completion,
-        start_s=float(i), end_s=i + 0.5, energy_j=energy, energy_quality="estimated", energy_source="model.cpu",
-        energy_scope="cpu_package", best_effort_energy_j=energy, net_energy_j=energy,
-        prefill_energy_j=pre, decode_energy_j=dec, phase_quality="estimated" if pre is not None else "",
-        prefill_unresolved=False if pre is not None else None)
+    return runfolders.record(
+        run_id=run_id, backend=backend, query_id=f"q{i}", category="c", prompt_tokens=prompt,
+        completion_tokens=completion, ttft_s=0.01 * prompt, latency_s=0.01 * prompt + 0.05 * completion,
+        start_s=float(i), end_s=i + 0.5, energy_j=energy, prefill_energy_j=pre, decode_energy_j=dec,
+        phase_quality="estimated" if pre is not None else "", prefill_unresolved=False if pre is not None else None)
 
 
 def test_compare_shows_phases_and_the_fitted_model(tmp_path, run_cli):
-    folder = RunFolder.create(tmp_path, "r1", {"command": ["test"], "config": {},
+    folder = runfolders.create(tmp_path, "r1", {"command": ["test"], "config": {},
                                                "dataset": {"name": "x", "n_queries": 30, "fingerprint": "sha256:x"}})
     rng = np.random.default_rng(2)
     sums = np.zeros(4)

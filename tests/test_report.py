@@ -12,7 +12,7 @@ pytest.importorskip("jinja2")
 pytest.importorskip("matplotlib")
 
 from ipw import report  # noqa: E402
-from ipw.results import QueryRecord, RunFolder  # noqa: E402
+from runfolders import create, record  # noqa: E402
 
 XSS_OUTPUT = "<script>window.__xss=1</script>"
 XSS_IMG = "<img src=x onerror=\"window.__xss_img=1\">"
@@ -48,7 +48,7 @@ def write_run(out: Path, run_id: str, backends: list[dict], n: int, *, quality: 
               xss_backend: str | None = None, seed: int = 0, finish: bool = True) -> Path:
     """A run folder with ``n`` queries per backend. ``backends``: name, role, skill, joules per token."""
     rng = np.random.default_rng(seed)
-    folder = RunFolder.create(out, run_id, _manifest(run_id, backends, n, quality))
+    folder = create(out, run_id, _manifest(run_id, backends, n, quality))
     t = 100.0
     for b in backends:
         for i in range(n):
@@ -64,15 +64,14 @@ def write_run(out: Path, run_id: str, backends: list[dict], n: int, *, quality: 
             error = "timeout after 120 s" if (b["name"] == xss_backend and i == 1) else None
             if error:
                 energy = 800.0  # the second costliest
-            folder.append(QueryRecord(
+            folder.append(record(
                 run_id=run_id, backend=b["name"], model=b["name"], role=b["role"], query_id=f"q{i:03d}",
-                category=CATEGORIES[i % len(CATEGORIES)], repeat=0, scorer="exact", prompt=prompt, answer="42",
-                output=output, correct=0.0 if error else correct, error=error,
-                error_category="timeout" if error else None, prompt_tokens=12, completion_tokens=tokens,
-                ttft_s=0.02, latency_s=duration, start_s=t, end_s=t + duration, energy_j=energy,
-                energy_quality=quality, energy_source="nvml.counter" if quality == "measured" else "model.cpu",
-                energy_scope="gpu" if quality == "measured" else "cpu_package", best_effort_energy_j=energy,
-                net_energy_j=energy * 0.5))
+                category=CATEGORIES[i % len(CATEGORIES)], prompt=prompt, answer="42", output=output,
+                correct=0.0 if error else correct, error=error, error_category="timeout" if error else None,
+                prompt_tokens=12, completion_tokens=tokens, ttft_s=0.02, latency_s=duration, start_s=t,
+                end_s=t + duration, energy_j=energy, energy_quality=quality,
+                energy_source="nvml.counter" if quality == "measured" else "model.cpu",
+                energy_scope="gpu" if quality == "measured" else "cpu_package", net_energy_j=energy * 0.5))
             t += duration + 0.01
         if power:
             ts = np.arange(100.0 - 1.0, t + 1.0, 0.02)
@@ -222,14 +221,10 @@ def test_cli_errors(run_cli, tmp_path):
 
 def test_manifest_without_optional_fields(tmp_path):
     """A bare run (no hardware, sensors or idle baseline in the manifest, one backend) still renders."""
-    folder = RunFolder.create(tmp_path, "bare", {"command": ["x"], "config": {}})
+    folder = create(tmp_path, "bare", {"command": ["x"], "config": {}})
     for i in range(3):
-        folder.append(QueryRecord(
-            run_id="bare", backend="b", model="m", role="local", query_id=str(i), category="", repeat=0,
-            scorer="exact", prompt="p", answer="a", output="a", correct=1.0, error=None, error_category=None,
-            prompt_tokens=1, completion_tokens=2, ttft_s=None, latency_s=0.1, start_s=i, end_s=i + 0.1,
-            energy_j=None, energy_quality="unavailable", energy_source="", energy_scope="",
-            best_effort_energy_j=None, net_energy_j=None))
+        folder.append(record(run_id="bare", query_id=str(i), prompt_tokens=1, completion_tokens=2, ttft_s=None,
+                             latency_s=0.1, start_s=i, end_s=i + 0.1, energy_j=None))
     folder.finish("complete")
     ctx = report.write([folder.path], tmp_path / "bare.html")
     assert ctx["routing"] is None and "routing plots need" in (tmp_path / "bare.html").read_text()

@@ -9,8 +9,9 @@ import pytest
 
 from ipw.datasets import Query, load_queries
 from ipw.rescore import choices_from_prompt
-from ipw.results import QueryRecord, RunFolder
+from ipw.results import RunFolder
 from ipw.scoring import score
+from runfolders import create, record
 
 DATA = Path(__file__).parent / "data" / "presets"
 ENERGY = ["energy_j", "energy_quality", "energy_source", "energy_scope", "best_effort_energy_j", "net_energy_j",
@@ -27,20 +28,17 @@ ITEMS = [  # (query, output, error)
 
 def make_run(out: Path, items=ITEMS, run_id="20260101-000000-orig", finish=True, manifest=None) -> Path:
     """A run folder as the runner writes it (records with energy), without running a model."""
-    folder = RunFolder.create(out, run_id, {"config": {"dataset": "hand-made", "backends": []},
-                                            "dataset": {"name": "hand-made", "fingerprint": "sha256:x"},
-                                            "backends": [{"name": "b", "idle_baseline": {"power_w": {"cpu": 1.0}}}],
-                                            **(manifest or {})})
+    folder = create(out, run_id, {"config": {"dataset": "hand-made", "backends": []},
+                                  "dataset": {"name": "hand-made", "fingerprint": "sha256:x"},
+                                  "backends": [{"name": "b", "idle_baseline": {"power_w": {"cpu": 1.0}}}],
+                                  **(manifest or {})})
     for i, (q, output, error) in enumerate(items):
-        folder.append(QueryRecord(
-            run_id=run_id, backend="b", model="m", role="local", query_id=q.id, category=q.category, repeat=0,
-            scorer=q.scorer, prompt=q.render(), answer=q.answer, output=output,
-            correct=0.0 if error else float(score(q.scorer, output, q.answer, q.choices)),
+        folder.append(record(
+            run_id=run_id, query_id=q.id, category=q.category, scorer=q.scorer, prompt=q.render(), answer=q.answer,
+            output=output, correct=0.0 if error else float(score(q.scorer, output, q.answer, q.choices)),
             error=error, error_category="timeout" if error else None, prompt_tokens=10 + i, completion_tokens=3,
             ttft_s=None if error else 0.05, latency_s=0.2, start_s=float(i), end_s=i + 0.2, energy_j=1.5 + i,
-            energy_quality="estimated", energy_source="model.cpu", energy_scope="cpu_package",
-            best_effort_energy_j=1.5 + i, net_energy_j=1.3 + i,
-            energy_parts=json.dumps([{"component": "cpu", "energy_j": 1.5 + i}]),
+            net_energy_j=1.3 + i, energy_parts=json.dumps([{"component": "cpu", "energy_j": 1.5 + i}]),
         ))
     if finish:
         folder.finish("complete")
