@@ -334,7 +334,7 @@ def test_resume_a_ray_run(cluster, unsharded, tmp_path, run_cli):
 @pytest.mark.llama
 def test_failing_task_is_retried_then_reported(cluster, tmp_path, run_cli):
     """A task that raises (here: a model file llama.cpp cannot load) is submitted again; after 3
-    attempts the run stops interrupted with the reason in one line, and the manifest lists every error."""
+    attempts the run stops (status failed) with the reason in one line, and the manifest lists every error."""
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     config = tmp_path / "bad.toml"
@@ -352,6 +352,6 @@ n_threads = 1
     assert code == 2 and "backend broken shard 1/1 failed 3 times" in err and "--resume" in err, err
     assert "Traceback" not in err + out
     manifest = json.loads((only_run(tmp_path / "out") / "manifest.json").read_text())
-    assert manifest["status"] == "interrupted"
+    assert manifest["status"] == "failed"
     (task,) = manifest["ray"]["tasks"]
     assert task["attempts"] == 3 and len(task["errors"]) == 3, task

@@ -48,17 +48,21 @@ def _config(tmp_path: Path, dataset: Path, names: tuple[str, ...] = ("smol",), m
     return path
 
 
-def _workers(backend: str | None = None) -> list[psutil.Process]:
-    """Live llama.cpp worker processes under this test process."""
+def _workers(root: int | None = None, exclude: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """Live llama.cpp worker processes under ``root`` (default: this test process), less ``exclude``
+    (workers that other tests of this process may have left)."""
     out = []
-    for proc in psutil.Process().children(recursive=True):
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for proc in children:
         try:
-            cmd = proc.cmdline()
-        except psutil.NoSuchProcess:
+            if "ipw.backends.worker" in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
             continue
-        if "ipw.backends.worker" in cmd and proc.status() != psutil.STATUS_ZOMBIE:
-            out.append(proc)
-    return out
+    return [p for p in out if p.pid not in exclude]
 
 
 def test_worker_loads_the_engine_first_and_no_analysis_stack():
@@ -133,12 +137,13 @@ def test_exit_text():
     assert exit_text(3) == "exit code 3"
 
 
-def _killer(stop: threading.Event, rng: random.Random, signals: list[signal.Signals], killed: list) -> None:
+def _killer(stop: threading.Event, rng: random.Random, signals: list[signal.Signals], killed: list,
+            before: frozenset[int]) -> None:
     """Kill the worker of the run with each signal in turn, each at a random moment of its life."""
     for sig in signals:
         pid = None
         while not stop.is_set() and pid is None:
-            found = [p.pid for p in _workers() if p.pid not in {k[0] for k in killed}]
+            found = [p.pid for p in _workers(exclude=before) if p.pid not in {k[0] for k in killed}]
             pid = found[0] if found else None
             time.sleep(0.01)
         if stop.is_set():
@@ -164,7 +169,8 @@ def test_random_kills_lose_and_duplicate_nothing(tmp_path):
     rng = random.Random(int(os.environ.get("IPW_TEST_SEED", "7")))
     stop, killed = threading.Event(), []
     signals = [signal.SIGSEGV, signal.SIGKILL, signal.SIGILL]
-    killer = threading.Thread(target=_killer, args=(stop, rng, signals, killed), daemon=True)
+    before = frozenset(p.pid for p in _workers())
+    killer = threading.Thread(target=_killer, args=(stop, rng, signals, killed, before), daemon=True)
     killer.start()
     try:
         status = execute(folder, config, queries, lambda record: None)
@@ -200,7 +206,7 @@ def test_a_backend_that_keeps_crashing_stops_and_the_others_go_on(tmp_path):
     while proc.poll() is None and not list((tmp_path / "out").glob("*/manifest.json")):
         time.sleep(0.005)  # the engine check before the run (a worker too) is over once the folder exists
     while proc.poll() is None and time.monotonic() < deadline and len(killed) < MAX_RESTARTS + 1:
-        for worker in _workers():
+        for worker in _workers(proc.pid):
             if worker.pid not in killed:
                 killed.add(worker.pid)
                 os.kill(worker.pid, signal.SIGSEGV)

@@ -196,6 +196,9 @@ class OpenAIBackend:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self._prompt_tokens is not None:  # its tokenizer worker
+            self._prompt_tokens.close()
+            self._prompt_tokens = None
 
     # -- requests -------------------------------------------------------------------------------
 
