@@ -154,7 +154,11 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
 
     # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.metrics)
     try:
-        _stdout().print(metrics_table(compare([folder.path], seed=config.generation.seed, common_queries=True)))
+        summary = compare([folder.path], seed=config.generation.seed, common_queries=True)
+        _stdout().print(metrics_table(summary))
+        for note in summary.notes:
+            if note.startswith("--common-queries"):  # a stopped backend: the table covers the shared queries
+                console.print(f"note: {escape(note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
         console.print(f"no summary: {escape(str(exc))}", highlight=False)
     console.print(f"wrote {folder.path}")
