@@ -174,6 +174,9 @@ def parts_of(path: Path, manifest: dict, frame, prompt_tokens: bool = True) -> l
     path = Path(path)
     if prompt_tokens and "prompt_tokens" not in frame:
         prompt_tokens = False
+    missing = [c for c in LOAD_COLUMNS if c not in frame]  # e.g. phases, in runs made before them: all null
+    if missing:
+        frame = frame.assign(**{c: None for c in missing})
     dataset = manifest.get("dataset") or {}
     run_id = str(manifest.get("run_id") or path.name)
     if len(frame) == 0:

@@ -47,3 +47,15 @@ def test_old_metric_names_are_aliases(tmp_path, run_cli):
     assert code == 0, out + err
     code, out, err = run_cli("check", base, cand, "--fail-if", "errors:+2pp")
     assert code == 1, out + err
+
+
+def test_runs_made_before_phases_are_checked(tmp_path, run_cli):
+    """Records without the phase columns (runs made before phases): check reads them as unknown."""
+    import pandas as pd
+
+    base, _ = _runs(tmp_path)
+    frame = pd.read_parquet(base / "records.parquet")
+    frame.drop(columns=["prefill_energy_j", "decode_energy_j", "choices"]).to_parquet(base / "records.parquet",
+                                                                                      index=False)
+    code, out, err = run_cli("check", base, base)
+    assert code == 0, out + err
