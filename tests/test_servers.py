@@ -162,3 +162,4 @@ def test_prompt_tokens_counted_as_the_server_counts_them(tmp_path):
                 assert mine == usage["prompt_tokens"] > 5, (route, question, mine, usage)
     finally:
         server.stop()
+        counter.close()  # its tokenizer worker
