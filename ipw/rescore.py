@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ from typing import Any, Callable
 from ipw import __version__
 from ipw.errors import IpwError
 from ipw.judge import Judge, JudgeSpec, Verdict
-from ipw.results import RECORD_COLUMNS, QueryRecord, RunFolder, load_run, new_run_id
+from ipw.results import QueryRecord, RunFolder, load_run, new_run_id
 from ipw.scoring import SCORERS, score
 
 MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
@@ -50,28 +49,6 @@ def choices_from_prompt(prompt: str) -> tuple[str, ...] | None:
     if [f"({chr(65 + i)})" for i in range(len(options))] != [ln[:3] for ln in lines[len(lines) - len(options):]]:
         return None
     return tuple(options)
-
-
-def _clean(row: dict[str, Any]) -> dict[str, Any]:
-    """A records row (parquet or JSONL) as QueryRecord fields: NaN -> None, numpy -> Python."""
-    out = {}
-    for key in RECORD_COLUMNS:
-        value = row.get(key)
-        if key == "choices":  # a list (JSONL), an array (Parquet), or missing in older runs
-            out[key] = tuple(str(c) for c in value) if isinstance(value, (list, tuple)) or hasattr(value, "tolist") \
-                else ()
-            continue
-        if hasattr(value, "item") and not isinstance(value, str):
-            value = value.item()
-        if isinstance(value, float) and math.isnan(value):
-            value = None
-        out[key] = value
-    for key in ("repeat", "prompt_tokens", "completion_tokens"):
-        out[key] = int(out[key] or 0)
-    out["energy_parts"] = out["energy_parts"] or "[]"
-    for key in ("node", "hardware_id"):  # absent in runs written before records named their node
-        out[key] = out[key] or ""
-    return out
 
 
 def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
@@ -175,7 +152,7 @@ def rescore(
                 (folder.path / "judge.jsonl").touch()
                 updates["judge"] = judge_ctx.describe()
             for raw in frame.to_dict(orient="records"):
-                record = _rescore_one(_clean(raw), scorer, judge_ctx, folder)
+                record = _rescore_one(dataclasses.asdict(QueryRecord.from_row(raw)), scorer, judge_ctx, folder)
                 folder.append(record)
                 if progress:
                     progress(record)

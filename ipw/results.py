@@ -69,6 +69,31 @@ class QueryRecord:
     hardware_id: str = ""
     choices: tuple[str, ...] = ()  # the query's options (mcq), kept for rescoring; () in older runs
 
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "QueryRecord":
+        """A record from a row of records.parquet or records.jsonl (the one way back from a row): NaN ->
+        None, numpy -> Python; a field the run predates gets its empty value."""
+        import math
+
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            value = row.get(f.name)
+            if f.name == "choices":  # a list (JSONL), an array (Parquet), or missing in older runs
+                out[f.name] = tuple(str(c) for c in value) if isinstance(value, (list, tuple)) or hasattr(
+                    value, "tolist") else ()
+                continue
+            if hasattr(value, "item") and not isinstance(value, str):
+                value = value.item()
+            if isinstance(value, float) and math.isnan(value):
+                value = None
+            out[f.name] = value
+        for key in ("repeat", "prompt_tokens", "completion_tokens"):
+            out[key] = int(out[key] or 0)
+        out["energy_parts"] = out["energy_parts"] or "[]"
+        for key in ("node", "hardware_id"):  # absent in runs written before records named their node
+            out[key] = out[key] or ""
+        return cls(**out)
+
     def to_json(self) -> str:
         from ipw.sanitize import scrub  # an API key never reaches the run folder, whatever a server echoed
 
