@@ -116,11 +116,11 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
     _sigterm_as_interrupt()
     console = Console(stderr=True)
     verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
-    if folder.manifest.get("shard"):
-        verb += f" shard {folder.manifest['shard']['index']}/{folder.manifest['shard']['count']}"
+    if folder.manifest.shard:
+        verb += f" shard {folder.manifest.shard['index']}/{folder.manifest.shard['count']}"
     if ray_options is not None:
         verb += f" on Ray ({ray_options.address})"
-    console.print(f"{verb} [bold]{folder.manifest['run_id']}[/]: {len(queries)} queries x {config.repeats} "
+    console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
     state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "t0": time.monotonic()}
     with _progress_columns() as progress:
@@ -256,17 +256,17 @@ def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
     console = Console(stderr=True)
     folder = rescore(run, scorer=scorer, judge=spec, out_dir=out)
     _, frame = load_run(folder.path)
-    table = Table(title=f"ipw rescore: {folder.manifest['rescored_from']['scorer']}")
+    table = Table(title=f"ipw rescore: {folder.manifest.rescored_from['scorer']}")
     for col in ("backend", "records", "accuracy before", "accuracy after", "changed"):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for row in summary(original, frame):
         table.add_row(row["backend"], str(row["records"]), f"{row['accuracy_before']:.1%}",
                       f"{row['accuracy_after']:.1%}", str(row["changed"]))
     _stdout().print(table)
-    totals = folder.manifest.get("judge", {}).get("totals")
+    totals = (folder.manifest.judge or {}).get("totals")
     if totals:
         energy = "n/a" if totals["energy_j"] is None else f"{totals['energy_j']:.3g} J"
-        console.print(f"judge {folder.manifest['judge']['backend']['name']} ({folder.manifest['judge']['prompt_version']}): "
+        console.print(f"judge {folder.manifest.judge['backend']['name']} ({folder.manifest.judge['prompt_version']}): "
                       f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
                       f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
                       highlight=False, markup=False)
@@ -316,11 +316,11 @@ def merge_command(shards, *, out) -> int:
     from ipw.merge import merge_runs
 
     folder = merge_runs(shards, out)
-    info = folder.manifest["dataset"]
+    info = folder.manifest.dataset
     Console(stderr=True).print(
-        f"merged {len(folder.manifest['merged_from'])} shards: {info['n_queries']} queries "
-        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest['merged_from'])} records, "
-        f"{len(folder.manifest['hardware_by_id'])} machine fingerprint(s)", highlight=False, markup=False)
+        f"merged {len(folder.manifest.merged_from)} shards: {info['n_queries']} queries "
+        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest.merged_from)} records, "
+        f"{len(folder.manifest.hardware_by_id)} machine fingerprint(s)", highlight=False, markup=False)
     print(folder.path)
     return 0
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.results import RunFolder, new_run_id, read_manifest, read_parquet, read_records
+from ipw.results import RunFolder, RunManifest, new_run_id, read_manifest, read_parquet, read_records
 from ipw.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
@@ -114,23 +114,24 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
         if infos:
             backends.append(combine_backend_infos(infos))
     power = _merged_power(shards, node_of)  # read (and checked) before the merged folder exists
-    folder = RunFolder.create(out_dir, run_id, {
-        "ipw_version": __version__,
-        "command": command if command is not None else sys.argv,
-        "config": m0["config"],
-        "dataset": full,
-        "hardware": m0.get("hardware", {}),
-        "hardware_by_id": hardware_by_id,
-        "software": m0.get("software", {}),
-        "started_at": min(m.get("started_at", "") for _, m in shards),
-        "backends": backends,
-        "merged_from": [{"shard": m["shard"]["index"], "of": count, "path": str(p), "run_id": m["run_id"],
-                         "dataset_fingerprint": m["dataset"]["fingerprint"], "n_records": n_records[p],
-                         "hardware_ids": sorted(m.get("hardware_by_id") or {}), "software": m.get("software"),
-                         "started_at": m.get("started_at"), "finished_at": m.get("finished_at")}
-                        for p, m in shards],
-        "merged_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    })
+    folder = RunFolder.create(out_dir, run_id, RunManifest(
+        run_id=run_id,
+        ipw_version=__version__,
+        command=list(command if command is not None else sys.argv),
+        config=m0["config"],
+        dataset=full,
+        hardware=m0.get("hardware", {}),
+        hardware_by_id=hardware_by_id,
+        software=m0.get("software", {}),
+        started_at=min(m.get("started_at", "") for _, m in shards),
+        backends=backends,
+        merged_from=[{"shard": m["shard"]["index"], "of": count, "path": str(p), "run_id": m["run_id"],
+                      "dataset_fingerprint": m["dataset"]["fingerprint"], "n_records": n_records[p],
+                      "hardware_ids": sorted(m.get("hardware_by_id") or {}), "software": m.get("software"),
+                      "started_at": m.get("started_at"), "finished_at": m.get("finished_at")}
+                     for p, m in shards],
+        merged_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    ))
     with open(folder.path / "records.jsonl", "a", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -36,7 +36,7 @@ from ipw.backends.base import BackendSpec
 from ipw.config import RunConfig
 from ipw.datasets import Query
 from ipw.errors import IpwError, missing_extra
-from ipw.results import QueryRecord, RunFolder
+from ipw.results import QueryRecord, RunFolder, RunManifest
 from ipw.shard import Shard, combine_backend_infos, shard_items
 
 MAX_ATTEMPTS = 3  # per (backend, shard): the first run and two more
@@ -93,7 +93,7 @@ class _Sink:
 
     def __init__(self, run_id: str, out: "queue.Queue[Any]") -> None:
         self.path = Path(tempfile.mkdtemp(prefix=f"ipw-{run_id}-"))
-        self.manifest = {"run_id": run_id}
+        self.manifest = RunManifest(run_id=run_id)
         self.out = out
 
     def append(self, record: QueryRecord) -> None:
@@ -197,7 +197,7 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
     node_of: dict[Any, Any] = {}  # generator -> the NodeIdentity its task reported
     attempts: dict[tuple[str, int], int] = {}  # in this call (a resumed run starts again from 0)
     try:
-        previous = folder.manifest.get("ray") or {}
+        previous = folder.manifest.ray or {}
         n = options.shards or previous.get("shards") or default_shards(config, ray.cluster_resources(), len(queries))
         n = max(1, min(n, len(queries)))
         remote = ray.remote(shard_task)
@@ -206,11 +206,11 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
         from ipw.results import load_records_jsonl
 
         measured = set(load_records_jsonl(folder.path / "records.jsonl")["hardware_id"].dropna())
-        hardware_by_id = {h: fp for h, fp in (folder.manifest.get("hardware_by_id") or {}).items() if h in measured}
+        hardware_by_id = {h: fp for h, fp in (folder.manifest.hardware_by_id or {}).items() if h in measured}
         fingerprints: dict[str, dict] = {}  # hardware_id -> fingerprint, as tasks report their node
         tasks = {(t["backend"], t["shard"]): t for t in previous.get("tasks", [])}
         infos: dict[str, list[dict]] = {}
-        for b in folder.manifest.get("backends", []):  # a resumed run keeps what earlier tasks reported
+        for b in folder.manifest.backends or []:  # a resumed run keeps what earlier tasks reported
             infos[b["name"]] = list(b.get("shards") or [b])
 
         def save() -> None:
@@ -229,7 +229,7 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
             attempts[(spec.name, k)] = attempts.get((spec.name, k), 0) + 1
             gen = remote.options(num_returns="streaming", max_retries=0, name=f"ipw {spec.name} shard {k}/{n}",
                                  **task_resources(spec)).remote(config, spec, part, frozenset(keys & seen),
-                                                                folder.manifest["run_id"])
+                                                                folder.manifest.run_id)
             running[gen] = (spec, k)
 
         for spec in config.backends:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ipw import __version__
 from ipw.errors import IpwError
 from ipw.judge import Judge, JudgeSpec, Verdict
-from ipw.results import QueryRecord, RunFolder, load_run, new_run_id
+from ipw.results import QueryRecord, RunFolder, RunManifest, load_run, new_run_id
 from ipw.scoring import SCORERS, score
 
 MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
@@ -133,13 +133,15 @@ def rescore(
             raise IpwError("--scorer judge needs a judge: --judge KIND:MODEL (or a backend name), or a [judge] "
                            "table in --config or in the run's config")
     judge_ctx = Judge(judge, probe=probe) if scorer == "judge" else None  # checks prompt and model first
-    kept = {k: v for k, v in manifest.items() if k not in _NOT_COPIED}
-    folder = RunFolder.create(out_dir or Path(run_dir).parent, new_run_id(), {
-        "ipw_version": __version__, "command": command if command is not None else sys.argv, **kept,
-        "rescored_from": {"run_id": manifest.get("run_id"), "path": str(Path(run_dir).resolve()),
-                          "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)"},
-        "rescored_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    })
+    kept = RunManifest.from_dict({k: v for k, v in manifest.items() if k not in _NOT_COPIED}
+                                 | {"run_id": manifest.get("run_id")})
+    run_id = new_run_id()
+    folder = RunFolder.create(out_dir or Path(run_dir).parent, run_id, dataclasses.replace(
+        kept, run_id=run_id, ipw_version=__version__, command=list(command if command is not None else sys.argv),
+        rescored_from={"run_id": manifest.get("run_id"), "path": str(Path(run_dir).resolve()),
+                       "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)"},
+        rescored_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    ))
     if (Path(run_dir) / "power.parquet").exists():
         shutil.copy2(Path(run_dir) / "power.parquet", folder.path / "power.parquet")
     updates: dict[str, Any] = {}
@@ -182,7 +184,7 @@ def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, f
         correct = 0.0
     else:
         correct = float(score(name, row["output"] or "", row["answer"], choices if name == "mcq" else None))
-    return QueryRecord(**{**row, "run_id": folder.manifest["run_id"], "scorer": name, "correct": correct})
+    return QueryRecord(**{**row, "run_id": folder.manifest.run_id, "scorer": name, "correct": correct})
 
 
 def judge_totals(path: Path) -> dict[str, Any]:

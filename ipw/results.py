@@ -123,21 +123,70 @@ def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class RunManifest:
+    """manifest.json, typed (DESIGN.md §4): written only by :class:`RunFolder`, read by
+    :meth:`RunManifest.read` (``read_manifest`` checked). A field that is None is absent from the file;
+    the nested tables (config, dataset, hardware, backends, ...) are the JSON objects as written."""
+
+    run_id: str
+    status: str = "running"
+    schema_version: int = SCHEMA_VERSION
+    ipw_version: str | None = None
+    command: list[str] | None = None
+    config: dict[str, Any] | None = None  # RunConfig.to_dict()
+    dataset: dict[str, Any] | None = None  # name, n_queries, fingerprint
+    shard: dict[str, Any] | None = None  # index, count, dataset (the full set) of a --shard run
+    hardware: dict[str, Any] | None = None
+    hardware_by_id: dict[str, Any] | None = None  # every machine whose records the run holds
+    software: dict[str, Any] | None = None
+    started_at: str | None = None
+    backends: list[dict[str, Any]] | None = None  # what each backend reported (sensors, idle baseline, ...)
+    finished_at: str | None = None
+    reason: str | None = None  # why a run failed or was interrupted
+    resumed_at: list[str] | None = None
+    ray: dict[str, Any] | None = None  # the Ray tasks of a --ray run
+    merged_from: list[dict[str, Any]] | None = None  # the shards of an ipw merge run
+    merged_at: str | None = None
+    rescored_from: dict[str, Any] | None = None
+    rescored_at: str | None = None
+    judge: dict[str, Any] | None = None  # the judge of ipw rescore --scorer judge
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this ipw does not know, kept as they were
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunManifest":
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def read(cls, run_dir: str | Path, require: tuple[str, ...] = ()) -> "RunManifest":
+        """The checked manifest of a run folder (``read_manifest``: one-line errors)."""
+        return cls.from_dict(read_manifest(run_dir, require))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**{k: v for k, v in out.items() if v is not None}, **self.extra}
+
+
 @dataclass
 class RunFolder:
     """Writes one run folder. The manifest is rewritten atomically as the run progresses."""
 
     path: Path
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: RunManifest
 
     @classmethod
-    def create(cls, out_dir: str | Path, run_id: str, manifest: dict[str, Any]) -> "RunFolder":
+    def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest | dict[str, Any]) -> "RunFolder":
+        """A new folder ``out_dir/run_id`` with ``manifest`` (status running)."""
         path = Path(out_dir) / run_id
         try:
             path.mkdir(parents=True, exist_ok=False)
         except OSError as exc:
             raise IpwError(f"{path}: cannot create the run folder ({exc.strerror})") from None
-        folder = cls(path, {"schema_version": SCHEMA_VERSION, "run_id": run_id, **manifest, "status": "running"})
+        if isinstance(manifest, dict):
+            manifest = RunManifest.from_dict({**manifest, "run_id": run_id})
+        folder = cls(path, dataclasses.replace(manifest, run_id=run_id, status="running", schema_version=SCHEMA_VERSION))
         folder.write_manifest()
         (path / "records.jsonl").touch()
         return folder
@@ -149,10 +198,10 @@ class RunFolder:
         from ipw.config import RunConfig
 
         path = Path(run_dir)
-        manifest = read_manifest(path, require=("config", "dataset.fingerprint"))
-        if manifest.get("status") == "complete":
+        manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
+        if manifest.status == "complete":
             raise IpwError(f"{path}: the run is already complete; nothing to resume")
-        RunConfig.from_dict(manifest["config"], where=f"{path / 'manifest.json'}: field 'config'")
+        RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
         log = path / "records.jsonl"
         read_records(log)  # every line but a torn last one is a record
         data = log.read_bytes() if log.exists() else b""
@@ -166,8 +215,9 @@ class RunFolder:
         return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int)))
 
     def write_manifest(self, **updates: Any) -> None:
-        self.manifest.update(updates)
-        _atomic_write_json(self.path / "manifest.json", self.manifest)
+        """Update fields of the manifest (a name that is not a field is a TypeError) and rewrite it."""
+        self.manifest = dataclasses.replace(self.manifest, **updates)
+        _atomic_write_json(self.path / "manifest.json", self.manifest.to_dict())
 
     def append(self, record: QueryRecord) -> None:
         with open(self.path / "records.jsonl", "a", encoding="utf-8") as fh:

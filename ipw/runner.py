@@ -20,7 +20,7 @@ from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
 from ipw.phases import first_token_s, record_phases, sensor_splits
-from ipw.results import QueryRecord, RunFolder, new_run_id
+from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
@@ -133,7 +133,7 @@ def run_backend(
                 end = time.monotonic()
                 closed = window.end(tokens)
                 pending.append((closed, functools.partial(
-                    make_record, folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
+                    make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                     idle=idle, estimate=getattr(backend, "energy_estimate", None),
                     splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
                 flush(wait=False)
@@ -261,7 +261,7 @@ def run_concurrent(
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
             readings, busy_s = _split_share(job, segments.of(job), futures)
-            record = make_record(folder.manifest["run_id"], spec, query, repeat, completion, error, start, end,
+            record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  readings, idle=idle, estimate=estimate, busy_s=busy_s)
             folder.append(record)
             progress(record)
@@ -303,37 +303,38 @@ def start_run(config: RunConfig, command: list[str] | None = None,
             backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
     run_id = new_run_id()
     identity, hardware = node_identity()
-    folder = RunFolder.create(config.out_dir, run_id, {
-        "ipw_version": __version__,
-        "command": command if command is not None else sys.argv,
-        "config": config.to_dict(),
-        "dataset": _dataset_entry(config, queries),
-        **({"shard": {"index": shard.index, "count": shard.count, "dataset": _dataset_entry(config, full)}}
-           if shard is not None else {}),
-        "hardware": hardware,
-        "hardware_by_id": {identity.hardware_id: hardware},  # every machine whose records the run holds
-        "software": software_fingerprint(),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "backends": [],
-    })
+    folder = RunFolder.create(config.out_dir, run_id, RunManifest(
+        run_id=run_id,
+        ipw_version=__version__,
+        command=list(command if command is not None else sys.argv),
+        config=config.to_dict(),
+        dataset=_dataset_entry(config, queries),
+        shard={"index": shard.index, "count": shard.count, "dataset": _dataset_entry(config, full)}
+        if shard is not None else None,
+        hardware=hardware,
+        hardware_by_id={identity.hardware_id: hardware},
+        software=software_fingerprint(),
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        backends=[],
+    ))
     return folder, queries
 
 
 def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozenset[tuple[str, str, int]]]:
     """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
     folder = RunFolder.reopen(run_dir)
-    config = RunConfig.from_dict(folder.manifest["config"])
+    config = RunConfig.from_dict(folder.manifest.config)
     queries = _load_full(config)
-    if folder.manifest.get("shard"):
-        queries = shard_items(queries, Shard(folder.manifest["shard"]["index"], folder.manifest["shard"]["count"]))
-    if fingerprint(queries) != folder.manifest["dataset"]["fingerprint"]:
+    if folder.manifest.shard:
+        queries = shard_items(queries, Shard(folder.manifest.shard["index"], folder.manifest.shard["count"]))
+    if fingerprint(queries) != folder.manifest.dataset["fingerprint"]:
         raise IpwError(f"{run_dir}: the dataset {config.dataset} changed since the run started "
                        "(fingerprints differ); start a new run")
     done = frozenset(folder.done_keys())
     identity, hardware = node_identity()
-    folder.write_manifest(status="running", resumed_at=folder.manifest.get("resumed_at", [])
+    folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                           + [time.strftime("%Y-%m-%dT%H:%M:%S")],
-                          hardware_by_id={**folder.manifest.get("hardware_by_id", {}), identity.hardware_id: hardware})
+                          hardware_by_id={**(folder.manifest.hardware_by_id or {}), identity.hardware_id: hardware})
     return folder, config, queries, done
 
 
@@ -355,7 +356,7 @@ def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             for spec in config.backends:
                 info = run_backend(folder, config, spec, queries, progress, probe, done)
                 if info is not None:
-                    others = [b for b in folder.manifest["backends"] if b["name"] != spec.name]
+                    others = [b for b in folder.manifest.backends or [] if b["name"] != spec.name]
                     folder.write_manifest(backends=others + [info])
                     if info.get("stopped"):
                         stopped.append(info["stopped"])

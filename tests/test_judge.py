@@ -176,13 +176,13 @@ def test_judge_bookkeeping_is_separate(scripted, tmp_path):
     assert lines[0]["judge_energy_j"] == 0.25 and lines[0]["judge_energy_quality"] == "estimated"
     assert lines[0]["judge_cost_usd"] == pytest.approx((100 * 1.0 + 2 * 10.0) / 1e6)
     assert lines[2]["judge_energy_j"] is None and lines[2]["judge_cost_usd"] is None
-    judge = folder.manifest["judge"]
+    judge = folder.manifest.judge
     assert judge["prompt_version"] == "reference-v1" and judge["prompt_sha256"].startswith("sha256:")
     assert judge["backend"]["kind"] == "scripted" and judge["sensors"][0]["name"] == "fixed"
     assert judge["totals"] == {"records": 4, "judged": 2, "calls": 2, "prompt_tokens": 200, "completion_tokens": 4,
                                "energy_j": 0.5, "cost_usd": pytest.approx(2 * 120 / 1e6), "unparsed": 0}
     # the mcq reference is shown with its option text; the question is the prompt the model saw
-    assert folder.manifest["rescored_from"]["scorer"] == "judge"
+    assert folder.manifest.rescored_from["scorer"] == "judge"
 
 
 def test_pairwise_through_rescore(scripted, tmp_path, run_cli):

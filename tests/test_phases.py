@@ -218,7 +218,7 @@ def test_runner_records_phases_that_sum_to_the_total(phased_fake, tmp_path):
     assert (ok["prefill_uncertainty_j"] >= 0).all() and ok["phase_note"].str.contains("cpu-process").all()
     assert ok.loc["q200", "prefill_energy_j"] > 2 * ok.loc["q5", "prefill_energy_j"]
     assert pd.isna(frame.loc["bad", "prefill_energy_j"]) and pd.isna(frame.loc["bad", "decode_energy_j"])
-    assert folder.manifest["backends"][0]["sampler_overhead"]["cpu_model"]["snapshots"] > 0
+    assert folder.manifest.backends[0]["sampler_overhead"]["cpu_model"]["snapshots"] > 0
 
 
 def test_old_records_still_load(tmp_path):

@@ -94,11 +94,11 @@ def test_rescore_of_an_unfinished_run_and_a_chain(tmp_path):
 
     run = make_run(tmp_path, finish=False)  # records.jsonl only, status running
     first = rescore(run, scorer="exact", out_dir=tmp_path / "a")
-    assert first.manifest["rescored_from"]["status"] == "running"
+    assert first.manifest.rescored_from["status"] == "running"
     second = rescore(first.path, out_dir=tmp_path / "b")  # a rescored run can be rescored again
     frame = pd.read_parquet(second.path / "records.parquet")
     assert list(frame["correct"]) == [1.0, 0.0, 0.0, 1.0, 0.0] and set(frame["scorer"]) == {"exact"}
-    assert second.manifest["rescored_from"]["run_id"] == first.manifest["run_id"]
+    assert second.manifest.rescored_from["run_id"] == first.manifest.run_id
 
 
 def test_choices_come_back_from_the_rendered_prompt():
