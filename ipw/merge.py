@@ -18,14 +18,14 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.results import RunFolder, RunManifest, new_run_id, read_manifest, read_parquet, read_records
+from ipw.results import RunFolder, RunManifest, new_run_id, read_parquet, read_records
 from ipw.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    return read_manifest(path, require=("config", "dataset.fingerprint", "dataset.n_queries"))
+def _read_manifest(path: Path) -> RunManifest:
+    return RunManifest.read(path, require=("config", "dataset.fingerprint", "dataset.n_queries"))
 
 
 def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
@@ -50,31 +50,31 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     shards = []
     for p in map(Path, paths):
         m = _read_manifest(p)
-        info = m.get("shard")
+        info = m.shard
         if not info:
             raise IpwError(f"{p}: not a shard run (it was not made with --shard K/N); nothing to merge")
         if not (isinstance(info, dict) and isinstance(info.get("index"), int) and isinstance(info.get("count"), int)
                 and isinstance(info.get("dataset"), dict) and "fingerprint" in info["dataset"]):
             raise IpwError(f"{p / 'manifest.json'}: field 'shard': expected index, count and dataset; the manifest "
                            "is damaged")
-        if m.get("status") != "complete":
-            raise IpwError(f"{p}: shard {info['index']}/{info['count']} is {m.get('status')}; finish it first "
+        if m.status != "complete":
+            raise IpwError(f"{p}: shard {info['index']}/{info['count']} is {m.status}; finish it first "
                            f"(ipw run --resume {p})")
         shards.append((p, m))
     (p0, m0) = shards[0]
-    count = m0["shard"]["count"]
-    full = m0["shard"]["dataset"]
-    config0 = {k: v for k, v in m0["config"].items() if k not in _CONFIG_IGNORED}
+    count = m0.shard["count"]
+    full = m0.shard["dataset"]
+    config0 = {k: v for k, v in m0.config.items() if k not in _CONFIG_IGNORED}
     by_index: dict[int, Path] = {}
     for p, m in shards:
-        info = m["shard"]
+        info = m.shard
         if info["count"] != count:
             raise IpwError(f"{p}: shard {info['index']}/{info['count']} is of another split than {p0} "
-                           f"({m0['shard']['index']}/{count})")
+                           f"({m0.shard['index']}/{count})")
         if info["dataset"]["fingerprint"] != full["fingerprint"]:
             raise IpwError(f"{p}: its full query set differs from {p0}'s (dataset fingerprints "
                            f"{info['dataset']['fingerprint']} vs {full['fingerprint']})")
-        diff = _first_difference(config0, {k: v for k, v in m["config"].items() if k not in _CONFIG_IGNORED})
+        diff = _first_difference(config0, {k: v for k, v in m.config.items() if k not in _CONFIG_IGNORED})
         if diff:
             raise IpwError(f"{p}: its config differs from {p0}'s (field '{diff}'); shards of one run share one config")
         if info["index"] in by_index:
@@ -83,13 +83,13 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     missing = [f"{k}/{count}" for k in range(1, count + 1) if k not in by_index]
     if missing:
         raise IpwError(f"missing shard(s) {', '.join(missing)}: merging needs all {count} shards of the split")
-    if sum(m["dataset"]["n_queries"] for _, m in shards) != full["n_queries"]:
-        raise IpwError(f"the shards hold {sum(m['dataset']['n_queries'] for _, m in shards)} queries, but their "
+    if sum(m.dataset["n_queries"] for _, m in shards) != full["n_queries"]:
+        raise IpwError(f"the shards hold {sum(m.dataset['n_queries'] for _, m in shards)} queries, but their "
                        f"full set has {full['n_queries']}")
 
-    shards.sort(key=lambda s: s[1]["shard"]["index"])
+    shards.sort(key=lambda s: s[1].shard["index"])
     run_id = new_run_id()
-    order = {b["name"]: i for i, b in enumerate(m0["config"]["backends"])}
+    order = {b["name"]: i for i, b in enumerate(m0.config["backends"])}
     rows, seen, n_records, node_of = [], {}, {}, {}
     for p, m in shards:
         shard_rows = _records(p)
@@ -106,11 +106,11 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
 
     hardware_by_id: dict[str, Any] = {}
     for _, m in shards:
-        hardware_by_id.update(m.get("hardware_by_id") or {})
+        hardware_by_id.update(m.hardware_by_id or {})
     backends = []
-    for b in m0["config"]["backends"]:
-        infos = [{**info, "shard": m["shard"]["index"]} for _, m in shards
-                 for info in m.get("backends", []) if info["name"] == b["name"]]
+    for b in m0.config["backends"]:
+        infos = [{**info, "shard": m.shard["index"]} for _, m in shards
+                 for info in (m.backends or []) if info["name"] == b["name"]]
         if infos:
             backends.append(combine_backend_infos(infos))
     power = _merged_power(shards, node_of)  # read (and checked) before the merged folder exists
@@ -118,17 +118,17 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
         run_id=run_id,
         ipw_version=__version__,
         command=list(command if command is not None else sys.argv),
-        config=m0["config"],
+        config=m0.config,
         dataset=full,
-        hardware=m0.get("hardware", {}),
+        hardware=m0.hardware or {},
         hardware_by_id=hardware_by_id,
-        software=m0.get("software", {}),
-        started_at=min(m.get("started_at", "") for _, m in shards),
+        software=m0.software or {},
+        started_at=min(m.started_at or "" for _, m in shards),
         backends=backends,
-        merged_from=[{"shard": m["shard"]["index"], "of": count, "path": str(p), "run_id": m["run_id"],
-                      "dataset_fingerprint": m["dataset"]["fingerprint"], "n_records": n_records[p],
-                      "hardware_ids": sorted(m.get("hardware_by_id") or {}), "software": m.get("software"),
-                      "started_at": m.get("started_at"), "finished_at": m.get("finished_at")}
+        merged_from=[{"shard": m.shard["index"], "of": count, "path": str(p), "run_id": m.run_id,
+                      "dataset_fingerprint": m.dataset["fingerprint"], "n_records": n_records[p],
+                      "hardware_ids": sorted(m.hardware_by_id or {}), "software": m.software,
+                      "started_at": m.started_at, "finished_at": m.finished_at}
                      for p, m in shards],
         merged_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     ))
@@ -145,7 +145,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     return folder
 
 
-def _merged_power(shards: list[tuple[Path, dict[str, Any]]], node_of: dict[Path, str]):
+def _merged_power(shards: list[tuple[Path, RunManifest]], node_of: dict[Path, str]):
     """Each shard's power.parquet, with the node it was measured on (time is per node); None when none has one."""
     import pandas as pd
 
