@@ -62,9 +62,9 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
     if shards is not None and shards < 1:
         raise IpwError(f"--shards: must be >= 1, got {shards}")
     if the_shard is not None and resume is not None:
-        from ipw.results import read_manifest
+        from ipw.results import RunManifest
 
-        have = read_manifest(resume).get("shard")
+        have = RunManifest.read(resume).shard
         if not have:
             raise IpwError(f"--shard {shard}: {resume} is not a shard run; resume it without --shard")
         if (have["index"], have["count"]) != (the_shard.index, the_shard.count):
@@ -171,10 +171,9 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
 
 def _repair(run_dir: Path) -> None:
     """``--resume --repair``: drop the lines of the log that are not records (kept in records.dropped.jsonl)."""
-    from ipw.results import read_manifest, repair_records
+    from ipw.results import RunManifest, repair_records
 
-    manifest = read_manifest(run_dir)
-    if manifest.get("status") == "complete":
+    if RunManifest.read(run_dir).status == "complete":
         raise IpwError(f"{run_dir}: the run is already complete; nothing to resume or repair")
     dropped = repair_records(run_dir / "records.jsonl")
     Console(stderr=True).print(
