@@ -23,7 +23,7 @@ from ipw.stats import bootstrap_draws
 # the metrics and their aliases come from ipw.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
 DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp")
-HARDWARE_KEYS = ("cpu_model", "cpu_logical_cores", "machine", "gpus")
+HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,20 @@ def test_hardware_mismatch_exit_2_unless_allowed(runs, run_cli, tmp_path):
     assert code == 0
 
 
+def test_same_cpu_name_other_instruction_sets_is_a_mismatch(runs, run_cli, tmp_path):
+    """Two "AMD EPYC" VMs, one with AVX-512 and one with AVX2 only, are ~3x apart in J/query."""
+    copy = tmp_path / "avx2"
+    shutil.copytree(runs["same"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["hardware"]["cpu_isa"]  # recorded by every run
+    manifest["hardware"]["cpu_isa"] = "x86_64+sse42+avx+avx2+bmi2+fma+f16c"
+    manifest.pop("hardware_by_id", None)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("check", runs["base"], copy)
+    if json.loads((runs["base"] / "manifest.json").read_text())["hardware"]["cpu_isa"] != manifest["hardware"]["cpu_isa"]:
+        assert code == 2 and "hardware differs" in err and "cpu_isa" in err
+
+
 def test_interrupted_run_is_not_comparable(runs, run_cli, tmp_path):
     copy = tmp_path / "cut"
     shutil.copytree(runs["same"], copy)
