@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
+from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings,
                                few_shot_prompt)
-from ipw.backends.worker import WorkerBackend, WorkerDied, raise_answer_error
+from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError, missing_extra
 from ipw.models import resolve_model
 
@@ -295,13 +295,4 @@ class PromptTokenCounter(WorkerBackend):
         self.load()
 
     def count(self, *, messages: list[dict[str, str]] | None = None, prompt: str | None = None) -> int:
-        if not self.alive():
-            self.recover()
-        try:
-            answer = self._worker.call("call", method="count",  # type: ignore[union-attr]
-                                       kwargs={"messages": messages, "prompt": prompt})
-        except WorkerDied as died:
-            raise QueryError(f"the llama.cpp tokenizer worker died: {died}", "engine_crash") from None
-        if not answer["ok"]:
-            raise_answer_error(answer)
-        return int(answer["result"])
+        return int(self.invoke("count", messages=messages, prompt=prompt))

@@ -316,14 +316,25 @@ class WorkerBackend:
     def pids(self) -> list[int]:
         return [self._worker.pid] if self._worker is not None else []
 
+    def invoke(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        """Call another method of the engine in the worker (restarting a dead worker first); a worker
+        that dies meanwhile is a QueryError ``engine_crash``."""
+        if not self.alive():
+            self.recover()
+        try:
+            answer = self._worker.call("call", timeout_s=timeout_s, method=method, kwargs=kwargs)  # type: ignore[union-attr]
+        except WorkerDied as died:
+            raise QueryError(f"the {self.LABEL} worker died: {died}", "engine_crash") from None
+        if not answer["ok"]:
+            raise_answer_error(answer)
+        return answer["result"]
+
     def describe(self) -> dict[str, Any]:
         if self.alive():
             try:
-                answer = self._worker.call("describe", timeout_s=60)  # type: ignore[union-attr]
-                if answer["ok"]:
-                    self._described = answer["result"]
-            except WorkerDied:
-                pass
+                self._described = self.invoke("describe", timeout_s=60)
+            except (QueryError, IpwError):
+                pass  # the last description stands
         return {**self._described, "worker": {"python": self.python(), "restarts": self.restarts,
                                               "crashes": list(self.crashes)}}
 
@@ -412,8 +423,6 @@ def serve(fd_in: int, fd_out: int) -> None:
                 answer(rid, work)
         elif op == "call":  # another method of the engine, e.g. a tokenizer's count
             answer(rid, lambda m=msg: getattr(engine, m["method"])(**m.get("kwargs", {})))
-        elif op == "describe":
-            answer(rid, lambda: engine.describe())
         else:
             send(rid, ok=False, kind="user", message=f"unknown worker request {op!r}")
     for thread in threads:
