@@ -39,7 +39,7 @@ class QueryRecord:
     prompt: str
     answer: str
     output: str
-    correct: float  # 0..1; an error counts 0
+    correct: float | None  # 0..1; an error counts 0; None: unscored (a ``judge`` item no judge has graded)
     error: str | None  # None when the query succeeded
     error_category: str | None
     prompt_tokens: int
@@ -68,6 +68,12 @@ class QueryRecord:
     node: str = ""
     hardware_id: str = ""
     choices: tuple[str, ...] = ()  # the query's options (mcq), kept for rescoring; () in older runs
+    # coverage as the paper defines it (ipw/judge.py, grading vs-backend:NAME): a judge compared this
+    # output with backend ``vs_backend``'s output to the same query in both orders; win_tie is 1.0 when
+    # both orders rate it a win or a tie, 0.0 otherwise, None when it was not judged (or is the reference)
+    win_tie: float | None = None
+    vs_backend: str = ""
+    judge_verdicts: tuple[str, ...] = ()  # per order: response | reference | tie | unparsed | error
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "QueryRecord":
@@ -78,7 +84,7 @@ class QueryRecord:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = row.get(f.name)
-            if f.name == "choices":  # a list (JSONL), an array (Parquet), or missing in older runs
+            if f.name in ("choices", "judge_verdicts"):  # a list (JSONL), an array (Parquet), or missing in older runs
                 out[f.name] = tuple(str(c) for c in value) if isinstance(value, (list, tuple)) or hasattr(
                     value, "tolist") else ()
                 continue
@@ -90,7 +96,7 @@ class QueryRecord:
         for key in ("repeat", "prompt_tokens", "completion_tokens"):
             out[key] = int(out[key] or 0)
         out["energy_parts"] = out["energy_parts"] or "[]"
-        for key in ("node", "hardware_id"):  # absent in runs written before records named their node
+        for key in ("node", "hardware_id", "vs_backend"):  # absent in runs written before these fields
             out[key] = out[key] or ""
         return cls(**out)
 
