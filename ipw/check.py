@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.results import RunManifest
 from ipw.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
 from ipw.stats import bootstrap_draws
@@ -79,14 +80,14 @@ class CheckResult:
         return 1 if any(v.status in bad for v in self.verdicts) else 0
 
 
-def comparability(base_manifest: dict, cand_manifest: dict, allow_hardware_mismatch: bool) -> list[str]:
+def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_hardware_mismatch: bool) -> list[str]:
     """Reasons the two runs cannot be compared (empty when they can)."""
     reasons = []
     for role, m in (("baseline", base_manifest), ("candidate", cand_manifest)):
-        if m.get("status") != "complete":  # an interrupted run covers only some queries of some backends
-            reasons.append(f"the {role} run is {m.get('status', 'of unknown status')}, not complete "
+        if m.status != "complete":  # an interrupted run covers only some queries of some backends
+            reasons.append(f"the {role} run is {m.status or 'of unknown status'}, not complete "
                            f"(finish it with: ipw run --resume RUN_DIR)")
-    fb, fc = base_manifest["dataset"]["fingerprint"], cand_manifest["dataset"]["fingerprint"]
+    fb, fc = base_manifest.dataset["fingerprint"], cand_manifest.dataset["fingerprint"]
     if fb != fc:
         reasons.append(f"dataset fingerprints differ ({fb} vs {fc})")
     if not allow_hardware_mismatch:
@@ -107,22 +108,23 @@ def _hardware_key(hardware: dict) -> str:
     return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
 
 
-def machines(manifest: dict) -> list[dict]:
+def machines(manifest: RunManifest) -> list[dict]:
     """The kinds of machine (HARDWARE_KEYS) that measured a run's records: a sharded run (Ray, or merged
     from ``--shard`` runs) lists every node in ``hardware_by_id``; a run made in one place has its
     ``hardware`` (and, if resumed elsewhere, that machine too)."""
-    by_id = list((manifest.get("hardware_by_id") or {}).values())
-    found = by_id if by_id and ("ray" in manifest or "merged_from" in manifest) else [manifest.get("hardware", {}), *by_id]
+    by_id = list((manifest.hardware_by_id or {}).values())
+    sharded = manifest.ray is not None or manifest.merged_from is not None
+    found = by_id if by_id and sharded else [manifest.hardware or {}, *by_id]
     unique: dict[str, dict] = {}
     for hardware in found:
         unique.setdefault(_hardware_key(hardware), hardware)
     return list(unique.values())
 
 
-def _per_query(manifest: dict, frame) -> dict:
+def _per_query(manifest: RunManifest, frame) -> dict:
     from ipw.compare import parts_of
 
-    return {p.info.backend: p for p in parts_of(manifest.get("run_id", "run"), manifest, frame)}
+    return {p.info.backend: p for p in parts_of(manifest.run_id or "run", manifest, frame)}
 
 
 def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: int, q_offset: int) -> dict:
@@ -134,12 +136,15 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
     return g
 
 
-def check_runs(base_manifest: dict, base, cand_manifest: dict, cand, thresholds: list[Threshold], *,
+def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
                n_boot: int = 4000, seed: int = 0) -> CheckResult:
     """Every metric is computed with ipw.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others."""
+    from ipw.compare import as_manifest
+
+    base_manifest, cand_manifest = as_manifest(base_manifest), as_manifest(cand_manifest)
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))

@@ -25,6 +25,7 @@ import numpy as np
 
 from ipw import metrics as metric_table
 from ipw.errors import IpwError
+from ipw.results import RunManifest
 from ipw.phases import LinearFit, fit_dict, fit_linear
 from ipw.routing import SOLVED_AT, QueryMatrix, Routing, oracle_queries, resolve_roles, route
 from ipw.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
@@ -165,7 +166,12 @@ def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
     return parts_of(path, manifest, frame, prompt_tokens)
 
 
-def parts_of(path: Path, manifest: dict, frame, prompt_tokens: bool = True) -> list[_Part]:
+def as_manifest(manifest: RunManifest | dict) -> RunManifest:
+    """The typed manifest (``load_run`` returns the checked JSON object)."""
+    return manifest if isinstance(manifest, RunManifest) else RunManifest.from_dict(manifest)
+
+
+def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: bool = True) -> list[_Part]:
     """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
     import pandas as pd
 
@@ -177,13 +183,14 @@ def parts_of(path: Path, manifest: dict, frame, prompt_tokens: bool = True) -> l
     missing = [c for c in LOAD_COLUMNS if c not in frame]  # e.g. phases, in runs made before them: all null
     if missing:
         frame = frame.assign(**{c: None for c in missing})
-    dataset = manifest.get("dataset") or {}
-    run_id = str(manifest.get("run_id") or path.name)
+    manifest = as_manifest(manifest)
+    dataset = manifest.dataset or {}
+    run_id = str(manifest.run_id or path.name)
     if len(frame) == 0:
         raise IpwError(f"{path}: the run has no records")
     qcode, qids = pd.factorize(frame["query_id"])
     bcode, bnames = _codes(frame["backend"], "")
-    run = RunInfo(str(path), run_id, str(manifest.get("status", "unknown")), dataset.get("name"),
+    run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
                   dataset.get("fingerprint"), len(qids), len(frame))
     nq, nb = len(qids), len(bnames)
     key = bcode * nq + qcode

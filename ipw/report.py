@@ -61,6 +61,7 @@ def _load_records(runs, labels: dict[tuple[str, str], str]):
     """Every run's records (the report's columns) with the compare label of their backend."""
     import pandas as pd
 
+    from ipw.compare import as_manifest
     from ipw.results import load_run
 
     frames, manifests = [], []
@@ -70,7 +71,7 @@ def _load_records(runs, labels: dict[tuple[str, str], str]):
         frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)),
                              label=frame["backend"].astype(str).map(names))
         frames.append(frame)
-        manifests.append((run, manifest))
+        manifests.append((run, as_manifest(manifest)))
     frame = pd.concat(frames, ignore_index=True)
     frame["category"] = frame["category"].astype(str).replace({"None": "", "nan": ""})
     frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce").fillna(0.0)  # unscored counts 0
@@ -101,26 +102,26 @@ def _setup_sections(manifests) -> list[dict]:
     """What was run and on what: per run, the manifest's dataset, hardware, software and backends."""
     out = []
     for run, m in manifests:
-        config = m.get("config") or {}
-        ds = m.get("dataset") or {}
-        packages = (m.get("software") or {}).get("packages") or {}
+        config = m.config or {}
+        ds = m.dataset or {}
+        packages = (m.software or {}).get("packages") or {}
         run_rows = [
-            ("run", run.run_id), ("status", m.get("status", "unknown")),
-            ("command", " ".join(map(str, m.get("command") or [])) or "n/a"),
+            ("run", run.run_id), ("status", m.status or "unknown"),
+            ("command", " ".join(map(str, m.command or [])) or "n/a"),
             ("config", config.get("source", "n/a")),
             ("dataset", f"{ds.get('name', 'n/a')} ({ds.get('n_queries', '?')} queries, "
                         f"fingerprint {ds.get('fingerprint', 'n/a')})"),
             ("records", f"{run.n_records:,}"),
-            ("started / finished", f"{m.get('started_at', 'n/a')} / {m.get('finished_at', 'n/a')}"),
+            ("started / finished", f"{m.started_at or 'n/a'} / {m.finished_at or 'n/a'}"),
             ("generation", _value(config.get("generation", "n/a"))),
             ("repeats / warm-up / idle s", f"{config.get('repeats', 'n/a')} / {config.get('warmup', 'n/a')} / "
                                            f"{config.get('idle_s', 'n/a')}"),
         ]
-        hardware = [(k, _value(v)) for k, v in (m.get("hardware") or {}).items()]
-        software = [(k, _value(v)) for k, v in (m.get("software") or {}).items() if k != "packages"]
+        hardware = [(k, _value(v)) for k, v in (m.hardware or {}).items()]
+        software = [(k, _value(v)) for k, v in (m.software or {}).items() if k != "packages"]
         software.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "n/a"))
         backends = []
-        for b in m.get("backends") or []:
+        for b in m.backends or []:
             sensors = [{"name": s.get("name", "?"), "source": s.get("source", "?"), "quality": s.get("quality", "?"),
                         "scope": s.get("scope", "?"), "available": s.get("available", True),
                         "detail": s.get("detail") or ""} for s in b.get("sensors") or []]

@@ -1,12 +1,15 @@
 """Sharding without Ray: ``--shard K/N`` and ``ipw merge`` (pure checks, then real llama.cpp runs)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+import runfolders
 from ipw.errors import IpwError
+from ipw.results import RunManifest
 from ipw.shard import Shard, combine_backend_infos, parse_shard, shard_items
 from conftest import mixed_accuracy_jsonl, only_run, smol_config
 
@@ -73,20 +76,19 @@ CONFIG = {"dataset": "x.jsonl", "limit": 0, "repeats": 1, "out_dir": "res", "sou
 
 
 def _fake_shard(root: Path, index: int, count: int, qids: list[str], *, status="complete", config=None,
-                full_fingerprint="sha256:full", n_full=None, name=None) -> Path:
-    path = root / (name or f"shard{index}of{count}")
-    path.mkdir(parents=True)
-    (path / "manifest.json").write_text(json.dumps({
-        "schema_version": 1, "run_id": path.name, "status": status, "config": config or CONFIG,
-        "dataset": {"name": "x", "n_queries": len(qids), "fingerprint": f"sha256:{path.name}"},
+                full_fingerprint="sha256:full", n_full=None, name=None, shard=True) -> Path:
+    name = name or f"shard{index}of{count}"
+    folder = runfolders.create(root, name, {
+        "config": config or CONFIG,
+        "dataset": {"name": "x", "n_queries": len(qids), "fingerprint": f"sha256:{name}"},
         "shard": {"index": index, "count": count,
                   "dataset": {"name": "x", "n_queries": n_full if n_full is not None else 4,
-                              "fingerprint": full_fingerprint}},
-        "hardware": {"cpu_model": "cpu"}, "hardware_by_id": {f"hw-{index}": {"cpu_model": "cpu"}}, "backends": []}))
-    (path / "records.jsonl").write_text("".join(
-        json.dumps({"run_id": path.name, "backend": "smol", "query_id": q, "repeat": 0, "correct": 1.0}) + "\n"
-        for q in qids))
-    return path
+                              "fingerprint": full_fingerprint}} if shard else None,
+        "hardware": {"cpu_model": "cpu"}, "hardware_by_id": {f"hw-{index}": {"cpu_model": "cpu"}}, "backends": []})
+    for q in qids:
+        folder.append(runfolders.record(run_id=name, backend="smol", query_id=q))
+    folder.finish(status)
+    return folder.path
 
 
 @pytest.mark.parametrize("case,words", [
@@ -122,11 +124,7 @@ def test_merge_refuses(tmp_path, run_cli, case, words):
 
 
 def _not_a_shard(root: Path) -> Path:
-    path = _fake_shard(root, 2, 2, ["q1", "q3"])
-    manifest = json.loads((path / "manifest.json").read_text())
-    del manifest["shard"]
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return path
+    return _fake_shard(root, 2, 2, ["q1", "q3"], shard=False)
 
 
 def test_merge_out_of_order_and_config_out_dir_ignored(tmp_path):
@@ -149,11 +147,12 @@ def test_check_machines_of_sharded_runs():
     from ipw.check import comparability, machines
 
     a, b = {"cpu_model": "A", "cpu_logical_cores": 2}, {"cpu_model": "B", "cpu_logical_cores": 2}
-    single = {"status": "complete", "dataset": {"fingerprint": "f"}, "hardware": a, "hardware_by_id": {"hw-a": a}}
-    merged = {"status": "complete", "dataset": {"fingerprint": "f"}, "hardware": b, "hardware_by_id": {"hw-a": a}, "merged_from": []}
+    single = RunManifest("single", status="complete", dataset={"fingerprint": "f"}, hardware=a, hardware_by_id={"hw-a": a})
+    merged = RunManifest("merged", status="complete", dataset={"fingerprint": "f"}, hardware=b, hardware_by_id={"hw-a": a},
+                         merged_from=[])
     assert machines(merged) == [a], "a merged run is the machines that measured it, not the first shard's header"
     assert comparability(single, merged, False) == []
-    two = {**merged, "hardware_by_id": {"hw-a": a, "hw-b": b}}
+    two = dataclasses.replace(merged, hardware_by_id={"hw-a": a, "hw-b": b})
     assert "hardware differs" in comparability(single, two, False)[0]
     assert comparability(single, two, True) == []
 
