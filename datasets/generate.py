@@ -10,7 +10,8 @@ Every answer of a generated category is computed by code; the multiple-choice it
 only their option order is drawn. Each category draws from its own ``random.Random`` derived from the
 seed, so editing one category does not reshuffle the others. ``ipw-core-default.txt`` lists the 24
 query ids of the small default run: a seeded, stratified pick of 3-4 per category mixing easy and
-hard items (``long_context``, added later, is not in it).
+hard items (``long_context`` and ``chat``, added later, are not in it). The ``chat`` prompts were
+written by hand for this project and have no reference answer (scorer ``judge``).
 """
 
 from __future__ import annotations
@@ -633,9 +634,78 @@ def gen_long_context(rng: random.Random) -> list[Item]:
 
 
 # --------------------------------------------------------------------------------------------
+# chat (judge): open-ended prompts written by hand for this project: advice, explanation and short
+# creative tasks with no single right answer. Each asks for a reply short enough for the default
+# 48-token cap (one or two sentences, a few lines, a short list). They have no reference answer
+# ("answer": ""): scorer ``judge`` compares a backend's reply with a reference backend's reply to
+# the same prompt (``--grading vs-backend:NAME``); without a judge they are unscored, never wrong.
+# (kind, prompt); the kind only documents the mix and is not written out.
 
-#: Not in the default subset (its ids stay as they were before these categories were added).
-NOT_IN_DEFAULT = ("long_context",)
+CHAT = [
+    # advice
+    ("advice", "Give two tips for keeping houseplants alive in winter, one sentence each."),
+    ("advice", "In one or two sentences, what should someone do the night before a job interview?"),
+    ("advice", "Suggest two simple ways to drink more water during the day. Keep it brief."),
+    ("advice", "In two sentences, how can a beginner start running without getting hurt?"),
+    ("advice", "Give three quick ideas for a rainy Saturday afternoon with kids, as a short list."),
+    ("advice", "In one or two sentences, how should I tell a friend that I cannot come to their party?"),
+    ("advice", "What is one good habit for keeping a desk tidy? Answer in one sentence."),
+    ("advice", "Give two tips for sleeping better on a hot summer night, one sentence each."),
+    ("advice", "In two sentences, how can I remember the names of people I meet at a party?"),
+    ("advice", "Suggest a cheap, healthy lunch someone could pack for work. One or two sentences."),
+    ("advice", "In one or two sentences, what is a good way to start learning a new language?"),
+    ("advice", "Give two short tips for writing a clear email to a busy colleague."),
+    ("advice", "How can someone feel less nervous before speaking in public? Answer in two sentences."),
+    ("advice", "Suggest two ways to save a little money on groceries each week. Keep it short."),
+    ("advice", "In one or two sentences, what should I pack for a day hike in the hills?"),
+    ("advice", "Give one tip for helping a new cat settle into a home, in a sentence or two."),
+    # explanation
+    ("explain", "Explain to a 10-year-old why the sky is blue, in three short sentences."),
+    ("explain", "In one or two sentences, why do we have leap years?"),
+    ("explain", "Explain in two sentences why bread goes stale."),
+    ("explain", "In one or two simple sentences, what does a thermostat do?"),
+    ("explain", "Explain to a child in two sentences why we need to sleep."),
+    ("explain", "In one or two sentences, why does ice float on water?"),
+    ("explain", "Explain briefly, in two sentences, how a rainbow forms."),
+    ("explain", "In one or two sentences, what is the difference between weather and climate?"),
+    ("explain", "Explain in two sentences why onions make people cry when they cut them."),
+    ("explain", "In one or two sentences, what does it mean to recycle something?"),
+    ("explain", "Explain to a beginner in two sentences what a password manager is for."),
+    ("explain", "In one or two sentences, why do leaves change color in autumn?"),
+    ("explain", "Explain in two simple sentences how a bicycle stays upright while moving."),
+    ("explain", "In one or two sentences, why is it a good idea to wash your hands before eating?"),
+    ("explain", "Explain in two sentences what an echo is."),
+    ("explain", "In one or two sentences, why do cats purr?"),
+    # short creative tasks
+    ("creative", "Write a four-line poem about a lighthouse keeper."),
+    ("creative", "Write a two-sentence story about a lost umbrella that finds its way home."),
+    ("creative", "Invent a name and a one-sentence description for a new ice cream flavor."),
+    ("creative", "Write a haiku about the first snow of the year."),
+    ("creative", "Describe a busy train station in two vivid sentences."),
+    ("creative", "Write a friendly one-sentence note to a neighbor thanking them for watering your plants."),
+    ("creative", "Give a short, cheerful slogan for a neighborhood bakery."),
+    ("creative", "Write a four-line poem about a cup of morning tea."),
+    ("creative", "In two sentences, describe a dragon who is afraid of the dark."),
+    ("creative", "Write a one-sentence opening line for a mystery story set on a ship."),
+    ("creative", "Invent a name for a friendly robot and describe what it does in one sentence."),
+    ("creative", "Write a two-line rhyme about a cat who loves boxes."),
+    ("creative", "Describe the smell of a forest after rain in one or two sentences."),
+    ("creative", "Write a short toast, two sentences long, for a friend's birthday."),
+    ("creative", "Write a three-line poem about a city at night."),
+    ("creative", "Give three possible names for a small boat, as a short list."),
+]
+
+
+def gen_chat(rng: random.Random) -> list[Item]:
+    """The handwritten open-ended prompts, in the order written (``rng`` is unused: nothing is drawn)."""
+    return [Item(prompt, "", "judge", kind) for kind, prompt in CHAT]
+
+
+# --------------------------------------------------------------------------------------------
+
+#: Not in the default subset (its ids stay as they were before these categories were added; ``chat``
+#: also because judging each answer costs time on a 2-core machine).
+NOT_IN_DEFAULT = ("long_context", "chat")
 
 CATEGORIES = (  # name, id prefix, generator; the order is the order in the file
     ("arithmetic", "arith", gen_arithmetic),
@@ -646,6 +716,7 @@ CATEGORIES = (  # name, id prefix, generator; the order is the order in the file
     ("general_knowledge", "gk", lambda rng: gen_mcq(rng, GENERAL_KNOWLEDGE)),
     ("science", "sci", lambda rng: gen_mcq(rng, SCIENCE)),
     ("long_context", "long", gen_long_context),
+    ("chat", "chat", gen_chat),
 )
 
 

@@ -1,7 +1,9 @@
 """Queries and query sets: the bundled set and users' own files (JSONL, CSV, Parquet).
 
 Interchange format (one JSON object per line): ``id``, ``prompt``, ``answer`` and optional
-``choices`` (option texts, lettered A, B, C... in order), ``category``, ``scorer``.
+``choices`` (option texts, lettered A, B, C... in order), ``category``, ``scorer``.  ``answer`` may be
+empty or missing only for scorer ``judge`` (graded by an LLM judge against a reference backend's
+answer; see :mod:`ipw.scoring`).
 """
 
 from __future__ import annotations
@@ -57,11 +59,16 @@ def resolve_dataset(name_or_path: str) -> Path:
 
 
 def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> Query:
-    from ipw.scoring import SCORERS
+    from ipw.scoring import JUDGE, KNOWN_SCORERS
 
     if not isinstance(row, dict):
         raise IpwError(f"{where(path, line)}: expected a JSON object, got {type(row).__name__}")
+    # a judge-scored item (open-ended, graded against a reference backend's answer) needs no answer
+    no_answer_needed = (row.get("scorer") or (None if row.get("choices") else default_scorer)) == JUDGE
     for key in REQUIRED:
+        if key == "answer" and no_answer_needed and (row.get(key) is None or (isinstance(row[key], str)
+                                                                              and not row[key].strip())):
+            continue
         if key not in row or row[key] is None or row[key] == "":
             raise IpwError(f"{where(path, line, key)}: required field is missing")
         if isinstance(row[key], str) and not row[key].strip():
@@ -70,7 +77,9 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
     if unknown:
         raise IpwError(f"{where(path, line, unknown[0])}: unknown field (allowed: {', '.join(REQUIRED + OPTIONAL)})")
     for key in ("id", "prompt", "answer"):
-        value = row[key]
+        value = row.get(key, "")
+        if key == "answer" and value is None:
+            continue  # judge-scored: absent
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise IpwError(f"{where(path, line, key)}: expected a string, got {type(value).__name__}")
     choices = row.get("choices")
@@ -88,9 +97,10 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
     else:
         choices = None
     scorer = row.get("scorer") or ("mcq" if choices else default_scorer)
-    if not isinstance(scorer, str) or scorer not in SCORERS:
-        raise IpwError(f"{where(path, line, 'scorer')}: unknown scorer {scorer!r} (known: {', '.join(sorted(SCORERS))})")
-    answer = str(row["answer"]).strip()
+    if not isinstance(scorer, str) or scorer not in KNOWN_SCORERS:
+        raise IpwError(f"{where(path, line, 'scorer')}: unknown scorer {scorer!r} "
+                       f"(known: {', '.join(sorted(KNOWN_SCORERS))})")
+    answer = "" if row.get("answer") is None else str(row["answer"]).strip()
     if scorer == "mcq":
         if not choices:
             raise IpwError(f"{where(path, line, 'choices')}: scorer 'mcq' needs a list of choices")

@@ -1,7 +1,7 @@
 """Deterministic scorers: does a model's free-form output match the reference answer?
 
 Every scorer has the signature ``scorer(output, answer, choices) -> bool`` and is registered in
-:data:`SCORERS`; :func:`score` looks one up by name. They never call a model and never raise for an
+:data:`SCORERS`; :func:`score` looks one up by name (and returns None, unscored, for ``judge``). They never call a model and never raise for an
 odd output (an empty or garbled output simply scores wrong); a broken *reference* (a ``numeric``
 answer that is not a number, an invalid ``regex``) raises :class:`IpwError`, since the dataset needs
 fixing.
@@ -57,6 +57,13 @@ Scorers and what they accept (precedence is part of the contract, so it is spell
 ``regex``
     ``answer`` is a Python regular expression searched (``re.IGNORECASE``) anywhere in the raw
     output; scoped flags such as ``(?-i:...)`` may be used for a case-sensitive part.
+
+``judge``
+    Not a deterministic scorer: the item (e.g. ipw-core's open-ended ``chat`` prompts) is graded only
+    by an LLM judge that compares the answer with a reference backend's answer to the same query
+    (:mod:`ipw.judge`, grading ``vs-backend:NAME``). ``answer`` may be empty. Without a judge at hand
+    :func:`score` returns None: the record is *unscored*, never wrong. It is a known scorer name
+    (:data:`KNOWN_SCORERS`) but has no function in :data:`SCORERS`.
 """
 
 from __future__ import annotations
@@ -500,6 +507,11 @@ SCORERS: dict[str, Callable[[str, str, tuple[str, ...] | None], bool]] = {
     "regex": regex,
 }
 
+#: Graded only by an LLM judge against a reference backend's answer (no function, no reference answer).
+JUDGE = "judge"
+#: Every scorer name a query may carry: the deterministic ones, then ``judge``.
+KNOWN_SCORERS: tuple[str, ...] = (*SCORERS, JUDGE)
+
 
 def check_answer(scorer: str, answer: str) -> None:
     """Raise :class:`IpwError` when ``scorer`` could never score against the reference ``answer`` (a
@@ -511,11 +523,16 @@ def check_answer(scorer: str, answer: str) -> None:
         _compile(answer)
 
 
-def score(scorer: str, output: str, answer: str, choices: tuple[str, ...] | None = None) -> bool:
-    """Score one output with the named scorer; raises :class:`IpwError` for an unknown name."""
+def score(scorer: str, output: str, answer: str, choices: tuple[str, ...] | None = None) -> bool | None:
+    """Score one output with the named scorer; raises :class:`IpwError` for an unknown name.
+
+    None for ``judge``: only an LLM judge grades such an item, so without one it is unscored (never
+    False). The deterministic scorers always return a bool."""
+    if scorer == JUDGE:
+        return None
     fn = SCORERS.get(scorer)
     if fn is None:
-        raise IpwError(f"unknown scorer {scorer!r} (known: {', '.join(sorted(SCORERS))})")
+        raise IpwError(f"unknown scorer {scorer!r} (known: {', '.join(sorted(KNOWN_SCORERS))})")
     if output is None:
         return False
     return bool(fn(str(output), str(answer), tuple(choices) if choices else None))

@@ -33,6 +33,7 @@ def test_size_and_categories(queries):
     assert len(counts) >= 6
     assert all(n >= 40 for c, n in counts.items() if c != "long_context"), counts
     assert 20 <= counts["long_context"] <= 30, counts
+    assert counts["chat"] >= 40, counts  # open-ended, judge-scored (tests/test_chat_items.py)
     assert len({q.id for q in queries}) == len(queries)
     assert len({q.prompt for q in queries}) > 0.95 * len(queries)
 
@@ -52,7 +53,7 @@ def test_mcq_items_are_well_formed(queries):
 
 def test_generated_prompts_ask_for_a_short_answer(queries):
     for q in queries:
-        if q.scorer != "mcq":
+        if q.scorer not in ("mcq", "judge"):  # chat prompts ask for a short reply in their own words
             assert "Answer" in q.prompt, q.id
 
 
@@ -61,8 +62,10 @@ def reference_output(q) -> str:
 
 
 def test_reference_answers_score_correct(queries):
-    wrong = [q.id for q in queries if not score(q.scorer, reference_output(q), q.answer, q.choices)]
+    wrong = [q.id for q in queries if q.scorer != "judge" and not score(q.scorer, reference_output(q), q.answer, q.choices)]
     assert not wrong
+    # judge items have no reference answer: without a judge they are unscored, never wrong
+    assert all(score(q.scorer, "some reply", q.answer) is None for q in queries if q.scorer == "judge")
 
 
 def test_a_wrong_letter_scores_wrong(queries):
@@ -80,7 +83,7 @@ def test_default_subset(queries):
     by_id = {q.id: q for q in queries}
     assert all(i in by_id for i in ids)
     per_category = Counter(by_id[i].category for i in ids)
-    assert set(per_category) == {q.category for q in queries} - {"long_context"}  # added later, not in it
+    assert set(per_category) == {q.category for q in queries} - {"long_context", "chat"}  # added later, not in it
     assert all(3 <= n <= 4 for n in per_category.values()), per_category
 
 
@@ -98,7 +101,7 @@ def test_another_seed_gives_another_valid_set(generate, tmp_path: Path):
     assert out.read_bytes() != (DATASETS_DIR / "ipw-core.jsonl").read_bytes()
     other = load_queries(str(out))
     assert len(other) >= 400
-    assert all(score(q.scorer, reference_output(q), q.answer, q.choices) for q in other)
+    assert all(score(q.scorer, reference_output(q), q.answer, q.choices) for q in other if q.scorer != "judge")
 
 
 def test_generator_fmt_and_syllogism_checker(generate):

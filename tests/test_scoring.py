@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ipw.errors import IpwError
-from ipw.scoring import SCORERS, extract_choice, extract_number, normalize, score
+from ipw.scoring import KNOWN_SCORERS, SCORERS, check_answer, extract_choice, extract_number, normalize, score
 
 CAPITALS = ("Paris", "London", "Rome", "Berlin")  # "Which city is the capital of France?"
 VITAMINS = ("Vitamin A", "Vitamin C", "Vitamin D", "Vitamin K")
@@ -276,8 +276,19 @@ def test_regex_invalid_pattern_is_a_user_error():
 
 def test_registry_and_unknown_scorer():
     assert set(SCORERS) == {"mcq", "exact", "numeric", "contains", "regex"}
-    with pytest.raises(IpwError, match="unknown scorer 'judge'"):
-        score("judge", "x", "x")
+    with pytest.raises(IpwError, match="unknown scorer 'fuzzy'.*judge"):
+        score("fuzzy", "x", "x")
+
+
+def test_judge_is_known_but_unscored_without_a_judge():
+    """``judge`` items are graded only by an LLM judge against a reference backend's answer: scored
+    here (no judge at hand) they are None, unscored, never False; and ``judge`` has no function."""
+    assert "judge" in KNOWN_SCORERS and "judge" not in SCORERS
+    assert set(KNOWN_SCORERS) == set(SCORERS) | {"judge"}
+    for output in ("A lighthouse keeper climbs the stair.", "", None):
+        assert score("judge", output, "") is None  # type: ignore[arg-type]
+    assert score("judge", "anything", "a reference text") is None
+    check_answer("judge", "")  # an empty reference is fine
 
 
 def test_none_output_scores_wrong():
