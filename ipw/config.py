@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
-from ipw.judge import GRADINGS, JudgeSpec
+from ipw.judge import JudgeSpec, check_grading
 from ipw.resources import resource_path
 
 EMBEDDED_DEFAULT = resource_path("default.toml")
@@ -239,12 +239,16 @@ def parse_config(text: str, path: str) -> RunConfig:
             raise IpwError(f"{where(prefix + 'mode', 'mode')}: must be one of {', '.join(MODES)}")
         options = {k: v for k, v in fields.items() if k not in _BACKEND}
         backends.append(BackendSpec(fields["name"], kind, fields["model"], role, mode, options))
+    vs = top["judge"].vs_backend if top.get("judge") else None
+    if vs is not None and vs not in names:
+        raise IpwError(f"{where('judge.grading', 'grading')}: vs-backend:{vs} names no backend of this config "
+                       f"(backends: {', '.join(sorted(names))})")
     return RunConfig(backends=tuple(backends), generation=GenerationSettings(**gen), source=path, **top)
 
 
 def parse_judge_table(table: dict, path: str, text: str) -> JudgeSpec:
     """The ``[judge]`` table: a backend (``kind``, ``model``, ``name``, ``mode`` and the kind's engine
-    options) plus ``grading`` (reference | pairwise), ``prompt`` (a version in ipw/judge_prompts or a
+    options) plus ``grading`` (reference | pairwise | vs-backend:NAME), ``prompt`` (a version in ipw/judge_prompts or a
     .txt path), ``max_tokens`` and ``usd_per_mtok_in``/``usd_per_mtok_out`` (the judge's prices)."""
     where = _Where(path, text)
     after = next((i for i, ln in enumerate(where.lines) if ln.strip().startswith("[judge]")), 0)
@@ -265,8 +269,8 @@ def parse_judge_table(table: dict, path: str, text: str) -> JudgeSpec:
         raise IpwError(f"{path}: field 'judge.model': required")
     if fields.get("mode", "chat") not in MODES:
         raise IpwError(f"{loc('mode')}: must be one of {', '.join(MODES)}")
-    if fields.get("grading", "reference") not in GRADINGS:
-        raise IpwError(f"{loc('grading')}: must be one of {', '.join(GRADINGS)}")
+    if "grading" in fields:
+        fields["grading"] = check_grading(fields["grading"], loc("grading"))
     if fields.get("max_tokens", 1) < 1:
         raise IpwError(f"{loc('max_tokens')}: must be >= 1")
     for key in _AT_LEAST_ONE:

@@ -10,6 +10,12 @@ Grading methods:
     TIE (:func:`parse_pairwise_verdict`).  The answer counts correct only when both orders agree that
     it is at least as good as the reference (its own letter or TIE both times): a judge that favors
     one position cannot make it correct.
+``vs-backend:NAME``
+    Coverage as the paper defines it (Intelligence per Watt, arXiv 2511.07885): the same two-order
+    comparison, but the reference is backend NAME's answer to the same query (the cloud model), and the
+    question is which answer serves the asker better, not which is right.  A win or a tie in both orders
+    *covers* the query (``win_tie`` = 1 in the record); the dataset score (``correct``) is kept apart.
+    Open-ended items (scorer ``judge``, no reference answer) are measurable only this way.
 
 Prompts are files in ``ipw/judge_prompts/`` named ``<method>-v<N>.txt`` with ``{{placeholders}}``;
 the version (file stem) and its sha256 go into the run folder.  An unreadable reply counts incorrect
@@ -33,8 +39,10 @@ from ipw.errors import IpwError
 from ipw.resources import resource_path
 
 PROMPTS_DIR = resource_path("judge_prompts")
-GRADINGS = ("reference", "pairwise")
-PLACEHOLDERS = {"reference": ("question", "reference", "response"), "pairwise": ("question", "answer_a", "answer_b")}
+GRADINGS = ("reference", "pairwise", "vs-backend:NAME")
+VS_BACKEND = "vs-backend:"
+PLACEHOLDERS = {"reference": ("question", "reference", "response"), "pairwise": ("question", "answer_a", "answer_b"),
+                "vs-backend": ("question", "answer_a", "answer_b")}
 
 
 @dataclass(frozen=True)
@@ -42,15 +50,25 @@ class JudgeSpec:
     """A judge as configured: the ``[judge]`` table of a config, or ``--judge KIND:MODEL``."""
 
     backend: BackendSpec
-    grading: str = "reference"  # reference | pairwise
-    prompt: str = ""  # a version in ipw/judge_prompts ("reference-v1") or a .txt path; "" = <grading>-v1
+    grading: str = "reference"  # reference | pairwise | vs-backend:NAME
+    prompt: str = ""  # a version in ipw/judge_prompts ("reference-v1") or a .txt path; "" = <method>-v1
     max_tokens: int = 16
     usd_per_mtok_in: float | None = None  # price of the judge's tokens, USD per million (cost = tokens x price)
     usd_per_mtok_out: float | None = None
 
     @property
+    def method(self) -> str:
+        """reference | pairwise | vs-backend (the grading without its backend name)."""
+        return "vs-backend" if self.grading.startswith(VS_BACKEND) else self.grading
+
+    @property
+    def vs_backend(self) -> str | None:
+        """The reference backend of ``vs-backend:NAME`` grading, else None."""
+        return self.grading[len(VS_BACKEND):] if self.method == "vs-backend" else None
+
+    @property
     def prompt_ref(self) -> str:
-        return self.prompt or f"{self.grading}-v1"
+        return self.prompt or f"{self.method}-v1"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JudgeSpec":
@@ -76,7 +94,9 @@ def judge_from_cli(text: str, configured: tuple[BackendSpec, ...] = (), grading:
 
 
 def check_grading(grading: str, loc: str) -> str:
-    if grading not in GRADINGS:
+    if grading.startswith(VS_BACKEND) and grading[len(VS_BACKEND):].strip():
+        return grading
+    if grading not in GRADINGS[:2]:
         raise IpwError(f"{loc}: unknown grading {grading!r} (known: {', '.join(GRADINGS)})")
     return grading
 
@@ -88,7 +108,7 @@ class JudgePrompt:
     sha256: str
 
 
-def load_prompt(ref: str, grading: str) -> JudgePrompt:
+def load_prompt(ref: str, method: str) -> JudgePrompt:
     """A versioned prompt of ``ipw/judge_prompts`` (or a .txt file); checks its placeholders."""
     path = Path(ref) if ref.endswith(".txt") else PROMPTS_DIR / f"{ref}.txt"
     if not path.is_file():
@@ -96,9 +116,9 @@ def load_prompt(ref: str, grading: str) -> JudgePrompt:
         raise IpwError(f"judge prompt {ref!r} not found (versions: {known}; or a .txt path)")
     text = path.read_text(encoding="utf-8")
     used = set(re.findall(r"\{\{(\w+)\}\}", text))
-    if used != set(PLACEHOLDERS[grading]):
-        raise IpwError(f"{path}: a {grading} prompt needs the placeholders "
-                       f"{', '.join('{{' + p + '}}' for p in PLACEHOLDERS[grading])} (found: {', '.join(sorted(used))})")
+    if used != set(PLACEHOLDERS[method]):
+        raise IpwError(f"{path}: a {method} prompt needs the placeholders "
+                       f"{', '.join('{{' + p + '}}' for p in PLACEHOLDERS[method])} (found: {', '.join(sorted(used))})")
     return JudgePrompt(path.stem, text, "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16])
 
 
@@ -204,12 +224,20 @@ def grade_pairwise(call: Callable[[str], JudgeCall], template: str, question: st
     return Verdict(all(x in ("response", "tie") for x in labels), tuple(labels), tuple(calls))
 
 
+def orders_agree(verdicts: tuple[str, ...] | list[str]) -> bool | None:
+    """Whether a two-order verdict says the same in both orders (both response, both reference or both
+    tie); None when it is not a two-order verdict that parsed (not judged, unparsed, an error)."""
+    if len(verdicts) != 2 or not set(verdicts) <= {"response", "reference", "tie"}:
+        return None
+    return verdicts[0] == verdicts[1]
+
+
 class Judge:
     """A loaded judge backend with its sensors; ``grade`` measures each call in its own window."""
 
     def __init__(self, spec: JudgeSpec, probe: Callable[[Any], list] | None = None) -> None:
         self.spec = spec
-        self.prompt = load_prompt(spec.prompt_ref, spec.grading)
+        self.prompt = load_prompt(spec.prompt_ref, spec.method)
         self.settings = GenerationSettings(max_tokens=spec.max_tokens, temperature=0.0)
         self._probe = probe
         self.backend: Any = create_backend(spec.backend)  # resolves the model: a missing one fails here
@@ -260,7 +288,7 @@ class Judge:
         )
 
     def grade(self, question: str, reference: str, response: str) -> Verdict:
-        fn = grade_pairwise if self.spec.grading == "pairwise" else grade_reference
+        fn = grade_reference if self.spec.method == "reference" else grade_pairwise
         return fn(self.call, self.prompt.text, question, reference, response)
 
     def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float | None:

@@ -58,16 +58,17 @@ def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
     return answer
 
 
-def judge_line(row: dict[str, Any], judge: Judge, verdict: Verdict | None, why: str | None) -> dict[str, Any]:
-    """One ``judge.jsonl`` line: what the judge cost for one record (``why``: not judged, and why)."""
-    calls = verdict.calls if verdict else ()
+def judge_line(row: dict[str, Any], judge: Judge, verdict: Verdict | str) -> dict[str, Any]:
+    """One ``judge.jsonl`` line: what the judge cost for one record (a string verdict: not judged, and why)."""
+    judged = isinstance(verdict, Verdict)
+    calls = verdict.calls if judged else ()
     energies = [c.energy_j for c in calls]
     p_tok, c_tok = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
     return {
         "backend": row["backend"], "query_id": row["query_id"], "repeat": row["repeat"],
         "judge": judge.spec.backend.name, "judge_model": judge.spec.backend.model, "grading": judge.spec.grading,
-        "prompt_version": judge.prompt.version, "correct": bool(verdict and verdict.correct),
-        "verdicts": list(verdict.verdicts) if verdict else [why],
+        "vs_backend": judge.spec.vs_backend, "prompt_version": judge.prompt.version,
+        "correct": judged and verdict.correct, "verdicts": list(verdict.verdicts) if judged else [verdict],
         "judge_outputs": [c.output for c in calls], "judge_errors": [c.error for c in calls if c.error],
         "judge_calls": len(calls), "judge_prompt_tokens": p_tok, "judge_completion_tokens": c_tok,
         "judge_latency_s": sum(c.latency_s for c in calls),
@@ -117,12 +118,14 @@ def rescore(
     progress: Callable[[QueryRecord], None] | None = None, probe: Callable | None = None,
 ) -> RunFolder:
     """Score every record of ``run_dir`` again: with ``scorer`` (one of SCORERS or ``judge``), or
-    with each record's own scorer when None.  Error records stay 0.  Returns the new run folder."""
-    if judge is not None and scorer is None:
+    with each record's own scorer when None.  Error records stay 0.  A ``vs-backend:NAME`` judge keeps
+    the dataset scores and adds ``win_tie`` against backend NAME's answers.  Returns the new run folder."""
+    vs = judge.vs_backend if judge is not None else None
+    if judge is not None and scorer is None and vs is None:
         scorer = "judge"
     if scorer is not None and scorer != "judge" and scorer not in SCORERS:
         raise IpwError(f"--scorer {scorer!r}: unknown scorer (known: {', '.join(sorted(SCORERS))}, judge)")
-    if judge is not None and scorer != "judge":
+    if judge is not None and vs is None and scorer != "judge":
         raise IpwError(f"--judge applies to --scorer judge, not to --scorer {scorer}")
     manifest, frame = load_run(run_dir)
     if frame.empty:
@@ -132,14 +135,26 @@ def rescore(
         if judge is None:
             raise IpwError("--scorer judge needs a judge: --judge KIND:MODEL (or a backend name), or a [judge] "
                            "table in --config or in the run's config")
-    judge_ctx = Judge(judge, probe=probe) if scorer == "judge" else None  # checks prompt and model first
+        vs = judge.vs_backend
+        if vs is not None:
+            raise IpwError(f"--scorer judge grades against the dataset's answers; vs-backend:{vs} keeps them and "
+                           "adds win/tie coverage: leave out --scorer")
+    references: dict[tuple[str, int], dict[str, Any]] = {}
+    if vs is not None:
+        if vs not in set(frame["backend"]):
+            raise IpwError(f"vs-backend:{vs}: the run has no backend {vs!r} (backends: "
+                           f"{', '.join(sorted(set(frame['backend'])))})")
+        references = {(r["query_id"], int(r["repeat"])): dataclasses.asdict(QueryRecord.from_row(r))
+                      for r in frame[frame["backend"] == vs].to_dict(orient="records")}
+    judge_ctx = Judge(judge, probe=probe) if judge is not None else None  # checks prompt and model first
     kept = RunManifest.from_dict({k: v for k, v in manifest.items() if k not in _NOT_COPIED}
                                  | {"run_id": manifest.get("run_id")})
     run_id = new_run_id()
     folder = RunFolder.create(out_dir or Path(run_dir).parent, run_id, dataclasses.replace(
         kept, run_id=run_id, ipw_version=__version__, command=list(command if command is not None else sys.argv),
         rescored_from={"run_id": manifest.get("run_id"), "path": str(Path(run_dir).resolve()),
-                       "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)"},
+                       "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)",
+                       **({"vs_backend": vs} if vs else {})},
         rescored_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     ))
     if (Path(run_dir) / "power.parquet").exists():
@@ -154,7 +169,8 @@ def rescore(
                 (folder.path / "judge.jsonl").touch()
                 updates["judge"] = judge_ctx.describe()
             for raw in frame.to_dict(orient="records"):
-                record = _rescore_one(dataclasses.asdict(QueryRecord.from_row(raw)), scorer, judge_ctx, folder)
+                record = _rescore_one(dataclasses.asdict(QueryRecord.from_row(raw)), scorer, judge_ctx, folder,
+                                      references)
                 folder.append(record)
                 if progress:
                     progress(record)
@@ -167,24 +183,54 @@ def rescore(
     return folder
 
 
-def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, folder: RunFolder) -> QueryRecord:
+def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, folder: RunFolder,
+                 references: dict[tuple[str, int], dict[str, Any]]) -> QueryRecord:
+    """One record scored again.  With a reference/pairwise judge, the judge decides ``correct``; with a
+    ``vs-backend`` judge, ``correct`` keeps the dataset score and the judge decides ``win_tie`` against
+    the reference backend's answer to the same query (``references``: (query_id, repeat) -> its row)."""
     name = scorer or row["scorer"]
     choices = row["choices"] or choices_from_prompt(row["prompt"])  # runs before records kept choices
-    if judge is not None:
-        verdict, why = None, None
-        if row["error"] is not None:
-            why = "error"  # an error record stays 0 and is not judged
-        elif not (row["output"] or "").strip():
-            why = "empty"  # an empty output is always wrong
-        else:
-            verdict = judge.grade(row["prompt"], _reference_text(row["answer"], choices), row["output"])
-        _append_jsonl(folder.path / "judge.jsonl", judge_line(row, judge, verdict, why))
-        correct = float(bool(verdict and verdict.correct))
-    elif row["error"] is not None:
-        correct = 0.0
+    extra: dict[str, Any] = {}
+    if judge is not None and judge.spec.vs_backend is None:
+        answer = (row["answer"] or "").strip()
+        verdict = _judge(judge, row, _reference_text(answer, choices) if answer else None, folder)
+        correct = None if verdict == "unscored" else float(isinstance(verdict, Verdict) and verdict.correct)
     else:
-        correct = float(score(name, row["output"] or "", row["answer"], choices if name == "mcq" else None))
-    return QueryRecord(**{**row, "run_id": folder.manifest.run_id, "scorer": name, "correct": correct})
+        correct = dataset_score(row, name, choices)
+    if judge is not None and judge.spec.vs_backend is not None:
+        vs = judge.spec.vs_backend
+        extra["vs_backend"] = vs
+        if row["backend"] != vs:  # the reference itself is not judged against itself
+            ref = references.get((row["query_id"], row["repeat"])) or references.get((row["query_id"], 0))
+            usable = ref is not None and ref["error"] is None and (ref["output"] or "").strip()
+            verdict = _judge(judge, row, ref["output"] if usable else None, folder)
+            extra["win_tie"] = None if verdict == "unscored" else float(isinstance(verdict, Verdict) and verdict.correct)
+            extra["judge_verdicts"] = verdict.verdicts if isinstance(verdict, Verdict) else (verdict,)
+    return QueryRecord(**{**row, **extra, "run_id": folder.manifest.run_id, "scorer": name, "correct": correct})
+
+
+def dataset_score(row: dict[str, Any], name: str, choices: tuple[str, ...] | None) -> float | None:
+    """``correct`` against the dataset's answer: 0 for an error, None for an item only a judge can score."""
+    if row["error"] is not None:
+        return 0.0
+    got = score(name, row["output"] or "", row["answer"], choices if name == "mcq" else None)
+    return None if got is None else float(got)
+
+
+def _judge(judge: Judge, row: dict[str, Any], reference: str | None, folder: RunFolder) -> Verdict | str:
+    """Grade ``row``'s output against ``reference`` and log the cost to judge.jsonl.  Not judged: "error"
+    and "empty" (both count as not covered), "unscored" (no reference to compare with)."""
+    verdict: Verdict | str
+    if row["error"] is not None:
+        verdict = "error"
+    elif not (row["output"] or "").strip():
+        verdict = "empty"
+    elif reference is None:
+        verdict = "unscored"
+    else:
+        verdict = judge.grade(row["prompt"], reference, row["output"])
+    _append_jsonl(folder.path / "judge.jsonl", judge_line(row, judge, verdict))
+    return verdict
 
 
 def judge_totals(path: Path) -> dict[str, Any]:
@@ -211,6 +257,8 @@ def summary(original, rescored) -> list[dict[str, Any]]:
         merged = old.merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
         rows.append({"backend": backend, "records": len(new), "accuracy_before": float(old["correct"].mean()),
                      "accuracy_after": float(new["correct"].mean()),
-                     "changed": int((merged["correct_old"] != merged["correct_new"]).sum())})
+                     "changed": int((merged["correct_old"].fillna(-1) != merged["correct_new"].fillna(-1)).sum()),
+                     "win_tie": float(new["win_tie"].mean()) if new["win_tie"].notna().any() else None,
+                     "judged": int(new["win_tie"].notna().sum())})
     return rows
 

@@ -48,7 +48,8 @@ def make_record(
         basis = {r.component for r in readings if r.source in total.source.split("+") and r.energy_j is not None}
         net = total.energy_j - sum(idle.power_w.get(c, 0.0) for c in basis) * (duration if busy_s is None else busy_s)
     output = completion.text if completion else ""
-    correct = 0.0 if error else float(score(query.scorer, output, query.answer, query.choices))
+    got = None if error else score(query.scorer, output, query.answer, query.choices)
+    correct = 0.0 if error else None if got is None else float(got)  # None: unscored (a judge item)
     return QueryRecord(
         run_id=run_id, backend=spec.name, model=spec.model, role=spec.role, query_id=query.id,
         category=query.category, repeat=repeat, scorer=query.scorer, prompt=query.render(), answer=query.answer,

@@ -232,7 +232,7 @@ max_tokens = 8
     with pytest.raises(IpwError, match=r"run.toml:13: field 'judge.max_token': unknown key"):
         load_config(str(path))
     path.write_text(path.read_text().replace("max_token = 8", 'grading = "vibes"').replace('grading = "pairwise"\n', ""))
-    with pytest.raises(IpwError, match=r"run.toml:\d+: field 'judge.grading': must be one of reference, pairwise"):
+    with pytest.raises(IpwError, match=r"run.toml:\d+: field 'judge.grading': unknown grading 'vibes' \(known: reference, pairwise, vs-backend:NAME\)"):
         load_config(str(path))
 
 

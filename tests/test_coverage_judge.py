@@ -1,0 +1,231 @@
+"""Coverage as the paper defines it: a judge compares each answer with a reference backend's answer to
+the same query, in both orders (``--grading vs-backend:NAME``).  A scripted judge pins the win/tie
+rule, order disagreement and unparsed replies; a real llama.cpp judge grades a handful of chat items."""
+
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ipw.backends.base import BackendSpec, Completion, register_backend, unregister_backend
+from ipw.errors import IpwError
+from ipw.judge import JudgeSpec, orders_agree
+from ipw.telemetry.base import EnergyReading, SensorInfo
+from runfolders import create, record
+
+# (query_id, scorer, answer, local output, cloud output, local error); the outputs carry the words the
+# scripted judge reacts to
+ITEMS = [
+    ("c1", "judge", "", "GOOD tip: water less", "GOOD tip: more light", None),  # tie both orders -> covered
+    ("c2", "judge", "", "BEST poem", "plain poem", None),  # local wins both orders -> covered
+    ("c3", "judge", "", "plain advice", "BEST advice", None),  # cloud wins both orders -> not covered
+    ("c4", "judge", "", "LEFT biased", "other text", None),  # judge always says "A": the orders disagree
+    ("c5", "judge", "", "MUMBLE reply", "some text", None),  # unparsed reply -> not covered
+    ("c6", "judge", "", "", "some text", None),  # empty local output -> not covered, not judged
+    ("c7", "judge", "", "", "", "QueryError: timeout"),  # local error -> not covered, not judged
+    ("c8", "judge", "", "an answer", "", None),  # the cloud answer failed -> nothing to compare: unscored
+    ("m1", "numeric", "7", "7", "7", None),  # dataset item: correct kept, and judged (tie)
+]
+
+
+class ScriptedJudge:
+    """TIE when both answers say GOOD or the item is m1; the answer saying BEST wins; "A" whenever the
+    local answer says LEFT (position bias); an unreadable reply for MUMBLE."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def load(self):
+        pass
+
+    def generate(self, prompt, settings):
+        now = time.monotonic()
+        a = prompt.split("Answer A:\n", 1)[1].split("\n\nAnswer B:", 1)[0]
+        b = prompt.split("Answer B:\n", 1)[1].split("\n\n", 1)[0]
+        if "MUMBLE" in a + b:
+            text = "I would rather not say."
+        elif "LEFT" in a + b:
+            text = "A"
+        elif "GOOD" in a and "GOOD" in b or a == b:
+            text = "TIE"
+        else:
+            text = "A" if "BEST" in a else "B"
+        return Completion(text, 80, 1, now, now, now + 0.001, (now,), "stop")
+
+    def pids(self):
+        return []
+
+    def describe(self):
+        return {"engine": "scripted"}
+
+    def close(self):
+        pass
+
+
+class FixedSensor:
+    name = "fixed"
+
+    def info(self):
+        return SensorInfo("fixed", True, "model.cpu", "estimated", "cpu_package")
+
+    def begin(self):
+        return None
+
+    def end(self, token):
+        return [EnergyReading("cpu", 0.5, "model.cpu", "estimated", "cpu_package", 0.001)]
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    register_backend("scripted", ScriptedJudge, replace=True)
+    yield
+    unregister_backend("scripted")
+
+
+def make_run(out: Path, items=ITEMS, prompts=None) -> Path:
+    """A finished run of a local and a cloud-role backend over ``items``, as the runner writes it."""
+    folder = create(out, "20260101-000000-chat", {"config": {"dataset": "hand-made", "backends": []},
+                                                  "dataset": {"name": "hand-made"}, "backends": []})
+    for backend, role in (("local", "local"), ("cloud", "cloud")):
+        for qid, scorer, answer, local_out, cloud_out, error in items:
+            output = local_out if backend == "local" else cloud_out
+            err = error if backend == "local" else None
+            correct = 0.0 if err else (None if scorer == "judge" else float(output.strip() == answer))
+            folder.append(record(run_id=folder.path.name, backend=backend, model=backend, role=role, query_id=qid,
+                                 category="chat" if scorer == "judge" else "arithmetic", scorer=scorer,
+                                 prompt=(prompts or {}).get(qid, f"Request {qid}"), answer=answer, output=output, correct=correct, error=err,
+                                 error_category="timeout" if err else None))
+    folder.finish("complete")
+    return folder.path
+
+
+def spec(vs="cloud"):
+    return JudgeSpec(BackendSpec("judge:scripted", "scripted", "any"), grading=f"vs-backend:{vs}")
+
+
+def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
+    from ipw.rescore import rescore
+
+    run = make_run(tmp_path / "runs")
+    folder = rescore(run, judge=spec(), out_dir=tmp_path / "judged", probe=lambda backend: [FixedSensor()])
+    frame = pd.read_parquet(folder.path / "records.parquet")
+    local = frame[frame["backend"] == "local"].set_index("query_id")
+    cloud = frame[frame["backend"] == "cloud"].set_index("query_id")
+    win_tie = {q: (None if pd.isna(v) else v) for q, v in local["win_tie"].items()}
+    assert win_tie == {"c1": 1.0, "c2": 1.0, "c3": 0.0, "c4": 0.0, "c5": 0.0, "c6": 0.0, "c7": 0.0,
+                       "c8": None, "m1": 1.0}
+    verdicts = {q: tuple(v) for q, v in local["judge_verdicts"].items()}
+    assert verdicts["c1"] == ("tie", "tie") and verdicts["c2"] == ("response", "response")
+    assert verdicts["c3"] == ("reference", "reference")
+    assert verdicts["c4"] == ("response", "reference")  # "A" both times: the position, not the answer, won
+    assert verdicts["c5"] == ("unparsed", "unparsed")
+    assert verdicts["c6"] == ("empty",) and verdicts["c7"] == ("error",) and verdicts["c8"] == ("unscored",)
+    assert [orders_agree(verdicts[q]) for q in ("c1", "c2", "c3", "c4", "c5", "c6")] == [True, True, True, False,
+                                                                                          None, None]
+    # the dataset score is kept apart: chat items stay unscored, the numeric item keeps its score
+    assert local["correct"].isna().sum() == 7 and local.loc["m1", "correct"] == 1.0
+    assert local.loc["c7", "correct"] == 0.0  # an error is scored 0 whatever the scorer
+    # the reference backend is not judged against itself
+    assert cloud["win_tie"].isna().all() and set(frame["vs_backend"]) == {"cloud"}
+    # bookkeeping: only the judged records cost calls, and the cost is kept out of the records' energy
+    lines = [json.loads(x) for x in (folder.path / "judge.jsonl").read_text().splitlines()]
+    assert len(lines) == 9 and sum(x["judge_calls"] for x in lines) == 12  # 6 judged records x 2 orders
+    assert all(x["vs_backend"] == "cloud" for x in lines)
+    assert folder.manifest.judge["totals"]["energy_j"] == pytest.approx(12 * 0.5)
+    assert folder.manifest.judge["totals"]["unparsed"] == 1
+    assert folder.manifest.rescored_from["vs_backend"] == "cloud"
+    assert list(frame["energy_j"]) == [1.0] * 18
+
+
+def test_vs_backend_through_the_cli(scripted, tmp_path, run_cli):
+    run = make_run(tmp_path / "runs")
+    code, out, err = run_cli("rescore", run, "--judge", "scripted:any", "--grading", "vs-backend:cloud",
+                             "--out", tmp_path / "judged")
+    assert code == 0, err
+    (judged,) = list((tmp_path / "judged").iterdir())
+    frame = pd.read_parquet(judged / "records.parquet")
+    assert frame[frame["backend"] == "local"]["win_tie"].sum() == 3.0
+    code, out, err = run_cli("rescore", run, "--judge", "scripted:any", "--grading", "vs-backend:nope")
+    assert code == 2 and "vs-backend:nope: the run has no backend 'nope'" in err
+    code, out, err = run_cli("rescore", run, "--judge", "scripted:any", "--grading", "vs-backend:cloud",
+                             "--scorer", "judge")
+    assert code == 2 and "leave out --scorer" in err
+
+
+def test_vs_backend_in_a_run_config(tmp_path):
+    from ipw.config import load_config
+    from ipw.rescore import judge_spec
+
+    path = tmp_path / "run.toml"
+    text = '''dataset = "ipw-core"
+[[backends]]
+name = "smol"
+kind = "llama-cpp"
+model = "smollm2-135m"
+
+[[backends]]
+name = "cloud"
+kind = "llama-cpp"
+model = "gemma3-270m"
+role = "cloud"
+
+[judge]
+kind = "llama-cpp"
+model = "smollm2-135m"
+grading = "vs-backend:cloud"
+'''
+    path.write_text(text)
+    config = load_config(str(path))
+    assert config.judge.vs_backend == "cloud" and config.judge.prompt_ref == "vs-backend-v1"
+    assert judge_spec({"config": json.loads(json.dumps(config.to_dict()))}).vs_backend == "cloud"
+    path.write_text(text.replace("vs-backend:cloud", "vs-backend:gpt"))
+    with pytest.raises(IpwError, match=r"run.toml:16: field 'judge.grading': vs-backend:gpt names no backend"):
+        load_config(str(path))
+    path.write_text(text.replace("vs-backend:cloud", "vs-backend:"))
+    with pytest.raises(IpwError, match=r"run.toml:16: field 'judge.grading': unknown grading 'vs-backend:'"):
+        load_config(str(path))
+
+
+CHAT = [  # a handful of open-ended items with plausible answers from two small models
+    ("c1", "Give one tip for keeping a houseplant alive in winter.",
+     "Keep it near a bright window and water it less often, since it grows slowly in winter.",
+     "Water it."),
+    ("c2", "In one sentence, why do we see lightning before we hear thunder?",
+     "Light travels much faster than sound, so the flash reaches us before the rumble.",
+     "Because thunder is loud."),
+    ("c3", "Suggest a name for a friendly robot in a children's story.",
+     "Bolt", "How about Sprocket, a cheerful robot who loves to help?"),
+]
+
+
+@pytest.mark.llama
+def test_real_llama_cpp_judge_on_chat_items(tmp_path, run_cli):
+    """SmolLM2-135M judges cloud-style answers (weak as a judge: mechanics and bookkeeping are asserted,
+    not its taste)."""
+    items = [(q, "judge", "", local, cloud, None) for q, _, cloud, local in CHAT]
+    run = make_run(tmp_path / "runs", items, prompts={q: p for q, p, _, _ in CHAT})
+    code, _, err = run_cli("rescore", run, "--judge", "llama-cpp:smollm2-135m", "--grading",
+                           "vs-backend:cloud", "--out", tmp_path / "judged")
+    assert code == 0, err
+    (judged,) = list((tmp_path / "judged").iterdir())
+    manifest = json.loads((judged / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["judge"]["prompt_version"] == "vs-backend-v1"
+    assert manifest["judge"]["engine"]["engine"] == "llama-cpp-python"
+    frame = pd.read_parquet(judged / "records.parquet")
+    local = frame[frame["backend"] == "local"]
+    assert set(local["win_tie"]) <= {0.0, 1.0} and local["win_tie"].notna().all()
+    assert frame[frame["backend"] == "cloud"]["win_tie"].isna().all()
+    lines = [json.loads(x) for x in (judged / "judge.jsonl").read_text().splitlines()]
+    judged_lines = [x for x in lines if x["judge_calls"]]
+    assert len(judged_lines) == 3
+    for line, (_, row) in zip(judged_lines, local.iterrows()):
+        assert set(line["verdicts"]) <= {"response", "reference", "tie", "unparsed"}
+        assert line["correct"] == bool(row["win_tie"])
+        assert line["correct"] == all(v in ("response", "tie") for v in line["verdicts"])
+        assert line["judge_prompt_tokens"] > 40 and line["judge_energy_j"] > 0
+        assert len(line["judge_outputs"]) == 2
