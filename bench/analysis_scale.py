@@ -160,10 +160,10 @@ def measure(args) -> dict:
 
 # what each command imports before it reads anything: its fixed cost
 IMPORTS = {
-    "compare": "import ipw.cli, ipw.commands, ipw.compare, ipw.results, pandas, pyarrow.parquet",
-    "report": "import ipw.cli, ipw.commands, ipw.report, ipw.compare, ipw.results, pandas, pyarrow.parquet, "
+    "compare": "import ipw.cli, ipw.commands.compare, ipw.analysis.compare, ipw.analysis.render, ipw.results, pandas, pyarrow.parquet",
+    "report": "import ipw.cli, ipw.commands.report, ipw.analysis.report, ipw.analysis.compare, ipw.results, pandas, pyarrow.parquet, "
               "matplotlib.pyplot, jinja2",
-    "check": "import ipw.cli, ipw.commands, ipw.check, ipw.metrics, ipw.results, pandas, pyarrow.parquet",
+    "check": "import ipw.cli, ipw.commands.check, ipw.analysis.check, ipw.analysis.metrics, ipw.results, pandas, pyarrow.parquet",
 }
 
 
@@ -186,7 +186,7 @@ BEFORE = """Two defects showed up here and were fixed:
 - **`ipw check` did not scale**: its bootstrap copied every column per resample (`c[idx]`, 4,000 x
   queries x 8 values), 3.0 GB and 18.8 s at 10^5 records; at 10^6 it passed 8 GB and was stopped
   (it needed about 30 GB). It now uses the same weighted-sum bootstrap as `compare`
-  (`ipw.stats.bootstrap_draws`: a resample is one row of weights; TTFT medians exact from the weights),
+  (`ipw.analysis.stats.bootstrap_draws`: a resample is one row of weights; TTFT medians exact from the weights),
   once per backend for all thresholds: 874 MB and under 10 s at 10^6 records, and the same changes,
   intervals and verdicts (identical p-values on the synthetic runs, except TTFT p50 whose resampled
   median is now the lower median).

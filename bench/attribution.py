@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ipw.doctor import step_lag_s  # noqa: E402
+from ipw.commands.doctor import step_lag_s  # noqa: E402
 from ipw.telemetry.estimator import counter_energy_between, integrate_samples  # noqa: E402
 
 METHODS = ("begin/end counter", "averaged power", "instant power", "ipw")

@@ -150,7 +150,7 @@ Reproduce (writes this section):
 .venv/bin/python bench/compare_scale.py --queries {row['n_queries']} --repeats {len(row['walls_s'])}
 ```
 
-How it stays within budget (`ipw/compare.py`, `ipw/stats.py`):
+How it stays within budget (`ipw/analysis/compare.py`, `ipw/analysis/stats.py`):
 
 - Only the needed columns are read from records.parquet (`load_run(..., columns=..., categorical=...)`,
   low-cardinality strings as dictionaries), and Arrow's pool hands freed memory back after each run.

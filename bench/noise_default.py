@@ -5,7 +5,7 @@ other (or reads existing run folders with ``--dirs``), then:
 
 - per backend and metric, the level of each run and its spread (mean, standard deviation, coefficient
   of variation, max/min - 1);
-- every ordered pair of runs through ``ipw check``'s own statistics (``ipw.check.check_runs``, the
+- every ordered pair of runs through ``ipw check``'s own statistics (``ipw.analysis.check.check_runs``, the
   default α and 4,000 paired resamples): the largest adverse change seen, and how many pairs each
   candidate threshold would have failed (regression) or flagged (inconclusive). Identical code on the
   same machine, so every failure here is a false alarm.
@@ -59,7 +59,7 @@ def run_default(n: int, out: Path) -> list[Path]:
 
 
 def analyse(dirs: list[Path], alpha: float) -> dict:
-    from ipw.check import check_runs, parse_threshold
+    from ipw.analysis.check import check_runs, parse_threshold
     from ipw.results import load_run
 
     runs = [load_run(d) for d in dirs]

@@ -110,7 +110,7 @@ Reproduce (writes this section):
 .venv/bin/python bench/report_scale.py --queries {row['n_queries']} --repeats {len(row['walls_s'])}
 ```
 
-How it stays within budget (`ipw/report.py`): the numbers are `ipw compare`'s (see above); scatter plots
+How it stays within budget (`ipw/analysis/report.py`): the numbers are `ipw compare`'s (see above); scatter plots
 draw a seeded sample of at most 2,000 records per backend, power over time from the records is binned to
 at most 1,500 steps per backend and a power.parquet trace to 4,000 points per device, query boundaries
 are drawn one by one only up to 200 queries (then one shaded span per backend), the per-category plot

@@ -310,7 +310,7 @@ harness overhead measured against bare backends above.
 
 **Fixed**: the progress bar redrew 10 times a second (rich's default), and that thread alone took
 0.47–0.49 CPU s per minute (0.8% of a core; measured with this script, 5 s scenarios at 0.5 s per
-query); it now redraws twice a second (`ipw/commands.py`, `refresh_per_second=2`: its numbers change
+query); it now redraws twice a second (`ipw/commands/run.py`, `refresh_per_second=2`: its numbers change
 once per query). This matters beyond the budget: for an in-process engine (llama.cpp, vLLM) the
 CPU model charges the CPU time of ipw's own process, so every CPU second of ipw's threads while a
 query's window is open (snapshot thread, progress bar) is counted as that query's energy. With a

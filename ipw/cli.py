@@ -96,7 +96,7 @@ def run(
         "their queries run again."),
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
-    from ipw.commands import run_command
+    from ipw.commands.run import run_command
 
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
                                  repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
@@ -121,7 +121,7 @@ def rescore(
                                        "(default: next to the original)."),
 ) -> None:
     """Score a saved run again without re-running inference; writes a new run folder linked to it."""
-    from ipw.commands import rescore_command
+    from ipw.commands.rescore import rescore_command
 
     raise typer.Exit(rescore_command(run, scorer=scorer, judge=judge, grading=grading, config=config, out=out))
 
@@ -129,7 +129,7 @@ def rescore(
 @app.command("list")
 def list_() -> None:
     """List backend kinds, bundled models and datasets, and the sensors this machine offers."""
-    from ipw.commands import list_command
+    from ipw.commands.list import list_command
 
     raise typer.Exit(list_command())
 
@@ -156,7 +156,7 @@ def compare(
         None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
 ) -> None:
     """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
-    from ipw.commands import compare_command
+    from ipw.commands.compare import compare_command
 
     raise typer.Exit(compare_command(runs, reference=reference, common_queries=common_queries, local=local or [],
                                      cloud=cloud or [], router_accuracy=router_accuracy, fmt=fmt, n_boot=n_boot,
@@ -181,7 +181,7 @@ def report(
         0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
 ) -> None:
     """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
-    from ipw.commands import report_command
+    from ipw.commands.report import report_command
 
     raise typer.Exit(report_command(runs, out=out, markdown=markdown, reference=reference,
                                     common_queries=common_queries, local=local or [], cloud=cloud or [],
@@ -195,7 +195,7 @@ def merge(
 ) -> None:
     """Combine the shard runs of one split (--shard 1/N ... N/N) into one run that compare, report and check
     treat like an unsharded run; prints its folder."""
-    from ipw.commands import merge_command
+    from ipw.commands.merge import merge_command
 
     raise typer.Exit(merge_command(shards, out=out))
 
@@ -219,7 +219,7 @@ def check(
 ) -> None:
     """CI gate: exit 1 when a metric regresses beyond its threshold AND significantly; 0 otherwise; 2 when
     the runs are not comparable (dataset, hardware, energy basis) or the usage is wrong."""
-    from ipw.commands import check_command
+    from ipw.commands.check import check_command
 
     raise typer.Exit(check_command(baseline, candidate, fail_if=fail_if, alpha=alpha, strict=strict,
                                    allow_hardware_mismatch=allow_hardware_mismatch, markdown_path=markdown,
@@ -234,7 +234,7 @@ def doctor(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the findings as JSON."),
 ) -> None:
     """What this machine can measure, and at what resolution (exit 1 when a self-test check fails)."""
-    from ipw.doctor import doctor as run_doctor
+    from ipw.commands.doctor import doctor as run_doctor
 
     raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds, json_path=str(json_path) if json_path else None))
 
@@ -248,7 +248,7 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Convert again even when the folder holds a conversion."),
 ) -> None:
     """Convert a GGUF model to a Hugging Face folder (float32), e.g. for vLLM on the CPU; prints the folder."""
-    from ipw.commands import convert_command
+    from ipw.commands.convert import convert_command
 
     raise typer.Exit(convert_command(model, out_dir, force=force))
 

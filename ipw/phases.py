@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipw.stats import Estimate
+from ipw.analysis.stats import Estimate
 from ipw.telemetry.base import EnergyReading, energy_basis, worst_quality
 
 #: How often RAPL and the CPU model are read while a window is open (at most: see SNAPSHOT_CPU_BUDGET).

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ipw.check import parse_threshold
+from ipw.analysis.check import parse_threshold
 from ipw.errors import IpwError
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from runfolders import write_run  # noqa: F401 (other test modules import it from here too)
-from ipw.stats import bootstrap_draws, lower_quantile, resample_weights
+from ipw.analysis.stats import bootstrap_draws, lower_quantile, resample_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,7 +299,8 @@ def test_compare_matches_independent_recomputation_at_larger_n(tmp_path):
     import compare_scale
 
     paths = compare_scale.generate(tmp_path, 25_000)
-    from ipw.compare import compare, to_dict
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import to_dict
 
     d = to_dict(compare(paths))
     assert d["bootstrap"]["method"] == "poisson" and d["bootstrap"]["n_boot"] == 2000

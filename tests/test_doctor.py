@@ -10,8 +10,8 @@ import numpy as np
 import pynvml as real_pynvml
 import pytest
 
-from ipw import doctor as doctor_mod
-from ipw.doctor import doctor, step_lag_s
+from ipw.commands import doctor as doctor_mod
+from ipw.commands.doctor import doctor, step_lag_s
 
 
 def test_doctor_without_gpu(monkeypatch):

@@ -63,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_is_read():
     graph = import_graph()
     assert "ipw.telemetry.window" in graph["ipw.runner"]
-    assert "ipw.metrics" in graph["ipw.check"]
+    assert "ipw.analysis.metrics" in graph["ipw.analysis.check"]
 
 
 def test_finds_a_cycle():

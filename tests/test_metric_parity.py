@@ -45,7 +45,7 @@ def _agree(compared: dict, levels: dict) -> None:
 
 
 def test_run_table_compare_check_and_report_agree(tmp_path, run_cli):
-    from ipw import report
+    from ipw.analysis import report
 
     stub = Stub()
     stub.modes = ["ok", "ok", "500", "ok", "ok", "ok", "500", "ok"]  # 2 of 8 queries fail
@@ -76,7 +76,7 @@ def test_run_table_compare_check_and_report_agree(tmp_path, run_cli):
 def test_failed_and_unmeasured_queries_count_the_same_everywhere(tmp_path, run_cli):
     """Errored queries count as incorrect (accuracy, IPJ); a query without energy is missing from the
     energy metrics, never 0 J; repeats are averaged first."""
-    from ipw import report
+    from ipw.analysis import report
 
     run = write_run(tmp_path / "r", "r1", {
         # the timed-out query's score (1) is ignored: it counts 0
@@ -97,12 +97,13 @@ def test_failed_and_unmeasured_queries_count_the_same_everywhere(tmp_path, run_c
 
 def test_point_values_are_compares_numbers(tmp_path, run_cli):
     """``ipw.metrics.point_values`` (no bootstrap) gives the point values compare reports."""
-    from ipw import compare as cmp
-    from ipw.metrics import METRICS, point_values
+    from ipw.analysis import compare as cmp
+    from ipw.analysis.load import load
+    from ipw.analysis.metrics import METRICS, point_values
 
     run = write_run(tmp_path / "r", "r1", {
         "a": {"correct": [1, 0, 1], "energy": [1.0, None, 3.0], "error": [None, "timeout", None]}})
-    _, _, pq, _ = cmp.load([run], prompt_tokens=True)
+    _, _, pq, _ = load([run], prompt_tokens=True)
     compared = _compare(run_cli, run)["a"]
     for name, value in point_values(cmp.backend_values(pq, 0)).items():
         expected = compared[name]["value"]

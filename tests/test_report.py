@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("jinja2")
 pytest.importorskip("matplotlib")
 
-from ipw import report  # noqa: E402
+from ipw.analysis import report  # noqa: E402
 from runfolders import create, record  # noqa: E402
 
 XSS_OUTPUT = "<script>window.__xss=1</script>"
@@ -160,13 +160,14 @@ def test_estimated_is_marked_in_every_energy_plot(built):
 
 
 def test_numbers_come_from_compare(built, tmp_path):
-    from ipw import compare as cmp
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import tables, to_dict
 
     ctx, _, md = built
-    d = cmp.to_dict(cmp.compare([r["path"] for r in ctx["runs"]]))
+    d = to_dict(compare([r["path"] for r in ctx["runs"]]))
     assert [b["metrics"] for b in ctx["backends"]] == [b["metrics"] for b in d["backends"]]
     assert ctx["routing"] == d["routing"]
-    first = cmp.tables(cmp.compare([r["path"] for r in ctx["runs"]]))[0]
+    first = tables(compare([r["path"] for r in ctx["runs"]]))[0]
     assert [[c["text"] for c in row] for row in ctx["tables"][0]["rows"]] == first[2]
 
 

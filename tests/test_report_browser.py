@@ -22,7 +22,7 @@ websocket = pytest.importorskip("websocket")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_report import XSS_IMG, XSS_OUTPUT, XSS_PROMPT, fixture_runs  # noqa: E402
 
-from ipw import report  # noqa: E402
+from ipw.analysis import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ipw.errors import IpwError
-from ipw.routing import (QueryMatrix, coverage, energy_budget, oracle, oracle_queries, power_envelope,
+from ipw.analysis.routing import (QueryMatrix, coverage, energy_budget, oracle, oracle_queries, power_envelope,
                          resolve_roles, route, router)
 
 # 3 backends x 10 queries: local A (small), local B (medium), cloud C. Categories: q0-q4 math, q5-q9 text.

@@ -143,7 +143,7 @@ def test_key_checks(monkeypatch):
 
 
 def test_unexpected_error_is_one_scrubbed_line_and_debug_shows_the_traceback(monkeypatch, run_cli):
-    from ipw import commands
+    from ipw.commands import list as commands
     from ipw.sanitize import register
 
     register(SENTINEL)
@@ -184,7 +184,7 @@ def test_managed_server_environment_has_no_secrets(monkeypatch):
 
 
 def test_github_annotations_and_markdown_are_escaped():
-    from ipw.check import CheckResult, Verdict, github_annotations, markdown
+    from ipw.analysis.check import CheckResult, Verdict, github_annotations, markdown
     from ipw.sanitize import md_text
 
     name = "evil\n::error title=forged::owned, really%0A [x](javascript:alert(1))"

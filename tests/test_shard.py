@@ -128,7 +128,7 @@ def _not_a_shard(root: Path) -> Path:
 
 
 def test_merge_out_of_order_and_config_out_dir_ignored(tmp_path):
-    from ipw.merge import merge_runs
+    from ipw.commands.merge import merge_runs
 
     two = _fake_shard(tmp_path, 2, 2, ["q1", "q3"], config={**CONFIG, "out_dir": "elsewhere", "source": "b.toml"})
     one = _fake_shard(tmp_path, 1, 2, ["q0", "q2"])
@@ -144,7 +144,7 @@ def test_merge_out_of_order_and_config_out_dir_ignored(tmp_path):
 
 
 def test_check_machines_of_sharded_runs():
-    from ipw.check import comparability, machines
+    from ipw.analysis.check import comparability, machines
 
     a, b = {"cpu_model": "A", "cpu_logical_cores": 2}, {"cpu_model": "B", "cpu_logical_cores": 2}
     single = RunManifest("single", status="complete", dataset={"fingerprint": "f"}, hardware=a, hardware_by_id={"hw-a": a})

@@ -17,9 +17,9 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.results import RunManifest
-from ipw.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
+from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
-from ipw.stats import bootstrap_draws
+from ipw.analysis.stats import bootstrap_draws
 
 # the metrics and their aliases come from ipw.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
@@ -122,7 +122,7 @@ def machines(manifest: RunManifest) -> list[dict]:
 
 
 def _per_query(manifest: RunManifest, frame) -> dict:
-    from ipw.compare import parts_of
+    from ipw.analysis.load import parts_of
 
     return {p.info.backend: p for p in parts_of(manifest.run_id or "run", manifest, frame)}
 
@@ -142,7 +142,7 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
     """Every metric is computed with ipw.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others."""
-    from ipw.compare import as_manifest
+    from ipw.analysis.load import as_manifest
 
     base_manifest, cand_manifest = as_manifest(base_manifest), as_manifest(cand_manifest)
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)

@@ -16,7 +16,7 @@ period) and returns an exit code.  With ``self_test`` on a machine with an NVIDI
    too (what ``sample_shift_s`` compensates);
 4. the sampler thread's own CPU time (budget: 2% of one core).
 
-Runs without typer: ``python -m ipw.doctor [--self-test] [--seconds 60] [--json out.json]``.  Rich is
+Runs without typer: ``python -m ipw.commands.doctor [--self-test] [--seconds 60] [--json out.json]``.  Rich is
 used for tables when importable, plain text otherwise.
 """
 
@@ -467,7 +467,7 @@ def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ipw.doctor", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ipw.commands.doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--json", dest="json_path", default=None, help="write the self-test's numbers here")

@@ -1,4 +1,5 @@
-"""What each CLI command does, as functions that return an exit code (rendering with rich)."""
+"""``ipw run``: run a query set through backends (``ipw.runner``), with live progress and, at the end, the
+same numbers as ``ipw compare`` on the run folder."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ipw.commands.output import stdout
 from ipw.errors import IpwError
-
 
 
 def _progress_columns():
@@ -150,12 +151,12 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             def dispatch(folder, config, queries, progress, done):
                 run_on_ray(folder, config, queries, progress, ray_options, done)
         status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
-    from ipw.compare import compare
+    from ipw.analysis.compare import compare
 
     # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.metrics)
     try:
         summary = compare([folder.path], seed=config.generation.seed, common_queries=True)
-        _stdout().print(metrics_table(summary))
+        stdout().print(metrics_table(summary))
         for note in summary.notes:
             if note.startswith("--common-queries"):  # a stopped backend: the table covers the shared queries
                 console.print(f"note: {escape(note)}", highlight=False)
@@ -182,14 +183,6 @@ def _repair(run_dir: Path) -> None:
         f"{run_dir / 'records.jsonl'}: every line is a record; nothing to repair", highlight=False, markup=False)
 
 
-def _stdout() -> Console:
-    """Standard output; wide enough for the tables when it is not a terminal (CI logs, pipes)."""
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    return console
-
-
 def _num(x: float, spec: str = ".3g") -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
 
@@ -211,180 +204,3 @@ def metrics_table(c) -> Table:
             f"{_num(m['ttft_p50_s'].value * 1000, '.0f')} ms", f"{m['errors'].value:.0f}", b.energy_quality,
         )
     return table
-
-
-def compare_command(runs, *, reference, common_queries, local, cloud, router_accuracy, fmt, n_boot, seed,
-                    usd_per_kwh, api_prices) -> int:
-    import sys
-
-    from ipw import compare as cmp
-
-    if fmt not in cmp.FORMATS:
-        raise IpwError(f"--format {fmt!r}: must be one of {', '.join(cmp.FORMATS)}")
-    result = cmp.compare(runs, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
-                         router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
-                         api_prices=api_prices)
-    if fmt == "table":
-        console = _stdout()
-        for table in cmp.rich_tables(result):
-            console.print(table)
-        for note in result.notes:
-            console.print(f"note: {note}", highlight=False, markup=False)
-    else:
-        sys.stdout.write({"json": cmp.to_json, "csv": cmp.to_csv, "markdown": cmp.to_markdown}[fmt](result))
-    return 0
-
-
-def report_command(runs, *, out, markdown, reference, common_queries, local, cloud, router_accuracy) -> int:
-    from ipw.report import write
-
-    ctx = write(runs, out, markdown, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
-                router_accuracy=router_accuracy)
-    console = Console(stderr=True)
-    console.print(f"wrote {out} ({len(ctx['figures'])} plots, {ctx['n_records']:,} records)"
-                  + (f" and {markdown}" if markdown else ""), highlight=False, markup=False, soft_wrap=True)
-    return 0
-
-
-def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
-    from ipw.rescore import judge_spec, rescore, summary
-    from ipw.results import load_run
-
-    manifest, original = load_run(run)
-    spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
-    console = Console(stderr=True)
-    folder = rescore(run, scorer=scorer, judge=spec, out_dir=out)
-    _, frame = load_run(folder.path)
-    table = Table(title=f"ipw rescore: {folder.manifest.rescored_from['scorer']}")
-    for col in ("backend", "records", "accuracy before", "accuracy after", "changed"):
-        table.add_column(col, justify="left" if col == "backend" else "right")
-    for row in summary(original, frame):
-        table.add_row(row["backend"], str(row["records"]), f"{row['accuracy_before']:.1%}",
-                      f"{row['accuracy_after']:.1%}", str(row["changed"]))
-    _stdout().print(table)
-    totals = (folder.manifest.judge or {}).get("totals")
-    if totals:
-        energy = "n/a" if totals["energy_j"] is None else f"{totals['energy_j']:.3g} J"
-        console.print(f"judge {folder.manifest.judge['backend']['name']} ({folder.manifest.judge['prompt_version']}): "
-                      f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
-                      f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
-                      highlight=False, markup=False)
-    console.print(f"wrote {folder.path} (rescored from {run})")
-    return 0
-
-
-def list_command() -> int:
-    from ipw.backends.base import backend_kinds
-    from ipw.datasets import BUNDLED, DATASETS_DIR
-    from ipw.models import BUNDLED_MODELS, model_available
-    from ipw.telemetry.probe import describe_sensors
-
-    console = _stdout()
-    t = Table(title="backend kinds")
-    t.add_column("kind")
-    for kind in backend_kinds():
-        t.add_row(kind)
-    console.print(t)
-    t = Table(title="bundled models (--backend llama-cpp:NAME)")
-    for col in ("name", "package", "mode", "installed", "description"):
-        t.add_column(col)
-    for m in BUNDLED_MODELS.values():
-        t.add_row(m.name, m.package, m.mode, "yes" if model_available(m.name) else "no", m.description)
-    console.print(t)
-    t = Table(title="bundled datasets (--dataset NAME)")
-    for col in ("name", "file", "queries"):
-        t.add_column(col)
-    for name, (file, subset) in BUNDLED.items():
-        path = DATASETS_DIR / (subset or file)
-        count = sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
-        t.add_row(name, file + (f" (ids in {subset})" if subset else ""), str(count))
-    console.print(t)
-    t = Table(title="sensors on this machine (probed in this order)")
-    for col in ("sensor", "available", "source", "quality", "scope", "detail"):
-        t.add_column(col)
-    for info in describe_sensors():
-        t.add_row(info.name, "yes" if info.available else "no", info.source, info.quality, info.scope, info.detail)
-    console.print(t)
-    return 0
-
-
-
-
-def merge_command(shards, *, out) -> int:
-    """``ipw merge``: the merged run folder's path goes to stdout."""
-    from ipw.merge import merge_runs
-
-    folder = merge_runs(shards, out)
-    info = folder.manifest.dataset
-    Console(stderr=True).print(
-        f"merged {len(folder.manifest.merged_from)} shards: {info['n_queries']} queries "
-        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest.merged_from)} records, "
-        f"{len(folder.manifest.hardware_by_id)} machine fingerprint(s)", highlight=False, markup=False)
-    print(folder.path)
-    return 0
-
-
-def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
-                  junit_path) -> int:
-    from ipw.check import DEFAULT_THRESHOLDS, check_runs, github_annotations, junit_xml, markdown, parse_threshold
-    from ipw.results import load_run
-
-    if not 0 < alpha < 1:
-        raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
-    thresholds = [parse_threshold(t) for t in (fail_if or DEFAULT_THRESHOLDS)]
-    for option, path in (("--markdown", markdown_path), ("--junit", junit_path)):
-        if path is not None:
-            _check_writable(Path(path), option)  # before the (long) analysis, not after it
-    base_manifest, base = load_run(baseline, require=("dataset.fingerprint",))
-    cand_manifest, cand = load_run(candidate, require=("dataset.fingerprint",))
-    result = check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
-                        allow_hardware_mismatch=allow_hardware_mismatch)
-    table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g})")
-    for col in ("backend", "metric", "threshold", "baseline", "candidate", "change [95% CI]", "p", "verdict"):
-        table.add_column(col)
-    style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green"}
-    for v in result.verdicts:
-        unit = "pp" if v.threshold.endswith("pp") else "%"
-        table.add_row(v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
-                      f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", f"{v.p_value:.3g}",
-                      f"[{style[v.status]}]{v.status}[/]")
-    out = _stdout()
-    out.print(table)
-    for note in result.notes:
-        out.print(f"note: {note}")
-    if markdown_path:
-        _write_text(markdown_path, markdown(result), "--markdown")
-    if junit_path:
-        _write_text(junit_path, junit_xml(result), "--junit")
-    if github:
-        text = github_annotations(result)
-        if text:
-            print(text)
-    return result.exit_code
-
-
-def _check_writable(path: Path, option: str) -> None:
-    if path.is_dir():
-        raise IpwError(f"{option} {path}: is a folder; give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise IpwError(f"{option} {path}: the folder {parent} does not exist")
-    import os
-
-    if not os.access(parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
-        raise IpwError(f"{option} {path}: not writable (permission denied)")
-
-
-def _write_text(path, text: str, option: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise IpwError(f"{option} {path}: cannot write it ({exc.strerror or type(exc).__name__})") from None
-
-
-def convert_command(model, out_dir, *, force) -> int:
-    """GGUF -> Hugging Face folder (``ipw.convert``); the folder's path goes to stdout."""
-    from ipw.convert import convert_gguf
-
-    print(convert_gguf(model, out_dir, force=force))
-    return 0

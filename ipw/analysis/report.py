@@ -1,8 +1,9 @@
 """``ipw report``: one self-contained HTML file with plots, and a Markdown summary for CI pages.
 
-Every metric, interval and routing number comes from :mod:`ipw.compare` (its tables and its JSON
-layout); the report only adds views of the records themselves: energy against output tokens, power
-over time, per-category means, the costliest and the wrong answers.
+Every metric, interval and routing number comes from :mod:`ipw.analysis.compare` (rendered by
+:mod:`ipw.analysis.render`: its tables, with each cell's estimated-energy flag, and its JSON layout);
+the report only adds views of the records themselves: energy against output tokens, power over time,
+per-category means, the costliest and the wrong answers.
 
 Safety: the HTML is rendered by Jinja2 with autoescaping (dataset and model text is never pasted into
 markup), plots are matplotlib PNGs (Agg, imported lazily) inlined as ``data:`` URIs, the page has no
@@ -40,7 +41,6 @@ MAX_CATEGORIES = 30  # categories in the per-category plot
 MAX_TEXT = 1200  # characters of a prompt, reference or output shown
 DPI = 110
 ESTIMATED_NOTE = "hatched bars, hollow markers, dashed lines, '(estimated)': estimated energy (a model, not a sensor)"
-ROUTED_ENERGY_COLUMNS = {"energy saved", "power ≤ W", "energy ≤ J"}
 RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
                   "start_s", "end_s", "energy_j"]
 TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
@@ -61,7 +61,7 @@ def _load_records(runs, labels: dict[tuple[str, str], str]):
     """Every run's records (the report's columns) with the compare label of their backend."""
     import pandas as pd
 
-    from ipw.compare import as_manifest
+    from ipw.analysis.load import as_manifest
     from ipw.results import load_run
 
     frames, manifests = [], []
@@ -149,28 +149,14 @@ def _setup_sections(manifests) -> list[dict]:
     return out
 
 
-def _marked_tables(c, est: dict[str, bool], routing_est: bool) -> list[dict]:
-    """compare's tables with every cell that rests on estimated energy marked."""
-    from ipw import compare as cmp
+def _marked_tables(c) -> list[dict]:
+    """compare's tables, each cell with its estimated-energy flag (from ``ipw.analysis.render``)."""
+    from ipw.analysis.render import tables
 
-    energy_rows = {label for key, label in cmp.METRICS  # the rows of energy-based metrics
-                   if key in ("ipj", "ipw", "mean_power_w") or "energy" in key or key.startswith("j_per")}
     out = []
-    for title, headers, rows in cmp.tables(c):
-        diff = title.startswith("difference")
-        cells = []
-        for row in rows:
-            line = []
-            for j, text in enumerate(row):
-                head = headers[j]
-                mark = j > 0 and (
-                    (row[0] in energy_rows and (est.get(head, False) or (diff and est.get(c.reference, False))))
-                    or (routing_est and (head in ROUTED_ENERGY_COLUMNS or "energy saved" in row[0]))
-                )
-                line.append({"text": text, "est": bool(mark and text != "n/a")})
-            cells.append(line)
-        section = "compare" if title.startswith(("ipw compare", "difference")) else "routing"
-        out.append({"title": title, "headers": headers, "rows": cells, "section": section,
+    for t in tables(c):
+        cells = [[{"text": text, "est": est} for text, est in zip(row, marks)] for row, marks in zip(t.rows, t.est)]
+        out.append({"title": t.title, "headers": t.headers, "rows": cells, "key": t.key, "section": t.section,
                     "has_est": any(x["est"] for r in cells for x in r)})
     return out
 
@@ -610,25 +596,26 @@ def _plot_categories(p: _Plots, frame) -> str:
 def build(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
           local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
           n_boot: int | None = None, seed: int = 0) -> dict:
-    """Everything the templates show, from ``ipw.compare`` and the records of ``paths``."""
+    """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``."""
     _imports()
     import matplotlib
 
     from ipw import __version__
-    from ipw import compare as cmp
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import to_dict
 
-    c = cmp.compare(paths, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
+    c = compare(paths, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
                     router_accuracy=router_accuracy, n_boot=n_boot, seed=seed)
-    d = cmp.to_dict(c)
+    d = to_dict(c)
     labels = {(b.run_id, b.backend): b.label for b in c.backends}
-    est = {b.label: b.energy_quality == "estimated" for b in c.backends}
+    est = {b.label: c.estimated(b.label) for b in c.backends}
     manifests, frame = _load_records(c.runs, labels)
     if common_queries:  # the queries every backend has, as compare used
         per_q = frame.groupby("query_id")["label"].nunique()
         frame = frame[frame["query_id"].isin(per_q.index[per_q == len(c.backends)])]
     r = d["routing"]
-    routing_est = bool(r) and any(est.get(x) for x in [r["cloud"], *r["local"]])
-    tables = _marked_tables(c, est, routing_est)
+    routing_est = c.routing_estimated
+    tables = _marked_tables(c)
     costliest, wrong = _costliest(c.runs, frame, est)
     p = _Plots([b.label for b in c.backends], est)
     with matplotlib.rc_context({"font.size": 9, "hatch.linewidth": 0.8}):
@@ -701,7 +688,7 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
                      + ("" if gpus in ("[]", "n/a") else f", GPUs {_md_cell(gpus)}"))
     qualities = ", ".join(f"{_md_cell(b['label'])}: {b['energy_quality']}" for b in ctx["backends"])
     lines += [f"- energy quality: {qualities}", ""]
-    keep = [t for t in ctx["tables"] if t["title"].startswith(("ipw compare", "difference", "routing ("))]
+    keep = [t for t in ctx["tables"] if t["key"] in ("metrics", "difference", "routing")]
     for t in keep:
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",
                   "|" + "---|" * len(t["headers"])]

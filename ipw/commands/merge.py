@@ -158,3 +158,17 @@ def _merged_power(shards: list[tuple[Path, RunManifest]], node_of: dict[Path, st
                 frame["node"] = node_of[p]
             frames.append(frame)
     return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def merge_command(shards, *, out) -> int:
+    """``ipw merge``: the merged run folder's path goes to stdout."""
+    from rich.console import Console
+
+    folder = merge_runs(shards, out)
+    info = folder.manifest.dataset
+    Console(stderr=True).print(
+        f"merged {len(folder.manifest.merged_from)} shards: {info['n_queries']} queries "
+        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest.merged_from)} records, "
+        f"{len(folder.manifest.hardware_by_id)} machine fingerprint(s)", highlight=False, markup=False)
+    print(folder.path)
+    return 0

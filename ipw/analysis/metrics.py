@@ -6,7 +6,7 @@ score, counts 0; its error share (errored records / records); its energy, window
 where they were measured (otherwise the query is *missing* from the energy sums, never counted 0).
 Every metric is then a ratio of per-query column sums, or a lower quantile (the ceil(p·N)-th smallest
 of the per-query values), so the same definition serves a point value and every bootstrap resample
-(``ipw.stats.bootstrap_draws``) and paired differences between runs.
+(``ipw.analysis.stats.bootstrap_draws``) and paired differences between runs.
 
 Columns (per backend, one value per query; ``query_columns``):
   n  1                     c   correct                er  error share          err  error records
@@ -41,6 +41,7 @@ class Metric:
     value: Callable[[Mapping[str, Any]], Any]  # from column sums (a point, or one per resample)
     change_unit: str = "%"  # a change is relative (%) or in percentage points (pp)
     aliases: tuple[str, ...] = ()  # older ``--fail-if`` names
+    energy: bool = False  # computed from energy (an estimated energy makes it estimated)
 
 
 ALL = "every query (an errored or unscored one counts incorrect)"
@@ -49,20 +50,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("accuracy", "accuracy", "", "higher", ALL, lambda g: _ratio(g["c"], g["n"]), "pp"),
     Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["er"], g["n"]), "pp", ("errors",)),
     Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["h"]),
-           aliases=("energy_per_query",)),
+           aliases=("energy_per_query",), energy=True),
     Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over every query / J per query",
-           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["h"]))),
+           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["h"])), energy=True),
     Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over every query / mean power",
-           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["th"]))),
-    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"])),
+           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["th"])), energy=True),
+    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"]), energy=True),
     Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["kh"]),
-           aliases=("j_per_token",)),
+           aliases=("j_per_token",), energy=True),
     Metric("j_per_prefill_token", "J/prefill token", "J/token", "lower", "queries with phases",
-           lambda g: _ratio(g["pe"], g["ph"])),
+           lambda g: _ratio(g["pe"], g["ph"]), energy=True),
     Metric("j_per_decode_token", "J/decode token", "J/token", "lower", "queries with phases",
-           lambda g: _ratio(g["de"], g["dk"])),
+           lambda g: _ratio(g["de"], g["dk"]), energy=True),
     Metric("prefill_energy_share", "prefill share of J", "", "", "queries with phases",
-           lambda g: _ratio(g["pe"], g["pe"] + g["de"])),
+           lambda g: _ratio(g["pe"], g["pe"] + g["de"]), energy=True),
     Metric("ttft_p50_s", "TTFT p50 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p50"],
            aliases=("ttft_p50",)),
     Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
@@ -142,7 +143,7 @@ def quantile_keys() -> list[str]:
 
 def point_values(v: Mapping[str, np.ndarray | None]) -> dict[str, float]:
     """Every metric of one backend's per-query values ``v`` (see ``query_columns``), without intervals."""
-    from ipw.stats import lower_quantile
+    from ipw.analysis.stats import lower_quantile
 
     cols = query_columns(v)
     made = {k: make() for k, make in cols.items() if not isinstance(make, str)}

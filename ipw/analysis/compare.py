@@ -1,0 +1,293 @@
+"""``ipw compare``'s numbers: runs side by side with paired bootstrap CIs, and routing coverage
+(DESIGN.md §2), computed from the per-query matrix of ``ipw.analysis.load``.
+
+Every metric is a ratio of column sums or a quantile (``ipw.analysis.metrics``), bootstrapped with one
+set of resample weights for all backends (``ipw.analysis.stats.bootstrap_draws``), so differences
+against the reference are paired. Routing numbers come from ``ipw.analysis.routing`` (pure functions
+over the same matrix). Rendering (JSON, CSV, tables) is ``ipw.analysis.render``.
+
+Energy of different qualities is never added together: each backend's quality stays beside its
+numbers, differences between backends of different quality are flagged, and routed totals carry the
+worst quality of their parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ipw.analysis import metrics as metric_table
+from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, load
+from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route
+from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
+from ipw.errors import IpwError
+from ipw.phases import LinearFit, fit_linear
+
+LEVEL = 0.95
+J_PER_KWH = 3.6e6
+
+# key, label (from the one metric table, ipw.analysis.metrics); every key is in each backend's
+# "metrics" and "vs_reference" (JSON)
+METRICS: tuple[tuple[str, str], ...] = tuple((m.name, m.label) for m in metric_table.METRICS)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Every number of ``ipw compare`` (rendered by ``ipw.analysis.render``)."""
+
+    runs: tuple[RunInfo, ...]
+    backends: tuple[BackendInfo, ...]  # roles resolved
+    reference: str
+    n_queries: int
+    common_queries: bool
+    n_boot: int
+    seed: int
+    method: str
+    metrics: dict[str, dict[str, Estimate]]  # label -> metric key -> estimate
+    vs_reference: dict[str, dict[str, Estimate]]  # non-reference label -> metric key -> backend - reference
+    routing: Routing | None
+    routing_ci: dict[str, Estimate]  # local_coverage, oracle_accuracy, oracle_<energy|latency|cost>_saved_fraction
+    notes: tuple[str, ...] = field(default=())
+    models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
+
+    def estimated(self, label: str) -> bool:
+        """Backend ``label``'s energy numbers rest on estimated energy (a model, not a sensor)."""
+        return next(b.energy_quality == "estimated" for b in self.backends if b.label == label)
+
+    @property
+    def routing_estimated(self) -> bool:
+        """The routing's energy numbers involve a backend with estimated energy."""
+        r = self.routing
+        return r is not None and any(self.estimated(x) for x in (r.cloud, *r.local))
+
+
+
+# --- names and prices ---------------------------------------------------------------------------------
+
+def resolve_name(name: str, labels: Sequence[str], backends: Sequence[str], option: str) -> str:
+    """A label from a label or an unambiguous backend name."""
+    if name in labels:
+        return name
+    hits = [label for label, b in zip(labels, backends) if b == name]
+    if len(hits) == 1:
+        return hits[0]
+    if hits:
+        raise IpwError(f"{option} {name!r} is in several runs; name one of: {', '.join(hits)}")
+    raise IpwError(f"{option} {name!r}: no such backend (backends: {', '.join(labels)})")
+
+
+def parse_api_price(text: str) -> tuple[str, float, float]:
+    """``NAME=IN,OUT``: USD per million input and output tokens."""
+    name, eq, prices = text.partition("=")
+    try:
+        pin, pout = (float(x) for x in prices.split(","))
+    except ValueError:
+        pin = pout = float("nan")
+    if not eq or not name or not (math.isfinite(pin) and math.isfinite(pout)) or pin < 0 or pout < 0:
+        raise IpwError(f"--api-price {text!r}: expected NAME=IN,OUT (USD per million input and output tokens)")
+    return name, pin, pout
+
+
+def cost_matrix(pq: PerQuery, labels: Sequence[str], roles: Sequence[str], usd_per_kwh: float | None,
+                api_prices: dict[str, tuple[float, float]]) -> np.ndarray | None:
+    """USD per query (backends x queries): API token prices where given, else energy x electricity price
+    for local backends; NaN where neither applies; None when no price was given at all."""
+    if usd_per_kwh is None and not api_prices:
+        return None
+    cost = np.full(pq.correct.shape, np.nan)
+    for j, (label, role) in enumerate(zip(labels, roles)):
+        if label in api_prices:
+            pin, pout = api_prices[label]
+            cost[j] = (pq.prompt_tokens[j] * pin + pq.completion_tokens[j] * pout) / 1e6
+        elif usd_per_kwh is not None and role == "local":
+            cost[j] = pq.energy_j[j] / J_PER_KWH * usd_per_kwh
+    return cost
+
+
+# --- the comparison -----------------------------------------------------------------------------------
+
+def _ratio(a, b):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
+
+
+def _metric_values(s: np.ndarray, q: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
+    """Backend j's metrics (ipw.metrics) from sums ``s`` (shape (..., n_columns)) and quantiles ``q``
+    (shape (..., n_quantiles))."""
+    g = {key[1]: s[..., i] for key, i in col.items() if isinstance(key, tuple) and key[0] == j}
+    keys = metric_table.quantile_keys()
+    g.update((k, q[..., j * len(keys) + i]) for i, k in enumerate(keys))
+    return metric_table.values(g)
+
+
+def backend_values(pq: PerQuery, j: int, cost: np.ndarray | None = None) -> dict[str, np.ndarray | None]:
+    """Backend j's per-query values, as ipw.metrics takes them."""
+    v = {k: (None if getattr(pq, k) is None else getattr(pq, k)[j]) for k in FIELDS}
+    v["cost_usd"] = None if cost is None else cost[j]
+    return v
+
+
+class _Columns:
+    """The bootstrap's columns by name, each made only when the bootstrap copies it in; a column known
+    to equal another one (e.g. "has energy" when every query has energy) is stored once."""
+
+    def __init__(self) -> None:
+        self.index: dict[Any, int] = {}
+        self.makers: list[Any] = []
+
+    def add(self, name, make=None, same_as=None) -> None:
+        if same_as is not None:
+            self.index[name] = self.index[same_as]
+        else:
+            self.index[name] = len(self.makers)
+            self.makers.append(make)
+
+    def add_backend(self, j: int, v: dict) -> None:
+        """Backend j's columns (ipw.metrics.query_columns), keyed (j, name)."""
+        for name, make in metric_table.query_columns(v).items():
+            if name == "n" and "one" in self.index:
+                self.add((j, name), same_as="one")
+            elif isinstance(make, str):
+                self.add((j, name), same_as=(j, make))
+            else:
+                self.add((j, name), make)
+
+    def made(self):
+        for make in self.makers:
+            yield make()
+
+
+def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
+    """Per backend j: its metric columns (ipw.metrics.query_columns); ("route", ...) the oracle's
+    per-query values."""
+    cols = _Columns()
+    cols.add("one", lambda: np.ones(pq.correct.shape[1]))
+    for j in range(pq.correct.shape[0]):
+        cols.add_backend(j, backend_values(pq, j, cost))
+    if oq is not None:
+        same = {"cloud_energy": (ri, "e"), "cloud_cost": (ri, "cost")}
+        for key, x in (("covered", oq.covered), ("correct", oq.correct), ("energy", oq.energy_j),
+                       ("cloud_energy", oq.cloud_energy_j), ("latency", oq.latency_s),
+                       ("cloud_latency", oq.cloud_latency_s), ("cost", oq.cost_usd), ("cloud_cost", oq.cloud_cost_usd)):
+            if x is None or np.isnan(x).any():
+                continue  # unknown somewhere: no interval (the point value says so too)
+            cols.add(("route", key), lambda x=x: x.astype(float), same_as=same.get(key))
+    return cols
+
+
+def quantiles_of(pq: PerQuery) -> list:
+    """The quantile inputs of every backend, in ``_metric_values``' order."""
+    return [(x, ps) for j in range(pq.correct.shape[0])
+            for _, x, ps in metric_table.quantile_inputs(backend_values(pq, j))]
+
+
+def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
+            local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
+            n_boot: int | None = None, seed: int = 0, usd_per_kwh: float | None = None,
+            api_prices: Sequence[str] = ()) -> Comparison:
+    """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring."""
+    if not 0.0 <= router_accuracy <= 1.0:
+        raise IpwError(f"--router-accuracy {router_accuracy}: must be between 0 and 1")
+    if n_boot is not None and n_boot < 1:
+        raise IpwError(f"--n-boot {n_boot}: must be at least 1")
+    if usd_per_kwh is not None and not usd_per_kwh >= 0:
+        raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
+    prices_raw = [parse_api_price(p) for p in api_prices]
+    runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
+    labels = tuple(i.label for i in infos)
+    plain = tuple(i.backend for i in infos)
+    name = lambda x, opt: resolve_name(x, labels, plain, opt)  # noqa: E731
+    roles = resolve_roles(labels, [i.role for i in infos], local=[name(x, "--local") for x in local],
+                          cloud=[name(x, "--cloud") for x in cloud])
+    infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
+    if reference is not None:
+        ref = name(reference, "--reference")
+    else:
+        ref = next((label for label, r in zip(labels, roles) if r == "cloud"), labels[0])
+    prices = {name(n_, "--api-price"): (pin, pout) for n_, pin, pout in prices_raw}
+    cost = cost_matrix(pq, labels, roles, usd_per_kwh, prices)
+    m, n = pq.correct.shape
+    n_boot = n_boot or n_resamples(n)
+    ri = labels.index(ref)
+
+    # routing: the reference is the cloud; locals are the local-role backends other than it
+    local_idx = [j for j in range(m) if roles[j] == "local" and j != ri]
+    routing = None
+    oq = None
+    mean_power = [metric_table.point_values(backend_values(pq, j))["mean_power_w"] for j in range(m)]
+    matrix = QueryMatrix(labels, tuple(i.energy_quality for i in infos), pq.correct.T, pq.energy_j.T,
+                         pq.latency_s.T, None if cost is None else cost.T, category=pq.category,
+                         categories=pq.categories)
+    if local_idx:
+        routing = route(matrix, local=[labels[j] for j in local_idx], cloud=ref, mean_power_w=mean_power,
+                        router_accuracy=router_accuracy, cloud_is_stand_in=roles[ri] != "cloud")
+        oq = oracle_queries(matrix, local_idx, ri)
+    else:
+        notes.append("routing: needs a cloud reference and at least one other local backend "
+                     "(set roles with --local/--cloud)")
+
+    cols = _columns(pq, cost, oq, ri)
+    col = cols.index
+    draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed)
+    metrics, vs_ref = _estimates(draws, col, labels, ri)
+    routing_ci = _routing_estimates(draws, col, routing) if routing else {}
+    if routing:
+        notes += routing.notes
+    for i in infos:
+        if len(i.energy_qualities) > 1:
+            mix = ", ".join(f"{q}: {k}" for q, k in i.energy_qualities.items())
+            notes.append(f"energy of {i.label} mixes qualities ({mix} records): its energy numbers are "
+                         f"labeled {i.energy_quality}")
+        if i.label != ref and i.energy_quality != infos[ri].energy_quality:
+            notes.append(f"energy of {i.label} is {i.energy_quality}, of the reference {ref} "
+                         f"{infos[ri].energy_quality}: their energy differences compare different bases")
+    models = {labels[j]: fitted_models(pq, j) for j in range(m)}
+    return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
+                      n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
+                      routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models)
+
+
+def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:
+    """Backend j's OLS fits over its queries without errors: energy (J) and latency (s) against prompt
+    and completion tokens (repeats averaged)."""
+    ok = pq.errors[j] == 0
+    p, k = pq.prompt_tokens[j][ok], pq.completion_tokens[j][ok]
+    return {"energy": fit_linear(p, k, pq.energy_j[j][ok]), "latency": fit_linear(p, k, pq.latency_s[j][ok])}
+
+
+def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
+    m = len(labels)
+    point = [_metric_values(draws.point_sums, np.asarray(draws.point_quantiles), col, j) for j in range(m)]
+    boot = [_metric_values(draws.sums, draws.quantiles, col, j) for j in range(m)]
+    keys = [k for k, _ in METRICS]
+    metrics = {labels[j]: {k: interval(float(point[j][k]), boot[j][k], LEVEL) for k in keys} for j in range(m)}
+    vs_ref = {}
+    with np.errstate(invalid="ignore"):
+        for j in range(m):
+            if j != ri:
+                vs_ref[labels[j]] = {k: interval(float(point[j][k] - point[ri][k]), boot[j][k] - boot[ri][k], LEVEL)
+                                     for k in keys}
+    return metrics, vs_ref
+
+
+def _routing_estimates(draws: Draws, col: dict, routing: Routing) -> dict[str, Estimate]:
+    def sums(key):
+        i = col.get(("route", key))
+        return None if i is None else (draws.point_sums[i], draws.sums[:, i])
+
+    one = (draws.point_sums[col["one"]], draws.sums[:, col["one"]])
+    out = {}
+    for name, key in (("local_coverage", "covered"), ("oracle_accuracy", "correct")):
+        s = sums(key)
+        out[name] = interval(float(_ratio(s[0], one[0])), _ratio(s[1], one[1]), LEVEL)
+    o = routing.oracle
+    for key, total in (("energy", o.energy_j), ("latency", o.latency_s), ("cost", o.cost_usd)):
+        r, c = sums(key), sums("cloud_" + key)
+        if total is None or r is None or c is None:
+            continue
+        out[f"oracle_{key}_saved_fraction"] = interval(float(1 - _ratio(r[0], c[0])), 1 - _ratio(r[1], c[1]), LEVEL)
+    return out

@@ -1,0 +1,292 @@
+"""Loading run folders into per-query frames (the analysis layer's input): a run's records, repeats
+averaged per (backend, query) with ``np.bincount`` over integer codes, become a per-query matrix
+(backends x queries) aligned across runs. Nothing here computes a metric or renders anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ipw.errors import IpwError
+from ipw.results import RunManifest
+
+LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
+                "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
+                "prefill_energy_j", "decode_energy_j"]
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    path: str
+    run_id: str
+    status: str
+    dataset: str | None
+    fingerprint: str | None
+    n_queries: int
+    n_records: int
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    label: str  # unique across the comparison: the backend name, or run_id/backend when names collide
+    run_id: str
+    backend: str
+    model: str
+    role: str
+    n_records: int
+    energy_quality: str  # worst quality among the records with energy
+    energy_qualities: dict[str, int]  # records per quality
+    energy_sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PerQuery:
+    """Per-query values, repeats averaged: arrays (n_backends, n_queries), one row per backend (the
+    transpose of routing's queries x backends matrix); errors are record counts."""
+
+    query_id: Any  # pandas Index
+    category: np.ndarray  # int code per query
+    categories: tuple[str, ...]  # names of the codes
+    correct: np.ndarray
+    energy_j: np.ndarray
+    duration_s: np.ndarray
+    latency_s: np.ndarray
+    ttft_s: np.ndarray
+    completion_tokens: np.ndarray
+    prompt_tokens: np.ndarray | None
+    errors: np.ndarray  # error records per query
+    error_share: np.ndarray  # errored records / records
+    prefill_energy_j: np.ndarray | None = None  # None when no record of any run has phases
+    decode_energy_j: np.ndarray | None = None
+
+
+FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
+          "error_share",
+          "prefill_energy_j", "decode_energy_j")
+
+
+@dataclass
+class _Part:
+    """One backend of one run, over that run's query ids."""
+
+    run: RunInfo
+    info: BackendInfo
+    query_id: Any  # pandas Index of the run's query ids (order of first appearance)
+    present: np.ndarray  # bool per run query
+    category: np.ndarray  # int code per run query
+    categories: list[str]
+    values: dict[str, np.ndarray | None]
+
+
+CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source"]
+
+
+def _floats(series) -> np.ndarray:
+    return series.to_numpy(dtype=float, na_value=np.nan)
+
+
+def _codes(series, missing: str) -> tuple[np.ndarray, list[str]]:
+    """Integer codes and names of a (categorical) column; a missing value gets the name ``missing``."""
+    import pandas as pd
+
+    if isinstance(series.dtype, pd.CategoricalDtype):
+        codes = series.cat.codes.to_numpy().astype(np.int64)
+        names = [str(x) for x in series.cat.categories]
+    else:
+        codes, uniq = pd.factorize(series)
+        names = [str(x) for x in uniq]
+    if (codes < 0).any():
+        codes = np.where(codes < 0, len(names), codes)
+        names.append(missing)
+    return codes, names
+
+
+def _release_arrow_memory() -> None:
+    """Hand the memory of freed Arrow buffers back to the system (its pool keeps it otherwise)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
+def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
+    from ipw.results import load_run
+
+    manifest, frame = load_run(path, columns=LOAD_COLUMNS + (["prompt_tokens"] if prompt_tokens else []),
+                               categorical=CATEGORICAL)
+    _release_arrow_memory()  # the Arrow table behind the frame is gone: keep the peak low
+    return parts_of(path, manifest, frame, prompt_tokens)
+
+
+def as_manifest(manifest: RunManifest | dict) -> RunManifest:
+    """The typed manifest (``load_run`` returns the checked JSON object)."""
+    return manifest if isinstance(manifest, RunManifest) else RunManifest.from_dict(manifest)
+
+
+def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: bool = True) -> list[_Part]:
+    """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
+    import pandas as pd
+
+    from ipw.telemetry.base import QUALITY_ORDER
+
+    path = Path(path)
+    if prompt_tokens and "prompt_tokens" not in frame:
+        prompt_tokens = False
+    missing = [c for c in LOAD_COLUMNS if c not in frame]  # e.g. phases, in runs made before them: all null
+    if missing:
+        frame = frame.assign(**{c: None for c in missing})
+    manifest = as_manifest(manifest)
+    dataset = manifest.dataset or {}
+    run_id = str(manifest.run_id or path.name)
+    if len(frame) == 0:
+        raise IpwError(f"{path}: the run has no records")
+    qcode, qids = pd.factorize(frame["query_id"])
+    bcode, bnames = _codes(frame["backend"], "")
+    run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
+                  dataset.get("fingerprint"), len(qids), len(frame))
+    nq, nb = len(qids), len(bnames)
+    key = bcode * nq + qcode
+    size = nb * nq
+    count = np.bincount(key, minlength=size)
+
+    def mean(x: np.ndarray) -> np.ndarray:
+        """Per (backend, query): the mean over repeats of the known values (NaN when none is known)."""
+        ok = ~np.isnan(x)
+        if ok.all():
+            return (np.bincount(key, x, size) / count).reshape(nb, nq)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (np.bincount(key, np.where(ok, x, 0.0), size) / np.bincount(key, ok, size)).reshape(nb, nq)
+
+    values = {
+        # an errored query, or one without a score, counts incorrect (ipw.metrics)
+        "correct": mean(np.where(frame["error"].notna().to_numpy(), 0.0, np.nan_to_num(_floats(frame["correct"])))),
+        "energy_j": mean(_floats(frame["energy_j"])),
+        "duration_s": mean(_floats(frame["end_s"]) - _floats(frame["start_s"])),
+        "latency_s": mean(_floats(frame["latency_s"])),
+        "ttft_s": mean(_floats(frame["ttft_s"])),
+        "completion_tokens": mean(_floats(frame["completion_tokens"])),
+        "prompt_tokens": mean(_floats(frame["prompt_tokens"])) if prompt_tokens else None,
+        "errors": np.bincount(key, frame["error"].notna().to_numpy(), size).reshape(nb, nq),
+        "error_share": mean(frame["error"].notna().to_numpy(float)),
+    }
+    for name in ("prefill_energy_j", "decode_energy_j"):  # None in runs made before phases
+        x = _floats(frame[name])
+        values[name] = None if np.isnan(x).all() else mean(x)
+    ccode, cnames = _codes(frame["category"], "")
+    category = np.zeros(nq, np.int64)
+    category[qcode] = ccode
+    has_e = frame["energy_j"].notna().to_numpy()
+    first = [int(np.argmax(bcode == b)) for b in range(nb)]  # the backend's first record
+    models = [str(frame["model"].iloc[i]) for i in first]
+    roles = [str(frame["role"].iloc[i]) for i in first]
+    qual_code, qual_names = _codes(frame["energy_quality"], "unavailable")
+    src_code, src_names = _codes(frame["energy_source"], "")
+    per_b = np.bincount(bcode, minlength=nb)
+    qual_counts = np.bincount(bcode[has_e] * len(qual_names) + qual_code[has_e],
+                              minlength=nb * len(qual_names)).reshape(nb, len(qual_names))
+    src_counts = np.bincount(bcode[has_e] * len(src_names) + src_code[has_e],
+                             minlength=nb * len(src_names)).reshape(nb, len(src_names))
+    del frame
+    parts = []
+    for b, name in enumerate(bnames):
+        if not per_b[b]:
+            continue  # a name in the file's dictionary without records
+        quals = {qual_names[i]: int(qual_counts[b, i]) for i in range(len(qual_names)) if qual_counts[b, i]}
+        known = [q for q in quals if q in QUALITY_ORDER]
+        info = BackendInfo(
+            label=name, run_id=run_id, backend=name, model=models[b], role=roles[b],
+            n_records=int(per_b[b]),
+            energy_quality=max(known, key=QUALITY_ORDER.index) if known else "unavailable",
+            energy_qualities=quals,
+            energy_sources=tuple(src_names[i] for i in range(len(src_names)) if src_counts[b, i] and src_names[i]),
+        )
+        parts.append(_Part(run, info, qids, count.reshape(nb, nq)[b] > 0, category, cnames,
+                           {k: (None if v is None else v[b]) for k, v in values.items()}))
+    return parts
+
+
+def _query_set_error(parts: list[_Part]) -> str | None:
+    runs = {p.run.run_id: p.run for p in parts}
+    prints = {r.fingerprint for r in runs.values() if r.fingerprint}
+    if len(prints) > 1:
+        desc = "; ".join(f"{r.run_id}: {r.dataset or '?'}, {r.n_queries} queries, {r.fingerprint}"
+                         for r in runs.values())
+        return f"the runs measure different query sets (dataset fingerprints differ: {desc})"
+    full = max(len(p.query_id) for p in parts)
+    for p in parts:
+        have = int(p.present.sum())
+        if have < full:
+            return (f"backend {p.info.label!r} of run {p.run.run_id} ({p.run.status}) has {have} of the {full} "
+                    "queries")
+    if len({id(p.query_id) for p in parts}) > 1:
+        first = parts[0].query_id
+        for p in parts[1:]:
+            if not (p.query_id.equals(first) or (len(p.query_id) == len(first) and
+                                                 len(first.intersection(p.query_id)) == len(first))):
+                return f"run {p.run.run_id} has other query ids than run {parts[0].run.run_id}"
+    return None
+
+
+def load(paths: Sequence[str | Path], *, common_queries: bool = False,
+         prompt_tokens: bool = False) -> tuple[tuple[RunInfo, ...], tuple[BackendInfo, ...], PerQuery, list[str]]:
+    """Read run folders into one per-query matrix; refuse different query sets unless ``common_queries``."""
+    if not paths:
+        raise IpwError("give at least one run folder")
+    parts: list[_Part] = []
+    seen: dict[str, str] = {}
+    for path in map(Path, paths):
+        new = _read_run(path, prompt_tokens)
+        rid = new[0].run.run_id
+        if rid in seen:
+            raise IpwError(f"{path}: run {rid} is given twice (also {seen[rid]})")
+        seen[rid] = str(path)
+        parts += new
+    notes: list[str] = []
+    problem = _query_set_error(parts)
+    if problem and not common_queries:
+        raise IpwError(f"{problem}; compare them on the queries they share with --common-queries")
+    # labels: the backend name, or run_id/backend where a name occurs in several runs
+    names = [p.info.backend for p in parts]
+    for p in parts:
+        if names.count(p.info.backend) > 1:
+            p.info = BackendInfo(**{**p.info.__dict__, "label": f"{p.info.run_id}/{p.info.backend}"})
+    # the queries every backend has, in the first run's order
+    universe = parts[0].query_id
+    for p in parts:
+        if not (p.present.all() and (p.query_id is universe or p.query_id.equals(universe))):
+            universe = universe.intersection(p.query_id[p.present], sort=False)
+    if len(universe) == 0:
+        raise IpwError("the runs share no query: nothing to compare")
+    if problem:
+        sizes = ", ".join(f"{p.info.label}: {int(p.present.sum())}" for p in parts)
+        notes.append(f"--common-queries: compared on the {len(universe)} queries all backends share "
+                     f"({problem}; queries per backend: {sizes})")
+    positions: dict[int, np.ndarray | None] = {}
+    for p in parts:
+        if id(p.query_id) not in positions:
+            positions[id(p.query_id)] = None if p.query_id.equals(universe) else p.query_id.get_indexer(universe)
+
+    def aligned(p: _Part, v: np.ndarray) -> np.ndarray:
+        pos = positions[id(p.query_id)]
+        return v if pos is None else v[pos]
+
+    categories = sorted({c for p in parts for c in p.categories})
+    first = parts[0]
+    category = np.searchsorted(categories, np.asarray(first.categories, dtype=object))[aligned(first, first.category)]
+    n, m = len(universe), len(parts)
+    out: dict[str, np.ndarray | None] = {}
+    for name in FIELDS:
+        if all(p.values[name] is None for p in parts):
+            out[name] = None
+            continue
+        mat = np.empty((m, n))
+        for j, p in enumerate(parts):
+            v = p.values.pop(name)
+            mat[j] = np.nan if v is None else aligned(p, v)
+        out[name] = mat
+    pq = PerQuery(query_id=universe, category=category, categories=tuple(categories), **out)
+    runs = tuple({p.run.run_id: p.run for p in parts}.values())
+    return runs, tuple(p.info for p in parts), pq, notes

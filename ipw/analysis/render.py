@@ -1,0 +1,357 @@
+"""Rendering ``ipw compare``'s numbers (a ``Comparison``): the JSON layout, long CSV, and the human tables
+shared by the rich and Markdown output (``ipw run``'s end, ``compare``, ``report``). Nothing here reads
+a run folder or computes a number; each table cell carries whether it rests on estimated energy, from
+the comparison's qualities, so the report marks cells without reading titles.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from typing import NamedTuple
+
+from ipw.analysis.compare import LEVEL, METRICS, Comparison
+from ipw.analysis.metrics import BY_NAME
+from ipw.analysis.routing import SOLVED_AT
+from ipw.analysis.stats import Estimate
+from ipw.phases import fit_dict
+
+SCHEMA_VERSION = 1
+FORMATS = ("table", "json", "csv", "markdown")
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def _est(e: Estimate | None) -> dict | None:
+    return None if e is None else {"value": _num(e.value), "lo": _num(e.lo), "hi": _num(e.hi)}
+
+
+def _scaled(e: Estimate | None, a: float) -> Estimate | None:
+    return None if e is None else Estimate(a * e.value, a * e.lo, a * e.hi)
+
+
+def _saving(s, unit: str, est: Estimate | None) -> dict | None:
+    if s is None:
+        return None
+    return {f"cloud_only_{unit}": _num(s.cloud_only), f"routed_{unit}": _num(s.routed), f"saved_{unit}": _num(s.saved),
+            "saved_fraction": _est(est or Estimate(s.saved_fraction, float("nan"), float("nan")))}
+
+
+def _routing_dict(c: Comparison) -> dict | None:
+    r = c.routing
+    if r is None:
+        return None
+    ci = c.routing_ci
+    o = r.oracle
+    energy = _saving(o.energy_j, "j", ci.get("oracle_energy_saved_fraction"))
+    if energy is not None:
+        energy.update(energy_quality=o.energy_quality,
+                      routed_by_quality_j={k: _num(v) for k, v in o.routed_energy_by_quality_j.items()})
+    a = r.router.alpha
+
+    def frac(key: str, value: float | None) -> dict | None:
+        if value is None:
+            return None
+        return _est(_scaled(ci.get(key), a) or Estimate(value, float("nan"), float("nan")))
+
+    return {
+        "cloud": r.cloud, "cloud_is_stand_in": r.cloud_is_stand_in, "local": list(r.local), "n_queries": r.n_queries,
+        "solved_at": SOLVED_AT,
+        "local_coverage": _est(ci.get("local_coverage")),
+        "coverage_by_backend": {k: _num(v) for k, v in r.coverage_by_backend.items()},
+        "oracle": {
+            "routed_to": r.oracle.routed_to,
+            "accuracy": _est(ci.get("oracle_accuracy")),
+            "cloud_accuracy": _num(o.cloud_accuracy),
+            "energy": energy,
+            "latency": _saving(o.latency_s, "s", ci.get("oracle_latency_saved_fraction")),
+            "cost": _saving(o.cost_usd, "usd", ci.get("oracle_cost_saved_fraction")),
+        },
+        "router": {
+            "alpha": a,
+            "accuracy": _num(r.router.accuracy),
+            "energy_saved_fraction": frac("oracle_energy_saved_fraction", r.router.energy_saved_fraction),
+            "latency_saved_fraction": frac("oracle_latency_saved_fraction", r.router.latency_saved_fraction),
+            "cost_saved_fraction": frac("oracle_cost_saved_fraction", r.router.cost_saved_fraction),
+        },
+        "router_curve": [{"alpha": p.alpha, "accuracy": _num(p.accuracy),
+                          "energy_saved_fraction": _num(p.energy_saved_fraction),
+                          "latency_saved_fraction": _num(p.latency_saved_fraction),
+                          "cost_saved_fraction": _num(p.cost_saved_fraction)} for p in r.router_curve],
+        "power_envelope": [{"power_w": p.power_w, "backends": list(p.backends), "coverage": _num(p.coverage)}
+                           for p in r.power_envelope],
+        "energy_budget": [{"energy_j": p.energy_j, "coverage": _num(p.coverage)} for p in r.energy_budget],
+        "by_category": [{"category": k.category, "n_queries": k.n_queries, "local_coverage": _num(k.local_coverage),
+                         "cloud_accuracy": _num(k.cloud_accuracy), "oracle_accuracy": _num(k.oracle_accuracy),
+                         "energy_saved_fraction": _num(k.energy_saved_fraction),
+                         "latency_saved_fraction": _num(k.latency_saved_fraction),
+                         "cost_saved_fraction": _num(k.cost_saved_fraction)} for k in r.by_category],
+    }
+
+
+def to_dict(c: Comparison) -> dict:
+    """The JSON layout (``schema_version`` 1, documented in README.md)."""
+    from ipw import __version__
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ipw_version": __version__,
+        "runs": [r.__dict__ for r in c.runs],
+        "queries": {"n_queries": c.n_queries, "common_queries": c.common_queries},
+        "bootstrap": {"n_boot": c.n_boot, "seed": c.seed, "level": LEVEL, "method": c.method, "paired": True},
+        "reference": c.reference,
+        "backends": [{
+            "label": b.label, "run_id": b.run_id, "backend": b.backend, "model": b.model, "role": b.role,
+            "n_records": b.n_records, "energy_quality": b.energy_quality, "energy_qualities": b.energy_qualities,
+            "energy_sources": list(b.energy_sources),
+            "metrics": {k: _est(e) for k, e in c.metrics[b.label].items()},
+            "vs_reference": (None if b.label == c.reference
+                             else {k: _est(e) for k, e in c.vs_reference[b.label].items()}),
+            **{f"{what}_model": (fit_dict(f) if f is not None else None)
+               for what, f in ((w, c.models.get(b.label, {}).get(w)) for w in ("energy", "latency"))},
+        } for b in c.backends],
+        "routing": _routing_dict(c),
+        "notes": list(c.notes),
+    }
+
+
+def to_json(c: Comparison) -> str:
+    return json.dumps(to_dict(c), indent=2, ensure_ascii=False) + "\n"
+
+
+CSV_HEADER = ("section", "backend", "key", "metric", "value", "lo", "hi")
+
+
+def csv_rows(c: Comparison) -> list[tuple]:
+    """Long format: one row per number (section, backend, key, metric, value, lo, hi)."""
+    rows: list[tuple] = []
+
+    def add(section, backend, key, metric, v):
+        if isinstance(v, dict) or v is None:
+            v = v or {"value": None, "lo": None, "hi": None}
+            rows.append((section, backend, key, metric, v["value"], v["lo"], v["hi"]))
+        else:
+            rows.append((section, backend, key, metric, v, None, None))
+
+    d = to_dict(c)
+    for b in d["backends"]:
+        for k, v in b["metrics"].items():
+            add("metric", b["label"], "", k, v)
+        for k, v in (b["vs_reference"] or {}).items():
+            add("vs_reference", b["label"], d["reference"], k, v)
+        for what in ("energy", "latency"):
+            f = b.get(f"{what}_model")
+            for k in ("intercept", "per_prompt_token", "per_completion_token", "r2") if f else ():
+                add("model", b["label"], what, k, f[k])
+    r = d["routing"]
+    if r:
+        add("routing", "", "", "local_coverage", r["local_coverage"])
+        for label, v in r["coverage_by_backend"].items():
+            add("routing", label, "", "coverage", v)
+        add("routing", "", "", "oracle_accuracy", r["oracle"]["accuracy"])
+        add("routing", r["cloud"], "", "cloud_accuracy", r["oracle"]["cloud_accuracy"])
+        for what in ("energy", "latency", "cost"):
+            s = r["oracle"][what]
+            add("routing", "", "", f"oracle_{what}_saved_fraction", s and s["saved_fraction"])
+        add("routing", "", str(r["router"]["alpha"]), "router_accuracy", r["router"]["accuracy"])
+        for what in ("energy", "latency", "cost"):
+            add("routing", "", str(r["router"]["alpha"]), f"router_{what}_saved_fraction",
+                r["router"][f"{what}_saved_fraction"])
+        for p in r["router_curve"]:
+            for k in ("accuracy", "energy_saved_fraction", "latency_saved_fraction", "cost_saved_fraction"):
+                add("router_curve", "", str(p["alpha"]), k, p[k])
+        for p in r["power_envelope"]:
+            add("power_envelope", "+".join(p["backends"]), repr(p["power_w"]), "coverage", p["coverage"])
+        for p in r["energy_budget"]:
+            add("energy_budget", "", repr(p["energy_j"]), "coverage", p["coverage"])
+        for k in r["by_category"]:
+            for m in ("n_queries", "local_coverage", "cloud_accuracy", "oracle_accuracy", "energy_saved_fraction",
+                      "latency_saved_fraction", "cost_saved_fraction"):
+                add("category", "", k["category"], m, k[m])
+    return rows
+
+
+def to_csv(c: Comparison) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_HEADER)
+    writer.writerows(["" if x is None else x for x in row] for row in csv_rows(c))
+    return buf.getvalue()
+
+
+def _f(x: float | None, spec: str = ".3g") -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
+
+
+def _cell(e: Estimate, key: str, sign: bool = False) -> str:
+    if not math.isfinite(e.value):
+        return "n/a"
+    if key in ("accuracy", "error_rate", "prefill_energy_share"):
+        f = (lambda x: f"{x:+.1%}") if sign else _pct
+    else:
+        f = (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.3g}") if sign else _f
+    return f"{f(e.value)} [{f(e.lo)}, {f(e.hi)}]" if math.isfinite(e.lo) else f(e.value)
+
+
+class Table(NamedTuple):
+    """One human table; ``est[i][j]``: cell (i, j) rests on estimated energy (a model, not a sensor)."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    est: list[list[bool]]
+    key: str  # metrics | difference | fits | routing | router_curve | power_envelope | energy_budget | by_category
+    section: str  # compare | routing
+
+
+def _table(key: str, title: str, headers: list[str], rows: list[list[str]], energy=lambda i, j: False) -> Table:
+    """A table whose cell (i, j) is marked estimated when ``energy(i, j)`` says it rests on estimated energy."""
+    est = [[j > 0 and cell != "n/a" and bool(energy(i, j)) for j, cell in enumerate(row)] for i, row in enumerate(rows)]
+    return Table(title, headers, rows, est, key, "compare" if key in ("metrics", "difference", "fits") else "routing")
+
+
+def tables(c: Comparison) -> list[Table]:
+    """The human tables, shared by the rich and Markdown output and the report."""
+    labels = [b.label for b in c.backends]
+    keys = [k for k, _ in METRICS if any(math.isfinite(c.metrics[x][k].value) for x in labels)]
+    names = dict(METRICS)
+    head = [["role"] + [b.role + (" (reference)" if b.label == c.reference else "") for b in c.backends],
+            ["energy quality"] + [b.energy_quality for b in c.backends],
+            ["queries / records"] + [f"{c.n_queries} / {b.n_records}" for b in c.backends]]
+    rows = head + [[names[k]] + [_cell(c.metrics[x][k], k) for x in labels] for k in keys]
+
+    def energy_cell(row_keys: list, columns: list[str], diff: bool):
+        """An energy-based metric's cell of a backend (or a difference with a reference) with estimated energy."""
+        return lambda i, j: (row_keys[i] is not None and BY_NAME[row_keys[i]].energy
+                             and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
+
+    out = [_table("metrics", f"ipw compare: {c.n_queries} queries, {LEVEL:.0%} bootstrap CIs ({c.n_boot} {c.method} "
+                  "resamples)", ["metric"] + labels, rows, energy_cell([None] * len(head) + keys, labels, False))]
+    others = [x for x in labels if x != c.reference]
+    if others:
+        out.append(_table("difference", f"difference vs {c.reference} (paired over the same queries)",
+                          ["metric"] + others,
+                          [[names[k]] + [_cell(c.vs_reference[x][k], k, sign=True) for x in others] for k in keys],
+                          energy_cell(keys, others, True)))
+    fits = [c.models.get(x, {}) for x in labels]
+    if any(math.isfinite(f[w].r2) for f in fits for w in f):
+        rows = []
+        for what, unit in (("energy", "J"), ("latency", "s")):
+            for attr, name in (("intercept", f"a ({unit})"), ("per_prompt_token", f"b ({unit}/prompt token)"),
+                               ("per_completion_token", f"c ({unit}/output token)")):
+                rows.append([f"{what} {name}"] + [_cell(getattr(f[what], attr), attr) if what in f else "n/a"
+                                                  for f in fits])
+            rows.append([f"{what} R² (queries)"] + [f"{_f(f[what].r2, '.3f')} ({f[what].n})" if what in f else "n/a"
+                                                    for f in fits])
+        out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
+                          f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
+    return out + routing_tables(c)
+
+
+def _est_text(v, pct=True) -> str:
+    if v is None:
+        return "n/a"
+    f = _pct if pct else _f
+    return f"{f(v['value'])} [{f(v['lo'])}, {f(v['hi'])}]" if v["lo"] is not None else f(v["value"])
+
+
+def routing_tables(c: Comparison) -> list[Table]:
+    """The routing section (``ipw compare``'s, and the end of ``ipw run`` with a cloud-role backend)."""
+    r = c.routing
+    if r is None:
+        return []
+    d = _routing_dict(c)
+    o = d["oracle"]
+    est = _est_text
+    routed_est = c.routing_estimated
+
+    def saved(s, unit):
+        shown = {"j": "J", "s": "s", "usd": "USD"}[unit]
+        return "n/a" if s is None else (f"{est(s['saved_fraction'])} ({_f(s['saved_' + unit])} {shown} of "
+                                        f"{_f(s['cloud_only_' + unit])})")
+
+    rr = d["router"]
+    summary = [
+        ["cloud reference", r.cloud + (" (stand-in: no cloud role)" if r.cloud_is_stand_in else "")],
+        ["local backends", ", ".join(r.local)],
+        ["local coverage", est(d["local_coverage"])],
+        ["oracle routed to", ", ".join(f"{k}: {v}" for k, v in o["routed_to"].items())],
+        ["oracle accuracy (cloud only)", f"{est(o['accuracy'])} ({_pct(o['cloud_accuracy'])})"],
+        ["oracle energy saved",
+         saved(o["energy"], "j") + (f", {o['energy']['energy_quality']}" if o["energy"] else "")],
+        ["oracle latency saved", saved(o["latency"], "s")],
+        ["oracle cost saved", saved(o["cost"], "usd")],
+        [f"router (α={rr['alpha']}) accuracy", _pct(rr["accuracy"])],
+        [f"router (α={rr['alpha']}) energy saved", est(rr["energy_saved_fraction"])],
+        [f"router (α={rr['alpha']}) latency saved", est(rr["latency_saved_fraction"])],
+        [f"router (α={rr['alpha']}) cost saved", est(rr["cost_saved_fraction"])],
+    ]
+    energy_rows = {5, 9}  # oracle and router energy saved
+    out = [_table("routing", "routing (oracle: each query to the lowest-energy local backend that answers it, else "
+                  "the cloud)", ["", "value"], summary, lambda i, j: routed_est and i in energy_rows)]
+
+    def energy_columns(*columns: int):
+        return lambda i, j: routed_est and j in columns
+
+    out.append(_table("router_curve", "router curve (α: share of queries routed as the oracle would)",
+                      ["α", "accuracy", "energy saved", "latency saved", "cost saved"],
+                      [[f"{p['alpha']:g}", _pct(p["accuracy"]), _pct(p["energy_saved_fraction"]),
+                        _pct(p["latency_saved_fraction"]), _pct(p["cost_saved_fraction"])] for p in d["router_curve"]],
+                      energy_columns(2)))
+    if d["power_envelope"]:
+        out.append(_table("power_envelope", "coverage within a power envelope (local backends whose mean power fits)",
+                          ["power ≤ W", "backends", "coverage"],
+                          [[_f(p["power_w"]), ", ".join(p["backends"]), _pct(p["coverage"])]
+                           for p in d["power_envelope"]]))
+    if d["energy_budget"]:
+        out.append(_table("energy_budget", "coverage within a per-query energy budget", ["energy ≤ J", "coverage"],
+                          [[_f(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]]))
+    out.append(_table("by_category", "routing per category", ["category", "queries", "local coverage", "cloud accuracy",
+                                               "oracle accuracy", "energy saved", "latency saved", "cost saved"],
+                      [[k["category"] or "-", str(k["n_queries"]), _pct(k["local_coverage"]),
+                        _pct(k["cloud_accuracy"]), _pct(k["oracle_accuracy"]), _pct(k["energy_saved_fraction"]),
+                        _pct(k["latency_saved_fraction"]), _pct(k["cost_saved_fraction"])] for k in d["by_category"]],
+                      energy_columns(5)))
+    return out
+
+
+def markdown_tables(ts: list[Table]) -> list[str]:
+    from ipw.sanitize import md_text  # backend names and categories are the user's text
+
+    lines = []
+    for t in ts:
+        lines += [f"### {md_text(t.title)}", "", "| " + " | ".join(map(md_text, t.headers)) + " |",
+                  "|" + "---|" * len(t.headers)]
+        lines += ["| " + " | ".join(md_text(cell) for cell in row) + " |" for row in t.rows]
+        lines.append("")
+    return lines
+
+
+def to_markdown(c: Comparison) -> str:
+    from ipw.sanitize import md_text  # notes are the user's text
+
+    lines = markdown_tables(tables(c)) + [f"- {md_text(note)}" for note in c.notes]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def rich_tables(ts: list[Table]) -> list:
+    """rich tables of ``tables(c)`` or ``routing_tables(c)``."""
+    from rich.table import Table as RichTable
+
+    out = []
+    for t in ts:
+        rt = RichTable(title=t.title, title_justify="left")
+        for i, h in enumerate(t.headers):
+            rt.add_column(h, justify="left" if i == 0 else "right")
+        for row in t.rows:
+            rt.add_row(*row)
+        out.append(rt)
+    return out
