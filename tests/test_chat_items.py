@@ -116,3 +116,19 @@ def test_an_unknown_scorer_lists_judge(tmp_path):
     row = {"id": "c1", "prompt": "p", "answer": "x", "scorer": "fuzzy"}
     with pytest.raises(IpwError, match=r"unknown scorer 'fuzzy' \(known: .*judge"):
         load_queries(str(_write(tmp_path, row)))
+
+
+def test_the_chat_coverage_config_runs_a_mix_of_them():
+    """configs/chat-coverage.toml: 12 chat prompts (4 of each kind), a local and a cloud-role backend,
+    and a judge against the cloud backend's answer (read as TOML: the loader's checks are its own)."""
+    import tomllib
+
+    config = tomllib.loads((Path(__file__).resolve().parents[1] / "configs" / "chat-coverage.toml").read_text())
+    queries = load_queries(config["dataset"], categories=tuple(config["categories"]), sample=config["sample"],
+                           seed=config["seed"])
+    assert len(queries) == 12 and all(q.scorer == "judge" for q in queries)
+    numbers = [int(q.id.split("-")[1]) for q in queries]
+    assert [sum((n - 1) // 16 == k for n in numbers) for k in range(3)] == [4, 4, 4]
+    roles = {b["name"]: b.get("role") for b in config["backends"]}
+    assert roles == {"smollm2-135m": "local", "gemma3-270m-server": "cloud"}
+    assert config["judge"]["grading"] == "vs-backend:gemma3-270m-server"
