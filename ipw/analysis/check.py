@@ -21,7 +21,7 @@ from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantil
 from ipw.sanitize import github_escape, github_property, md_text
 from ipw.analysis.stats import bootstrap_draws
 
-# the metrics and their aliases come from ipw.metrics (the one table); failed candidate queries count
+# the metrics and their aliases come from ipw.analysis.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
 DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp")
 HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
@@ -104,6 +104,22 @@ def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_
     return reasons
 
 
+def hardware_note(manifests: list[RunManifest]) -> str | None:
+    """One sentence when the runs shown side by side were measured on different kinds of machine
+    (HARDWARE_KEYS), naming each run's machines and what differs; None when they all match."""
+    kinds = {m.run_id: machines(m) for m in manifests}
+    if len({_hardware_key(h) for ms in kinds.values() for h in ms}) <= 1:
+        return None
+    every = [h for ms in kinds.values() for h in ms]
+    differ = [k for k in HARDWARE_KEYS if len({json.dumps(h.get(k), default=str) for h in every}) > 1]
+    shown = "; ".join(f"{run_id}: " + " + ".join(
+        f"{h.get('cpu_model') or 'unknown CPU'}" + (f" ({h['cpu_isa']})" if "cpu_isa" in differ and h.get("cpu_isa")
+                                                   else "") + (f", GPUs {h['gpus']}" if h.get("gpus") else "")
+        for h in ms) for run_id, ms in kinds.items())
+    return (f"These runs were measured on different machines ({shown}); they differ in {', '.join(differ)}, "
+            "so their energy, speed and per-watt figures are not comparable between runs.")
+
+
 def _hardware_key(hardware: dict) -> str:
     return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
 
@@ -128,7 +144,7 @@ def _per_query(manifest: RunManifest, frame) -> dict:
 
 
 def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: int, q_offset: int) -> dict:
-    """One run's metric inputs (ipw.metrics.values) from the draws' sums and quantiles."""
+    """One run's metric inputs (ipw.analysis.metrics.values) from the draws' sums and quantiles."""
     g = {}
     for k, make in cols.items():
         g[k] = s[..., offset + names.index(make if isinstance(make, str) else k)]
@@ -139,7 +155,7 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
 def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
                n_boot: int = 4000, seed: int = 0) -> CheckResult:
-    """Every metric is computed with ipw.metrics over the queries both runs have: a query the candidate
+    """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others."""
     from ipw.analysis.load import as_manifest

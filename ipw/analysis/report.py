@@ -74,7 +74,7 @@ def _load_records(runs, labels: dict[tuple[str, str], str]):
         manifests.append((run, as_manifest(manifest)))
     frame = pd.concat(frames, ignore_index=True)
     frame["category"] = frame["category"].astype(str).replace({"None": "", "nan": ""})
-    frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce").fillna(0.0)  # unscored counts 0
+    frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce")  # NaN: unscored (in no mean, never wrong)
     for col in ("energy_j", "start_s", "end_s", "prompt_tokens", "completion_tokens"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
     return manifests, frame
@@ -601,6 +601,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     import matplotlib
 
     from ipw import __version__
+    from ipw.analysis.check import hardware_note
     from ipw.analysis.compare import compare
     from ipw.analysis.render import to_dict
 
@@ -639,6 +640,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         "ipw_version": __version__,
         "runs": [run.__dict__ for run in c.runs],
         "setup": _setup_sections(manifests),
+        "hardware_banner": hardware_note([m for _, m in manifests]),
         "backends": backends,
         "any_est": any(est.values()),
         "tables": tables,
@@ -679,17 +681,10 @@ def _md_cell(text: str) -> str:
 def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     """A short summary: what ran, the compare tables and the routing summary (estimated cells marked)."""
     lines = [f"## {ctx['title']}", ""]
-    for s in ctx["setup"]:
-        hw = dict(s["hardware"])
-        run = dict(s["run"])
-        gpus = hw.get("gpus", "[]")
-        lines.append(f"- **{_md_cell(s['run_id'])}** ({_md_cell(run['status'])}): {_md_cell(run['dataset'])}, "
-                     f"{_md_cell(run['records'])} records on {_md_cell(hw.get('cpu_model', 'n/a'))}"
-                     + ("" if gpus in ("[]", "n/a") else f", GPUs {_md_cell(gpus)}"))
-    qualities = ", ".join(f"{_md_cell(b['label'])}: {b['energy_quality']}" for b in ctx["backends"])
-    lines += [f"- energy quality: {qualities}", ""]
+    if ctx["hardware_banner"]:
+        lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
     keep = [t for t in ctx["tables"] if t["key"] in ("metrics", "difference", "routing")]
-    for t in keep:
+    for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",
                   "|" + "---|" * len(t["headers"])]
         lines += ["| " + " | ".join(_md_cell(x["text"]) + (" *(estimated)*" if x["est"] else "") for x in row) + " |"
@@ -698,6 +693,16 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     if ctx["any_est"]:
         lines += ["> *(estimated)*: energy from a model, not a sensor.", ""]
     lines += [f"- {_md_cell(n)}" for n in ctx["notes"]]
+    lines += ["", "### What was run, and on what", ""]
+    for s in ctx["setup"]:
+        hw = dict(s["hardware"])
+        run = dict(s["run"])
+        gpus = hw.get("gpus", "[]")
+        lines.append(f"- **{_md_cell(s['run_id'])}** ({_md_cell(run['status'])}): {_md_cell(run['dataset'])}, "
+                     f"{_md_cell(run['records'])} records on {_md_cell(hw.get('cpu_model', 'n/a'))}"
+                     + ("" if gpus in ("[]", "n/a") else f", GPUs {_md_cell(gpus)}"))
+    qualities = ", ".join(f"{_md_cell(b['label'])}: {b['energy_quality']}" for b in ctx["backends"])
+    lines += [f"- energy quality: {qualities}"]
     if html_name:
         lines += ["", f"Plots, per-category results and the costliest and wrong answers: `{html_name}`."]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -1,0 +1,58 @@
+"""The report opens with the answer (per-backend table, accuracy against energy, routing summary) and
+ends with provenance; runs from different hardware get a banner (HTML and Markdown)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("jinja2")
+pytest.importorskip("matplotlib")
+
+from ipw.analysis import report  # noqa: E402
+from test_report import fixture_runs, write_run  # noqa: E402
+
+LOCAL_CLOUD = [{"name": "cloud-xl", "role": "cloud", "skill": 0.9, "j_per_token": 5.0},
+               {"name": "local-mid", "role": "local", "skill": 0.7, "j_per_token": 1.0}]
+
+
+def _set_hardware(run, **fields):
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["hardware"].update(fields)
+    path.write_text(json.dumps(manifest))
+
+
+def test_the_answer_comes_first_and_provenance_last(tmp_path):
+    runs = fixture_runs(tmp_path / "runs", n=12)
+    html_path, md_path = tmp_path / "r.html", tmp_path / "r.md"
+    report.write(runs, html_path, md_path)
+    html, md = html_path.read_text(), md_path.read_text()
+    order = [html.index(x) for x in ("<h2>The answer", "J/query", 'alt="', "oracle energy saved",
+                                     "<h2>Compare in detail", "<h2>What was run, and on what")]
+    assert order == sorted(order)
+    assert html.index("fixture.toml") > html.index("<h2>What was run")  # the config is provenance
+    first_figure = html[html.index("<h2>The answer"):html.index("<h2>Compare in detail")]
+    assert "accuracy" in first_figure.lower() and "<img" in first_figure  # accuracy against energy
+    assert md.index("| J/query |") < md.index("oracle energy saved") < md.index("### What was run")
+    assert md.index("### What was run") < md.rindex("Test CPU")  # (the banner names it too: gpus differ)
+
+
+def test_banner_for_runs_from_different_hardware(tmp_path):
+    a = write_run(tmp_path / "runs", "run-a", LOCAL_CLOUD, 8, quality="estimated", power=False, seed=1)
+    b = write_run(tmp_path / "runs", "run-b", LOCAL_CLOUD[1:], 8, quality="estimated", power=False, seed=2)
+    for run in (a, b):
+        _set_hardware(run, cpu_model="Xeon", cpu_isa="avx2+avx512f", machine="x86_64")
+    ctx = report.build([a, b])
+    assert ctx["hardware_banner"] is None  # the same machine: no banner
+    html = report.render_html(ctx)
+    assert "Different hardware" not in html
+
+    _set_hardware(b, cpu_isa="avx2")  # the same CPU name, an AVX2-only machine
+    ctx = report.build([a, b])
+    banner = ctx["hardware_banner"]
+    assert banner and "run-a: Xeon (avx2+avx512f)" in banner and "run-b: Xeon (avx2)" in banner
+    assert "differ in cpu_isa" in banner and "not comparable" in banner
+    html = report.render_html(ctx)
+    assert html.index("Different hardware") < html.index("<h2>The answer")
+    md = report.render_markdown(ctx)
+    assert md.splitlines()[2].startswith("> **Different hardware.**")
