@@ -97,7 +97,7 @@ def test_backend_compared_with_itself_shows_zero_difference(tmp_path, run_cli):
         assert [x["label"] for x in d["backends"]] == ["first/z", "second/z"]  # names collide across runs
         for key, e in backend(d, "second/z")["vs_reference"].items():
             if key not in ("cost_per_query_usd", "j_per_prefill_token", "j_per_decode_token",
-                           "prefill_energy_share"):  # None: no prices, no phases in these records
+                           "prefill_energy_share", "win_tie_rate"):  # None: no prices, phases or judge here
                 assert (e["value"], e["lo"], e["hi"]) == (0.0, 0.0, 0.0), key
 
 
@@ -408,3 +408,87 @@ def check_real_runs(runs, d):
     assert o["accuracy"]["value"] == pytest.approx(routed_c.mean())
     assert r["router"]["energy_saved_fraction"]["value"] == pytest.approx(
         0.8 * (1 - routed_e.sum() / ref["energy_j"].sum()))
+
+
+# -- unscored queries and win/tie against a reference backend (QueryRecord.correct None, win_tie) --------
+
+# per backend: (correct, win_tie, energy) per query; q0-q2 math (a dataset answer), q3-q5 chat (judge items:
+# unscored, and judged against cloud's answer where win_tie is set); small failed q2 (an error, correct 0)
+JUDGED = {
+    "cloud": {"role": "cloud", "rows": [(1.0, None, 10.0), (1.0, None, 10.0), (0.0, None, 10.0),
+                                        (None, None, 10.0), (None, None, 10.0), (None, None, 10.0)]},
+    "small": {"role": "local", "rows": [(1.0, None, 1.0), (0.0, None, 1.0), (0.0, None, 2.0),
+                                        (None, 1.0, 1.0), (None, 0.0, 1.0), (None, None, 1.0)]},
+    "mid": {"role": "local", "rows": [(0.0, None, 3.0), (1.0, None, 3.0), (0.0, None, 3.0),
+                                      (None, 0.0, 3.0), (None, 0.0, 3.0), (None, None, 3.0)]},
+}
+JUDGED_CATEGORY = ["math"] * 3 + ["chat"] * 3
+
+
+def _judged_run(tmp_path):
+    from runfolders import create, record
+
+    folder = create(tmp_path, "judged", {"command": ["test"], "config": {},
+                                         "dataset": {"name": "j", "n_queries": 6, "fingerprint": "sha256:j"}})
+    for name, b in JUDGED.items():
+        for i, (correct, win, energy) in enumerate(b["rows"]):
+            error = "timeout" if (name, i) == ("small", 2) else None
+            folder.append(record(run_id="judged", backend=name, role=b["role"], query_id=f"q{i}",
+                                 category=JUDGED_CATEGORY[i], correct=correct, error=error,
+                                 error_category="timeout" if error else None, energy_j=energy,
+                                 scorer="judge" if i >= 3 else "exact", win_tie=win,
+                                 vs_backend="cloud" if win is not None else ""))
+    folder.finish("complete")
+    return folder.path
+
+
+def test_unscored_queries_count_in_no_accuracy_and_win_tie_is_a_metric(tmp_path, run_cli):
+    d = compare_json(run_cli, _judged_run(tmp_path))
+    for name, b in JUDGED.items():
+        m = backend(d, name)["metrics"]
+        scored = [c for c, _, _ in b["rows"] if c is not None]
+        judged = [w for _, w, _ in b["rows"] if w is not None]
+        energy = np.mean([e for _, _, e in b["rows"]])  # every query's energy counts
+        accuracy = np.mean(scored)  # over the 3 scored queries, never the 3 unscored ones
+        assert m["accuracy"]["value"] == pytest.approx(accuracy)
+        assert m["ipj"]["value"] == pytest.approx(accuracy / energy)
+        assert m["ipw"]["value"] == pytest.approx(accuracy / (energy / 1.0))  # 1 s windows
+        assert m["unscored"]["value"] == 3
+        assert m["error_rate"]["value"] == pytest.approx((name == "small") / 6)
+        if judged:
+            assert m["win_tie_rate"]["value"] == pytest.approx(np.mean(judged))
+        else:
+            assert m["win_tie_rate"]["value"] is None  # the reference is never judged against itself
+
+
+def test_coverage_both_ways_overall_and_per_category(tmp_path, run_cli):
+    path = _judged_run(tmp_path)
+    d = compare_json(run_cli, path)
+    r = d["routing"]
+    rows = {name: b["rows"] for name, b in JUDGED.items()}
+    local = ["small", "mid"]
+    # (a) correct vs the dataset answer, over the queries with a score: q0 (small), q1 (mid) of q0-q2
+    scored = [i for i in range(6) if any(rows[x][i][0] is not None for x in local + ["cloud"])]
+    covered = [i for i in scored if any((rows[x][i][0] or 0) >= 0.5 for x in local)]
+    assert (len(scored), len(covered)) == (3, 2)
+    # (b) win/tie vs cloud's answer, over the queries a judge compared: q3 (small wins), q4 (neither)
+    judged = [i for i in range(6) if any(rows[x][i][1] is not None for x in local)]
+    won = [i for i in judged if any((rows[x][i][1] or 0) >= 0.5 for x in local)]
+    assert (len(judged), len(won)) == (2, 1)
+    cov = r["coverage"]
+    assert cov["correct"]["value"] == pytest.approx(len(covered) / len(scored)) == r["local_coverage"]["value"]
+    assert cov["n_scored"] == 3 and cov["n_judged"] == 2 and cov["win_tie_vs"] == "cloud"
+    assert cov["win_tie"]["value"] == pytest.approx(len(won) / len(judged))
+    cats = {k["category"]: k for k in r["by_category"]}
+    assert (cats["math"]["local_coverage"], cats["math"]["n_scored"], cats["math"]["n_judged"]) == (
+        pytest.approx(2 / 3), 3, 0)
+    assert cats["math"]["win_tie_coverage"] is None
+    assert (cats["chat"]["local_coverage"], cats["chat"]["n_scored"]) == (None, 0)  # nothing to be wrong about
+    assert (cats["chat"]["win_tie_coverage"], cats["chat"]["n_judged"]) == (pytest.approx(0.5), 2)
+    # the oracle's accuracy is over the scored queries too: q0 small, q1 mid, q2 cloud (0)
+    assert r["oracle"]["accuracy"]["value"] == pytest.approx(2 / 3)
+    assert r["oracle"]["cloud_accuracy"] == pytest.approx(2 / 3)
+    code, out, err = run_cli("compare", path, "--format", "markdown")
+    assert code == 0, err
+    assert "| local coverage | 66.7% " in out and "| local coverage, win/tie | 50.0% " in out
+    assert "| chat | 3 | n/a | 0 | 50.0% | 2 |" in out

@@ -96,7 +96,7 @@ def test_failed_and_unmeasured_queries_count_the_same_everywhere(tmp_path, run_c
 
 
 def test_point_values_are_compares_numbers(tmp_path, run_cli):
-    """``ipw.metrics.point_values`` (no bootstrap) gives the point values compare reports."""
+    """``ipw.analysis.metrics.point_values`` (no bootstrap) gives the point values compare reports."""
     from ipw.analysis import compare as cmp
     from ipw.analysis.load import load
     from ipw.analysis.metrics import METRICS, point_values

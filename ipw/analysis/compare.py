@@ -116,7 +116,7 @@ def _ratio(a, b):
 
 
 def _metric_values(s: np.ndarray, q: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
-    """Backend j's metrics (ipw.metrics) from sums ``s`` (shape (..., n_columns)) and quantiles ``q``
+    """Backend j's metrics (ipw.analysis.metrics) from sums ``s`` (shape (..., n_columns)) and quantiles ``q``
     (shape (..., n_quantiles))."""
     g = {key[1]: s[..., i] for key, i in col.items() if isinstance(key, tuple) and key[0] == j}
     keys = metric_table.quantile_keys()
@@ -125,7 +125,7 @@ def _metric_values(s: np.ndarray, q: np.ndarray, col: dict, j: int) -> dict[str,
 
 
 def backend_values(pq: PerQuery, j: int, cost: np.ndarray | None = None) -> dict[str, np.ndarray | None]:
-    """Backend j's per-query values, as ipw.metrics takes them."""
+    """Backend j's per-query values, as ipw.analysis.metrics takes them."""
     v = {k: (None if getattr(pq, k) is None else getattr(pq, k)[j]) for k in FIELDS}
     v["cost_usd"] = None if cost is None else cost[j]
     return v
@@ -147,7 +147,7 @@ class _Columns:
             self.makers.append(make)
 
     def add_backend(self, j: int, v: dict) -> None:
-        """Backend j's columns (ipw.metrics.query_columns), keyed (j, name)."""
+        """Backend j's columns (ipw.analysis.metrics.query_columns), keyed (j, name)."""
         for name, make in metric_table.query_columns(v).items():
             if name == "n" and "one" in self.index:
                 self.add((j, name), same_as="one")
@@ -162,7 +162,7 @@ class _Columns:
 
 
 def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
-    """Per backend j: its metric columns (ipw.metrics.query_columns); ("route", ...) the oracle's
+    """Per backend j: its metric columns (ipw.analysis.metrics.query_columns); ("route", ...) the oracle's
     per-query values."""
     cols = _Columns()
     cols.add("one", lambda: np.ones(pq.correct.shape[1]))
@@ -170,7 +170,9 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
         cols.add_backend(j, backend_values(pq, j, cost))
     if oq is not None:
         same = {"cloud_energy": (ri, "e"), "cloud_cost": (ri, "cost")}
-        for key, x in (("covered", oq.covered), ("correct", oq.correct), ("energy", oq.energy_j),
+        for key, x in (("covered", oq.covered), ("scored", oq.scored), ("judged", oq.judged),
+                       ("win_covered", oq.win_covered & oq.judged), ("correct", np.nan_to_num(oq.correct)),
+                       ("has_correct", ~np.isnan(oq.correct)), ("energy", oq.energy_j),
                        ("cloud_energy", oq.cloud_energy_j), ("latency", oq.latency_s),
                        ("cloud_latency", oq.cloud_latency_s), ("cost", oq.cost_usd), ("cloud_cost", oq.cloud_cost_usd)):
             if x is None or np.isnan(x).any():
@@ -221,10 +223,11 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     mean_power = [metric_table.point_values(backend_values(pq, j))["mean_power_w"] for j in range(m)]
     matrix = QueryMatrix(labels, tuple(i.energy_quality for i in infos), pq.correct.T, pq.energy_j.T,
                          pq.latency_s.T, None if cost is None else cost.T, category=pq.category,
-                         categories=pq.categories)
+                         categories=pq.categories, win_tie=None if pq.win_tie is None else pq.win_tie.T)
     if local_idx:
+        vs = ", ".join(sorted({x for j in local_idx for x in infos[j].vs_backend.split(", ") if x}))
         routing = route(matrix, local=[labels[j] for j in local_idx], cloud=ref, mean_power_w=mean_power,
-                        router_accuracy=router_accuracy, cloud_is_stand_in=roles[ri] != "cloud")
+                        router_accuracy=router_accuracy, cloud_is_stand_in=roles[ri] != "cloud", win_tie_vs=vs)
         oq = oracle_queries(matrix, local_idx, ri)
     else:
         notes.append("routing: needs a cloud reference and at least one other local backend "
@@ -279,11 +282,12 @@ def _routing_estimates(draws: Draws, col: dict, routing: Routing) -> dict[str, E
         i = col.get(("route", key))
         return None if i is None else (draws.point_sums[i], draws.sums[:, i])
 
-    one = (draws.point_sums[col["one"]], draws.sums[:, col["one"]])
     out = {}
-    for name, key in (("local_coverage", "covered"), ("oracle_accuracy", "correct")):
-        s = sums(key)
-        out[name] = interval(float(_ratio(s[0], one[0])), _ratio(s[1], one[1]), LEVEL)
+    for name, key, among in (("local_coverage", "covered", "scored"), ("oracle_accuracy", "correct", "has_correct"),
+                             ("win_tie_coverage", "win_covered", "judged")):
+        s, n = sums(key), sums(among)
+        if n[0] > 0:  # scored (judged) queries only
+            out[name] = interval(float(_ratio(s[0], n[0])), _ratio(s[1], n[1]), LEVEL)
     o = routing.oracle
     for key, total in (("energy", o.energy_j), ("latency", o.latency_s), ("cost", o.cost_usd)):
         r, c = sums(key), sums("cloud_" + key)

@@ -16,7 +16,7 @@ from ipw.results import RunManifest
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
                 "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
-                "prefill_energy_j", "decode_energy_j"]
+                "prefill_energy_j", "decode_energy_j", "win_tie", "vs_backend"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class BackendInfo:
     energy_quality: str  # worst quality among the records with energy
     energy_qualities: dict[str, int]  # records per quality
     energy_sources: tuple[str, ...]
+    vs_backend: str = ""  # the reference backend(s) a judge compared its answers with ("": none judged)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,12 @@ class PerQuery:
     error_share: np.ndarray  # errored records / records
     prefill_energy_j: np.ndarray | None = None  # None when no record of any run has phases
     decode_energy_j: np.ndarray | None = None
+    win_tie: np.ndarray | None = None  # vs a reference backend's answer; NaN: not judged; None: no record judged
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
-          "prefill_energy_j", "decode_energy_j")
+          "prefill_energy_j", "decode_energy_j", "win_tie")
 
 
 @dataclass
@@ -161,8 +163,8 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
             return (np.bincount(key, np.where(ok, x, 0.0), size) / np.bincount(key, ok, size)).reshape(nb, nq)
 
     values = {
-        # an errored query, or one without a score, counts incorrect (ipw.metrics)
-        "correct": mean(np.where(frame["error"].notna().to_numpy(), 0.0, np.nan_to_num(_floats(frame["correct"])))),
+        # an errored record counts incorrect, an unscored one (None) is left out (ipw.analysis.metrics)
+        "correct": mean(np.where(frame["error"].notna().to_numpy(), 0.0, _floats(frame["correct"]))),
         "energy_j": mean(_floats(frame["energy_j"])),
         "duration_s": mean(_floats(frame["end_s"]) - _floats(frame["start_s"])),
         "latency_s": mean(_floats(frame["latency_s"])),
@@ -172,7 +174,7 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
         "errors": np.bincount(key, frame["error"].notna().to_numpy(), size).reshape(nb, nq),
         "error_share": mean(frame["error"].notna().to_numpy(float)),
     }
-    for name in ("prefill_energy_j", "decode_energy_j"):  # None in runs made before phases
+    for name in ("prefill_energy_j", "decode_energy_j", "win_tie"):  # None in runs made before them
         x = _floats(frame[name])
         values[name] = None if np.isnan(x).all() else mean(x)
     ccode, cnames = _codes(frame["category"], "")
@@ -181,6 +183,8 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     has_e = frame["energy_j"].notna().to_numpy()
     first = [int(np.argmax(bcode == b)) for b in range(nb)]  # the backend's first record
     models = [str(frame["model"].iloc[i]) for i in first]
+    judged_vs = frame["vs_backend"].astype(object).where(frame["win_tie"].notna())
+    vs = [", ".join(sorted({str(x) for x in judged_vs[bcode == b].dropna() if x})) for b in range(nb)]
     roles = [str(frame["role"].iloc[i]) for i in first]
     qual_code, qual_names = _codes(frame["energy_quality"], "unavailable")
     src_code, src_names = _codes(frame["energy_source"], "")
@@ -197,7 +201,7 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
         quals = {qual_names[i]: int(qual_counts[b, i]) for i in range(len(qual_names)) if qual_counts[b, i]}
         known = [q for q in quals if q in QUALITY_ORDER]
         info = BackendInfo(
-            label=name, run_id=run_id, backend=name, model=models[b], role=roles[b],
+            label=name, run_id=run_id, backend=name, model=models[b], role=roles[b], vs_backend=vs[b],
             n_records=int(per_b[b]),
             energy_quality=max(known, key=QUALITY_ORDER.index) if known else "unavailable",
             energy_qualities=quals,

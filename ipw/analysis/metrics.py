@@ -1,15 +1,18 @@
 """The metric contract (DESIGN.md §2), defined once: ``ipw run``'s summary, ``compare``, ``report``,
 ``check`` and the routing analysis all compute their numbers from this table.
 
-Per query (repeats averaged first): ``correct`` in [0, 1], where an errored query, or one without a
-score, counts 0; its error share (errored records / records); its energy, window, tokens and cost
+Per query (repeats averaged first): ``correct`` in [0, 1] over its scored records, where an errored
+record counts 0 and an unscored one (``correct`` None: a ``judge`` item no judge graded) is left out; a
+query with no scored record is *unscored* and counts in no accuracy, IPJ, IPW or coverage (never
+wrong); ``win_tie`` (1/0 vs a reference backend's answer) over its judged records; its error share (errored records / records); its energy, window, tokens and cost
 where they were measured (otherwise the query is *missing* from the energy sums, never counted 0).
 Every metric is then a ratio of per-query column sums, or a lower quantile (the ceil(p·N)-th smallest
 of the per-query values), so the same definition serves a point value and every bootstrap resample
 (``ipw.analysis.stats.bootstrap_draws``) and paired differences between runs.
 
 Columns (per backend, one value per query; ``query_columns``):
-  n  1                     c   correct                er  error share          err  error records
+  n  1                     c   correct or 0           sc  1 if it is scored    u   1 if it is unscored
+  er error share           err error records          w   win/tie or 0         hw  1 if it is judged
   h  1 if it has energy    e   energy (J) or 0        th  window (s) if energy kh   output tokens if energy
   pe, de: prefill/decode J where both are known; ph, dk: prompt/output tokens there
   cost, hc: USD and 1 where a cost is known
@@ -44,17 +47,18 @@ class Metric:
     energy: bool = False  # computed from energy (an estimated energy makes it estimated)
 
 
-ALL = "every query (an errored or unscored one counts incorrect)"
+ALL = "every query"
+SCORED = "scored queries (an errored one counts incorrect; an unscored one is left out)"
 WITH_ENERGY = "queries with energy (the others are listed as missing)"
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "accuracy", "", "higher", ALL, lambda g: _ratio(g["c"], g["n"]), "pp"),
+    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["c"], g["sc"]), "pp"),
     Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["er"], g["n"]), "pp", ("errors",)),
     Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["h"]),
            aliases=("energy_per_query",), energy=True),
-    Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over every query / J per query",
-           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["h"])), energy=True),
-    Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over every query / mean power",
-           lambda g: _ratio(_ratio(g["c"], g["n"]), _ratio(g["e"], g["th"])), energy=True),
+    Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over the scored queries / J per query",
+           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["h"])), energy=True),
+    Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over the scored queries / mean power",
+           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["th"])), energy=True),
     Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"]), energy=True),
     Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["kh"]),
            aliases=("j_per_token",), energy=True),
@@ -70,6 +74,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"]),
     Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"]),
     Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["err"]),
+    Metric("unscored", "unscored", "queries", "", "queries without a score (a judge item no judge graded)",
+           lambda g: g["u"]),
+    Metric("win_tie_rate", "win/tie vs reference", "", "higher", "queries a judge compared with the reference "
+           "backend's answer", lambda g: _ratio(g["w"], g["hw"]), "pp"),
     Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost", lambda g: _ratio(g["cost"], g["hc"])),
 )
 BY_NAME = {m.name: m for m in METRICS}
@@ -99,15 +107,18 @@ def values(g: Mapping[str, Any]) -> dict[str, Any]:
 
 def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], np.ndarray] | str]:
     """One backend's per-query columns (see the module docstring) from its per-query values ``v``
-    (correct, error_share, errors, energy_j, duration_s, completion_tokens, and where known
-    prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd): name -> a function that makes the
-    column, or the name of a column known to be equal (made once)."""
+    (correct (NaN: unscored), error_share, errors, energy_j, duration_s, completion_tokens, and where
+    known prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd, win_tie (NaN: not judged)): name ->
+    a function that makes the column, or the name of a column known to be equal (made once)."""
     n = len(v["correct"])
     h = ~np.isnan(v["energy_j"])
     full = bool(h.all())
+    scored = ~np.isnan(v["correct"])
     cols: dict[str, Callable[[], np.ndarray] | str] = {
         "n": lambda: np.ones(n),
         "c": lambda: np.nan_to_num(v["correct"]),
+        "sc": "n" if scored.all() else (lambda: scored.astype(float)),
+        "u": lambda: (~scored).astype(float),
         "er": lambda: v["error_share"],
         "err": lambda: v["errors"],
         "h": "n" if full else (lambda: h.astype(float)),
@@ -123,6 +134,10 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
             cols["de"] = lambda: np.where(hp, dec, 0.0)
             cols["ph"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
             cols["dk"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
+    win = v.get("win_tie")
+    if win is not None:
+        cols["w"] = lambda: np.nan_to_num(win)
+        cols["hw"] = lambda: (~np.isnan(win)).astype(float)
     cost = v.get("cost_usd")
     if cost is not None:
         hc = ~np.isnan(cost)

@@ -62,6 +62,9 @@ def _routing_dict(c: Comparison) -> dict | None:
         "cloud": r.cloud, "cloud_is_stand_in": r.cloud_is_stand_in, "local": list(r.local), "n_queries": r.n_queries,
         "solved_at": SOLVED_AT,
         "local_coverage": _est(ci.get("local_coverage")),
+        "coverage": {"correct": _est(ci.get("local_coverage")), "n_scored": r.coverage.n_scored,
+                     "win_tie": _est(ci.get("win_tie_coverage")), "n_judged": r.coverage.n_judged,
+                     "win_tie_vs": r.win_tie_vs},
         "coverage_by_backend": {k: _num(v) for k, v in r.coverage_by_backend.items()},
         "oracle": {
             "routed_to": r.oracle.routed_to,
@@ -86,6 +89,8 @@ def _routing_dict(c: Comparison) -> dict | None:
                            for p in r.power_envelope],
         "energy_budget": [{"energy_j": p.energy_j, "coverage": _num(p.coverage)} for p in r.energy_budget],
         "by_category": [{"category": k.category, "n_queries": k.n_queries, "local_coverage": _num(k.local_coverage),
+                         "n_scored": k.coverage.n_scored, "win_tie_coverage": _num(k.coverage.win_tie_coverage),
+                         "n_judged": k.coverage.n_judged,
                          "cloud_accuracy": _num(k.cloud_accuracy), "oracle_accuracy": _num(k.oracle_accuracy),
                          "energy_saved_fraction": _num(k.energy_saved_fraction),
                          "latency_saved_fraction": _num(k.latency_saved_fraction),
@@ -150,6 +155,9 @@ def csv_rows(c: Comparison) -> list[tuple]:
     r = d["routing"]
     if r:
         add("routing", "", "", "local_coverage", r["local_coverage"])
+        add("routing", "", "", "n_scored", r["coverage"]["n_scored"])
+        add("routing", "", r["coverage"]["win_tie_vs"], "win_tie_coverage", r["coverage"]["win_tie"])
+        add("routing", "", r["coverage"]["win_tie_vs"], "n_judged", r["coverage"]["n_judged"])
         for label, v in r["coverage_by_backend"].items():
             add("routing", label, "", "coverage", v)
         add("routing", "", "", "oracle_accuracy", r["oracle"]["accuracy"])
@@ -169,7 +177,8 @@ def csv_rows(c: Comparison) -> list[tuple]:
         for p in r["energy_budget"]:
             add("energy_budget", "", repr(p["energy_j"]), "coverage", p["coverage"])
         for k in r["by_category"]:
-            for m in ("n_queries", "local_coverage", "cloud_accuracy", "oracle_accuracy", "energy_saved_fraction",
+            for m in ("n_queries", "local_coverage", "n_scored", "win_tie_coverage", "n_judged", "cloud_accuracy",
+                      "oracle_accuracy", "energy_saved_fraction",
                       "latency_saved_fraction", "cost_saved_fraction"):
                 add("category", "", k["category"], m, k[m])
     return rows
@@ -194,7 +203,7 @@ def _pct(x: float | None) -> str:
 def _cell(e: Estimate, key: str, sign: bool = False) -> str:
     if not math.isfinite(e.value):
         return "n/a"
-    if key in ("accuracy", "error_rate", "prefill_energy_share"):
+    if key in ("accuracy", "error_rate", "prefill_energy_share", "win_tie_rate"):
         f = (lambda x: f"{x:+.1%}") if sign else _pct
     else:
         f = (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.3g}") if sign else _f
@@ -279,24 +288,27 @@ def routing_tables(c: Comparison) -> list[Table]:
                                         f"{_f(s['cloud_only_' + unit])})")
 
     rr = d["router"]
-    summary = [
-        ["cloud reference", r.cloud + (" (stand-in: no cloud role)" if r.cloud_is_stand_in else "")],
-        ["local backends", ", ".join(r.local)],
-        ["local coverage", est(d["local_coverage"])],
-        ["oracle routed to", ", ".join(f"{k}: {v}" for k, v in o["routed_to"].items())],
-        ["oracle accuracy (cloud only)", f"{est(o['accuracy'])} ({_pct(o['cloud_accuracy'])})"],
-        ["oracle energy saved",
-         saved(o["energy"], "j") + (f", {o['energy']['energy_quality']}" if o["energy"] else "")],
-        ["oracle latency saved", saved(o["latency"], "s")],
-        ["oracle cost saved", saved(o["cost"], "usd")],
-        [f"router (α={rr['alpha']}) accuracy", _pct(rr["accuracy"])],
-        [f"router (α={rr['alpha']}) energy saved", est(rr["energy_saved_fraction"])],
-        [f"router (α={rr['alpha']}) latency saved", est(rr["latency_saved_fraction"])],
-        [f"router (α={rr['alpha']}) cost saved", est(rr["cost_saved_fraction"])],
+    cov = d["coverage"]
+    summary = [  # label, value, rests on energy
+        ("cloud reference", r.cloud + (" (stand-in: no cloud role)" if r.cloud_is_stand_in else ""), False),
+        ("local backends", ", ".join(r.local), False),
+        ("local coverage", f"{est(cov['correct'])} (correct vs the dataset answer, {cov['n_scored']} scored)", False),
+        ("local coverage, win/tie", f"{est(cov['win_tie'])} (vs {cov['win_tie_vs'] or 'a reference'}'s answer, "
+                                    f"{cov['n_judged']} judged)", False),
+        ("oracle routed to", ", ".join(f"{k}: {v}" for k, v in o["routed_to"].items()), False),
+        ("oracle accuracy (cloud only)", f"{est(o['accuracy'])} ({_pct(o['cloud_accuracy'])})", False),
+        ("oracle energy saved",
+         saved(o["energy"], "j") + (f", {o['energy']['energy_quality']}" if o["energy"] else ""), True),
+        ("oracle latency saved", saved(o["latency"], "s"), False),
+        ("oracle cost saved", saved(o["cost"], "usd"), False),
+        (f"router (α={rr['alpha']}) accuracy", _pct(rr["accuracy"]), False),
+        (f"router (α={rr['alpha']}) energy saved", est(rr["energy_saved_fraction"]), True),
+        (f"router (α={rr['alpha']}) latency saved", est(rr["latency_saved_fraction"]), False),
+        (f"router (α={rr['alpha']}) cost saved", est(rr["cost_saved_fraction"]), False),
     ]
-    energy_rows = {5, 9}  # oracle and router energy saved
     out = [_table("routing", "routing (oracle: each query to the lowest-energy local backend that answers it, else "
-                  "the cloud)", ["", "value"], summary, lambda i, j: routed_est and i in energy_rows)]
+                  "the cloud)", ["", "value"], [[label, value] for label, value, _ in summary],
+                  lambda i, j: routed_est and summary[i][2])]
 
     def energy_columns(*columns: int):
         return lambda i, j: routed_est and j in columns
@@ -314,12 +326,16 @@ def routing_tables(c: Comparison) -> list[Table]:
     if d["energy_budget"]:
         out.append(_table("energy_budget", "coverage within a per-query energy budget", ["energy ≤ J", "coverage"],
                           [[_f(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]]))
-    out.append(_table("by_category", "routing per category", ["category", "queries", "local coverage", "cloud accuracy",
-                                               "oracle accuracy", "energy saved", "latency saved", "cost saved"],
-                      [[k["category"] or "-", str(k["n_queries"]), _pct(k["local_coverage"]),
-                        _pct(k["cloud_accuracy"]), _pct(k["oracle_accuracy"]), _pct(k["energy_saved_fraction"]),
+    headers = ["category", "queries", "local coverage (correct)", "scored", "local coverage (win/tie)", "judged",
+               "cloud accuracy", "oracle accuracy", "energy saved", "latency saved", "cost saved"]
+    out.append(_table("by_category", "routing per category (coverage: correct vs the dataset answer over the scored "
+                      f"queries; win/tie vs {cov['win_tie_vs'] or 'the reference'}'s answer over the judged ones)",
+                      headers,
+                      [[k["category"] or "-", str(k["n_queries"]), _pct(k["local_coverage"]), str(k["n_scored"]),
+                        _pct(k["win_tie_coverage"]), str(k["n_judged"]), _pct(k["cloud_accuracy"]),
+                        _pct(k["oracle_accuracy"]), _pct(k["energy_saved_fraction"]),
                         _pct(k["latency_saved_fraction"]), _pct(k["cost_saved_fraction"])] for k in d["by_category"]],
-                      energy_columns(5)))
+                      energy_columns(headers.index("energy saved"))))
     return out
 
 

@@ -1,10 +1,13 @@
 """Routing and coverage (DESIGN.md §2) as pure functions over a per-query matrix.
 
 The matrix holds, for n queries (rows) and m backends (columns), each backend's correctness (0..1,
-repeats averaged), energy (J), latency (s) and, where known, cost (USD). A backend *solves* a query
-when its correctness is at least ``SOLVED_AT`` (with one repeat: when it answered correctly).
+repeats averaged; NaN: unscored), energy (J), latency (s) and, where known, cost (USD) and win/tie
+against a reference backend's answer (NaN: not judged). A backend *solves* a query when its
+correctness is at least ``SOLVED_AT`` (with one repeat: when it answered correctly).
 
-- coverage of a set of backends: share of queries at least one of them solves;
+- coverage of a set of backends: share of the scored queries (a score from one of them) at least one
+  of them solves; beside it, win/tie coverage: share of the judged queries on which at least one of
+  them wins or ties against the reference backend's answer (a query is judged when one of them is);
 - oracle routing: each query goes to the lowest-energy local backend that solves it, else to the cloud
   reference; energy, latency and cost saved are reported against sending every query to the cloud;
 - the α-router makes the oracle's choice with probability α and otherwise sends the query to the
@@ -43,6 +46,7 @@ class QueryMatrix:
     cost_usd: np.ndarray | None = None  # None: no cost data at all
     category: np.ndarray | None = None  # (n_queries,) int code of each query's category; None: one category
     categories: tuple[str, ...] = ("",)  # the names of the codes
+    win_tie: np.ndarray | None = None  # None: no query judged against a reference backend
 
     @property
     def n_queries(self) -> int:
@@ -68,7 +72,10 @@ class OracleQueries:
 
     cloud: int  # column of the cloud reference
     choice: np.ndarray  # column index of the backend each query goes to
+    scored: np.ndarray  # bool: a local backend or the cloud has a score for the query
     covered: np.ndarray  # bool: a local backend solves the query
+    judged: np.ndarray  # bool: a local backend's answer was judged against the reference's
+    win_covered: np.ndarray  # bool: a local backend wins or ties against the reference's answer
     correct: np.ndarray
     energy_j: np.ndarray
     latency_s: np.ndarray
@@ -82,7 +89,7 @@ class OracleQueries:
 @dataclass(frozen=True)
 class Oracle:
     routed_to: dict[str, int]  # queries per backend
-    accuracy: float  # routed accuracy
+    accuracy: float  # routed accuracy (scored queries)
     cloud_accuracy: float
     energy_j: Saving | None  # None when some needed energy is unknown
     latency_s: Saving | None
@@ -112,13 +119,25 @@ class EnvelopePoint:
 @dataclass(frozen=True)
 class BudgetPoint:
     energy_j: float
-    coverage: float  # share of queries some local backend solves within energy_j
+    coverage: float  # share of the scored queries some local backend solves within energy_j
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Local coverage both ways: (a) correct against the dataset's answer, over the scored queries, and
+    (b) a win or tie against the reference backend's answer, over the judged queries."""
+
+    local_coverage: float
+    n_scored: int
+    win_tie_coverage: float
+    n_judged: int
 
 
 @dataclass(frozen=True)
 class CategoryRouting:
     category: str
     n_queries: int
+    coverage: Coverage
     local_coverage: float
     cloud_accuracy: float
     oracle_accuracy: float
@@ -134,6 +153,8 @@ class Routing:
     cloud_is_stand_in: bool  # no backend has role cloud: the reference stands in for it
     n_queries: int
     local_coverage: float
+    coverage: Coverage
+    win_tie_vs: str  # the reference backend(s) of the win/tie judgments ("": none judged)
     coverage_by_backend: dict[str, float]
     oracle: Oracle
     router: RouterPoint
@@ -164,12 +185,25 @@ def solved(correct: np.ndarray) -> np.ndarray:
 
 
 def coverage(correct: np.ndarray, columns: Sequence[int]) -> float:
-    """Share of queries that at least one of ``columns`` solves."""
+    """Share of the scored queries (one of ``columns`` has a score) that at least one of ``columns`` solves."""
     if len(correct) == 0:
         return float("nan")
     if not len(columns):
         return 0.0
-    return float(solved(correct[:, list(columns)]).any(axis=1).mean())
+    sub = correct[:, list(columns)]
+    return _share(solved(sub).any(axis=1), ~np.isnan(sub).all(axis=1))
+
+
+def _share(hit: np.ndarray, among: np.ndarray) -> float:
+    """Share of the ``among`` rows that ``hit`` (NaN when there are none)."""
+    return float(hit[among].mean()) if among.any() else float("nan")
+
+
+def coverage_of(q: "OracleQueries", rows: np.ndarray | slice = slice(None)) -> Coverage:
+    """Both coverages of the oracle's local backends over ``rows``."""
+    scored, judged = q.scored[rows], q.judged[rows]
+    return Coverage(_share(q.covered[rows], scored), int(scored.sum()), _share(q.win_covered[rows], judged),
+                    int(judged.sum()))
 
 
 def oracle_queries(m: QueryMatrix, local: Sequence[int], cloud: int) -> OracleQueries:
@@ -180,21 +214,27 @@ def oracle_queries(m: QueryMatrix, local: Sequence[int], cloud: int) -> OracleQu
     """
     local = list(local)
     n = m.n_queries
+    judged = win_covered = np.zeros(n, bool)
     if local:
         ok = solved(m.correct[:, local])
         energy = m.energy_j[:, local]
         rank = np.where(ok, np.where(np.isnan(energy), np.finfo(float).max, energy), np.inf)
         covered = ok.any(axis=1)
         choice = np.where(covered, np.asarray(local)[rank.argmin(axis=1)], cloud)
+        if m.win_tie is not None:
+            win = m.win_tie[:, local]
+            judged, win_covered = ~np.isnan(win).all(axis=1), (win >= SOLVED_AT).any(axis=1)
     else:
         covered, choice = np.zeros(n, bool), np.full(n, cloud)
+    scored = ~np.isnan(m.correct[:, [*local, cloud]]).all(axis=1)
     rows = np.arange(n)
 
     def pick(x):
         return None if x is None else x[rows, choice]
 
     return OracleQueries(
-        cloud=cloud, choice=choice, covered=covered, correct=pick(m.correct), energy_j=pick(m.energy_j),
+        cloud=cloud, choice=choice, scored=scored, covered=covered, judged=judged, win_covered=win_covered,
+        correct=pick(m.correct), energy_j=pick(m.energy_j),
         latency_s=pick(m.latency_s), cost_usd=pick(m.cost_usd), cloud_correct=m.correct[:, cloud],
         cloud_energy_j=m.energy_j[:, cloud], cloud_latency_s=m.latency_s[:, cloud],
         cloud_cost_usd=None if m.cost_usd is None else m.cost_usd[:, cloud],
@@ -224,8 +264,8 @@ def oracle(m: QueryMatrix, q: OracleQueries) -> Oracle:
             by_quality[key] = by_quality.get(key, 0.0) + float(q.energy_j[q.choice == i].sum())
     return Oracle(
         routed_to={m.backends[i]: int(counts[i]) for i in used},
-        accuracy=float(q.correct.mean()) if len(q.correct) else float("nan"),
-        cloud_accuracy=float(q.cloud_correct.mean()) if len(q.correct) else float("nan"),
+        accuracy=_mean(q.correct),
+        cloud_accuracy=_mean(q.cloud_correct),
         energy_j=saving(q.cloud_energy_j, q.energy_j),
         latency_s=saving(q.cloud_latency_s, q.latency_s),
         cost_usd=saving(q.cloud_cost_usd, q.cost_usd),
@@ -233,6 +273,12 @@ def oracle(m: QueryMatrix, q: OracleQueries) -> Oracle:
                                       if m.energy_quality[i] in QUALITY_ORDER]),
         routed_energy_by_quality_j=by_quality,
     )
+
+
+def _mean(x: np.ndarray) -> float:
+    """Mean of the known (scored) values; NaN when none is known."""
+    known = x[~np.isnan(x)]
+    return float(known.mean()) if len(known) else float("nan")
 
 
 def router(o: Oracle, alpha: float) -> RouterPoint:
@@ -278,7 +324,7 @@ def energy_budget(m: QueryMatrix, local: Sequence[int], budgets_j: Sequence[floa
         budgets_j = np.geomspace(lo, hi, n_points) if lo > 0 else np.linspace(lo, hi, n_points)
         budgets_j[0], budgets_j[-1] = lo, hi
         budgets_j = np.unique(np.clip(budgets_j, lo, hi))
-    n = max(m.n_queries, 1)
+    n = max(int((~np.isnan(m.correct[:, list(local)]).all(axis=1)).sum()) if len(local) else 0, 1)  # scored
     return tuple(BudgetPoint(float(b), float(np.searchsorted(finite, b, side="right") / n)) for b in budgets_j)
 
 
@@ -290,11 +336,12 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
         if not rows.any():
             continue
         sub = lambda x: None if x is None else x[rows]  # noqa: E731
+        both = coverage_of(q, rows)
         out.append(CategoryRouting(
-            category=name, n_queries=int(rows.sum()),
-            local_coverage=float(q.covered[rows].mean()),
-            cloud_accuracy=float(q.cloud_correct[rows].mean()),
-            oracle_accuracy=float(q.correct[rows].mean()),
+            category=name, n_queries=int(rows.sum()), coverage=both,
+            local_coverage=both.local_coverage,
+            cloud_accuracy=_mean(q.cloud_correct[rows]),
+            oracle_accuracy=_mean(q.correct[rows]),
             energy_saved_fraction=_fraction(saving(sub(q.cloud_energy_j), sub(q.energy_j))),
             latency_saved_fraction=_fraction(saving(sub(q.cloud_latency_s), sub(q.latency_s))),
             cost_saved_fraction=_fraction(saving(sub(q.cloud_cost_usd), sub(q.cost_usd))),
@@ -303,7 +350,7 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
 
 
 def route(m: QueryMatrix, *, local: Sequence[str], cloud: str, mean_power_w: Sequence[float],
-          router_accuracy: float = 0.8, cloud_is_stand_in: bool = False) -> Routing:
+          router_accuracy: float = 0.8, cloud_is_stand_in: bool = False, win_tie_vs: str = "") -> Routing:
     """Every routing number for ``local`` backends against the ``cloud`` reference."""
     li = [m.index(name) for name in local]
     ci = m.index(cloud)
@@ -324,7 +371,7 @@ def route(m: QueryMatrix, *, local: Sequence[str], cloud: str, mean_power_w: Seq
                      f"{o.energy_quality!r} (the worst); routed_energy_by_quality_j keeps them apart")
     return Routing(
         cloud=cloud, local=tuple(local), cloud_is_stand_in=cloud_is_stand_in, n_queries=m.n_queries,
-        local_coverage=float(q.covered.mean()) if m.n_queries else float("nan"),
+        local_coverage=coverage_of(q).local_coverage, coverage=coverage_of(q), win_tie_vs=win_tie_vs,
         coverage_by_backend={m.backends[i]: coverage(m.correct, [i]) for i in li},
         oracle=o, router=router(o, router_accuracy),
         router_curve=tuple(router(o, a) for a in sorted(set(ALPHAS) | {router_accuracy})),

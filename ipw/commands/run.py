@@ -123,14 +123,16 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         verb += f" on Ray ({ray_options.address})"
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
-    state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "t0": time.monotonic()}
+    state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic()}
     with _progress_columns() as progress:
         task = progress.add_task("queries", total=len(queries) * config.repeats * len(config.backends),
                                  completed=len(done), rate="-", jpq="-", acc="-")
 
         def on_record(record) -> None:
             state["n"] += 1
-            state["correct"] += record.correct
+            if record.correct is not None:  # None: unscored (a judge item), never counted wrong
+                state["correct"] += record.correct
+                state["scored"] += 1
             if record.energy_j is not None:
                 state["energy"] += record.energy_j
                 state["n_e"] += 1
@@ -138,7 +140,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             progress.update(
                 task, advance=1, description=f"{record.backend} {_watts(record)}", rate=f"{state['n'] / elapsed:.2f}",
                 jpq=f"{state['energy'] / state['n_e']:.3g}" if state["n_e"] else "n/a",
-                acc=f"{state['correct'] / state['n']:.0%}",
+                acc=f"{state['correct'] / state['scored']:.0%}" if state["scored"] else "unscored",
             )
 
         def on_notice(line: str) -> None:
@@ -153,7 +155,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
     from ipw.analysis.compare import compare
 
-    # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.metrics)
+    # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.analysis.metrics)
     try:
         summary = compare([folder.path], seed=config.generation.seed, common_queries=True)
         stdout().print(metrics_table(summary))
