@@ -110,3 +110,55 @@ def test_point_values_are_compares_numbers(tmp_path, run_cli):
         assert (expected is None and value != value) or value == pytest.approx(expected), name
     assert {m.name for m in METRICS} == set(compared)
     assert all(m.better in ("higher", "lower", "") and m.change_unit in ("%", "pp") for m in METRICS)
+
+
+def test_run_ends_with_compares_routing_section(tmp_path, run_cli):
+    """With a cloud-role backend, ``ipw run`` ends with compare's own routing tables (the same function, so
+    the same figures), and local coverage and the oracle's energy saved are what the records say."""
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import routing_tables
+    from ipw.commands.run import end_summary
+
+    backends = {
+        "cloud": {"role": "cloud", "correct": [1, 1, 1, 0, 1, 1], "energy": [9.0, 8.0, 9.0, 7.0, 9.0, 8.0],
+                  "quality": "measured"},
+        "small": {"correct": [1, 0, 1, 0, 0, 1], "energy": [1.0, 1.0, 1.5, 1.0, 1.0, 2.0], "quality": "measured"},
+        "mid": {"correct": [1, 1, 0, 0, 0, 0], "energy": [3.0, 2.0, 3.0, 3.0, 3.0, 3.0], "quality": "measured",
+                "duration": [2.0] * 6},
+    }
+    run = write_run(tmp_path, "routed", backends)
+    summary = end_summary(run)
+    assert [t.key for t in summary.routing] == ["routing", "power_envelope"]
+    same = [t for t in routing_tables(compare([run], common_queries=True)) if t.key in ("routing", "power_envelope")]
+    assert summary.routing == same, "the very tables of ipw compare RUN's routing section"
+    rows = dict(summary.routing[0].rows)
+
+    # by hand: a query is covered when a local backend answers it; the oracle takes the cheapest such one
+    local = ["small", "mid"]
+    covered = [i for i in range(6) if any(backends[x]["correct"][i] for x in local)]
+    assert covered == [0, 1, 2, 5]
+    routed = sum(min(backends[x]["energy"][i] for x in local if backends[x]["correct"][i]) if i in covered
+                 else backends["cloud"]["energy"][i] for i in range(6))
+    cloud_only = sum(backends["cloud"]["energy"])
+    assert rows["local coverage"].startswith(f"{len(covered) / 6:.1%} [")
+    saved = rows["oracle energy saved"]
+    assert saved.startswith(f"{(cloud_only - routed) / cloud_only:.1%} [")
+    assert f"({cloud_only - routed:.3g} J of {cloud_only:.3g}), measured" in saved
+    assert rows["router (α=0.8) energy saved"].startswith(f"{0.8 * (cloud_only - routed) / cloud_only:.1%} [")
+    assert rows["router (α=0.8) energy saved"].endswith(", measured")
+    envelope = summary.routing[1].rows  # small: 1.25 W; mid: 1.42 W (2 s windows)
+    assert [r[1] for r in envelope] == ["small", "small, mid"]
+    assert envelope[0][2].startswith(f"{3 / 6:.1%} [") and envelope[1][2].startswith(f"{4 / 6:.1%} [")
+    assert [r[3] for r in envelope] == ["measured", "measured"]
+
+    code, out, err = run_cli("compare", run)
+    assert code == 0, err
+    assert rows["oracle energy saved"] in out and envelope[1][2] in out
+
+
+def test_run_without_a_cloud_backend_ends_without_routing(tmp_path):
+    from ipw.commands.run import end_summary
+
+    run = write_run(tmp_path, "local", {"a": {"correct": [1, 0], "energy": [1.0, 2.0]},
+                                        "b": {"correct": [0, 1], "energy": [2.0, 1.0]}})
+    assert end_summary(run).routing == []

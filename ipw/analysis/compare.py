@@ -22,7 +22,7 @@ import numpy as np
 
 from ipw.analysis import metrics as metric_table
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, load
-from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route
+from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
 from ipw.phases import LinearFit, fit_linear
@@ -50,13 +50,18 @@ class Comparison:
     metrics: dict[str, dict[str, Estimate]]  # label -> metric key -> estimate
     vs_reference: dict[str, dict[str, Estimate]]  # non-reference label -> metric key -> backend - reference
     routing: Routing | None
-    routing_ci: dict[str, Estimate]  # local_coverage, oracle_accuracy, oracle_<energy|latency|cost>_saved_fraction
+    # local_coverage, win_tie_coverage, oracle_accuracy, oracle_<energy|latency|cost>_saved_fraction, power_envelope_<i>
+    routing_ci: dict[str, Estimate]
     notes: tuple[str, ...] = field(default=())
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
 
+    def quality(self, label: str) -> str:
+        """Backend ``label``'s energy quality (the worst among its records with energy)."""
+        return next(b.energy_quality for b in self.backends if b.label == label)
+
     def estimated(self, label: str) -> bool:
         """Backend ``label``'s energy numbers rest on estimated energy (a model, not a sensor)."""
-        return next(b.energy_quality == "estimated" for b in self.backends if b.label == label)
+        return self.quality(label) == "estimated"
 
     @property
     def routing_estimated(self) -> bool:
@@ -161,9 +166,9 @@ class _Columns:
             yield make()
 
 
-def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
+def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int, envelope: list[list[int]] = ()) -> _Columns:
     """Per backend j: its metric columns (ipw.analysis.metrics.query_columns); ("route", ...) the oracle's
-    per-query values."""
+    per-query values; ("envelope", i, ...) the coverage of the local backends ``envelope[i]``."""
     cols = _Columns()
     cols.add("one", lambda: np.ones(pq.correct.shape[1]))
     for j in range(pq.correct.shape[0]):
@@ -178,6 +183,10 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int) -> _Columns:
             if x is None or np.isnan(x).any():
                 continue  # unknown somewhere: no interval (the point value says so too)
             cols.add(("route", key), lambda x=x: x.astype(float), same_as=same.get(key))
+    for i, fits in enumerate(envelope):
+        sub = pq.correct[fits]  # backends x queries
+        cols.add(("envelope", i, "hit"), lambda sub=sub: solved(sub).any(axis=0).astype(float))
+        cols.add(("envelope", i, "among"), lambda sub=sub: (~np.isnan(sub).all(axis=0)).astype(float))
     return cols
 
 
@@ -233,7 +242,8 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
         notes.append("routing: needs a cloud reference and at least one other local backend "
                      "(set roles with --local/--cloud)")
 
-    cols = _columns(pq, cost, oq, ri)
+    envelope = [[labels.index(x) for x in p.backends] for p in routing.power_envelope] if routing else []
+    cols = _columns(pq, cost, oq, ri, envelope)
     col = cols.index
     draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed)
     metrics, vs_ref = _estimates(draws, col, labels, ri)
@@ -288,6 +298,11 @@ def _routing_estimates(draws: Draws, col: dict, routing: Routing) -> dict[str, E
         s, n = sums(key), sums(among)
         if n[0] > 0:  # scored (judged) queries only
             out[name] = interval(float(_ratio(s[0], n[0])), _ratio(s[1], n[1]), LEVEL)
+    for i in range(len(routing.power_envelope)):  # coverage within each power envelope
+        s, n = ((draws.point_sums[col[("envelope", i, k)]], draws.sums[:, col[("envelope", i, k)]])
+                for k in ("hit", "among"))
+        if n[0] > 0:
+            out[f"power_envelope_{i}"] = interval(float(_ratio(s[0], n[0])), _ratio(s[1], n[1]), LEVEL)
     o = routing.oracle
     for key, total in (("energy", o.energy_j), ("latency", o.latency_s), ("cost", o.cost_usd)):
         r, c = sums(key), sums("cloud_" + key)

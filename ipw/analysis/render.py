@@ -17,6 +17,7 @@ from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
 from ipw.analysis.stats import Estimate
 from ipw.phases import fit_dict
+from ipw.telemetry.base import worst_quality
 
 SCHEMA_VERSION = 1
 FORMATS = ("table", "json", "csv", "markdown")
@@ -85,8 +86,10 @@ def _routing_dict(c: Comparison) -> dict | None:
                           "energy_saved_fraction": _num(p.energy_saved_fraction),
                           "latency_saved_fraction": _num(p.latency_saved_fraction),
                           "cost_saved_fraction": _num(p.cost_saved_fraction)} for p in r.router_curve],
-        "power_envelope": [{"power_w": p.power_w, "backends": list(p.backends), "coverage": _num(p.coverage)}
-                           for p in r.power_envelope],
+        "power_envelope": [{"power_w": p.power_w, "backends": list(p.backends), "coverage": _num(p.coverage),
+                            "coverage_ci": _est(ci.get(f"power_envelope_{i}")),
+                            "energy_quality": worst_quality([c.quality(x) for x in p.backends])}
+                           for i, p in enumerate(r.power_envelope)],
         "energy_budget": [{"energy_j": p.energy_j, "coverage": _num(p.coverage)} for p in r.energy_budget],
         "by_category": [{"category": k.category, "n_queries": k.n_queries, "local_coverage": _num(k.local_coverage),
                          "n_scored": k.coverage.n_scored, "win_tie_coverage": _num(k.coverage.win_tie_coverage),
@@ -302,7 +305,8 @@ def routing_tables(c: Comparison) -> list[Table]:
         ("oracle latency saved", saved(o["latency"], "s"), False),
         ("oracle cost saved", saved(o["cost"], "usd"), False),
         (f"router (α={rr['alpha']}) accuracy", _pct(rr["accuracy"]), False),
-        (f"router (α={rr['alpha']}) energy saved", est(rr["energy_saved_fraction"]), True),
+        (f"router (α={rr['alpha']}) energy saved",
+         est(rr["energy_saved_fraction"]) + (f", {o['energy']['energy_quality']}" if o["energy"] else ""), True),
         (f"router (α={rr['alpha']}) latency saved", est(rr["latency_saved_fraction"]), False),
         (f"router (α={rr['alpha']}) cost saved", est(rr["cost_saved_fraction"]), False),
     ]
@@ -320,8 +324,8 @@ def routing_tables(c: Comparison) -> list[Table]:
                       energy_columns(2)))
     if d["power_envelope"]:
         out.append(_table("power_envelope", "coverage within a power envelope (local backends whose mean power fits)",
-                          ["power ≤ W", "backends", "coverage"],
-                          [[_f(p["power_w"]), ", ".join(p["backends"]), _pct(p["coverage"])]
+                          ["power ≤ W", "backends", "coverage", "power"],
+                          [[_f(p["power_w"]), ", ".join(p["backends"]), est(p["coverage_ci"]), p["energy_quality"]]
                            for p in d["power_envelope"]]))
     if d["energy_budget"]:
         out.append(_table("energy_budget", "coverage within a per-query energy budget", ["energy ≤ J", "coverage"],

@@ -6,12 +6,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Table as RichTable
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
+
+if TYPE_CHECKING:
+    from ipw.analysis.compare import Comparison
+    from ipw.analysis.render import Table
 
 
 def _progress_columns():
@@ -153,13 +160,15 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             def dispatch(folder, config, queries, progress, done):
                 run_on_ray(folder, config, queries, progress, ray_options, done)
         status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
-    from ipw.analysis.compare import compare
+    from ipw.analysis.render import rich_tables
 
-    # the same numbers as ``ipw compare RUN_DIR`` (one metric table, ipw.analysis.metrics)
     try:
-        summary = compare([folder.path], seed=config.generation.seed, common_queries=True)
-        stdout().print(metrics_table(summary))
-        for note in summary.notes:
+        summary = end_summary(folder.path)
+        out = stdout()
+        out.print(metrics_table(summary.comparison))
+        for table in rich_tables(summary.routing):
+            out.print(table)
+        for note in summary.comparison.notes:
             if note.startswith("--common-queries"):  # a stopped backend: the table covers the shared queries
                 console.print(f"note: {escape(note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
@@ -189,9 +198,31 @@ def _num(x: float, spec: str = ".3g") -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
 
 
-def metrics_table(c) -> Table:
+RUN_END_ROUTING = ("routing", "power_envelope")  # compare's routing tables that ``ipw run`` ends with
+
+
+@dataclass(frozen=True)
+class EndSummary:
+    comparison: Comparison  # ``ipw compare RUN_DIR``'s (its defaults: the same seed, so the same CIs)
+    routing: list[Table]  # compare's routing summary and power envelope; [] without a cloud-role backend
+
+
+def end_summary(run_dir) -> EndSummary:
+    """What ``ipw run`` ends with: the numbers of ``ipw compare RUN_DIR`` and, when a backend has the cloud
+    role, compare's own routing tables (``ipw.analysis.render.routing_tables``: local coverage, the
+    oracle's and the α-router's energy saved, coverage within the local backends' power envelope, with
+    CIs and energy quality)."""
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import routing_tables
+
+    c = compare([run_dir], common_queries=True)
+    cloud = any(b.role == "cloud" for b in c.backends)
+    return EndSummary(c, [t for t in routing_tables(c) if t.key in RUN_END_ROUTING] if cloud else [])
+
+
+def metrics_table(c) -> RichTable:
     """``ipw run``'s final table: a few of compare's metrics per backend (a ``Comparison``)."""
-    table = Table(title="ipw run: per backend (95% bootstrap CIs)")
+    table = RichTable(title="ipw run: per backend (95% bootstrap CIs)")
     for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token",
                 "J/prefill token", "J/decode token", "TTFT p50", "errors", "energy"):
         table.add_column(col, justify="left" if col in ("backend", "role", "energy") else "right")
