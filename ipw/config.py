@@ -41,7 +41,7 @@ class RunConfig:
     split: str | None = None  # a split of a Hugging Face DatasetDict folder; None = test/validation/train
     categories: tuple[str, ...] = ()  # keep only these categories; () = all
     sample: int = 0  # a random sample of this many queries, seeded by `seed`; 0 = all
-    judge: JudgeSpec | None = None  # the [judge] table: the judge `ipw rescore --scorer judge` uses
+    judge: JudgeSpec | None = None  # the [judge] table: grades the run when it ends; `ipw rescore`'s default judge
 
     def to_dict(self) -> dict[str, Any]:
         """As stored in the manifest: a ``base_url``'s ``user:password@`` and secret query values redacted

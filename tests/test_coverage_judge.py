@@ -229,3 +229,61 @@ def test_real_llama_cpp_judge_on_chat_items(tmp_path, run_cli):
         assert line["correct"] == all(v in ("response", "tie") for v in line["verdicts"])
         assert line["judge_prompt_tokens"] > 40 and line["judge_energy_j"] > 0
         assert len(line["judge_outputs"]) == 2
+
+
+@pytest.mark.llama
+def test_ipw_run_with_a_judge_ends_judged(tmp_path, run_cli):
+    """``ipw run`` with a [judge] table: the finished run is graded into a linked folder, and the run's
+    routing summary shows win/tie coverage from it (the same numbers as ``ipw compare`` on that folder)."""
+    from openai_stub import Stub
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"id": q, "prompt": p, "answer": "", "scorer": "judge", "category": "chat"})
+                            + "\n" for q, p, _, _ in CHAT[:2]))
+    stub = Stub()
+    try:
+        cfg = tmp_path / "run.toml"
+        cfg.write_text(f'''dataset = "{data}"
+out_dir = "{tmp_path / 'res'}"
+warmup = 0
+idle_s = 0
+[generation]
+max_tokens = 12
+[[backends]]
+name = "smol"
+kind = "llama-cpp"
+model = "smollm2-135m"
+n_threads = 1
+[[backends]]
+name = "cloud"
+kind = "openai"
+model = "stub"
+role = "cloud"
+base_url = "{stub.base_url}"
+max_retries = 0
+timeout_s = 10
+[judge]
+kind = "llama-cpp"
+model = "smollm2-135m"
+n_threads = 1
+grading = "vs-backend:cloud"
+max_tokens = 4
+''')
+        code, out, err = run_cli("run", cfg)
+    finally:
+        stub.close()
+    assert code == 0, err
+    runs = sorted((tmp_path / "res").iterdir())
+    assert len(runs) == 2  # the run, and the judged run linked to it
+    original, judged = (r for r in runs if not json.loads((r / "manifest.json").read_text()).get("rescored_from")), \
+        next(r for r in runs if json.loads((r / "manifest.json").read_text()).get("rescored_from"))
+    assert f"judged: {judged}" in err.replace("\n", "")
+    frame = pd.read_parquet(judged / "records.parquet")
+    local = frame[frame["backend"] == "smol"]
+    assert local["win_tie"].notna().all() and local["correct"].isna().all()  # judged; unscored vs a dataset
+    share = local["win_tie"].mean()
+    assert "local coverage, win/tie" in out and f"{share:.1%}" in out and "2 judged" in out
+    code, cmp_out, _ = run_cli("compare", judged, "--format", "json")
+    routing = json.loads(cmp_out)["routing"]
+    assert routing["coverage"]["win_tie"]["value"] == pytest.approx(share)
+    assert "unscored" in out  # accuracy of chat-only backends: never shown as 0% or nan

@@ -1,6 +1,10 @@
-"""``ipw rescore``: score a saved run again (the work: ``ipw.rescore``)."""
+"""``ipw rescore``: score a saved run again (the work: ``ipw.rescore``); ``ipw run`` uses it too, to
+grade a run with its config's ``[judge]`` when the run ends."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -9,20 +13,45 @@ from ipw.commands.output import stdout
 
 
 def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
-    from ipw.rescore import judge_spec, rescore, summary
+    from ipw.rescore import judge_spec
     from ipw.results import load_run
 
-    manifest, original = load_run(run)
+    manifest, _ = load_run(run)
     spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
+    rescore_and_show(run, scorer=scorer, judge=spec, out_dir=out)
+    return 0
+
+
+def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
+    """Rescore ``run`` with a progress bar, print the before/after table and the judge's cost; returns
+    the new folder."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ipw.rescore import rescore, summary
+    from ipw.results import load_run
+
+    _, original = load_run(run)
     console = Console(stderr=True)
-    folder = rescore(run, scorer=scorer, judge=spec, out_dir=out)
+    what = f"judging ({judge.grading})" if judge is not None else "rescoring"
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task(what, total=len(original))
+        folder = rescore(run, scorer=scorer, judge=judge, out_dir=out_dir,
+                         progress=lambda record: progress.advance(task))
     _, frame = load_run(folder.path)
-    table = Table(title=f"ipw rescore: {folder.manifest.rescored_from['scorer']}")
-    for col in ("backend", "records", "accuracy before", "accuracy after", "changed"):
+    rows = summary(original, frame)
+    judged = any(row["win_tie"] is not None for row in rows)
+    title = folder.manifest.rescored_from["scorer"] + (f", win/tie vs {judge.vs_backend}" if judged else "")
+    table = Table(title=f"ipw rescore: {title}")
+    columns = ["backend", "records", "accuracy before", "accuracy after", "changed"]
+    for col in columns + (["win/tie", "judged"] if judged else []):
         table.add_column(col, justify="left" if col == "backend" else "right")
-    for row in summary(original, frame):
-        table.add_row(row["backend"], str(row["records"]), f"{row['accuracy_before']:.1%}",
-                      f"{row['accuracy_after']:.1%}", str(row["changed"]))
+    for row in rows:
+        cells = [row["backend"], str(row["records"]), _pct(row["accuracy_before"]), _pct(row["accuracy_after"]),
+                 str(row["changed"])]
+        if judged:
+            cells += [_pct(row["win_tie"]), str(row["judged"])]
+        table.add_row(*cells)
     stdout().print(table)
     totals = (folder.manifest.judge or {}).get("totals")
     if totals:
@@ -31,5 +60,10 @@ def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
                       f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
                       f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
                       highlight=False, markup=False)
-    console.print(f"wrote {folder.path} (rescored from {run})")
-    return 0
+    console.print(f"wrote {folder.path} (rescored from {run})", highlight=False, markup=False)
+    return folder.path
+
+
+def _pct(x: float | None) -> str:
+    """A share, or "unscored" when no record has one (every item needs a judge)."""
+    return "unscored" if x is None or not math.isfinite(x) else f"{x:.1%}"

@@ -162,8 +162,13 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
     from ipw.analysis.render import rich_tables
 
+    summary_dir = folder.path
+    if config.judge is not None and status == "complete":  # the config's [judge] grades the finished run
+        from ipw.commands.rescore import rescore_and_show
+
+        summary_dir = rescore_and_show(folder.path, judge=config.judge, out_dir=folder.path.parent)
     try:
-        summary = end_summary(folder.path)
+        summary = end_summary(summary_dir)
         out = stdout()
         out.print(metrics_table(summary.comparison))
         for table in rich_tables(summary.routing):
@@ -173,7 +178,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
                 console.print(f"note: {escape(note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
         console.print(f"no summary: {escape(str(exc))}", highlight=False)
-    console.print(f"wrote {folder.path}")
+    console.print(f"wrote {folder.path}" + (f" (judged: {summary_dir})" if summary_dir != folder.path else ""))
     if status != "complete":
         console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
                       f"ipw run --resume {escape(str(folder.path))}", highlight=False)
@@ -231,6 +236,7 @@ def metrics_table(c) -> RichTable:
         acc = m["accuracy"]
         table.add_row(
             b.backend, b.role,
+            "unscored" if not math.isfinite(acc.value) else  # every query needs a judge
             f"{acc.value:.1%} [{acc.lo:.0%}, {acc.hi:.0%}]" if math.isfinite(acc.lo) else f"{acc.value:.1%}",
             m["energy_per_query_j"].fmt(), m["ipj"].fmt(), m["ipw"].fmt(), _num(m["j_per_output_token"].value),
             m["j_per_prefill_token"].fmt(), m["j_per_decode_token"].fmt(),
