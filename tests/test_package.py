@@ -84,7 +84,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the installed copy
 
     listed = run([ipw, "list"], cwd=work, env=env).stdout
-    assert "ipw-core-default" in listed and "485" in listed and "24" in listed
+    assert "ipw-core-default" in listed and "533" in listed and "24" in listed  # 485 scored + 48 chat
 
     out = work / "res"
     run([ipw, "run", "--limit", "1", "--backend", f"llama-cpp:{gguf}", "--warmup", "0", "--idle-s", "0",

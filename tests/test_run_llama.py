@@ -50,18 +50,26 @@ def test_run_user_dataset(small_jsonl, tmp_path, run_cli):
     assert "accuracy" in stdout and "smollm2" in stdout
 
 
-def test_embedded_default_two_models(tmp_path, run_cli):
-    """The embedded default (chat model + few-shot base model), cut to 4 queries."""
+def test_embedded_default_local_and_cloud(tmp_path, run_cli):
+    """The embedded default, cut to 4 queries: a local chat model in process and a cloud-role base model
+    behind a managed llama.cpp server (few-shot completion over the OpenAI-compatible API), ending with
+    the routing summary."""
     out = tmp_path / "res"
     code, stdout, err = run_cli("run", "--limit", "4", "--idle-s", "0", "--warmup", "0", "--out", out)
     assert code == 0, err
-    frame = pd.read_parquet(_only_run(out) / "records.parquet")
-    assert sorted(frame["backend"].unique()) == ["gemma3-270m", "smollm2-135m"]
-    assert len(frame) == 8
-    gemma = frame[frame["backend"] == "gemma3-270m"]
+    run = _only_run(out)
+    frame = pd.read_parquet(run / "records.parquet")
+    assert len(frame) == 8 and frame["error"].isna().all()
+    roles = frame.groupby("backend")["role"].first().to_dict()
+    assert roles == {"gemma3-270m-server": "cloud", "smollm2-135m": "local"}
+    gemma = frame[frame["backend"] == "gemma3-270m-server"]
     # few-shot completion stops at the end of the answer line
     assert (gemma["completion_tokens"] < 48).all()
     assert not gemma["output"].str.contains("Question:").any()
+    assert (run / "server-gemma3-270m-server.log").is_file()  # the managed server's log is kept
+    for text in ("local coverage", "oracle energy saved", "router (α=0.8) energy saved",
+                 "coverage within a power envelope"):
+        assert text in stdout, text
 
 
 def test_interrupted_run_is_marked(small_jsonl, tmp_path, monkeypatch):
