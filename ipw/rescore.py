@@ -65,7 +65,7 @@ def judge_line(row: dict[str, Any], judge: Judge, verdict: Verdict | str) -> dic
     energies = [c.energy_j for c in calls]
     p_tok, c_tok = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
     return {
-        "backend": row["backend"], "query_id": row["query_id"], "repeat": row["repeat"],
+        "backend": row["backend"], "query_id": row["query_id"], "repeat": row["repeat"], "category": row["category"],
         "judge": judge.spec.backend.name, "judge_model": judge.spec.backend.model, "grading": judge.spec.grading,
         "vs_backend": judge.spec.vs_backend, "prompt_version": judge.prompt.version,
         "correct": judged and verdict.correct, "verdicts": list(verdict.verdicts) if judged else [verdict],

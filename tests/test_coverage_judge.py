@@ -140,6 +140,25 @@ def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
     assert folder.manifest.judge["totals"]["unparsed"] == 1
     assert folder.manifest.rescored_from["vs_backend"] == "cloud"
     assert list(frame["energy_j"]) == [1.0] * 18
+    # compare (and so the report and the run's end) shows the judge apart: verdicts, order agreement, its energy
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import judge_table, to_dict
+
+    c = compare([folder.path])
+    rows = {r.category: r for r in c.judge}
+    assert set(rows) == {"", "chat", "arithmetic"} and {r.backend for r in c.judge} == {"local"}
+    overall = rows[""]  # judged: c1-c5 and m1; covered: c1, c2, m1; both orders parsed: all but c5, c4 disagrees
+    assert (overall.records, overall.judged, overall.unparsed, overall.calls) == (9, 6, 1, 12)
+    assert overall.favorable == pytest.approx(3 / 6) and overall.orders_agree == pytest.approx(4 / 5)
+    assert overall.energy_j == pytest.approx(6.0) and overall.energy_quality == "estimated"
+    chat = rows["chat"]
+    assert (chat.records, chat.judged, chat.favorable, chat.orders_agree) == (8, 5, pytest.approx(2 / 5),
+                                                                             pytest.approx(3 / 4))
+    assert (rows["arithmetic"].judged, rows["arithmetic"].favorable) == (1, 1.0)
+    (table,) = judge_table(c)
+    assert table.headers[3] == "win/tie" and table.rows[0][:6] == ["local", "all", "6 of 9", "50.0%", "80.0%", "1"]
+    assert table.est[0][-1] and not table.est[0][3]  # the judge's energy is an estimate here, marked
+    assert to_dict(c)["judge"][0]["orders_agree"] == pytest.approx(0.8)
 
 
 def test_vs_backend_through_the_cli(scripted, tmp_path, run_cli):

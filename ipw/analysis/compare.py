@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
-from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, load
+from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, load
 from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
@@ -33,6 +33,59 @@ J_PER_KWH = 3.6e6
 # key, label (from the one metric table, ipw.analysis.metrics); every key is in each backend's
 # "metrics" and "vs_reference" (JSON)
 METRICS: tuple[tuple[str, str], ...] = tuple((m.name, m.label) for m in metric_table.METRICS)
+
+
+@dataclass(frozen=True)
+class JudgeRow:
+    """What a run's judge said about one backend's answers, over one category ("" = all of them), and
+    what the judge itself cost (its energy is in no backend's numbers)."""
+
+    run_id: str
+    judge: str  # the judge backend's name
+    grading: str  # reference | pairwise | vs-backend:NAME
+    prompt_version: str
+    backend: str
+    category: str
+    records: int
+    judged: int  # records the judge compared (errors and empty outputs are not judged)
+    favorable: float | None  # share of the judged: win or tie in both orders (vs-backend), else judged correct
+    orders_agree: float | None  # share of the two-order verdicts that parsed in which both orders say the same
+    unparsed: int  # records with at least one unreadable reply
+    calls: int
+    energy_j: float | None  # the judge's own energy; None when a call's is unavailable
+    energy_quality: str
+
+
+def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeRow, ...]:
+    """Per judged run, per backend of ``backends``: the judge's verdicts overall (category "") and per
+    category, from the run's judge.jsonl."""
+    from ipw.judge import orders_agree
+    from ipw.telemetry.base import worst_quality
+
+    out = []
+    for run in runs:
+        judge, lines = judge_lines(run)
+        if not lines:
+            continue
+        for backend in dict.fromkeys(x["backend"] for x in lines):
+            if backend not in backends:
+                continue
+            mine = [x for x in lines if x["backend"] == backend]
+            cats = sorted({x.get("category") or "" for x in mine})
+            for cat in [""] + (cats if len(cats) > 1 or cats != [""] else []):
+                group = [x for x in mine if not cat or (x.get("category") or "") == cat]
+                judged = [x for x in group if x["judge_calls"]]
+                agree = [a for a in (orders_agree(x["verdicts"]) for x in judged) if a is not None]
+                energies = [x["judge_energy_j"] for x in judged]
+                out.append(JudgeRow(
+                    run.run_id, judge.get("backend", {}).get("name", ""), judge.get("grading", ""),
+                    judge.get("prompt_version", ""), backend, cat, len(group), len(judged),
+                    sum(x["correct"] for x in judged) / len(judged) if judged else None,
+                    sum(agree) / len(agree) if agree else None,
+                    sum("unparsed" in x["verdicts"] for x in group), sum(x["judge_calls"] for x in group),
+                    None if not judged or None in energies else float(sum(energies)),
+                    worst_quality([q for x in judged for q in (x["judge_energy_quality"] or "").split(",") if q])))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -54,6 +107,7 @@ class Comparison:
     routing_ci: dict[str, Estimate]
     notes: tuple[str, ...] = field(default=())
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
+    judge: tuple[JudgeRow, ...] = ()  # the judge's verdicts and cost, per judged run and backend (and category)
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -261,7 +315,8 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     models = {labels[j]: fitted_models(pq, j) for j in range(m)}
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
-                      routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models)
+                      routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
+                      judge=judge_rows(runs, plain))
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

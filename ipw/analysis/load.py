@@ -212,6 +212,23 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     return parts
 
 
+def judge_lines(run: RunInfo) -> tuple[dict, list[dict]]:
+    """A judged run's judge (the manifest's ``judge``) and its ``judge.jsonl`` lines (one per record:
+    verdicts, calls and the judge's own energy); ({}, []) for a run no judge graded."""
+    import json
+
+    from ipw.results import RunManifest
+
+    path = Path(run.path) / "judge.jsonl"
+    if not path.is_file():
+        return {}, []
+    try:
+        lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (OSError, ValueError) as exc:
+        raise IpwError(f"{path}: cannot read the judge's log ({type(exc).__name__}: {exc})") from None
+    return RunManifest.read(Path(run.path)).judge or {}, lines
+
+
 def _query_set_error(parts: list[_Part]) -> str | None:
     runs = {p.run.run_id: p.run for p in parts}
     prints = {r.fingerprint for r in runs.values() if r.fingerprint}

@@ -123,6 +123,7 @@ def to_dict(c: Comparison) -> dict:
                for what, f in ((w, c.models.get(b.label, {}).get(w)) for w in ("energy", "latency"))},
         } for b in c.backends],
         "routing": _routing_dict(c),
+        "judge": [dict(row.__dict__) for row in c.judge],
         "notes": list(c.notes),
     }
 
@@ -220,7 +221,7 @@ class Table(NamedTuple):
     headers: list[str]
     rows: list[list[str]]
     est: list[list[bool]]
-    key: str  # metrics | difference | fits | routing | router_curve | power_envelope | energy_budget | by_category
+    key: str  # metrics | difference | fits | routing | router_curve | power_envelope | energy_budget | by_category | judge
     section: str  # compare | routing
 
 
@@ -265,7 +266,7 @@ def tables(c: Comparison) -> list[Table]:
                                                     for f in fits])
         out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
                           f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
-    return out + routing_tables(c)
+    return out + routing_tables(c) + judge_table(c)
 
 
 def _est_text(v, pct=True) -> str:
@@ -341,6 +342,23 @@ def routing_tables(c: Comparison) -> list[Table]:
                         _pct(k["latency_saved_fraction"]), _pct(k["cost_saved_fraction"])] for k in d["by_category"]],
                       energy_columns(headers.index("energy saved"))))
     return out
+
+
+def judge_table(c: Comparison) -> list[Table]:
+    """The judge's verdicts per backend and category, its order agreement and its own energy ([] when no
+    run was judged)."""
+    if not c.judge:
+        return []
+    first = c.judge[0]
+    vs = first.grading.startswith("vs-backend:")
+    judges = sorted({f"{r.judge} ({r.prompt_version}, {r.grading})" for r in c.judge})
+    headers = ["backend", "category", "judged", "win/tie" if vs else "judged correct", "orders agree", "unparsed",
+               "judge calls", "judge J"]
+    rows = [[r.backend, r.category or "all", f"{r.judged} of {r.records}", _pct(r.favorable), _pct(r.orders_agree),
+             str(r.unparsed), str(r.calls), _f(r.energy_j)] for r in c.judge]
+    return [_table("judge", f"judge {', '.join(judges)}: its verdicts, whether both orders agree, and its own energy "
+                   "(kept apart: in no backend's numbers)", headers, rows,
+                   lambda i, j: j == len(headers) - 1 and c.judge[i].energy_quality == "estimated")]
 
 
 def markdown_tables(ts: list[Table]) -> list[str]:

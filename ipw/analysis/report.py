@@ -683,7 +683,7 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
         lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
-    keep = [t for t in ctx["tables"] if t["key"] in ("metrics", "difference", "routing")]
+    keep = [t for t in ctx["tables"] if t["key"] in ("metrics", "difference", "routing", "by_category", "judge")]
     for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",
                   "|" + "---|" * len(t["headers"])]

@@ -209,7 +209,7 @@ RUN_END_ROUTING = ("routing", "power_envelope")  # compare's routing tables that
 @dataclass(frozen=True)
 class EndSummary:
     comparison: Comparison  # ``ipw compare RUN_DIR``'s (its defaults: the same seed, so the same CIs)
-    routing: list[Table]  # compare's routing summary and power envelope; [] without a cloud-role backend
+    routing: list[Table]  # compare's routing summary and power envelope (with a cloud-role backend), its judge table
 
 
 def end_summary(run_dir) -> EndSummary:
@@ -218,11 +218,12 @@ def end_summary(run_dir) -> EndSummary:
     oracle's and the α-router's energy saved, coverage within the local backends' power envelope, with
     CIs and energy quality)."""
     from ipw.analysis.compare import compare
-    from ipw.analysis.render import routing_tables
+    from ipw.analysis.render import judge_table, routing_tables
 
     c = compare([run_dir], common_queries=True)
     cloud = any(b.role == "cloud" for b in c.backends)
-    return EndSummary(c, [t for t in routing_tables(c) if t.key in RUN_END_ROUTING] if cloud else [])
+    routing = [t for t in routing_tables(c) if t.key in RUN_END_ROUTING] if cloud else []
+    return EndSummary(c, routing + judge_table(c))
 
 
 def metrics_table(c) -> RichTable:
