@@ -120,8 +120,9 @@ def write_doc(res: dict, command: str) -> None:
                      f"{'/'.join(r['quality'])}" for r in res["runs"])
     body = f"""{SECTION}
 
-Measured by `bench/noise_default.py`: the embedded default (`ipw run`: 24 queries x 2 llama.cpp
-models, CPU-model energy) {len(res['runs'])} times in a row with nothing else running, on {machine()}.
+Measured by `bench/noise_default.py`: the embedded default (`ipw run`: 24 queries through SmolLM2-135M
+in a llama.cpp worker, role local, and Gemma-3-270M behind a managed llama.cpp server, role cloud; CPU-model
+energy of each engine's process tree) {len(res['runs'])} times in a row with nothing else running, on {machine()}.
 
 {runs}
 
