@@ -56,3 +56,10 @@ def test_banner_for_runs_from_different_hardware(tmp_path):
     assert html.index("Different hardware") < html.index("<h2>The answer")
     md = report.render_markdown(ctx)
     assert md.splitlines()[2].startswith("> **Different hardware.**")
+    assert md.count("not comparable") == 1  # the banner, not again among the notes
+    # ipw compare says the same, first among its notes and in JSON
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import to_dict
+
+    c = compare([a, b])
+    assert c.notes[0] == banner and to_dict(c)["hardware_note"] == banner

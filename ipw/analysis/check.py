@@ -17,6 +17,7 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.results import RunManifest
+from ipw.telemetry.hardware import HARDWARE_KEYS, hardware_key, machines
 from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
 from ipw.analysis.stats import bootstrap_draws
@@ -24,7 +25,6 @@ from ipw.analysis.stats import bootstrap_draws
 # the metrics and their aliases come from ipw.analysis.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
 DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp")
-HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
 
 
 @dataclass(frozen=True)
@@ -98,43 +98,10 @@ def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_
             if diff:
                 shown = "; ".join(f"{k}: {hb.get(k)!r} vs {hc.get(k)!r}" for k in diff)
                 reasons.append(f"hardware differs ({shown}); pass --allow-hardware-mismatch to compare anyway")
-        elif {_hardware_key(h) for h in mb} != {_hardware_key(h) for h in mc}:
+        elif {hardware_key(h) for h in mb} != {hardware_key(h) for h in mc}:
             reasons.append(f"hardware differs (the baseline ran on {len(mb)} kind(s) of machine, the candidate on "
                            f"{len(mc)}, not the same ones); pass --allow-hardware-mismatch to compare anyway")
     return reasons
-
-
-def hardware_note(manifests: list[RunManifest]) -> str | None:
-    """One sentence when the runs shown side by side were measured on different kinds of machine
-    (HARDWARE_KEYS), naming each run's machines and what differs; None when they all match."""
-    kinds = {m.run_id: machines(m) for m in manifests}
-    if len({_hardware_key(h) for ms in kinds.values() for h in ms}) <= 1:
-        return None
-    every = [h for ms in kinds.values() for h in ms]
-    differ = [k for k in HARDWARE_KEYS if len({json.dumps(h.get(k), default=str) for h in every}) > 1]
-    shown = "; ".join(f"{run_id}: " + " + ".join(
-        f"{h.get('cpu_model') or 'unknown CPU'}" + (f" ({h['cpu_isa']})" if "cpu_isa" in differ and h.get("cpu_isa")
-                                                   else "") + (f", GPUs {h['gpus']}" if h.get("gpus") else "")
-        for h in ms) for run_id, ms in kinds.items())
-    return (f"These runs were measured on different machines ({shown}); they differ in {', '.join(differ)}, "
-            "so their energy, speed and per-watt figures are not comparable between runs.")
-
-
-def _hardware_key(hardware: dict) -> str:
-    return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
-
-
-def machines(manifest: RunManifest) -> list[dict]:
-    """The kinds of machine (HARDWARE_KEYS) that measured a run's records: a sharded run (Ray, or merged
-    from ``--shard`` runs) lists every node in ``hardware_by_id``; a run made in one place has its
-    ``hardware`` (and, if resumed elsewhere, that machine too)."""
-    by_id = list((manifest.hardware_by_id or {}).values())
-    sharded = manifest.ray is not None or manifest.merged_from is not None
-    found = by_id if by_id and sharded else [manifest.hardware or {}, *by_id]
-    unique: dict[str, dict] = {}
-    for hardware in found:
-        unique.setdefault(_hardware_key(hardware), hardware)
-    return list(unique.values())
 
 
 def _per_query(manifest: RunManifest, frame) -> dict:

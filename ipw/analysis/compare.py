@@ -26,6 +26,7 @@ from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_r
 from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
 from ipw.phases import LinearFit, fit_linear
+from ipw.telemetry.hardware import hardware_note
 
 LEVEL = 0.95
 J_PER_KWH = 3.6e6
@@ -108,6 +109,7 @@ class Comparison:
     notes: tuple[str, ...] = field(default=())
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
     judge: tuple[JudgeRow, ...] = ()  # the judge's verdicts and cost, per judged run and backend (and category)
+    hardware_note: str | None = None  # the runs were measured on different kinds of machine (the report's banner)
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -312,11 +314,14 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
         if i.label != ref and i.energy_quality != infos[ri].energy_quality:
             notes.append(f"energy of {i.label} is {i.energy_quality}, of the reference {ref} "
                          f"{infos[ri].energy_quality}: their energy differences compare different bases")
+    hardware = hardware_note({r.run_id: list(r.machines) for r in runs})
+    if hardware:
+        notes.insert(0, hardware)
     models = {labels[j]: fitted_models(pq, j) for j in range(m)}
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
-                      judge=judge_rows(runs, plain))
+                      judge=judge_rows(runs, plain), hardware_note=hardware)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.results import RunManifest
+from ipw.telemetry.hardware import machines
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
                 "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
@@ -28,6 +29,7 @@ class RunInfo:
     fingerprint: str | None
     n_queries: int
     n_records: int
+    machines: tuple[dict, ...] = ()  # the kinds of machine that measured it (telemetry.hardware.machines)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     qcode, qids = pd.factorize(frame["query_id"])
     bcode, bnames = _codes(frame["backend"], "")
     run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
-                  dataset.get("fingerprint"), len(qids), len(frame))
+                  dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)))
     nq, nb = len(qids), len(bnames)
     key = bcode * nq + qcode
     size = nb * nq

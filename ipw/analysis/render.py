@@ -124,6 +124,7 @@ def to_dict(c: Comparison) -> dict:
         } for b in c.backends],
         "routing": _routing_dict(c),
         "judge": [dict(row.__dict__) for row in c.judge],
+        "hardware_note": c.hardware_note,
         "notes": list(c.notes),
     }
 

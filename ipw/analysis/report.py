@@ -601,7 +601,6 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     import matplotlib
 
     from ipw import __version__
-    from ipw.analysis.check import hardware_note
     from ipw.analysis.compare import compare
     from ipw.analysis.render import to_dict
 
@@ -640,7 +639,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         "ipw_version": __version__,
         "runs": [run.__dict__ for run in c.runs],
         "setup": _setup_sections(manifests),
-        "hardware_banner": hardware_note([m for _, m in manifests]),
+        "hardware_banner": c.hardware_note,
         "backends": backends,
         "any_est": any(est.values()),
         "tables": tables,
@@ -651,7 +650,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         "category_note": category_note,
         "costliest": costliest,
         "wrong": wrong,
-        "notes": list(c.notes),
+        "notes": [n for n in c.notes if n != c.hardware_note],  # that one is the banner
         "n_queries": c.n_queries,
         "n_records": int(len(frame)),
         "reference": c.reference,

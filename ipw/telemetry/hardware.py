@@ -115,3 +115,41 @@ def node_identity() -> tuple[NodeIdentity, dict[str, Any]]:
     fingerprint = hardware_fingerprint()
     node = "node-" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:10]
     return NodeIdentity(node, hardware_id(fingerprint)), fingerprint
+
+
+# --- kinds of machine: what ``ipw check`` compares, and what a side-by-side comparison flags ---------
+
+HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
+
+
+def hardware_note(kinds: dict[str, list[dict]]) -> str | None:
+    """One sentence when the runs shown side by side (run id -> its kinds of machine, ``machines``)
+    were measured on different kinds of machine, naming each run's machines and what differs; None when
+    they all match."""
+    if len({hardware_key(h) for ms in kinds.values() for h in ms}) <= 1:
+        return None
+    every = [h for ms in kinds.values() for h in ms]
+    differ = [k for k in HARDWARE_KEYS if len({json.dumps(h.get(k), default=str) for h in every}) > 1]
+    shown = "; ".join(f"{run_id}: " + " + ".join(
+        f"{h.get('cpu_model') or 'unknown CPU'}" + (f" ({h['cpu_isa']})" if "cpu_isa" in differ and h.get("cpu_isa")
+                                                   else "") + (f", GPUs {h['gpus']}" if h.get("gpus") else "")
+        for h in ms) for run_id, ms in kinds.items())
+    return (f"These runs were measured on different machines ({shown}); they differ in {', '.join(differ)}, "
+            "so their energy, speed and per-watt figures are not comparable between runs.")
+
+
+def hardware_key(hardware: dict) -> str:
+    return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
+
+
+def machines(manifest) -> list[dict]:
+    """The kinds of machine (HARDWARE_KEYS) that measured a run's records: a sharded run (Ray, or merged
+    from ``--shard`` runs) lists every node in ``hardware_by_id``; a run made in one place has its
+    ``hardware`` (and, if resumed elsewhere, that machine too)."""
+    by_id = list((manifest.hardware_by_id or {}).values())
+    sharded = manifest.ray is not None or manifest.merged_from is not None
+    found = by_id if by_id and sharded else [manifest.hardware or {}, *by_id]
+    unique: dict[str, dict] = {}
+    for hardware in found:
+        unique.setdefault(hardware_key(hardware), hardware)
+    return list(unique.values())
