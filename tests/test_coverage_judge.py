@@ -159,6 +159,13 @@ def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
     assert table.headers[3] == "win/tie" and table.rows[0][:6] == ["local", "all", "6 of 9", "50.0%", "80.0%", "1"]
     assert table.est[0][-1] and not table.est[0][3]  # the judge's energy is an estimate here, marked
     assert to_dict(c)["judge"][0]["orders_agree"] == pytest.approx(0.8)
+    # ... and the report: coverage both ways per category, and the judge's table, in the answer section
+    pytest.importorskip("matplotlib")
+    from ipw.analysis import report
+
+    html = report.render_html(report.build([folder.path]))
+    answer = html[html.index("<h2>The answer"):html.index("<h2>Compare in detail")]
+    assert "local coverage (win/tie)" in answer and "orders agree" in answer and "80.0%" in answer
 
 
 def test_vs_backend_through_the_cli(scripted, tmp_path, run_cli):
