@@ -100,21 +100,14 @@ def test_an_empty_answer_still_fails_for_other_scorers(tmp_path, scorer, answer)
         load_queries(str(_write(tmp_path, row)))
 
 
-def test_a_blank_answer_still_fails_for_exact(tmp_path):
-    row = {"id": "c1", "prompt": "p", "answer": " \t ", "scorer": "exact"}
-    with pytest.raises(IpwError, match=r":1: field 'answer': required field is blank"):
-        load_queries(str(_write(tmp_path, row)))
-
-
-def test_a_wrong_answer_type_still_fails_for_judge(tmp_path):
-    row = {"id": "c1", "prompt": "p", "answer": ["x"], "scorer": "judge"}
-    with pytest.raises(IpwError, match=r":1: field 'answer': expected a string"):
-        load_queries(str(_write(tmp_path, row)))
-
-
-def test_an_unknown_scorer_lists_judge(tmp_path):
-    row = {"id": "c1", "prompt": "p", "answer": "x", "scorer": "fuzzy"}
-    with pytest.raises(IpwError, match=r"unknown scorer 'fuzzy' \(known: .*judge"):
+@pytest.mark.parametrize("row,message", [
+    ({"id": "c1", "prompt": "p", "answer": " \t ", "scorer": "exact"}, "required field is blank"),
+    ({"id": "c1", "prompt": "p", "answer": ["x"], "scorer": "judge"}, "expected a string"),
+    ({"id": "c1", "prompt": "p", "answer": "x", "scorer": "fuzzy"}, r"unknown scorer 'fuzzy' \(known: .*judge"),
+])
+def test_other_answer_errors_stay(tmp_path, row, message):
+    """A blank answer for exact, a non-string answer even for judge, an unknown scorer (which lists judge)."""
+    with pytest.raises(IpwError, match=rf":1: field '(answer|scorer)': {message}"):
         load_queries(str(_write(tmp_path, row)))
 
 

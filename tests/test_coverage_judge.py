@@ -3,17 +3,16 @@ the same query, in both orders (``--grading vs-backend:NAME``).  A scripted judg
 rule, order disagreement and unparsed replies; a real llama.cpp judge grades a handful of chat items."""
 
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from ipw.backends.base import BackendSpec, Completion, register_backend, unregister_backend
+from ipw.backends.base import BackendSpec, register_backend, unregister_backend
 from ipw.errors import IpwError
 from ipw.judge import JudgeSpec, orders_agree
-from ipw.telemetry.base import EnergyReading, SensorInfo
 from runfolders import create, record
+from scripted import FixedSensor, ScriptedBackend
 
 # (query_id, scorer, answer, local output, cloud output, local error); the outputs carry the words the
 # scripted judge reacts to
@@ -30,54 +29,23 @@ ITEMS = [
 ]
 
 
-class ScriptedJudge:
+class ScriptedJudge(ScriptedBackend):
     """TIE when both answers say GOOD or the item is m1; the answer saying BEST wins; "A" whenever the
     local answer says LEFT (position bias); an unreadable reply for MUMBLE."""
 
-    def __init__(self, spec):
-        self.spec = spec
+    def tokens(self, prompt, text):
+        return 80, 1
 
-    def load(self):
-        pass
-
-    def generate(self, prompt, settings):
-        now = time.monotonic()
+    def reply(self, prompt):
         a = prompt.split("Answer A:\n", 1)[1].split("\n\nAnswer B:", 1)[0]
         b = prompt.split("Answer B:\n", 1)[1].split("\n\n", 1)[0]
         if "MUMBLE" in a + b:
-            text = "I would rather not say."
-        elif "LEFT" in a + b:
-            text = "A"
-        elif "GOOD" in a and "GOOD" in b or a == b:
-            text = "TIE"
-        else:
-            text = "A" if "BEST" in a else "B"
-        return Completion(text, 80, 1, now, now, now + 0.001, (now,), "stop")
-
-    def pids(self):
-        return []
-
-    def describe(self):
-        return {"engine": "scripted"}
-
-    def close(self):
-        pass
-
-
-class FixedSensor:
-    name = "fixed"
-
-    def info(self):
-        return SensorInfo("fixed", True, "model.cpu", "estimated", "cpu_package")
-
-    def begin(self):
-        return None
-
-    def end(self, token):
-        return [EnergyReading("cpu", 0.5, "model.cpu", "estimated", "cpu_package", 0.001)]
-
-    def close(self):
-        pass
+            return "I would rather not say."
+        if "LEFT" in a + b:
+            return "A"
+        if "GOOD" in a and "GOOD" in b or a == b:
+            return "TIE"
+        return "A" if "BEST" in a else "B"
 
 
 @pytest.fixture
@@ -112,7 +80,7 @@ def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
     from ipw.rescore import rescore
 
     run = make_run(tmp_path / "runs")
-    folder = rescore(run, judge=spec(), out_dir=tmp_path / "judged", probe=lambda backend: [FixedSensor()])
+    folder = rescore(run, judge=spec(), out_dir=tmp_path / "judged", probe=lambda backend: [FixedSensor(0.5)])
     frame = pd.read_parquet(folder.path / "records.parquet")
     local = frame[frame["backend"] == "local"].set_index("query_id")
     cloud = frame[frame["backend"] == "cloud"].set_index("query_id")

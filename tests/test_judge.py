@@ -2,19 +2,18 @@
 judged backend, and a real judge run with the local llama.cpp model."""
 
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from ipw.backends.base import BackendSpec, Completion, register_backend, unregister_backend
+from ipw.backends.base import BackendSpec, register_backend, unregister_backend
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.judge import (PROMPTS_DIR, JudgeCall, JudgeSpec, grade_pairwise, grade_reference, load_prompt,
                        parse_pairwise_verdict, parse_reference_verdict, render)
-from ipw.telemetry.base import EnergyReading, SensorInfo
 from runfolders import create, record
+from scripted import FixedSensor, ScriptedBackend
 
 ITEMS = [  # (query, output, error) of the judged run
     (Query("n1", "What is 3 + 4?", "7", scorer="numeric"), "3 + 4 makes seven, so 7.", None),
@@ -103,47 +102,13 @@ def test_pairwise_counts_only_when_both_orders_agree():
 # bookkeeping, with a scripted judge backend and a fixed-energy sensor
 
 
-class ScriptedJudge:
+class ScriptedJudge(ScriptedBackend):
     """Replies CORRECT when the reference text occurs in the graded answer; pairwise: TIE / the answer."""
 
-    def __init__(self, spec):
-        self.spec = spec
-
-    def load(self):
-        pass
-
-    def generate(self, prompt, settings):
-        now = time.monotonic()
+    def reply(self, prompt):
         if "Answer A:" in prompt:
-            text = "TIE" if "Mars" in prompt else "A"  # m1 ties both ways; n1 always "A" (position bias)
-        else:
-            text = "CORRECT" if "(B) Mars" in prompt else "INCORRECT"
-        return Completion(text, 100, 2, now, now, now + 0.001, (now,), "stop")
-
-    def pids(self):
-        return []
-
-    def describe(self):
-        return {"engine": "scripted"}
-
-    def close(self):
-        pass
-
-
-class FixedSensor:
-    name = "fixed"
-
-    def info(self):
-        return SensorInfo("fixed", True, "model.cpu", "estimated", "cpu_package")
-
-    def begin(self):
-        return None
-
-    def end(self, token):
-        return [EnergyReading("cpu", 0.25, "model.cpu", "estimated", "cpu_package", 0.001)]
-
-    def close(self):
-        pass
+            return "TIE" if "Mars" in prompt else "A"  # m1 ties both ways; n1 always "A" (position bias)
+        return "CORRECT" if "(B) Mars" in prompt else "INCORRECT"
 
 
 @pytest.fixture
@@ -163,7 +128,7 @@ def test_judge_bookkeeping_is_separate(scripted, tmp_path):
     cfg.write_text('[judge]\nkind = "scripted"\nmodel = "any"\ngrading = "reference"\n'
                    'usd_per_mtok_in = 1.0\nusd_per_mtok_out = 10.0\n')
     folder = rescore(run, judge=load_judge_config(str(cfg)), out_dir=tmp_path / "judged",
-                     probe=lambda backend: [FixedSensor()])
+                     probe=lambda backend: [FixedSensor(0.25)])
     frame = pd.read_parquet(folder.path / "records.parquet")
     assert list(frame["correct"]) == [0.0, 1.0, 0.0, 0.0] and set(frame["scorer"]) == {"judge"}
     for col in ("energy_j", "net_energy_j", "best_effort_energy_j", "prompt_tokens", "completion_tokens"):

@@ -1,16 +1,16 @@
 """Dataset presets: public benchmark layouts from JSONL, CSV, Parquet and save_to_disk folders."""
 
 import json
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from ipw.backends.base import Completion, register_backend, unregister_backend
+from ipw.backends.base import register_backend, unregister_backend
 from ipw.datasets import load_queries
 from ipw.errors import IpwError
 from ipw.presets import PRESETS, last_boxed
+from scripted import ScriptedBackend
 
 DATA = Path(__file__).parent / "data" / "presets"
 
@@ -202,30 +202,16 @@ model = "smollm2-135m"
 # scoring a run: every preset end to end through the runner, with a backend that knows the answers
 
 
-class Oracle:
+class Oracle(ScriptedBackend):
     """A backend that answers from a table (rendered prompt -> output); unknown prompts get "?"."""
 
     ANSWERS: dict[str, str] = {}
 
-    def __init__(self, spec):
-        self.spec = spec
+    def reply(self, prompt):
+        return self.ANSWERS.get(prompt, "?")
 
-    def load(self):
-        pass
-
-    def generate(self, prompt, settings):
-        now = time.monotonic()
-        text = self.ANSWERS.get(prompt, "?")
-        return Completion(text, len(prompt.split()), len(text.split()), now, now, now + 1e-3, (now,), "stop")
-
-    def pids(self):
-        return []
-
-    def describe(self):
-        return {"engine": "oracle"}
-
-    def close(self):
-        pass
+    def tokens(self, prompt, text):
+        return len(prompt.split()), len(text.split())
 
 
 @pytest.fixture
