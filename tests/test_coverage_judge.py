@@ -281,3 +281,7 @@ max_tokens = 4
     routing = json.loads(cmp_out)["routing"]
     assert routing["coverage"]["win_tie"]["value"] == pytest.approx(share)
     assert "unscored" in out  # accuracy of chat-only backends: never shown as 0% or nan
+    # --backend leaves the reference out: the run is kept, not judged, and says why
+    code, out, err = run_cli("run", cfg, "--backend", "smol", "--out", tmp_path / "solo")
+    assert code == 0, err
+    assert "not judged" in err and len(list((tmp_path / "solo").iterdir())) == 1

@@ -163,10 +163,15 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
     from ipw.analysis.render import rich_tables
 
     summary_dir = folder.path
-    if config.judge is not None and status == "complete":  # the config's [judge] grades the finished run
+    judge = config.judge
+    if judge is not None and judge.vs_backend and judge.vs_backend not in {b.name for b in config.backends}:
+        console.print(f"note: not judged: the [judge] compares answers with {escape(judge.vs_backend)}'s, and this "
+                      "run has no such backend", highlight=False)
+        judge = None
+    if judge is not None and status == "complete":  # the config's [judge] grades the finished run
         from ipw.commands.rescore import rescore_and_show
 
-        summary_dir = rescore_and_show(folder.path, judge=config.judge, out_dir=folder.path.parent)
+        summary_dir = rescore_and_show(folder.path, judge=judge, out_dir=folder.path.parent)
     try:
         summary = end_summary(summary_dir)
         out = stdout()
