@@ -24,7 +24,7 @@ from ipw import __version__
 from ipw.errors import IpwError
 from ipw.judge import Judge, JudgeSpec, Verdict
 from ipw.results import QueryRecord, RunFolder, RunManifest, load_run, new_run_id
-from ipw.scoring import SCORERS, score
+from ipw.scoring import SCORERS, record_score
 
 MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
 _OPTION = re.compile(r"^\(([A-Z])\) (.*)$")
@@ -190,31 +190,25 @@ def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, f
     the reference backend's answer to the same query (``references``: (query_id, repeat) -> its row)."""
     name = scorer or row["scorer"]
     choices = row["choices"] or choices_from_prompt(row["prompt"])  # runs before records kept choices
-    extra: dict[str, Any] = {}
+    # coverage fields come only from a vs-backend judge in this rescore (the old judge's log is not copied)
+    extra: dict[str, Any] = {"win_tie": None, "vs_backend": "", "judge_verdicts": ()}
     if judge is not None and judge.spec.vs_backend is None:
         answer = (row["answer"] or "").strip()
         verdict = _judge(judge, row, _reference_text(answer, choices) if answer else None, folder)
-        correct = None if verdict == "unscored" else float(isinstance(verdict, Verdict) and verdict.correct)
+        correct = float(isinstance(verdict, Verdict) and verdict.correct) if answer else None  # no answer: unscored
     else:
-        correct = dataset_score(row, name, choices)
+        correct = record_score(name, row["output"], row["answer"], choices if name == "mcq" else None,
+                               row["error"] is not None)
     if judge is not None and judge.spec.vs_backend is not None:
         vs = judge.spec.vs_backend
         extra["vs_backend"] = vs
-        if row["backend"] != vs:  # the reference itself is not judged against itself
+        if row["backend"] != vs:  # the reference itself is not judged against itself (its fields stay empty)
             ref = references.get((row["query_id"], row["repeat"])) or references.get((row["query_id"], 0))
             usable = ref is not None and ref["error"] is None and (ref["output"] or "").strip()
             verdict = _judge(judge, row, ref["output"] if usable else None, folder)
             extra["win_tie"] = None if verdict == "unscored" else float(isinstance(verdict, Verdict) and verdict.correct)
             extra["judge_verdicts"] = verdict.verdicts if isinstance(verdict, Verdict) else (verdict,)
     return QueryRecord(**{**row, **extra, "run_id": folder.manifest.run_id, "scorer": name, "correct": correct})
-
-
-def dataset_score(row: dict[str, Any], name: str, choices: tuple[str, ...] | None) -> float | None:
-    """``correct`` against the dataset's answer: 0 for an error, None for an item only a judge can score."""
-    if row["error"] is not None:
-        return 0.0
-    got = score(name, row["output"] or "", row["answer"], choices if name == "mcq" else None)
-    return None if got is None else float(got)
 
 
 def _judge(judge: Judge, row: dict[str, Any], reference: str | None, folder: RunFolder) -> Verdict | str:

@@ -21,7 +21,7 @@ from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
 from ipw.phases import first_token_s, record_phases, sensor_splits
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
-from ipw.scoring import score
+from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
@@ -48,8 +48,7 @@ def make_record(
         basis = {r.component for r in readings if r.source in total.source.split("+") and r.energy_j is not None}
         net = total.energy_j - sum(idle.power_w.get(c, 0.0) for c in basis) * (duration if busy_s is None else busy_s)
     output = completion.text if completion else ""
-    got = None if error else score(query.scorer, output, query.answer, query.choices)
-    correct = 0.0 if error else None if got is None else float(got)  # None: unscored (a judge item)
+    correct = record_score(query.scorer, output, query.answer, query.choices, error is not None)
     return QueryRecord(
         run_id=run_id, backend=spec.name, model=spec.model, role=spec.role, query_id=query.id,
         category=query.category, repeat=repeat, scorer=query.scorer, prompt=query.render(), answer=query.answer,

@@ -536,3 +536,15 @@ def score(scorer: str, output: str, answer: str, choices: tuple[str, ...] | None
     if output is None:
         return False
     return bool(fn(str(output), str(answer), tuple(choices) if choices else None))
+
+
+def record_score(scorer: str, output: str | None, answer: str, choices: tuple[str, ...] | None,
+                 failed: bool) -> float | None:
+    """A record's ``correct`` against the dataset's answer: None for an item only a judge can score
+    (failed or not: it has no answer to be wrong against; a failure still counts as an error), 0.0 for
+    a failed query, else the scorer's verdict as 0.0 or 1.0."""
+    if scorer == JUDGE:
+        return None
+    if failed:
+        return 0.0
+    return float(bool(score(scorer, output or "", answer, choices)))

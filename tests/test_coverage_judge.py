@@ -96,8 +96,9 @@ def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
     assert [orders_agree(verdicts[q]) for q in ("c1", "c2", "c3", "c4", "c5", "c6")] == [True, True, True, False,
                                                                                           None, None]
     # the dataset score is kept apart: chat items stay unscored, the numeric item keeps its score
-    assert local["correct"].isna().sum() == 7 and local.loc["m1", "correct"] == 1.0
-    assert local.loc["c7", "correct"] == 0.0  # an error is scored 0 whatever the scorer
+    assert local["correct"].isna().sum() == 8 and local.loc["m1", "correct"] == 1.0
+    # a failed chat item has no answer to be wrong against: unscored, still an error and not covered
+    assert pd.isna(local.loc["c7", "correct"]) and local.loc["c7", "error"] and local.loc["c7", "win_tie"] == 0.0
     # the reference backend is not judged against itself
     assert cloud["win_tie"].isna().all() and set(frame["vs_backend"]) == {"cloud"}
     # bookkeeping: only the judged records cost calls, and the cost is kept out of the records' energy
@@ -117,15 +118,16 @@ def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
     assert set(rows) == {"", "chat", "arithmetic"} and {r.backend for r in c.judge} == {"local"}
     overall = rows[""]  # judged: c1-c5 and m1; covered: c1, c2, m1; both orders parsed: all but c5, c4 disagrees
     assert (overall.records, overall.judged, overall.unparsed, overall.calls) == (9, 6, 1, 12)
-    assert overall.favorable == pytest.approx(3 / 6) and overall.orders_agree == pytest.approx(4 / 5)
+    assert overall.orders_agree == pytest.approx(4 / 5)
     assert overall.energy_j == pytest.approx(6.0) and overall.energy_quality == "estimated"
     chat = rows["chat"]
-    assert (chat.records, chat.judged, chat.favorable, chat.orders_agree) == (8, 5, pytest.approx(2 / 5),
-                                                                             pytest.approx(3 / 4))
-    assert (rows["arithmetic"].judged, rows["arithmetic"].favorable) == (1, 1.0)
+    assert (chat.records, chat.judged, chat.orders_agree) == (8, 5, pytest.approx(3 / 4))
+    assert (rows["arithmetic"].judged, rows["arithmetic"].orders_agree) == (1, 1.0)
     (table,) = judge_table(c)
-    assert table.headers[3] == "win/tie" and table.rows[0][:6] == ["local", "all", "6 of 9", "50.0%", "80.0%", "1"]
+    assert table.rows[0][:5] == ["local", "all", "6 of 9", "80.0%", "1"]
     assert table.est[0][-1] and not table.est[0][3]  # the judge's energy is an estimate here, marked
+    # what it decided is defined once: win/tie over the records that have one (c1-c7, m1; c8 has none)
+    assert c.metrics["local"]["win_tie_rate"].value == pytest.approx(3 / 8)
     assert to_dict(c)["judge"][0]["orders_agree"] == pytest.approx(0.8)
     # ... and the report: coverage both ways per category, and the judge's table, in the answer section
     pytest.importorskip("matplotlib")
@@ -285,3 +287,19 @@ max_tokens = 4
     code, out, err = run_cli("run", cfg, "--backend", "smol", "--out", tmp_path / "solo")
     assert code == 0, err
     assert "not judged" in err and len(list((tmp_path / "solo").iterdir())) == 1
+
+
+def test_judging_again_never_keeps_an_old_verdict(scripted, tmp_path):
+    """Against another reference, the new reference's rows lose their old win/tie; a rescore without a
+    vs-backend judge keeps none (the old judge's log and manifest are not copied)."""
+    from ipw.rescore import rescore
+
+    probe = lambda backend: [FixedSensor(0.5)]  # noqa: E731
+    first = rescore(make_run(tmp_path / "runs"), judge=spec("cloud"), out_dir=tmp_path / "a", probe=probe).path
+    again = rescore(first, judge=spec("local"), out_dir=tmp_path / "b", probe=probe).path
+    frame = pd.read_parquet(again / "records.parquet")
+    local, cloud = (frame[frame["backend"] == b] for b in ("local", "cloud"))
+    assert local["win_tie"].isna().all() and set(map(len, local["judge_verdicts"])) == {0}
+    assert cloud["win_tie"].notna().any() and set(frame["vs_backend"]) == {"local"}
+    plain = pd.read_parquet(rescore(first, out_dir=tmp_path / "c").path / "records.parquet")
+    assert plain["win_tie"].isna().all() and set(plain["vs_backend"]) == {""}

@@ -48,8 +48,8 @@ class JudgeRow:
     backend: str
     category: str
     records: int
-    judged: int  # records the judge compared (errors and empty outputs are not judged)
-    favorable: float | None  # share of the judged: win or tie in both orders (vs-backend), else judged correct
+    judged: int  # records the judge compared (errors and empty outputs are not judged); what it decided is
+    # in the records (correct, or win_tie: the metrics win_tie_rate and the routing's coverage show it)
     orders_agree: float | None  # share of the two-order verdicts that parsed in which both orders say the same
     unparsed: int  # records with at least one unreadable reply
     calls: int
@@ -81,7 +81,6 @@ def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeR
                 out.append(JudgeRow(
                     run.run_id, judge.get("backend", {}).get("name", ""), judge.get("grading", ""),
                     judge.get("prompt_version", ""), backend, cat, len(group), len(judged),
-                    sum(x["correct"] for x in judged) / len(judged) if judged else None,
                     sum(agree) / len(agree) if agree else None,
                     sum("unparsed" in x["verdicts"] for x in group), sum(x["judge_calls"] for x in group),
                     None if not judged or None in energies else float(sum(energies)),

@@ -86,11 +86,16 @@ class _Part:
     values: dict[str, np.ndarray | None]
 
 
-CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source"]
+CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source", "vs_backend"]
 
 
 def _floats(series) -> np.ndarray:
     return series.to_numpy(dtype=float, na_value=np.nan)
+
+
+def _unscored_kept(failed: np.ndarray, correct: np.ndarray) -> np.ndarray:
+    """``correct`` with every failed, scored record at 0 (an unscored one stays NaN)."""
+    return np.where(failed & ~np.isnan(correct), 0.0, correct)
 
 
 def _codes(series, missing: str) -> tuple[np.ndarray, list[str]]:
@@ -165,8 +170,9 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
             return (np.bincount(key, np.where(ok, x, 0.0), size) / np.bincount(key, ok, size)).reshape(nb, nq)
 
     values = {
-        # an errored record counts incorrect, an unscored one (None) is left out (ipw.analysis.metrics)
-        "correct": mean(np.where(frame["error"].notna().to_numpy(), 0.0, _floats(frame["correct"]))),
+        # an errored record counts incorrect, an unscored one (None: a judge item, failed or not) is left
+        # out (ipw.analysis.metrics)
+        "correct": mean(_unscored_kept(frame["error"].notna().to_numpy(), _floats(frame["correct"]))),
         "energy_j": mean(_floats(frame["energy_j"])),
         "duration_s": mean(_floats(frame["end_s"]) - _floats(frame["start_s"])),
         "latency_s": mean(_floats(frame["latency_s"])),

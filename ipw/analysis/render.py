@@ -346,19 +346,17 @@ def routing_tables(c: Comparison) -> list[Table]:
 
 
 def judge_table(c: Comparison) -> list[Table]:
-    """The judge's verdicts per backend and category, its order agreement and its own energy ([] when no
-    run was judged)."""
+    """The judge apart from the backends: per judged backend and category, how many records it compared,
+    how often its two orders agree, unparsed replies, its calls and its own energy ([] when no run was
+    judged). What it decided is in the records: the metrics (win/tie vs reference) and routing show it."""
     if not c.judge:
         return []
-    first = c.judge[0]
-    vs = first.grading.startswith("vs-backend:")
     judges = sorted({f"{r.judge} ({r.prompt_version}, {r.grading})" for r in c.judge})
-    headers = ["backend", "category", "judged", "win/tie" if vs else "judged correct", "orders agree", "unparsed",
-               "judge calls", "judge J"]
-    rows = [[r.backend, r.category or "all", f"{r.judged} of {r.records}", _pct(r.favorable), _pct(r.orders_agree),
-             str(r.unparsed), str(r.calls), _f(r.energy_j)] for r in c.judge]
-    return [_table("judge", f"judge {', '.join(judges)}: its verdicts, whether both orders agree, and its own energy "
-                   "(kept apart: in no backend's numbers)", headers, rows,
+    headers = ["backend", "category", "judged", "orders agree", "unparsed", "judge calls", "judge J"]
+    rows = [[r.backend, r.category or "all", f"{r.judged} of {r.records}", _pct(r.orders_agree), str(r.unparsed),
+             str(r.calls), _f(r.energy_j)] for r in c.judge]
+    return [_table("judge", f"judge {', '.join(judges)}: records compared, whether both orders agree, and its own "
+                   "energy (kept apart: in no backend's numbers)", headers, rows,
                    lambda i, j: j == len(headers) - 1 and c.judge[i].energy_quality == "estimated")]
 
 

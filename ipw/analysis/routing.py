@@ -226,7 +226,7 @@ def oracle_queries(m: QueryMatrix, local: Sequence[int], cloud: int) -> OracleQu
             judged, win_covered = ~np.isnan(win).all(axis=1), (win >= SOLVED_AT).any(axis=1)
     else:
         covered, choice = np.zeros(n, bool), np.full(n, cloud)
-    scored = ~np.isnan(m.correct[:, [*local, cloud]]).all(axis=1)
+    scored = ~np.isnan(m.correct[:, local]).all(axis=1) if local else np.zeros(n, bool)  # as coverage() counts
     rows = np.arange(n)
 
     def pick(x):
