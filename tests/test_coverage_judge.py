@@ -303,3 +303,17 @@ def test_judging_again_never_keeps_an_old_verdict(scripted, tmp_path):
     assert cloud["win_tie"].notna().any() and set(frame["vs_backend"]) == {"local"}
     plain = pd.read_parquet(rescore(first, out_dir=tmp_path / "c").path / "records.parquet")
     assert plain["win_tie"].isna().all() and set(plain["vs_backend"]) == {""}
+
+
+def test_check_of_a_chat_run_against_itself(tmp_path, run_cli):
+    """Nothing scored in either run: accuracy is reported as not checked (a note), not as an error; the
+    energy and error gates still run."""
+    folder = create(tmp_path, "chat-only", {"config": {}, "backends": [], "dataset": {
+        "name": "chat", "n_queries": 2, "fingerprint": "sha256:chat"}})
+    for qid in ("c1", "c2"):
+        folder.append(record(run_id="chat-only", query_id=qid, category="chat", scorer="judge", answer="",
+                             output="Some advice.", correct=None))
+    folder.finish("complete")
+    code, out, err = run_cli("check", folder.path, folder.path)
+    assert code == 0, out + err
+    assert "accuracy not checked: no query has a score" in out + err and "energy_per_query" in out

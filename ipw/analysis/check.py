@@ -171,6 +171,10 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
         for t in thresholds:
             metric = gated_metric(t.metric)
             bv, cv = float(point_b[metric.name]), float(point_c[metric.name])
+            basis = SCORE_BASIS.get(metric.name)
+            if basis and not np.isfinite(bv) and not np.isfinite(cv) and _none_known(vb, basis) and _none_known(vc, basis):
+                notes.append(f"{name}: {t.metric} not checked: no query has {SCORE_WHAT[basis]} in either run")
+                continue
             if not (np.isfinite(bv) and np.isfinite(cv)):  # nothing to test: a gate that passes on no data would lie
                 empty = [k for k in ("energy_j", "ttft_s", "completion_tokens")
                          if np.isnan(vb[k]).all() or np.isnan(vc[k]).all()]
@@ -200,6 +204,14 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
             verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), float(lo), float(hi), p_value,
                                     status, n))
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
+
+
+SCORE_BASIS = {"accuracy": "correct", "ipj": "correct", "ipw": "correct", "win_tie_rate": "win_tie"}
+SCORE_WHAT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}
+
+
+def _none_known(v: dict, key: str) -> bool:
+    return v.get(key) is None or bool(np.isnan(v[key]).all())
 
 
 def markdown(result: CheckResult) -> str:
