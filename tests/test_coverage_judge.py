@@ -317,3 +317,19 @@ def test_check_of_a_chat_run_against_itself(tmp_path, run_cli):
     code, out, err = run_cli("check", folder.path, folder.path)
     assert code == 0, out + err
     assert "accuracy not checked: no query has a score" in out + err and "energy_per_query" in out
+
+
+@pytest.mark.parametrize("judge_table,message", [
+    ('kind = "llama-cpp"\nmodel = "smollm2-135m"\ngrading = "vs-backend:stub"\nprompt = "vs-backend-v9"',
+     "judge prompt 'vs-backend-v9' not found"),
+    ('kind = "llama-cpp"\nmodel = "/nowhere/judge.gguf"\ngrading = "vs-backend:stub"', "judge.gguf"),
+])
+def test_a_broken_judge_fails_before_the_run(tmp_path, run_cli, judge_table, message):
+    from openai_stub import stub_config
+
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"id": "q1", "prompt": "Hi", "answer": "", "scorer": "judge"}) + "\n")
+    cfg = stub_config(tmp_path / "run.toml", data, "http://127.0.0.1:9/v1", out_dir=tmp_path / "res")
+    cfg.write_text(cfg.read_text() + "\n[judge]\n" + judge_table + "\n")
+    code, out, err = run_cli("run", cfg)
+    assert code == 2 and message in err and not (tmp_path / "res").exists()

@@ -168,10 +168,19 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         console.print(f"note: not judged: the [judge] compares answers with {escape(judge.vs_backend)}'s, and this "
                       "run has no such backend", highlight=False)
         judge = None
-    if judge is not None and status == "complete":  # the config's [judge] grades the finished run
+    judge_failed = False
+    if judge is not None and status != "complete":
+        console.print(f"note: not judged: the run is {status}; it is judged when a --resume completes it",
+                      highlight=False)
+    elif judge is not None:  # the config's [judge] grades the finished run
         from ipw.commands.rescore import rescore_and_show
 
-        summary_dir = rescore_and_show(folder.path, judge=judge, out_dir=folder.path.parent)
+        try:
+            summary_dir = rescore_and_show(folder.path, judge=judge, out_dir=folder.path.parent)
+        except IpwError as exc:  # the run stands; its summary follows, unjudged
+            judge_failed = True
+            console.print(f"[bold red]not judged:[/] {escape(str(exc))}; judge it with ipw rescore "
+                          f"{escape(str(folder.path))}", highlight=False)
     try:
         summary = end_summary(summary_dir)
         out = stdout()
@@ -188,7 +197,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
                       f"ipw run --resume {escape(str(folder.path))}", highlight=False)
         return 1
-    return 0
+    return 1 if judge_failed else 0
 
 
 def _repair(run_dir: Path) -> None:
