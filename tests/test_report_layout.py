@@ -63,3 +63,14 @@ def test_banner_for_runs_from_different_hardware(tmp_path):
 
     c = compare([a, b])
     assert c.notes[0] == banner and to_dict(c)["hardware_note"] == banner
+
+
+def test_coverage_within_an_envelope_or_budget_is_marked_estimated(tmp_path):
+    """Which backends fit a power envelope or an energy budget rests on their energy: with estimated
+    energy those coverage cells carry the mark (the report's tag), row by row for the envelope."""
+    ctx = report.build(fixture_runs(tmp_path / "runs", n=12))
+    tables = {t["key"]: t for t in ctx["tables"]}
+    envelope = tables["power_envelope"]["rows"]
+    assert [row[2]["est"] for row in envelope] == [row[3]["text"] == "estimated" for row in envelope]
+    assert any(row[2]["est"] for row in envelope)
+    assert all(row[1]["est"] for row in tables["energy_budget"]["rows"] if row[1]["text"] != "n/a")

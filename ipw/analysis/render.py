@@ -328,10 +328,11 @@ def routing_tables(c: Comparison) -> list[Table]:
         out.append(_table("power_envelope", "coverage within a power envelope (local backends whose mean power fits)",
                           ["power ≤ W", "backends", "coverage", "power"],
                           [[_f(p["power_w"]), ", ".join(p["backends"]), est(p["coverage_ci"]), p["energy_quality"]]
-                           for p in d["power_envelope"]]))
-    if d["energy_budget"]:
+                           for p in d["power_envelope"]],
+                          lambda i, j: j == 2 and d["power_envelope"][i]["energy_quality"] == "estimated"))
+    if d["energy_budget"]:  # which backends fit a budget rests on their energy
         out.append(_table("energy_budget", "coverage within a per-query energy budget", ["energy ≤ J", "coverage"],
-                          [[_f(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]]))
+                          [[_f(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]], energy_columns(1)))
     headers = ["category", "queries", "local coverage (correct)", "scored", "local coverage (win/tie)", "judged",
                "cloud accuracy", "oracle accuracy", "energy saved", "latency saved", "cost saved"]
     out.append(_table("by_category", "routing per category (coverage: correct vs the dataset answer over the scored "
