@@ -74,3 +74,19 @@ def test_coverage_within_an_envelope_or_budget_is_marked_estimated(tmp_path):
     assert [row[2]["est"] for row in envelope] == [row[3]["text"] == "estimated" for row in envelope]
     assert any(row[2]["est"] for row in envelope)
     assert all(row[1]["est"] for row in tables["energy_budget"]["rows"] if row[1]["text"] != "n/a")
+
+
+@pytest.mark.parametrize("a,b,differ", [
+    ({"cpu_model": "X", "gpus": []}, {"cpu_model": "X"}, None),  # no gpus key: unknown, not different
+    ({"cpu_model": "X", "cpu_isa": "avx2"}, {}, None),  # a run without hardware: unknown
+    ({"cpu_model": "X", "cpu_isa": "avx2"}, {"cpu_model": "X", "cpu_isa": "avx512"}, "cpu_isa"),
+    ({"cpu_model": "X", "gpus": []}, {"cpu_model": "X", "gpus": [{"name": "H200"}]}, "gpus"),
+])
+def test_hardware_note_names_only_what_is_known_to_differ(a, b, differ):
+    from ipw.telemetry.hardware import hardware_note
+
+    note = hardware_note({"a": [a], "b": [b]})
+    if differ is None:
+        assert note is None
+    else:
+        assert f"differ in {differ}," in note and ("GPUs H200" in note) == (differ == "gpus")

@@ -125,17 +125,26 @@ HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
 def hardware_note(kinds: dict[str, list[dict]]) -> str | None:
     """One sentence when the runs shown side by side (run id -> its kinds of machine, ``machines``)
     were measured on different kinds of machine, naming each run's machines and what differs; None when
-    they all match."""
-    if len({hardware_key(h) for ms in kinds.values() for h in ms}) <= 1:
-        return None
+    they match in every key all of them record."""
     every = [h for ms in kinds.values() for h in ms]
-    differ = [k for k in HARDWARE_KEYS if len({json.dumps(h.get(k), default=str) for h in every}) > 1]
+    # a key counts where every machine records it: an older run without cpu_isa (or without any
+    # hardware) is unknown there, not different
+    differ = [k for k in HARDWARE_KEYS if all(h.get(k) is not None for h in every)
+              and len({json.dumps(h.get(k), default=str) for h in every}) > 1]
+    if not differ:
+        return None
     shown = "; ".join(f"{run_id}: " + " + ".join(
         f"{h.get('cpu_model') or 'unknown CPU'}" + (f" ({h['cpu_isa']})" if "cpu_isa" in differ and h.get("cpu_isa")
-                                                   else "") + (f", GPUs {h['gpus']}" if h.get("gpus") else "")
+                                                   else "") + (f", GPUs {_gpu_names(h['gpus'])}" if h.get("gpus") else "")
         for h in ms) for run_id, ms in kinds.items())
     return (f"These runs were measured on different machines ({shown}); they differ in {', '.join(differ)}, "
             "so their energy, speed and per-watt figures are not comparable between runs.")
+
+
+def _gpu_names(gpus: Any) -> str:
+    if isinstance(gpus, list):
+        return ", ".join(str(g.get("name", "?")) if isinstance(g, dict) else str(g) for g in gpus)
+    return str(gpus)
 
 
 def hardware_key(hardware: dict) -> str:
