@@ -112,10 +112,11 @@ def rescore(
         "Default: each record's own scorer (reproduces the run)."),
     judge: Optional[str] = typer.Option(
         None, "--judge", help="Judge backend: KIND:MODEL (e.g. llama-cpp:smollm2-135m) or a backend name of the "
-        "run's config. Implies --scorer judge."),
+        "run's config. Implies --scorer judge, except with --grading vs-backend:NAME (which keeps the dataset scores)."),
     grading: Optional[str] = typer.Option(
-        None, "--grading", help="Judge grading: reference (CORRECT/INCORRECT vs the reference) or pairwise (vs the "
-        "reference in both orders, correct only when both agree)."),
+        None, "--grading", help="Judge grading: reference (CORRECT/INCORRECT vs the reference), pairwise (vs the "
+        "reference in both orders, correct only when both agree) or vs-backend:NAME (coverage: win or tie in both "
+        "orders against backend NAME's answer to the same query, kept in win_tie)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file whose [judge] table sets the judge."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder that receives the new run folder "
                                        "(default: next to the original)."),

@@ -333,3 +333,19 @@ def test_a_broken_judge_fails_before_the_run(tmp_path, run_cli, judge_table, mes
     cfg.write_text(cfg.read_text() + "\n[judge]\n" + judge_table + "\n")
     code, out, err = run_cli("run", cfg)
     assert code == 2 and message in err and not (tmp_path / "res").exists()
+
+
+def test_rescore_with_a_scorer_leaves_the_runs_judge_out(scripted, tmp_path, run_cli):
+    run = make_run(tmp_path / "runs")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["config"]["judge"] = {"backend": {"name": "j", "kind": "scripted", "model": "any"},
+                                   "grading": "vs-backend:cloud"}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    code, _, err = run_cli("rescore", run, "--scorer", "exact", "--out", tmp_path / "exact")
+    assert code == 0, err
+    (out,) = (tmp_path / "exact").iterdir()
+    assert not (out / "judge.jsonl").exists()
+    code, _, err = run_cli("rescore", run, "--out", tmp_path / "judged")  # no scorer: the run's own judge
+    assert code == 0, err
+    (out,) = (tmp_path / "judged").iterdir()
+    assert (out / "judge.jsonl").exists()

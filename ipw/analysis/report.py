@@ -511,7 +511,8 @@ def _plot_coverage(p: _Plots, r: dict, est_routing: bool) -> None:
         ax.set_ylim(0, 1.02)
         ax.yaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
     p.add(fig, "coverage", "Coverage vs power envelope and energy budget",
-          f"Share of the {r['n_queries']:,} queries some local backend ({', '.join(r['local'])}) answers correctly, "
+          f"Share of the {r['coverage']['n_scored']:,} scored queries (of {r['n_queries']:,}) some local backend "
+          f"({', '.join(r['local'])}) answers correctly, "
           f"using only local backends whose mean power fits (left), or within a per-query energy budget (right).",
           est_routing)
 

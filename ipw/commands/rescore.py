@@ -17,7 +17,9 @@ def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
     from ipw.results import load_run
 
     manifest, _ = load_run(run)
-    spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
+    spec = None
+    if scorer in (None, "judge") or judge or grading or config:  # --scorer exact: the run's own [judge] stays out
+        spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
     rescore_and_show(run, scorer=scorer, judge=spec, out_dir=out)
     return 0
 
