@@ -290,6 +290,9 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
                          categories=pq.categories, win_tie=None if pq.win_tie is None else pq.win_tie.T)
     if local_idx:
         vs = ", ".join(sorted({x for j in local_idx for x in infos[j].vs_backend.split(", ") if x}))
+        if vs and vs != infos[ri].backend:
+            notes.append(f"routing: win/tie coverage was judged against the answers of {vs}, not of the cloud "
+                         f"reference {ref}")
         routing = route(matrix, local=[labels[j] for j in local_idx], cloud=ref, mean_power_w=mean_power,
                         router_accuracy=router_accuracy, cloud_is_stand_in=roles[ri] != "cloud", win_tie_vs=vs)
         oq = oracle_queries(matrix, local_idx, ri)
