@@ -683,7 +683,8 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
         lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
-    keep = [t for t in ctx["tables"] if t["key"] in ("metrics", "difference", "routing", "by_category", "judge")]
+    order = ("metrics", "routing", "by_category", "judge", "difference")  # the answer first, as in the HTML
+    keep = sorted((t for t in ctx["tables"] if t["key"] in order), key=lambda t: order.index(t["key"]))
     for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",
                   "|" + "---|" * len(t["headers"])]
