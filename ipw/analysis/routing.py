@@ -138,12 +138,15 @@ class CategoryRouting:
     category: str
     n_queries: int
     coverage: Coverage
-    local_coverage: float
     cloud_accuracy: float
     oracle_accuracy: float
     energy_saved_fraction: float | None
     latency_saved_fraction: float | None
     cost_saved_fraction: float | None
+
+    @property
+    def local_coverage(self) -> float:
+        return self.coverage.local_coverage
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,6 @@ class Routing:
     local: tuple[str, ...]
     cloud_is_stand_in: bool  # no backend has role cloud: the reference stands in for it
     n_queries: int
-    local_coverage: float
     coverage: Coverage
     win_tie_vs: str  # the reference backend(s) of the win/tie judgments ("": none judged)
     coverage_by_backend: dict[str, float]
@@ -163,6 +165,10 @@ class Routing:
     energy_budget: tuple[BudgetPoint, ...]
     by_category: tuple[CategoryRouting, ...]
     notes: tuple[str, ...] = field(default=())
+
+    @property
+    def local_coverage(self) -> float:
+        return self.coverage.local_coverage
 
 
 def resolve_roles(backends: Sequence[str], roles: Sequence[str], *, local: Sequence[str] = (),
@@ -191,7 +197,14 @@ def coverage(correct: np.ndarray, columns: Sequence[int]) -> float:
     if not len(columns):
         return 0.0
     sub = correct[:, list(columns)]
-    return _share(solved(sub).any(axis=1), ~np.isnan(sub).all(axis=1))
+    return _share(solved(sub).any(axis=1), scored_rows(correct, columns))
+
+
+def scored_rows(correct: np.ndarray, columns: Sequence[int]) -> np.ndarray:
+    """The queries one of ``columns`` has a score for (none: a judge-only item no judge graded)."""
+    if not len(columns):
+        return np.zeros(len(correct), bool)
+    return ~np.isnan(correct[:, list(columns)]).all(axis=1)
 
 
 def _share(hit: np.ndarray, among: np.ndarray) -> float:
@@ -226,7 +239,7 @@ def oracle_queries(m: QueryMatrix, local: Sequence[int], cloud: int) -> OracleQu
             judged, win_covered = ~np.isnan(win).all(axis=1), (win >= SOLVED_AT).any(axis=1)
     else:
         covered, choice = np.zeros(n, bool), np.full(n, cloud)
-    scored = ~np.isnan(m.correct[:, local]).all(axis=1) if local else np.zeros(n, bool)  # as coverage() counts
+    scored = scored_rows(m.correct, local)
     rows = np.arange(n)
 
     def pick(x):
@@ -324,7 +337,7 @@ def energy_budget(m: QueryMatrix, local: Sequence[int], budgets_j: Sequence[floa
         budgets_j = np.geomspace(lo, hi, n_points) if lo > 0 else np.linspace(lo, hi, n_points)
         budgets_j[0], budgets_j[-1] = lo, hi
         budgets_j = np.unique(np.clip(budgets_j, lo, hi))
-    n = max(int((~np.isnan(m.correct[:, list(local)]).all(axis=1)).sum()) if len(local) else 0, 1)  # scored
+    n = max(int(scored_rows(m.correct, local).sum()), 1)
     return tuple(BudgetPoint(float(b), float(np.searchsorted(finite, b, side="right") / n)) for b in budgets_j)
 
 
@@ -336,10 +349,8 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
         if not rows.any():
             continue
         sub = lambda x: None if x is None else x[rows]  # noqa: E731
-        both = coverage_of(q, rows)
         out.append(CategoryRouting(
-            category=name, n_queries=int(rows.sum()), coverage=both,
-            local_coverage=both.local_coverage,
+            category=name, n_queries=int(rows.sum()), coverage=coverage_of(q, rows),
             cloud_accuracy=_mean(q.cloud_correct[rows]),
             oracle_accuracy=_mean(q.correct[rows]),
             energy_saved_fraction=_fraction(saving(sub(q.cloud_energy_j), sub(q.energy_j))),
@@ -371,7 +382,7 @@ def route(m: QueryMatrix, *, local: Sequence[str], cloud: str, mean_power_w: Seq
                      f"{o.energy_quality!r} (the worst); routed_energy_by_quality_j keeps them apart")
     return Routing(
         cloud=cloud, local=tuple(local), cloud_is_stand_in=cloud_is_stand_in, n_queries=m.n_queries,
-        local_coverage=coverage_of(q).local_coverage, coverage=coverage_of(q), win_tie_vs=win_tie_vs,
+        coverage=coverage_of(q), win_tie_vs=win_tie_vs,
         coverage_by_backend={m.backends[i]: coverage(m.correct, [i]) for i in li},
         oracle=o, router=router(o, router_accuracy),
         router_curve=tuple(router(o, a) for a in sorted(set(ALPHAS) | {router_accuracy})),
