@@ -63,12 +63,9 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
 
     if not isinstance(row, dict):
         raise IpwError(f"{where(path, line)}: expected a JSON object, got {type(row).__name__}")
-    # a judge-scored item (open-ended, graded against a reference backend's answer) needs no answer
-    no_answer_needed = (row.get("scorer") or (None if row.get("choices") else default_scorer)) == JUDGE
-    for key in REQUIRED:
-        if key == "answer" and no_answer_needed and (row.get(key) is None or (isinstance(row[key], str)
-                                                                              and not row[key].strip())):
-            continue
+    # a judge-scored item (open-ended, graded against a reference backend's answer) may have no answer
+    judged = (row.get("scorer") or (None if row.get("choices") else default_scorer)) == JUDGE
+    for key in (k for k in REQUIRED if not (judged and k == "answer")):
         if key not in row or row[key] is None or row[key] == "":
             raise IpwError(f"{where(path, line, key)}: required field is missing")
         if isinstance(row[key], str) and not row[key].strip():

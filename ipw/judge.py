@@ -58,8 +58,7 @@ class JudgeSpec:
 
     @property
     def method(self) -> str:
-        """reference | pairwise | vs-backend (the grading without its backend name)."""
-        return "vs-backend" if self.grading.startswith(VS_BACKEND) else self.grading
+        return grading_method(self.grading)
 
     @property
     def vs_backend(self) -> str | None:
@@ -93,10 +92,14 @@ def judge_from_cli(text: str, configured: tuple[BackendSpec, ...] = (), grading:
     return JudgeSpec(backend=backend, grading=check_grading(grading, "--grading"))
 
 
+def grading_method(grading: str) -> str:
+    """reference | pairwise | vs-backend: the grading without its backend name (the prompt's kind)."""
+    return "vs-backend" if grading.startswith(VS_BACKEND) else grading
+
+
 def check_grading(grading: str, loc: str) -> str:
-    if grading.startswith(VS_BACKEND) and grading[len(VS_BACKEND):].strip():
-        return grading
-    if grading not in GRADINGS[:2]:
+    named = grading_method(grading) != "vs-backend" or grading[len(VS_BACKEND):].strip()
+    if grading_method(grading) not in PLACEHOLDERS or not named:
         raise IpwError(f"{loc}: unknown grading {grading!r} (known: {', '.join(GRADINGS)})")
     return grading
 

@@ -302,10 +302,9 @@ def start_run(config: RunConfig, command: list[str] | None = None,
         if hasattr(backend, "preflight"):
             backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
     if config.judge is not None:  # the judge grades the finished run: its prompt and model fail here, not after
-        from ipw.judge import load_prompt
+        from ipw.judge import Judge
 
-        load_prompt(config.judge.prompt_ref, config.judge.method)
-        create_backend(config.judge.backend)
+        Judge(config.judge)  # reads the prompt and resolves the model; loads nothing
     run_id = new_run_id()
     identity, hardware = node_identity()
     folder = RunFolder.create(config.out_dir, run_id, RunManifest(
