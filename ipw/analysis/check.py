@@ -171,9 +171,9 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
         for t in thresholds:
             metric = gated_metric(t.metric)
             bv, cv = float(point_b[metric.name]), float(point_c[metric.name])
-            basis = SCORE_BASIS.get(metric.name)
-            if basis and not np.isfinite(bv) and not np.isfinite(cv) and _none_known(vb, basis) and _none_known(vc, basis):
-                notes.append(f"{name}: {t.metric} not checked: no query has {SCORE_WHAT[basis]} in either run")
+            if metric.needs and not (np.isfinite(bv) or np.isfinite(cv)) and _none_known(vb, metric.needs) \
+                    and _none_known(vc, metric.needs):  # e.g. a chat run without a judge, against itself
+                notes.append(f"{name}: {t.metric} not checked: no query has {NEEDS_TEXT[metric.needs]} in either run")
                 continue
             if not (np.isfinite(bv) and np.isfinite(cv)):  # nothing to test: a gate that passes on no data would lie
                 empty = [k for k in ("energy_j", "ttft_s", "completion_tokens")
@@ -206,8 +206,7 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
 
 
-SCORE_BASIS = {"accuracy": "correct", "ipj": "correct", "ipw": "correct", "win_tie_rate": "win_tie"}
-SCORE_WHAT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}
+NEEDS_TEXT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}
 
 
 def _none_known(v: dict, key: str) -> bool:

@@ -45,20 +45,21 @@ class Metric:
     change_unit: str = "%"  # a change is relative (%) or in percentage points (pp)
     aliases: tuple[str, ...] = ()  # older ``--fail-if`` names
     energy: bool = False  # computed from energy (an estimated energy makes it estimated)
+    needs: str = ""  # the per-query value it cannot do without: correct (a score) or win_tie (a judge's verdict)
 
 
 ALL = "every query"
 SCORED = "scored queries (an errored one counts incorrect; an unscored one is left out)"
 WITH_ENERGY = "queries with energy (the others are listed as missing)"
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["c"], g["sc"]), "pp"),
+    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["c"], g["sc"]), "pp", needs="correct"),
     Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["er"], g["n"]), "pp", ("errors",)),
     Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["h"]),
            aliases=("energy_per_query",), energy=True),
     Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over the scored queries / J per query",
-           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["h"])), energy=True),
+           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["h"])), energy=True, needs="correct"),
     Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over the scored queries / mean power",
-           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["th"])), energy=True),
+           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["th"])), energy=True, needs="correct"),
     Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"]), energy=True),
     Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["kh"]),
            aliases=("j_per_token",), energy=True),
@@ -77,7 +78,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("unscored", "unscored", "queries", "", "queries without a score (a judge item no judge graded)",
            lambda g: g["u"]),
     Metric("win_tie_rate", "win/tie vs reference", "", "higher", "queries a judge compared with the reference "
-           "backend's answer", lambda g: _ratio(g["w"], g["hw"]), "pp"),
+           "backend's answer", lambda g: _ratio(g["w"], g["hw"]), "pp", needs="win_tie"),
     Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost", lambda g: _ratio(g["cost"], g["hc"])),
 )
 BY_NAME = {m.name: m for m in METRICS}
