@@ -241,18 +241,3 @@ def judge_totals(path: Path) -> dict[str, Any]:
         "cost_usd": None if None in costs or not costs else sum(costs),
         "unparsed": sum("unparsed" in ln["verdicts"] for ln in lines),
     }
-
-
-def summary(original, rescored) -> list[dict[str, Any]]:
-    """Per backend: records, accuracy before and after, records whose score changed."""
-    rows = []
-    for backend, new in rescored.groupby("backend", sort=False):
-        old = original[original["backend"] == backend]
-        merged = old.merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
-        rows.append({"backend": backend, "records": len(new), "accuracy_before": float(old["correct"].mean()),
-                     "accuracy_after": float(new["correct"].mean()),
-                     "changed": int((merged["correct_old"].fillna(-1) != merged["correct_new"].fillna(-1)).sum()),
-                     "win_tie": float(new["win_tie"].mean()) if new["win_tie"].notna().any() else None,
-                     "judged": int(new["win_tie"].notna().sum())})
-    return rows
-

@@ -14,9 +14,9 @@ from ipw.commands.output import stdout
 
 def rescore_command(run, *, scorer, judge, grading, config, out) -> int:
     from ipw.rescore import judge_spec
-    from ipw.results import load_run
+    from ipw.results import read_manifest
 
-    manifest, _ = load_run(run)
+    manifest = read_manifest(run)  # only its config: the records are read once, by rescore_and_show
     spec = None
     if scorer in (None, "judge") or judge or grading or config:  # --scorer exact: the run's own [judge] stays out
         spec = judge_spec(manifest, judge=judge, grading=grading, config=str(config) if config else None)
@@ -29,10 +29,10 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
     the new folder."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ipw.rescore import rescore, summary
+    from ipw.rescore import rescore
     from ipw.results import load_run
 
-    _, original = load_run(run)
+    manifest, original = load_run(run)
     console = Console(stderr=True)
     what = f"judging ({judge.grading})" if judge is not None else "rescoring"
     with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
@@ -41,8 +41,8 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
         folder = rescore(run, scorer=scorer, judge=judge, out_dir=out_dir,
                          progress=lambda record: progress.advance(task))
     _, frame = load_run(folder.path)
-    rows = summary(original, frame)
-    judged = any(row["win_tie"] is not None for row in rows)
+    rows = summary(run, manifest, original, folder.path, folder.manifest, frame)
+    judged = any(row["judged"] for row in rows)
     title = folder.manifest.rescored_from["scorer"] + (f", win/tie vs {judge.vs_backend}" if judged else "")
     table = Table(title=f"ipw rescore: {title}")
     columns = ["backend", "records", "accuracy before", "accuracy after", "changed"]
@@ -64,6 +64,25 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
                       highlight=False, markup=False)
     console.print(f"wrote {folder.path} (rescored from {run})", highlight=False, markup=False)
     return folder.path
+
+
+def summary(run, manifest, original, new_run, new_manifest, rescored) -> list[dict]:
+    """Per backend: records, accuracy before and after and win/tie after (the metric table's own
+    definitions, ``ipw.analysis.metrics``), records whose score changed, records judged."""
+    from ipw.analysis.load import parts_of
+    from ipw.analysis.metrics import point_values
+
+    before = {p.info.backend: point_values(p.values) for p in parts_of(run, manifest, original)}
+    after = {p.info.backend: point_values(p.values) for p in parts_of(new_run, new_manifest, rescored)}
+    rows = []
+    for backend, new in rescored.groupby("backend", sort=False, observed=True):
+        old = original[original["backend"] == backend]
+        merged = old.merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
+        rows.append({"backend": backend, "records": len(new), "accuracy_before": before[backend]["accuracy"],
+                     "accuracy_after": after[backend]["accuracy"],
+                     "changed": int((merged["correct_old"].fillna(-1) != merged["correct_new"].fillna(-1)).sum()),
+                     "win_tie": after[backend]["win_tie_rate"], "judged": int(new["win_tie"].notna().sum())})
+    return rows
 
 
 def _pct(x: float | None) -> str:
