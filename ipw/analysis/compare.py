@@ -65,22 +65,20 @@ def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeR
 
     out = []
     for run in runs:
-        judge, lines = judge_lines(run)
-        if not lines:
-            continue
+        lines = judge_lines(run)
         for backend in dict.fromkeys(x["backend"] for x in lines):
             if backend not in backends:
                 continue
             mine = [x for x in lines if x["backend"] == backend]
             cats = sorted({x.get("category") or "" for x in mine})
-            for cat in [""] + (cats if len(cats) > 1 or cats != [""] else []):
+            for cat in [""] + ([] if cats == [""] else cats):  # all, then each category (when there are any)
                 group = [x for x in mine if not cat or (x.get("category") or "") == cat]
                 judged = [x for x in group if x["judge_calls"]]
                 agree = [a for a in (orders_agree(x["verdicts"]) for x in judged) if a is not None]
                 energies = [x["judge_energy_j"] for x in judged]
                 out.append(JudgeRow(
-                    run.run_id, judge.get("backend", {}).get("name", ""), judge.get("grading", ""),
-                    judge.get("prompt_version", ""), backend, cat, len(group), len(judged),
+                    run.run_id, mine[0]["judge"], mine[0]["grading"], mine[0]["prompt_version"], backend, cat,
+                    len(group), len(judged),
                     sum(agree) / len(agree) if agree else None,
                     sum("unparsed" in x["verdicts"] for x in group), sum(x["judge_calls"] for x in group),
                     None if not judged or None in energies else float(sum(energies)),

@@ -220,21 +220,18 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     return parts
 
 
-def judge_lines(run: RunInfo) -> tuple[dict, list[dict]]:
-    """A judged run's judge (the manifest's ``judge``) and its ``judge.jsonl`` lines (one per record:
-    verdicts, calls and the judge's own energy); ({}, []) for a run no judge graded."""
+def judge_lines(run: RunInfo) -> list[dict]:
+    """A judged run's ``judge.jsonl`` lines (one per record: the judge, its grading and prompt version,
+    verdicts, calls and its own energy); [] for a run no judge graded."""
     import json
-
-    from ipw.results import RunManifest
 
     path = Path(run.path) / "judge.jsonl"
     if not path.is_file():
-        return {}, []
+        return []
     try:
-        lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     except (OSError, ValueError) as exc:
         raise IpwError(f"{path}: cannot read the judge's log ({type(exc).__name__}: {exc})") from None
-    return RunManifest.read(Path(run.path)).judge or {}, lines
 
 
 def _query_set_error(parts: list[_Part]) -> str | None:
