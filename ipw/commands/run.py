@@ -162,25 +162,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
     from ipw.analysis.render import rich_tables
 
-    summary_dir = folder.path
-    judge = config.judge
-    if judge is not None and judge.vs_backend and judge.vs_backend not in {b.name for b in config.backends}:
-        console.print(f"note: not judged: the [judge] compares answers with {escape(judge.vs_backend)}'s, and this "
-                      "run has no such backend", highlight=False)
-        judge = None
-    judge_failed = False
-    if judge is not None and status != "complete":
-        console.print(f"note: not judged: the run is {status}; it is judged when a --resume completes it",
-                      highlight=False)
-    elif judge is not None:  # the config's [judge] grades the finished run
-        from ipw.commands.rescore import rescore_and_show
-
-        try:
-            summary_dir = rescore_and_show(folder.path, judge=judge, out_dir=folder.path.parent)
-        except IpwError as exc:  # the run stands; its summary follows, unjudged
-            judge_failed = True
-            console.print(f"[bold red]not judged:[/] {escape(str(exc))}; judge it with ipw rescore "
-                          f"{escape(str(folder.path))}", highlight=False)
+    summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)
     try:
         summary = end_summary(summary_dir)
         out = stdout()
@@ -198,6 +180,30 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
                       f"ipw run --resume {escape(str(folder.path))}", highlight=False)
         return 1
     return 1 if judge_failed else 0
+
+
+def _judge_finished(run_dir: Path, config, status: str, console: Console) -> tuple[Path, bool]:
+    """The config's [judge] grades a finished run into a linked folder (``ipw rescore``'s path); returns
+    the folder the summary shows and whether judging failed (the run and its summary stand)."""
+    judge = config.judge
+    if judge is None:
+        return run_dir, False
+    why = None
+    if judge.vs_backend and judge.vs_backend not in {b.name for b in config.backends}:
+        why = f"the [judge] compares answers with {judge.vs_backend}'s, and this run has no such backend"
+    elif status != "complete":
+        why = f"the run is {status}; it is judged when a --resume completes it"
+    if why:
+        console.print(f"note: not judged: {escape(why)}", highlight=False)
+        return run_dir, False
+    from ipw.commands.rescore import rescore_and_show
+
+    try:
+        return rescore_and_show(run_dir, judge=judge, out_dir=run_dir.parent), False
+    except IpwError as exc:
+        console.print(f"[bold red]not judged:[/] {escape(str(exc))}; judge it with ipw rescore "
+                      f"{escape(str(run_dir))}", highlight=False)
+        return run_dir, True
 
 
 def _repair(run_dir: Path) -> None:
