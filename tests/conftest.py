@@ -74,3 +74,13 @@ def only_run(folder: Path) -> Path:
     """The one run folder written under ``folder``."""
     (run_dir,) = [p for p in folder.iterdir() if p.is_dir()]
     return run_dir
+
+
+@pytest.fixture
+def scripted(request):
+    """The test module's ``ScriptedJudge`` (a ``scripted.ScriptedBackend``) as backend kind "scripted"."""
+    from ipw.backends.base import register_backend, unregister_backend
+
+    register_backend("scripted", request.module.ScriptedJudge, replace=True)
+    yield
+    unregister_backend("scripted")

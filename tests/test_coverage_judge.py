@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ipw.backends.base import BackendSpec, register_backend, unregister_backend
+from ipw.backends.base import BackendSpec
 from ipw.errors import IpwError
 from ipw.judge import JudgeSpec, orders_agree
 from runfolders import create, record
@@ -46,13 +46,6 @@ class ScriptedJudge(ScriptedBackend):
         if "GOOD" in a and "GOOD" in b or a == b:
             return "TIE"
         return "A" if "BEST" in a else "B"
-
-
-@pytest.fixture
-def scripted():
-    register_backend("scripted", ScriptedJudge, replace=True)
-    yield
-    unregister_backend("scripted")
 
 
 def make_run(out: Path, items=ITEMS, prompts=None) -> Path:

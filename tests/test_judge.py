@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ipw.backends.base import BackendSpec, register_backend, unregister_backend
+from ipw.backends.base import BackendSpec
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.judge import (PROMPTS_DIR, JudgeCall, JudgeSpec, grade_pairwise, grade_reference, load_prompt,
@@ -109,13 +109,6 @@ class ScriptedJudge(ScriptedBackend):
         if "Answer A:" in prompt:
             return "TIE" if "Mars" in prompt else "A"  # m1 ties both ways; n1 always "A" (position bias)
         return "CORRECT" if "(B) Mars" in prompt else "INCORRECT"
-
-
-@pytest.fixture
-def scripted():
-    register_backend("scripted", ScriptedJudge, replace=True)
-    yield
-    unregister_backend("scripted")
 
 
 def test_judge_bookkeeping_is_separate(scripted, tmp_path):
