@@ -74,6 +74,13 @@ class QueryRecord:
     win_tie: float | None = None
     vs_backend: str = ""
     judge_verdicts: tuple[str, ...] = ()  # per order: response | reference | tie | unparsed | error
+    # serving under load (docs/SERVING.md): the requests in flight at the record's level of a concurrency
+    # sweep (1 in older runs); how energy measured while requests overlapped was split among them
+    # ("" when the window was the request's alone; ipw.telemetry.estimator.SPLIT_METHODS), and how far the
+    # weighting alone could move this record's share (J)
+    concurrency: int = 1
+    split_method: str = ""
+    split_uncertainty_j: float | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "QueryRecord":
@@ -96,8 +103,9 @@ class QueryRecord:
         for key in ("repeat", "prompt_tokens", "completion_tokens"):
             out[key] = int(out[key] or 0)
         out["energy_parts"] = out["energy_parts"] or "[]"
-        for key in ("node", "hardware_id", "vs_backend"):  # absent in runs written before these fields
+        for key in ("node", "hardware_id", "vs_backend", "split_method"):  # absent in runs written before these fields
             out[key] = out[key] or ""
+        out["concurrency"] = int(out["concurrency"] or 1)
         return cls(**out)
 
     def to_json(self) -> str:

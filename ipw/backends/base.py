@@ -25,6 +25,18 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
+class ServerTimings:
+    """A server's own account of one request (llama-server's ``timings``): the prompt tokens it processed
+    (what its prompt cache did not already hold) and how long that took, and the tokens it generated and
+    how long that took.  The concurrent split places the prefill with them (``ipw.telemetry.estimator``)."""
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+@dataclass(frozen=True)
 class Completion:
     """One answer, with the timing of its tokens (monotonic seconds)."""
 
@@ -36,6 +48,7 @@ class Completion:
     end_s: float
     token_times_s: tuple[float, ...] = ()
     finish_reason: str = ""
+    server_timings: ServerTimings | None = None  # where the server reports them (llama-server)
 
     @property
     def ttft_s(self) -> float | None:
