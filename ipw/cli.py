@@ -90,6 +90,10 @@ def run(
     shards: Optional[int] = typer.Option(
         None, "--shards", help="With --ray: split the query set into N shards (default: as many tasks as the "
         "cluster runs at once)."),
+    concurrency: Optional[str] = typer.Option(
+        None, "--concurrency", help="LEVELS: requests in flight, e.g. 1,4,16,64, swept on every backend that serves "
+        "concurrent requests (kind openai, e.g. a managed llama-server); each level gets its own warm-up and idle "
+        "baseline, and records carry their level. In-process engines stay at 1."),
     repair: bool = typer.Option(
         False, "--repair", help="With --resume: drop the damaged lines of the run's records.jsonl (a line torn "
         "before the end, which ipw otherwise refuses to read past); they are kept in records.dropped.jsonl and "
@@ -101,7 +105,7 @@ def run(
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
                                  repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
                                  dataset_preset=dataset_preset, split=split, categories=category, sample=sample,
-                                 shard=shard, ray=ray, shards=shards, repair=repair))
+                                 shard=shard, ray=ray, shards=shards, repair=repair, concurrency=concurrency))
 
 
 @app.command()

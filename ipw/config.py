@@ -323,9 +323,12 @@ def apply_overrides(
     split: str | None = None,
     categories: list[str] | None = None,
     sample: int | None = None,
+    concurrency: str | None = None,
 ) -> RunConfig:
     """CLI options win over the config. ``--backend`` picks configured backends by name, or adds one
-    given as ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``)."""
+    given as ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``).  ``--concurrency 1,4,16`` sweeps those
+    levels on every backend that serves concurrent requests (an OpenAI-compatible server); in-process
+    engines stay at their own."""
     changes: dict[str, Any] = {}
     for key, value in (("dataset", dataset), ("limit", limit), ("out_dir", out_dir), ("seed", seed),
                        ("repeats", repeats), ("warmup", warmup), ("idle_s", idle_s),
@@ -365,4 +368,25 @@ def apply_overrides(
         changes["backends"] = tuple(chosen)
     if seed is not None:
         changes["generation"] = dataclasses.replace(config.generation, seed=seed)
+    if concurrency is not None:
+        levels = parse_levels(concurrency, "--concurrency")
+        chosen = changes.get("backends", config.backends)
+        serving = [b for b in chosen if "concurrency" in backend_options(b.kind)]
+        if not serving:
+            raise IpwError(f"--concurrency {concurrency}: no backend of this run serves concurrent requests "
+                           f"({', '.join(f'{b.name} ({b.kind})' for b in chosen)}); a sweep needs kind = \"openai\"")
+        changes["backends"] = tuple(
+            dataclasses.replace(b, options={**b.options, "concurrency": list(levels)}) if b in serving else b
+            for b in chosen)
     return dataclasses.replace(config, **changes)
+
+
+def parse_levels(text: str, where: str) -> tuple[int, ...]:
+    """``"1,4,16"`` -> (1, 4, 16): concurrency levels, each >= 1, sorted, without repeats."""
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(n < 1 for n in levels):
+        raise IpwError(f"{where} {text!r}: expected requests in flight as whole numbers >= 1, e.g. 1,4,16,64")
+    return tuple(sorted(set(levels)))

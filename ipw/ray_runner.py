@@ -115,7 +115,7 @@ def shared_node_probe(backend: Any) -> list:
                          rapl=False)
 
 
-def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done: frozenset[tuple[str, str, int]],
+def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done: frozenset[tuple[str, str, int, int]],
                run_id: str) -> Iterator[tuple]:
     """One (backend, shard) on a Ray worker: yields ("node", identity, hardware), then ("record",
     QueryRecord) per query as it finishes, ("power", columns) per trace, and ("backend", info)."""
@@ -188,7 +188,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progress: Callable[[QueryRecord], None],
-               options: RayOptions, done: frozenset[tuple[str, str, int]] = frozenset()) -> None:
+               options: RayOptions, done: frozenset[tuple[str, str, int, int]] = frozenset()) -> None:
     """Run every (backend, shard) as a Ray task; records stream into ``folder``.  Raises IpwError when
     a shard still fails after ``MAX_ATTEMPTS`` (the records so far are kept)."""
     ray = import_ray()
@@ -220,7 +220,11 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
 
         def submit(spec: BackendSpec, k: int) -> None:
             part = shard_items(queries, Shard(k, n))
-            keys = {(spec.name, q.id, r) for r in range(config.repeats) for q in part}
+            from ipw.backends.base import create_backend
+            from ipw.runner import levels_of
+
+            keys = {(spec.name, q.id, r, c) for c in levels_of(create_backend(spec))
+                    for r in range(config.repeats) for q in part}
             if keys <= seen:
                 return
             task = tasks.setdefault((spec.name, k), {"backend": spec.name, "shard": k, "attempts": 0, "errors": [],
@@ -268,7 +272,7 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
                         task["nodes"].append(identity.node)
                 elif kind == "record":
                     record = item[1]
-                    key = (record.backend, record.query_id, record.repeat)
+                    key = (record.backend, record.query_id, record.repeat, record.concurrency)
                     if key in seen:
                         continue  # already written (a task that ran again)
                     if record.hardware_id not in hardware_by_id:

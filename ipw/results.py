@@ -223,10 +223,12 @@ class RunFolder:
             log.write_bytes(data[: data.rfind(b"\n") + 1])
         return cls(path, manifest)
 
-    def done_keys(self) -> set[tuple[str, str, int]]:
-        """(backend, query_id, repeat) of every record already written."""
+    def done_keys(self) -> set[tuple[str, str, int, int]]:
+        """(backend, query_id, repeat, concurrency) of every record already written (concurrency 1 in
+        runs older than the field)."""
         frame = load_records_jsonl(self.path / "records.jsonl")
-        return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int)))
+        levels = frame["concurrency"].fillna(1).astype(int)
+        return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int), levels))
 
     def write_manifest(self, **updates: Any) -> None:
         """Update fields of the manifest (a name that is not a field is a TypeError) and rewrite it."""

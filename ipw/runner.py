@@ -8,7 +8,7 @@ import json
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +26,7 @@ from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
+from ipw.telemetry.estimator import Request, by_time, split_concurrent, split_method
 from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, with_estimate
 
 
@@ -33,20 +34,26 @@ def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
     estimate: Any = None, busy_s: float | None = None, splits: Callable[[], dict[str, Any]] | None = None,
+    concurrency: int = 1, split: "_Share | None" = None,
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
     ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
     ``splits``: each component's split at the first token (``ipw.phases.sensor_splits``), called now
-    that the readings are final.  The record names the machine that measured it (``node_identity``)."""
+    that the readings are final; ``concurrency``: the requests in flight at the record's level; ``split``:
+    how its energy was split from overlapping requests' (its method, and the uncertainty that the
+    weighting adds to the components of the total).  The record names the machine that measured it
+    (``node_identity``)."""
     identity = node_identity()[0]
     duration = end_s - start_s
     ok = error is None and completion is not None
     readings = with_estimate(readings, estimate, completion.completion_tokens if ok else 0, ok, duration)
     total = total_energy(readings)
-    net = None
+    net = split_uncertainty = None
     if total.energy_j is not None:
         basis = {r.component for r in readings if r.source in total.source.split("+") and r.energy_j is not None}
         net = total.energy_j - sum(idle.power_w.get(c, 0.0) for c in basis) * (duration if busy_s is None else busy_s)
+        if split is not None and split.method:
+            split_uncertainty = sum(split.uncertainty_j.get(c, 0.0) for c in basis)
     output = completion.text if completion else ""
     correct = record_score(query.scorer, output, query.answer, query.choices, error is not None)
     return QueryRecord(
@@ -65,6 +72,8 @@ def make_record(
         energy_parts=json.dumps([asdict(r) for r in readings]),
         **record_phases(readings, splits() if splits is not None else {}),
         node=identity.node, hardware_id=identity.hardware_id, choices=tuple(query.choices or ()),
+        concurrency=concurrency, split_method=split.method if split is not None else "",
+        split_uncertainty_j=split_uncertainty,
     )
 
 
@@ -82,17 +91,30 @@ def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Comple
 ProbeFn = Callable[[Backend], list[Sensor]]
 
 
+def levels_of(backend: Backend) -> tuple[int, ...]:
+    """The concurrency levels a backend is measured at: its ``levels`` (a sweep, e.g. (1, 4, 16)), else
+    its ``concurrency`` (an in-process engine: 1; a batching one: its batch size)."""
+    return tuple(getattr(backend, "levels", None) or (int(getattr(backend, "concurrency", 1)),))
+
+
 def run_backend(
     folder: RunFolder, config: RunConfig, spec: BackendSpec, queries: list[Query],
     progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-    done: frozenset[tuple[str, str, int]] = frozenset(),
+    done: frozenset[tuple[str, str, int, int]] = frozenset(),
 ) -> dict[str, Any] | None:
-    """Run every query (× repeats) through one backend, skipping ``done`` (backend, query, repeat)
-    keys; returns what the manifest records about the backend, or None when nothing was left."""
-    work = [(r, q) for r in range(config.repeats) for q in queries if (spec.name, q.id, r) not in done]
-    if not work:
-        return None
+    """Run every query (× repeats) through one backend at each of its concurrency levels, skipping
+    ``done`` (backend, query, repeat, concurrency) keys; returns what the manifest records about the
+    backend, or None when nothing was left.
+
+    A level measured alone at concurrency 1 gets a window per query.  Otherwise (a sweep, or more than one
+    request in flight) each level gets its own warm-up and idle baseline and one span, cut into windows
+    at every request's start and end, whose energy is split among the requests (``run_concurrent``)."""
     backend = create_backend(spec)
+    levels = levels_of(backend)
+    todo = {c: [(r, q) for r in range(config.repeats) for q in queries if (spec.name, q.id, r, c) not in done]
+            for c in levels}
+    if not any(todo.values()):
+        return None
     if hasattr(backend, "attach"):
         backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
     t0 = time.monotonic()
@@ -105,6 +127,8 @@ def run_backend(
     sensors = probe(backend)
     window = Window(sensors)
     stopped = None
+    level_lines: list[dict[str, Any]] = []
+    idle = IdleBaseline({}, {}, 0.0)
     try:
         pending: list[tuple[Closed, Callable[[list[EnergyReading]], QueryRecord]]] = []
 
@@ -117,28 +141,31 @@ def run_backend(
                 progress(record)
 
         try:
-            for query in queries[: config.warmup]:
-                try:
-                    backend.generate(query.render(), config.generation)
-                except QueryError:
-                    pass  # a failed warm-up query (e.g. a flaky endpoint) is not measured anyway
-            idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
-            if getattr(backend, "concurrency", 1) > 1:
-                run_concurrent(folder, config, spec, backend, window, idle, work, progress)
-                work = []
-            for repeat, query in work:
-                tokens = window.begin()
-                start = time.monotonic()
-                completion, error = _generate(backend, query, config)
-                end = time.monotonic()
-                closed = window.end(tokens)
-                pending.append((closed, functools.partial(
-                    make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                    idle=idle, estimate=getattr(backend, "energy_estimate", None),
-                    splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
-                flush(wait=False)
-                if getattr(error, "category", None) == "engine_crash" and hasattr(backend, "recover"):
-                    backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
+            for level in levels:
+                work = todo[level]
+                if not work:
+                    continue
+                if hasattr(backend, "concurrency"):
+                    backend.concurrency = level
+                _warm_up(backend, queries, config, level)
+                idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
+                if level > 1 or len(levels) > 1:
+                    line = run_concurrent(folder, config, spec, backend, window, idle, work, progress, level)
+                    level_lines.append({**line, "idle_baseline": asdict(idle)})
+                    continue
+                for repeat, query in work:
+                    tokens = window.begin()
+                    start = time.monotonic()
+                    completion, error = _generate(backend, query, config)
+                    end = time.monotonic()
+                    closed = window.end(tokens)
+                    pending.append((closed, functools.partial(
+                        make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
+                        idle=idle, estimate=getattr(backend, "energy_estimate", None),
+                        splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
+                    flush(wait=False)
+                    if getattr(error, "category", None) == "engine_crash" and hasattr(backend, "recover"):
+                        backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
         except EngineStopped as exc:
             stopped = str(exc)
         finally:  # on Ctrl-C too: every finished query gets its record
@@ -153,6 +180,7 @@ def run_backend(
             "sensors": [asdict(s.info()) for s in sensors] + (
                 [asdict(backend.energy_estimate.info())] if getattr(backend, "energy_estimate", None) else []),
             "idle_baseline": asdict(idle),
+            **({"levels": level_lines} if level_lines else {}),
             **({"stopped": stopped} if stopped else {}),
         }
     finally:
@@ -162,88 +190,179 @@ def run_backend(
 
 
 class _Segments:
-    """Non-overlapping sensor windows, cut at every request's start and end while requests overlap.
+    """One level's span, cut into sensor windows at every request's start and end (``Window.cut``), so
+    that the windows tile the span: the energy of the whole span is the sum of theirs.
 
-    Each segment's energy is split among the requests active in it, weighted by the tokens each one
-    produced in it (equally when none produced any), so the requests' parts sum to what the sensors
-    measured (DESIGN.md §3).  Time with no request in flight is not measured.
+    Each window's energy is split among the requests active in it (``estimator.split_concurrent``);
+    windows with no request in flight are the level's unattributed energy.  ``tally`` adds up, per
+    component, the span's energy, the unattributed part and the requests' parts, for the manifest's
+    conservation line (DESIGN.md §3: parts + unattributed == measured total).
     """
 
     def __init__(self, window: Window) -> None:
         self.window = window
         self.lock = threading.Lock()
         self.active: set[int] = set()
-        self.token: Any = None
+        self.tokens: Any = None
         self.opened_s = 0.0
         self.closed: list[tuple[float, float, Closed, frozenset[int]]] = []  # start, end, window, active
+        self.idle: list[Closed] = []  # windows with no request in flight
+        self.started_s = self.ended_s = 0.0
+
+    def start(self) -> None:
+        self.tokens = self.window.begin()
+        self.started_s = self.opened_s = time.monotonic()
 
     def event(self, add: int | None = None, remove: int | None = None) -> float:
         with self.lock:
+            closed, self.tokens = self.window.cut(self.tokens)
             now = time.monotonic()
-            if self.token is not None:
-                self.closed.append((self.opened_s, now, self.window.end(self.token), frozenset(self.active)))
-                self.token = None
+            if self.active:
+                self.closed.append((self.opened_s, now, closed, frozenset(self.active)))
+            else:
+                self.idle.append(closed)
+            self.opened_s = now
             if add is not None:
                 self.active.add(add)
             self.active.discard(remove)
-            if self.active:
-                self.token, self.opened_s = self.window.begin(), now
             return now
+
+    def finish(self) -> None:
+        with self.lock:
+            closed = self.window.end(self.tokens)
+            self.ended_s = time.monotonic()
+            (self.closed.append((self.opened_s, self.ended_s, closed, frozenset(self.active))) if self.active
+             else self.idle.append(closed))
 
     def of(self, job: int) -> list[tuple[float, float, Closed, frozenset[int]]]:
         with self.lock:
             return [seg for seg in self.closed if job in seg[3]]
 
-    def release(self, done_through: int) -> set[int]:
-        """Forget the segments of requests up to ``done_through`` (recorded, in job order), so that a long
-        run holds only the segments of requests in flight; returns the jobs those still involve."""
+    def release(self, done_through: int, tally: "_Tally") -> set[int]:
+        """Forget the windows of requests up to ``done_through`` (recorded, in job order), adding their
+        energy to ``tally``, so that a long run holds only the windows of requests in flight; returns the
+        jobs those still involve."""
         with self.lock:
-            self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
+            keep = []
+            for seg in self.closed:
+                if max(seg[3]) > done_through:
+                    keep.append(seg)
+                else:
+                    tally.add(seg[2].readings(), "span_j")
+            self.closed = keep
             return set().union(*(seg[3] for seg in self.closed))
 
 
-def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> tuple[list[EnergyReading], float]:
-    """This request's share of each component's energy over its segments (which tile its window),
-    split by ``estimator.split_concurrent`` among the requests active in each; and its busy seconds."""
-    from ipw.telemetry.estimator import Request, split_concurrent
+class _Tally:
+    """Per-component sums of a level: the span's energy (``span_j``), the part no request was in flight
+    for (``unattributed_j``) and the requests' parts (``parts_j``); None once a window lacks it."""
 
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[str, float | None]] = {}
+
+    def add(self, readings: list[EnergyReading], key: str) -> None:
+        for r in readings:
+            row = self.sums.setdefault(r.component, {"span_j": 0.0, "unattributed_j": 0.0, "parts_j": 0.0})
+            row[key] = None if r.energy_j is None or row[key] is None else row[key] + r.energy_j
+            if key == "unattributed_j":  # idle windows are part of the span too
+                row["span_j"] = None if r.energy_j is None or row["span_j"] is None else row["span_j"] + r.energy_j
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        return {c: {k: (None if v is None else round(v, 6)) for k, v in row.items()} for c, row in self.sums.items()}
+
+
+def _request(completion: Completion | None, start: float, end: float) -> Request:
+    """A request of the concurrent split: its window, token times and, where the server timed it, its
+    prefill, placed so that it ends when the first token arrived."""
+    if completion is None:
+        return Request(start, end)
+    timings = completion.server_timings
+    prefill = None
+    if timings is not None and completion.first_token_s is not None and timings.prompt_n > 0:
+        prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
+    return Request(start, end, completion.token_times_s, prefill, timings.prompt_n if prefill else 0)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """One request's part of the energy measured while it ran."""
+
+    readings: list[EnergyReading]
+    busy_s: float  # its share of the time (for the idle part of net energy)
+    method: str  # "" when no other request overlapped it; else estimator.split_method
+    uncertainty_j: dict[str, float]  # per component: |share by work - share by time|
+
+
+def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> _Share:
+    """This request's share of each component's energy over its windows (which tile its own window),
+    split by ``estimator.split_concurrent`` among the requests active in each."""
     if not segs:
-        return [], 0.0
+        return _Share([], 0.0, "", {})
     peers = sorted(set().union(*(seg[3] for seg in segs)))
     requests = []
     for j in peers:
         completion, _, start, end = futures[j].result()
-        requests.append(Request(start, end, completion.token_times_s if completion else ()))
+        requests.append(_request(completion, start, end))
     me = peers.index(job)
     edges = np.array([seg[0] for seg in segs] + [segs[-1][1]])
-    busy_s = split_concurrent(edges, np.diff(edges), requests).per_request_j[me]  # time, split the same way
+    plain = by_time(requests)
+    busy_s = split_concurrent(edges, np.diff(edges), plain).per_request_j[me]  # time, split the same way
+    method = split_method(requests[me]) if len(peers) > 1 else ""
     by_component: dict[str, list[EnergyReading]] = {}
     for seg in segs:
         for r in seg[2].readings():
             by_component.setdefault(r.component, []).append(r)
-    readings = []
+    readings, uncertainty = [], {}
     for component, rs in by_component.items():
         missing = len(rs) != len(segs) or any(r.energy_j is None for r in rs)
-        share = None if missing else split_concurrent(edges, [r.energy_j for r in rs], requests).per_request_j[me]
+        share = None
+        if not missing:
+            energy = [r.energy_j for r in rs]
+            share = split_concurrent(edges, energy, requests).per_request_j[me]
+            uncertainty[component] = abs(share - split_concurrent(edges, energy, plain).per_request_j[me])
         readings.append(EnergyReading(
             component=component, energy_j=share, source=rs[0].source, scope=rs[0].scope,
             quality="unavailable" if missing else worst_quality([r.quality for r in rs]),
             duration_s=float(edges[-1] - edges[0]),
-            note=f"share of {len(segs)} segment(s) split among {len(peers)} overlapping request(s) by tokens produced",
+            note=f"share of {len(segs)} window(s) split among {len(peers)} overlapping request(s)"
+            + (f" by {method}" if method else ""),
         ))
-    return readings, busy_s
+    return _Share(readings, busy_s, method, uncertainty)
+
+
+def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurrency: int) -> None:
+    """Unmeasured queries before a level: ``warmup`` of them, at least one per request slot, sent
+    ``concurrency`` at a time (a failed one is not measured anyway)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if config.warmup <= 0:
+        return
+    batch = queries[: max(config.warmup, concurrency)]
+
+    def one(query: Query) -> None:
+        try:
+            backend.generate(query.render(), config.generation)
+        except QueryError:
+            pass
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ipw-warmup") as pool:
+        list(pool.map(one, batch))
 
 
 def run_concurrent(
     folder: RunFolder, config: RunConfig, spec: BackendSpec, backend: Backend, window: Window,
     idle: IdleBaseline, work: list[tuple[int, Query]], progress: Callable[[QueryRecord], None],
-) -> None:
-    """Keep ``backend.concurrency`` requests in flight; every request has its own window
-    ([start, end] in its record) and its split of the energy measured while it ran.  Records are
-    appended in query order."""
+    concurrency: int,
+) -> dict[str, Any]:
+    """Keep ``concurrency`` requests in flight; every request has its own window ([start, end] in its
+    record) and its split of the energy measured while it ran.  Records are appended in query order.
+    Returns the level's line for the manifest: its span, requests, split methods and, per component,
+    the span's energy, the unattributed part and the sum of the requests' parts."""
     from concurrent.futures import ThreadPoolExecutor
 
     segments = _Segments(window)
+    tally = _Tally()
+    methods: dict[str, int] = {}
     estimate = getattr(backend, "energy_estimate", None)
 
     def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
@@ -254,25 +373,35 @@ def run_concurrent(
             end = segments.event(remove=job)
         return completion, error, start, end
 
-    pool = ThreadPoolExecutor(max_workers=backend.concurrency, thread_name_prefix="ipw-request")
+    segments.start()
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ipw-request")
     futures = {i: pool.submit(one, i, query) for i, (_, query) in enumerate(work)}
     kept: list[int] = []  # recorded requests whose results a later record's energy split may still need
     try:
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
-            readings, busy_s = _split_share(job, segments.of(job), futures)
+            share = _split_share(job, segments.of(job), futures)
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                                 readings, idle=idle, estimate=estimate, busy_s=busy_s)
+                                 share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
+                                 concurrency=concurrency, split=share)
             folder.append(record)
             progress(record)
+            tally.add(share.readings, "parts_j")
+            methods[record.split_method or "none"] = methods.get(record.split_method or "none", 0) + 1
             # memory stays flat over long runs: drop what no later record needs (docs/RELIABILITY.md)
-            needed = segments.release(job)
+            needed = segments.release(job, tally)
             for j in kept + [job]:
                 if j not in needed:
                     del futures[j]
             kept = [j for j in kept + [job] if j in needed]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        segments.finish()
+    segments.release(len(work), tally)
+    for closed in segments.idle:
+        tally.add(closed.readings(), "unattributed_j")
+    return {"concurrency": concurrency, "requests": len(work), "wall_s": round(segments.ended_s - segments.started_s, 6),
+            "split_methods": methods, "energy": tally.summary()}
 
 
 def _load_full(config: RunConfig) -> list[Query]:

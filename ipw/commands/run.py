@@ -56,7 +56,7 @@ def _sigterm_as_interrupt() -> None:
 
 def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
                 dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
-                shards=None, repair=False) -> int:
+                shards=None, repair=False, concurrency=None) -> int:
     from ipw.shard import parse_shard
 
     if repair and resume is None:
@@ -88,7 +88,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         return _run(config_path, dataset=dataset, limit=limit, backends=backends, out=out, seed=seed,
                     repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume, dataset_preset=dataset_preset,
                     split=split, categories=categories, sample=sample, the_shard=the_shard,
-                    ray_options=ray_options, repair=repair)
+                    ray_options=ray_options, repair=repair, concurrency=concurrency)
     finally:
         if connected:
             import ray as ray_module
@@ -97,7 +97,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
 
 
 def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume, dataset_preset, split,
-         categories, sample, the_shard, ray_options, repair=False) -> int:
+         categories, sample, the_shard, ray_options, repair=False, concurrency=None) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
@@ -108,7 +108,8 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
                                 ("--backend", backends), ("--out", out), ("--seed", seed), ("--repeats", repeats),
                                 ("--warmup", warmup), ("--idle-s", idle_s), ("--dataset-preset", dataset_preset),
-                                ("--split", split), ("--category", categories), ("--sample", sample)) if v]
+                                ("--split", split), ("--category", categories), ("--sample", sample),
+                                ("--concurrency", concurrency)) if v]
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         if repair:
@@ -119,6 +120,7 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
             backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
             idle_s=idle_s, dataset_preset=dataset_preset, split=split, categories=categories, sample=sample,
+            concurrency=concurrency,
         )
         folder, queries = start_run(config, shard=the_shard)
     _sigterm_as_interrupt()
@@ -128,11 +130,16 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         verb += f" shard {folder.manifest.shard['index']}/{folder.manifest.shard['count']}"
     if ray_options is not None:
         verb += f" on Ray ({ray_options.address})"
+    from ipw.backends.base import create_backend
+    from ipw.runner import levels_of
+
+    levels = {spec.name: levels_of(create_backend(spec)) for spec in config.backends}
+    sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
-                  f"repeat(s) x {len(config.backends)} backend(s) -> {folder.path}")
+                  f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
     state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic()}
     with _progress_columns() as progress:
-        task = progress.add_task("queries", total=len(queries) * config.repeats * len(config.backends),
+        task = progress.add_task("queries", total=len(queries) * config.repeats * sum(map(len, levels.values())),
                                  completed=len(done), rate="-", jpq="-", acc="-")
 
         def on_record(record) -> None:

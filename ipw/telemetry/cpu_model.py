@@ -186,18 +186,25 @@ class CpuModelSensor:
         return start_ns, start_cpu_s, trace
 
     def end(self, token: tuple[int, float, Any]) -> list[EnergyReading]:
+        return self.cut(token)[0]
+
+    def cut(self, token: tuple[int, float, Any]) -> tuple[list[EnergyReading], tuple[int, float, Any]]:
+        """Close the window and open the next at the same read of the tree's CPU time (windows that tile
+        time: no CPU time is lost between them); the next window takes no snapshots."""
         start_ns, start_cpu_s, trace = token
         if trace is not None:
             self.snapshots.close(trace)  # type: ignore[union-attr]
-        cpu_s = tree_cpu_s(self.processes()) - start_cpu_s
-        duration_s = (time.monotonic_ns() - start_ns) / 1e9
+        end_cpu_s = tree_cpu_s(self.processes())
+        end_ns = time.monotonic_ns()
+        cpu_s = end_cpu_s - start_cpu_s
+        duration_s = (end_ns - start_ns) / 1e9
         if cpu_s < 0:
             return [
                 EnergyReading(
                     "cpu-process", None, "model.cpu", "unavailable", "cpu_package", duration_s,
                     note="process tree lost CPU time (a process left it unreaped)",
                 )
-            ]
+            ], (end_ns, end_cpu_s, None)
         return [
             EnergyReading(
                 component="cpu-process",
@@ -208,7 +215,7 @@ class CpuModelSensor:
                 duration_s=duration_s,
                 note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model})",
             )
-        ]
+        ], (end_ns, end_cpu_s, None)
 
     def split(self, token: tuple[int, float, Any], at_s: float) -> list[PhaseSplit]:
         """The share of the window's CPU time before ``at_s`` (the first token), from the snapshots."""

@@ -103,11 +103,32 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a concurrent schedule: its window and the times its tokens were produced."""
+    """One request of a concurrent schedule: its window, the times its output tokens arrived, and, where
+    the server reported it, when it processed the prompt (``prefill_s``: start, end) and how many prompt
+    tokens that was (``prefill_tokens``: those its prompt cache did not already hold)."""
 
     start_s: float
     end_s: float
     token_times_s: tuple[float, ...] = ()
+    prefill_s: tuple[float, float] | None = None
+    prefill_tokens: int = 0
+
+
+#: How overlapping requests' energy was split (a record's ``split_method``), best first:
+#: - ``work``: by the tokens each request put through the model in each slice, its prompt tokens spread
+#:   over its prefill as the server timed it (llama-server's ``timings``) and its output tokens when
+#:   they arrived; a slice in which no request did work is split by active time;
+#: - ``decode_tokens``: by output tokens only (no server timings: a prefill is charged to the requests
+#:   decoding beside it); the fallback;
+#: - ``time``: by active time (no token times at all, e.g. a server that does not stream).
+SPLIT_METHODS = ("work", "decode_tokens", "time")
+
+
+def split_method(request: Request) -> str:
+    """The weighting :func:`split_concurrent` gives this request: the best its data allows."""
+    if request.prefill_s is not None:
+        return "work"
+    return "decode_tokens" if request.token_times_s else "time"
 
 
 @dataclass(frozen=True)
@@ -572,15 +593,17 @@ def net_energy_j(gross_j: float, idle_w: float, duration_s: float) -> float:
 def split_concurrent(
     slices_t_s: np.ndarray, slice_energy_j: np.ndarray, requests: Sequence[Request | tuple]
 ) -> ConcurrencySplit:
-    """Split each time slice's energy over the requests active in it.
+    """Split each time slice's energy over the requests active in it, by the work each did there.
 
     ``slices_t_s`` are the ``n + 1`` slice edges, ``slice_energy_j`` the ``n`` slice energies (e.g.
     from :func:`slice_energies`).  A request is active in a slice when its window overlaps it for a
-    positive time.  Weights are the tokens each active request produced in the slice (token times in
-    ``[edge_k, edge_k+1)``, the last slice closed, and inside the request's window); when no active
-    request produced a token there, the slice is split by active time (equal shares for requests
-    active throughout it).  Slices with no active request are ``unattributed_j``.  The parts and the
-    unattributed remainder sum to the total (asserted).
+    positive time.  Its work in a slice is the output tokens it received there (token times in
+    ``[edge_k, edge_k+1)``, the last slice closed, and inside the request's window) plus, when the
+    server timed its prefill, its prompt tokens spread evenly over ``prefill_s`` (the part of it that
+    falls in the slice).  A prompt token and an output token weigh the same: each is one token through
+    the model.  When no active request did work in a slice, the slice is split by active time (equal
+    shares for requests active throughout it).  Slices with no active request are ``unattributed_j``.
+    The parts and the unattributed remainder sum to the total (asserted).
     """
     edges = np.asarray(slices_t_s, dtype=np.float64)
     energy = np.asarray(slice_energy_j, dtype=np.float64)
@@ -593,7 +616,7 @@ def split_concurrent(
     lo, hi = edges[:-1], edges[1:]
 
     active_s = np.zeros((n_r, n_s))
-    tokens = np.zeros((n_r, n_s))
+    work = np.zeros((n_r, n_s))
     for k, r in enumerate(reqs):
         if r.end_s < r.start_s:
             raise ValueError(f"request {k} ends before it starts")
@@ -602,13 +625,19 @@ def split_concurrent(
         tt = tt[(tt >= r.start_s) & (tt <= r.end_s) & (tt >= edges[0]) & (tt <= edges[-1])]
         if tt.size and n_s:
             j = np.clip(np.searchsorted(edges, tt, side="right") - 1, 0, n_s - 1)
-            np.add.at(tokens[k], j, 1.0)
+            np.add.at(work[k], j, 1.0)
+        if r.prefill_s is not None and r.prefill_tokens > 0:
+            p0, p1 = max(r.prefill_s[0], r.start_s), min(r.prefill_s[1], r.end_s)
+            if p1 > p0:  # the prompt tokens, spread evenly over the prefill
+                work[k] += r.prefill_tokens * np.clip(np.minimum(hi, p1) - np.maximum(lo, p0), 0.0, None) / (p1 - p0)
+            elif lo.size:  # an instant prefill: all of it in the slice that holds that instant
+                work[k, np.clip(np.searchsorted(edges, p1, side="right") - 1, 0, n_s - 1)] += r.prefill_tokens
     active = active_s > 0
-    tokens = np.where(active, tokens, 0.0)
+    work = np.where(active, work, 0.0)
 
-    tok_sum = tokens.sum(axis=0)
+    work_sum = work.sum(axis=0)
     act_sum = active_s.sum(axis=0)
-    weights = np.where(tok_sum > 0, tokens / np.where(tok_sum > 0, tok_sum, 1.0),
+    weights = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
                        active_s / np.where(act_sum > 0, act_sum, 1.0))
     has_active = act_sum > 0
     parts = (weights * np.where(has_active, energy, 0.0)).sum(axis=1) if n_r else np.zeros(0)
@@ -619,3 +648,10 @@ def split_concurrent(
         f"concurrency split lost energy: parts {parts.sum()} J vs attributed {attributed} J"
     )
     return ConcurrencySplit(tuple(float(x) for x in parts), unattributed, total)
+
+
+def by_time(requests: Sequence[Request]) -> list[Request]:
+    """The same requests with no token or prefill data: :func:`split_concurrent` then splits by active
+    time alone.  The distance between a request's share by work and by time is how far the weighting
+    alone decides its energy (a record's ``split_uncertainty_j``)."""
+    return [Request(r.start_s, r.end_s) for r in requests]

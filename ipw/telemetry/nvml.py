@@ -269,6 +269,7 @@ class PendingWindow:
         self._sensor = sensor
         self.start_s = start_ns / 1e9
         self.end_s = end_ns / 1e9
+        self.end_ns = end_ns
         self._result: list[EnergyReading] | None = None
         #: The watched GPUs that were busy during the window (see
         #: :meth:`~ipw.telemetry.sampler.NvmlSampler.foreign_activity`); set by :meth:`result`.
@@ -456,6 +457,12 @@ class NvmlSensor:
         except Exception:
             pass  # the result says what is missing
         return PendingWindow(self, int(token), end_ns)
+
+    def cut(self, token: int) -> tuple[PendingWindow, int]:
+        """Close the window and open the next at the same instant (windows that tile time: no energy is
+        lost between them)."""
+        pending = self.end(token)
+        return pending, pending.end_ns
 
     def _readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
         return self._window(start_s, end_s)[0]

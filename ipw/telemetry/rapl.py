@@ -167,11 +167,17 @@ class RaplSensor:
         return start_ns, start_uj, trace
 
     def end(self, token: tuple[int, tuple[int, ...], Any]) -> list[EnergyReading]:
+        return self.cut(token)[0]
+
+    def cut(self, token: tuple[int, tuple[int, ...], Any]) -> tuple[list[EnergyReading], tuple[int, tuple[int, ...], Any]]:
+        """Close the window and open the next at the same read (windows that tile time: no energy is lost
+        between them); the next window takes no snapshots."""
         start_ns, start_uj, trace = token
         end_uj = self._read_all()
+        end_ns = time.monotonic_ns()
         if trace is not None:
-            self.snapshots.close(trace, time.monotonic_ns() / 1e9, end_uj)  # type: ignore[union-attr]
-        duration_s = (time.monotonic_ns() - start_ns) / 1e9
+            self.snapshots.close(trace, end_ns / 1e9, end_uj)  # type: ignore[union-attr]
+        duration_s = (end_ns - start_ns) / 1e9
         readings = []
         for zone, e0, e1 in zip(self.zones, start_uj, end_uj):
             note = "counter wrapped once (corrected with max_energy_range_uj)" if e1 < e0 else ""
@@ -186,7 +192,7 @@ class RaplSensor:
                     note=note,
                 )
             )
-        return readings
+        return readings, (end_ns, end_uj, None)
 
     def split(self, token: tuple[int, tuple[int, ...], Any], at_s: float) -> list[PhaseSplit]:
         """Each zone's share of the window's energy before ``at_s`` (the first token), from the snapshots."""

@@ -45,6 +45,20 @@ class Window:
     def end(self, tokens: list[Any]) -> Closed:
         return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
 
+    def cut(self, tokens: list[Any]) -> tuple[Closed, list[Any]]:
+        """Close the window and open the next where it ended, so that consecutive windows tile time and
+        their energies add up to the whole span's.  A sensor without ``cut`` ends and begins again (the
+        moment between is then not measured)."""
+        parts, following = [], []
+        for sensor, token in zip(self.sensors, tokens):
+            if hasattr(sensor, "cut"):
+                part, nxt = sensor.cut(token)
+            else:
+                part, nxt = sensor.end(token), sensor.begin()
+            parts.append(part)
+            following.append(nxt)
+        return Closed(parts), following
+
 
 @dataclass(frozen=True)
 class IdleBaseline:
