@@ -250,6 +250,9 @@ class _Segments:
                 else:
                     tally.add(seg[2].readings(), "span_j")
             self.closed = keep
+            for closed in self.idle:
+                tally.add(closed.readings(), "unattributed_j")
+            self.idle = []
             return set().union(*(seg[3] for seg in self.closed))
 
 
@@ -278,7 +281,7 @@ def _request(completion: Completion | None, start: float, end: float) -> Request
         return Request(start, end)
     timings = completion.server_timings
     prefill = None
-    if timings is not None and completion.first_token_s is not None and timings.prompt_n > 0:
+    if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
         prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
     return Request(start, end, completion.token_times_s, prefill, timings.prompt_n if prefill else 0)
 
@@ -398,8 +401,6 @@ def run_concurrent(
         pool.shutdown(wait=True, cancel_futures=True)
         segments.finish()
     segments.release(len(work), tally)
-    for closed in segments.idle:
-        tally.add(closed.readings(), "unattributed_j")
     return {"concurrency": concurrency, "requests": len(work), "wall_s": round(segments.ended_s - segments.started_s, 6),
             "split_methods": methods, "energy": tally.summary()}
 

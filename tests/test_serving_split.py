@@ -1,0 +1,152 @@
+"""The split of overlapping requests' energy (DESIGN.md §3, docs/SERVING.md): by the work each request
+does in each slice, its prompt tokens over the prefill the server timed and its output tokens as they
+arrive; conserved (parts + unattributed == the span's energy); labelled per record."""
+
+import json
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+from ipw.backends.base import Completion, ServerTimings
+from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.telemetry.estimator import Request, by_time, split_concurrent, split_method
+
+
+def test_prefill_beside_decode_hand_made():
+    """Request A decodes through both slices; B arrives at 0.5 s and prefills 30 prompt tokens in
+    [0.5, 1.0], then decodes.  By work, slice 0's 10 J goes 3:30; by decode tokens alone A would have
+    paid for B's prefill."""
+    edges = [0.0, 1.0, 2.0]
+    energy = [10.0, 20.0]
+    a = Request(0.0, 2.0, (0.25, 0.5, 0.75, 1.25, 1.5, 1.75))
+    b = Request(0.5, 2.0, (1.1, 1.4, 1.7), prefill_s=(0.5, 1.0), prefill_tokens=30)
+    split = split_concurrent(edges, energy, [a, b])
+    assert split.per_request_j == pytest.approx((10 * 3 / 33 + 10.0, 10 * 30 / 33 + 10.0))
+    assert split.unattributed_j == 0.0 and sum(split.per_request_j) == pytest.approx(30.0)
+    decode_only = split_concurrent(edges, energy, [a, Request(0.5, 2.0, b.token_times_s)])
+    assert decode_only.per_request_j == pytest.approx((10.0 + 10.0, 0.0 + 10.0))
+    # a prefill that straddles the slice edge is spread evenly over its duration
+    c = Request(0.5, 2.0, (), prefill_s=(0.5, 1.5), prefill_tokens=10)
+    split = split_concurrent(edges, energy, [Request(0.0, 2.0, (0.2, 1.2)), c])
+    assert split.per_request_j == pytest.approx((10 * 1 / 6 + 20 * 1 / 6, 10 * 5 / 6 + 20 * 5 / 6))
+    # an instant prefill (prompt_ms 0) lands in the slice of that instant
+    d = Request(0.5, 2.0, (), prefill_s=(1.5, 1.5), prefill_tokens=4)
+    split = split_concurrent(edges, energy, [Request(0.0, 2.0, (0.2, 1.2)), d])
+    assert split.per_request_j == pytest.approx((10.0 + 20 * 1 / 5, 20 * 4 / 5))
+    # labels: the best weighting each request's data allows
+    assert [split_method(r) for r in (b, a, Request(0, 1))] == ["work", "decode_tokens", "time"]
+    # by active time alone: A is active all of slice 0, B half of it
+    assert split_concurrent(edges, energy, by_time([a, b])).per_request_j == pytest.approx((10 * 2 / 3 + 10.0, 10 / 3 + 10.0))
+
+
+class ConstantPower:
+    """A sensor drawing ``power_w`` watts: each window costs power x its length; it can cut windows
+    (``Window.cut``), so consecutive windows tile time."""
+
+    name = "constant"
+
+    def __init__(self, power_w: float) -> None:
+        self.power_w = power_w
+        self.windows: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    def info(self):
+        return SensorInfo("constant", True, "rapl.package", "measured", "cpu_package", ("cpu",))
+
+    def begin(self):
+        return time.monotonic()
+
+    def cut(self, token):
+        now = time.monotonic()
+        with self.lock:
+            self.windows.append((token, now))
+        return [EnergyReading("cpu", self.power_w * (now - token), "rapl.package", "measured", "cpu_package",
+                              now - token)], now
+
+    def end(self, token):
+        return self.cut(token)[0]
+
+    def close(self):
+        pass
+
+
+class PrefillBesideDecode:
+    """A scripted server: q-decode streams 19 output tokens over 0.6 s (its prompt already cached: no
+    prefill work); q-prefill, sent at the same moment, waits 0.1 s in the queue, prefills 300 prompt
+    tokens in [0.1, 0.2] s (as the server times it) and streams 12 output tokens until 0.9 s."""
+
+    concurrency = 2
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def load(self):
+        pass
+
+    def generate(self, prompt, settings):
+        start = time.monotonic()
+        if "decode" in prompt:
+            times = tuple(start + 0.03 * k for k in range(1, 20))
+            timings, length = ServerTimings(0, 0.0, 19, 570.0), 0.6
+        else:
+            times = tuple(start + 0.25 + 0.05 * k for k in range(12))
+            timings, length = ServerTimings(300, 100.0, 12, 550.0), 0.9
+        time.sleep(max(0.0, start + length - time.monotonic()))
+        return Completion("4", 12, len(times), start, times[0], time.monotonic(), times, "stop", timings)
+
+    def pids(self):
+        return []
+
+    def describe(self):
+        return {"engine": "scripted-server"}
+
+    def close(self):
+        pass
+
+
+def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
+    from ipw.backends.base import register_backend, unregister_backend
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": q, "prompt": f"{q}: 2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"
+                            for q in ("q-decode", "q-prefill")))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n\n'
+                   '[[backends]]\nname = "srv"\nkind = "scripted-server"\nmodel = "m"\nrole = "cloud"\n')
+    register_backend("scripted-server", PrefillBesideDecode, replace=True)
+    try:
+        config = load_config(str(cfg))
+        folder, queries = start_run(config, command=["test"])
+        sensor = ConstantPower(100.0)
+        assert execute(folder, config, queries, lambda r: None, probe=lambda backend: [sensor]) == "complete"
+    finally:
+        unregister_backend("scripted-server")
+    frame = pd.read_parquet(folder.path / "records.parquet").set_index("query_id")
+    a, b = frame.loc["q-decode"], frame.loc["q-prefill"]
+    assert b.start_s < a.end_s and a.start_s < b.end_s  # they overlap
+    assert set(frame["concurrency"]) == {2} and set(frame["split_method"]) == {"work"}
+    # the slices: A alone until B's request starts, both until A ends, B alone until it ends
+    first, both = b.start_s - a.start_s, a.end_s - b.start_s
+    assert first >= 0 and both > 0.5
+    work_a, work_b = 19, 300 + 7  # in the shared slice: A's tokens; B's prompt and its outputs before 0.6 s
+    p = 100.0
+    expected_a = p * first + p * both * work_a / (work_a + work_b)
+    expected_b = p * both * work_b / (work_a + work_b) + p * (b.end_s - a.end_s)
+    assert a.energy_j == pytest.approx(expected_a, rel=1e-4)  # the sensor and the runner read the clock µs apart
+    assert b.energy_j == pytest.approx(expected_b, rel=1e-4)
+    # the weighting's own uncertainty: the distance to an equal split of the shared slice
+    assert a.split_uncertainty_j == pytest.approx(abs(p * both * (work_a / (work_a + work_b) - 0.5)), rel=1e-3)
+    # conserved: the records' parts plus the unattributed time equal the span the sensor measured
+    level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
+    assert level["concurrency"] == 2 and level["requests"] == 2 and level["split_methods"] == {"work": 2}
+    tally = level["energy"]["cpu"]
+    span = sum(p * (t1 - t0) for t0, t1 in sensor.windows)
+    assert tally["span_j"] == pytest.approx(span, rel=1e-6)
+    assert tally["parts_j"] + tally["unattributed_j"] == pytest.approx(tally["span_j"], rel=1e-6)
+    assert frame["energy_j"].sum() == pytest.approx(tally["parts_j"], rel=1e-6)
+    windows = sorted(sensor.windows)  # they tile the span: each starts where the last ended
+    assert all(w1[0] == w0[1] for w0, w1 in zip(windows, windows[1:]))
