@@ -129,15 +129,20 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     a, b = frame.loc["q-decode"], frame.loc["q-prefill"]
     assert b.start_s < a.end_s and a.start_s < b.end_s  # they overlap
     assert set(frame["concurrency"]) == {2} and set(frame["split_method"]) == {"work"}
-    # the slices: A alone until B's request starts, both until A ends, B alone until it ends
-    first, both = b.start_s - a.start_s, a.end_s - b.start_s
-    assert first >= 0 and both > 0.5
-    work_a, work_b = 19, 300 + 7  # in the shared slice: A's tokens; B's prompt and its outputs before 0.6 s
+    # the sensor's windows: before A, A alone until B's request starts, both until A ends, B alone, after B
+    windows = sorted(sensor.windows)
+    assert len(windows) == 5 and all(w1[0] == w0[1] for w0, w1 in zip(windows, windows[1:]))  # they tile
+    first, both, last = (t1 - t0 for t0, t1 in windows[1:4])
+    assert both > 0.5
+    # in the shared slice: A's output tokens after B's request started (all 19 unless B's thread started
+    # late), B's 300 prompt tokens and its outputs before A ended (7 of 12)
+    work_a = sum(a.start_s + 0.03 * k >= b.start_s for k in range(1, 20))
+    work_b = 300 + sum(b.start_s + 0.25 + 0.05 * k < a.end_s for k in range(12))
     p = 100.0
     expected_a = p * first + p * both * work_a / (work_a + work_b)
-    expected_b = p * both * work_b / (work_a + work_b) + p * (b.end_s - a.end_s)
-    assert a.energy_j == pytest.approx(expected_a, rel=1e-4)  # the sensor and the runner read the clock µs apart
-    assert b.energy_j == pytest.approx(expected_b, rel=1e-4)
+    expected_b = p * both * work_b / (work_a + work_b) + p * last
+    assert a.energy_j == pytest.approx(expected_a, rel=1e-9)
+    assert b.energy_j == pytest.approx(expected_b, rel=1e-9)
     # the weighting's own uncertainty: the distance to an equal split of the shared slice
     assert a.split_uncertainty_j == pytest.approx(abs(p * both * (work_a / (work_a + work_b) - 0.5)), rel=1e-3)
     # conserved: the records' parts plus the unattributed time equal the span the sensor measured
@@ -148,5 +153,4 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     assert tally["span_j"] == pytest.approx(span, rel=1e-6)
     assert tally["parts_j"] + tally["unattributed_j"] == pytest.approx(tally["span_j"], rel=1e-6)
     assert frame["energy_j"].sum() == pytest.approx(tally["parts_j"], rel=1e-6)
-    windows = sorted(sensor.windows)  # they tile the span: each starts where the last ended
-    assert all(w1[0] == w0[1] for w0, w1 in zip(windows, windows[1:]))
+    assert tally["unattributed_j"] == pytest.approx(p * (windows[0][1] - windows[0][0] + windows[4][1] - windows[4][0]))
