@@ -401,7 +401,8 @@ def run_concurrent(
         pool.shutdown(wait=True, cancel_futures=True)
         segments.finish()
     segments.release(len(work), tally)
-    return {"concurrency": concurrency, "requests": len(work), "wall_s": round(segments.ended_s - segments.started_s, 6),
+    return {"concurrency": concurrency, "requests": len(work), "start_s": segments.started_s, "end_s": segments.ended_s,
+            "wall_s": round(segments.ended_s - segments.started_s, 6),
             "split_methods": methods, "energy": tally.summary()}
 
 
