@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ipw.telemetry.estimator import counter_energy_between  # noqa: E402
 
-COMPONENT = "gpu0"
+COMPONENT = "gpu0"  # --component: another reading's component (e.g. cpu-process, to try the script on a CPU run)
 
 
 def write_datasets(out: Path) -> None:
@@ -149,7 +149,7 @@ def mixed(counter: Counter, mixed_run: Path, long_run: Path, short_run: Path) ->
         out["classes"][cls] = {
             "requests": len(recs), "prompt_tokens": int(recs["prompt_tokens"].sum()),
             "output_tokens": int(recs["completion_tokens"].sum()), "attributed_j": round(attributed, 2),
-            "marginal_j": round(marginal, 2), "attributed_over_marginal": round(attributed / marginal, 3),
+            "marginal_j": round(marginal, 2), "attributed_over_marginal": round(attributed / marginal, 3) if marginal else None,
             "split_methods": recs["split_method"].value_counts().to_dict()}
     return out
 
@@ -169,6 +169,7 @@ def _markdown(result: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
+    global COMPONENT
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("datasets")
@@ -181,10 +182,12 @@ def main(argv: list[str]) -> int:
     a.add_argument("--long", type=Path)
     a.add_argument("--short", type=Path)
     a.add_argument("--json", type=Path)
+    a.add_argument("--component", default="gpu0")
     args = parser.parse_args(argv)
     if args.cmd == "datasets":
         write_datasets(args.out)
         return 0
+    COMPONENT = args.component
     counter = Counter(args.counter)
     runs = list(args.sweep) + [p for p in (args.symmetric, args.mixed, args.long, args.short) if p]
     result: dict = {"counter_read_s": counter.read_s, "conservation": [r for run in runs for r in conservation(counter, run)]}
