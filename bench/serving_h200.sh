@@ -49,14 +49,18 @@ counter=$!
 sleep 1
 cfg=configs/gpu-serving.toml
 ipw run "$cfg" --out "$R/sweep" 2>&1 | tail -n 6
-ipw run "$cfg" --dataset "$R/data/symmetric.jsonl" --concurrency 64 --warmup 2 --out "$R/symmetric" 2>&1 | tail -n 3
+# symmetry: identical requests of identical work (8 output tokens each; the shortest answer is longer)
+sed 's/^max_tokens = .*/max_tokens = 8/' "$cfg" > "$R/symmetric.toml"
+for c in 16 64; do
+  ipw run "$R/symmetric.toml" --dataset "$R/data/symmetric.jsonl" --limit "$c" --concurrency "$c" --out "$R/symmetric-$c" 2>&1 | tail -n 2
+done
 for part in mixed long short; do
   ipw run "$cfg" --dataset "$R/data/$part.jsonl" --concurrency 16 --out "$R/$part" 2>&1 | tail -n 3
 done
 kill -TERM "$counter"; wait "$counter" || true
 one() { ls -d "$R/$1"/*/ | head -n 1; }
 python3 bench/serving_validate.py analyze --counter "$R/counter.csv" --sweep "$(one sweep)" \
-  --symmetric "$(one symmetric)" --mixed "$(one mixed)" --long "$(one long)" --short "$(one short)" \
+  --symmetric "$(one symmetric-16)" "$(one symmetric-64)" --mixed "$(one mixed)" --long "$(one long)" --short "$(one short)" \
   --json "$R/validation.json" | tee "$R/validation.md"
 ipw compare "$(one sweep)" --deadline p95_latency=2s > "$R/compare.txt" 2>&1 || true
 ipw compare "$(one sweep)" --format json > "$R/compare.json" 2>/dev/null || true

@@ -44,9 +44,9 @@ def write_datasets(out: Path) -> None:
                                "category": "symmetric"} for i in range(64)])
     words = ("energy", "batch", "token", "server", "request", "power", "sample", "counter", "window", "model")
 
-    def long_prompt(i: int) -> str:  # ~1,400 tokens, a different start each (no shared prompt cache)
+    def long_prompt(i: int) -> str:  # ~1,450 tokens, a different start each (no shared prompt cache)
         lines = [f"Log {i}:"] + [f"entry {i}-{k}: the {words[(i + k) % 10]} of step {k} was {(i * 31 + k * 17) % 97}."
-                                 for k in range(110)]
+                                 for k in range(70)]
         return "\n".join(lines) + f"\nQuestion: what was the value of entry {i}-5? Answer with the number."
 
     def short_prompt(i: int) -> str:
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     a = sub.add_parser("analyze")
     a.add_argument("--counter", type=Path, required=True)
     a.add_argument("--sweep", type=Path, nargs="+", required=True)
-    a.add_argument("--symmetric", type=Path)
+    a.add_argument("--symmetric", type=Path, nargs="*", default=[])
     a.add_argument("--mixed", type=Path)
     a.add_argument("--long", type=Path)
     a.add_argument("--short", type=Path)
@@ -189,10 +189,10 @@ def main(argv: list[str]) -> int:
         return 0
     COMPONENT = args.component
     counter = Counter(args.counter)
-    runs = list(args.sweep) + [p for p in (args.symmetric, args.mixed, args.long, args.short) if p]
+    runs = list(args.sweep) + list(args.symmetric) + [p for p in (args.mixed, args.long, args.short) if p]
     result: dict = {"counter_read_s": counter.read_s, "conservation": [r for run in runs for r in conservation(counter, run)]}
     if args.symmetric:
-        result["symmetry"] = symmetry(args.symmetric)
+        result["symmetry"] = [symmetry(run) for run in args.symmetric]
     if args.mixed:
         result["mixed"] = mixed(counter, args.mixed, args.long, args.short)
     if args.json:

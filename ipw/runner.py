@@ -199,8 +199,9 @@ class _Segments:
     conservation line (DESIGN.md §3: parts + unattributed == measured total).
     """
 
-    def __init__(self, window: Window) -> None:
+    def __init__(self, window: Window, requests: int) -> None:
         self.window = window
+        self.remaining = requests  # requests not yet ended
         self.lock = threading.Lock()
         self.active: set[int] = set()
         self.tokens: Any = None
@@ -214,22 +215,37 @@ class _Segments:
         self.started_s = self.opened_s = time.monotonic()
 
     def event(self, add: int | None = None, remove: int | None = None) -> float:
+        """A request starts (``add``) or ends (``remove``): cut the window there.  When the level's last
+        request ends, the span ends with it (not when its records are built)."""
         with self.lock:
-            closed, self.tokens = self.window.cut(self.tokens)
+            if self.tokens is None:  # the span has ended
+                return time.monotonic()
+            if remove is not None:
+                self.remaining -= 1
+            last = self.remaining == 0
+            if last:
+                closed, self.tokens = self.window.end(self.tokens), None
+            else:
+                closed, self.tokens = self.window.cut(self.tokens)
             now = time.monotonic()
             if self.active:
                 self.closed.append((self.opened_s, now, closed, frozenset(self.active)))
             else:
                 self.idle.append(closed)
             self.opened_s = now
+            if last:
+                self.ended_s = now
             if add is not None:
                 self.active.add(add)
             self.active.discard(remove)
             return now
 
     def finish(self) -> None:
+        """End the span if no request did (an interrupted level)."""
         with self.lock:
-            closed = self.window.end(self.tokens)
+            if self.tokens is None:
+                return
+            closed, self.tokens = self.window.end(self.tokens), None
             self.ended_s = time.monotonic()
             (self.closed.append((self.opened_s, self.ended_s, closed, frozenset(self.active))) if self.active
              else self.idle.append(closed))
@@ -241,19 +257,17 @@ class _Segments:
     def release(self, done_through: int, tally: "_Tally") -> set[int]:
         """Forget the windows of requests up to ``done_through`` (recorded, in job order), adding their
         energy to ``tally``, so that a long run holds only the windows of requests in flight; returns the
-        jobs those still involve."""
+        jobs those still involve.  Readings are waited for outside the lock: requests cut windows under it."""
         with self.lock:
-            keep = []
-            for seg in self.closed:
-                if max(seg[3]) > done_through:
-                    keep.append(seg)
-                else:
-                    tally.add(seg[2].readings(), "span_j")
-            self.closed = keep
-            for closed in self.idle:
-                tally.add(closed.readings(), "unattributed_j")
-            self.idle = []
-            return set().union(*(seg[3] for seg in self.closed))
+            gone = [seg[2] for seg in self.closed if max(seg[3]) <= done_through]
+            self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
+            idle, self.idle = self.idle, []
+            needed = set().union(*(seg[3] for seg in self.closed))
+        for closed in gone:
+            tally.add(closed.readings(), "span_j")
+        for closed in idle:
+            tally.add(closed.readings(), "unattributed_j")
+        return needed
 
 
 class _Tally:
@@ -363,7 +377,7 @@ def run_concurrent(
     the span's energy, the unattributed part and the sum of the requests' parts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    segments = _Segments(window)
+    segments = _Segments(window, len(work))
     tally = _Tally()
     methods: dict[str, int] = {}
     estimate = getattr(backend, "energy_estimate", None)
