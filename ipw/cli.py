@@ -144,7 +144,8 @@ def compare(
     runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); every backend in them is compared."),
     reference: Optional[str] = typer.Option(
         None, "--reference", "-r", help="Backend the others are compared against (paired) and the cloud reference "
-        "of routing. Default: the first cloud-role backend, else the first backend."),
+        "of routing: NAME, or NAME@cN for one concurrency level. Default: the first cloud-role backend, else the "
+        "first backend; of one measured at several concurrency levels, the highest."),
     common_queries: bool = typer.Option(
         False, "--common-queries", help="Runs of different query sets: compare them on the queries they share."),
     local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
@@ -159,13 +160,17 @@ def compare(
         None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
     api_price: Optional[List[str]] = typer.Option(
         None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
+    deadline: Optional[str] = typer.Option(
+        None, "--deadline", help="METRIC=VALUE (METRIC: p50_latency, p95_latency, p50_ttft or p95_ttft; VALUE like "
+        "2s or 500ms): per backend, the concurrency level with the lowest J/query that meets it."),
 ) -> None:
     """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
     from ipw.commands.compare import compare_command
 
     raise typer.Exit(compare_command(runs, reference=reference, common_queries=common_queries, local=local or [],
                                      cloud=cloud or [], router_accuracy=router_accuracy, fmt=fmt, n_boot=n_boot,
-                                     seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_price or []))
+                                     seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_price or [],
+                                     deadline=deadline))
 
 
 @app.command()
@@ -177,20 +182,23 @@ def report(
         None, "--markdown", help="Also write a Markdown summary (a CI job summary or a pull-request comment)."),
     reference: Optional[str] = typer.Option(
         None, "--reference", "-r", help="Backend the others are compared against and the cloud reference of "
-        "routing (as in ipw compare)."),
+        "routing: NAME or NAME@cN (as in ipw compare)."),
     common_queries: bool = typer.Option(
         False, "--common-queries", help="Runs of different query sets: report on the queries they share."),
     local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
     cloud: Optional[List[str]] = typer.Option(None, "--cloud", help="Treat this backend as cloud (repeatable)."),
     router_accuracy: float = typer.Option(
         0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
+    deadline: Optional[str] = typer.Option(
+        None, "--deadline", help="METRIC=VALUE (METRIC: p50_latency, p95_latency, p50_ttft or p95_ttft; VALUE like "
+        "2s or 500ms): per backend, the concurrency level with the lowest J/query that meets it."),
 ) -> None:
     """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
     from ipw.commands.report import report_command
 
     raise typer.Exit(report_command(runs, out=out, markdown=markdown, reference=reference,
                                     common_queries=common_queries, local=local or [], cloud=cloud or [],
-                                    router_accuracy=router_accuracy))
+                                    router_accuracy=router_accuracy, deadline=deadline))
 
 
 @app.command()

@@ -30,7 +30,10 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
               fingerprint="sha256:same", status="complete", repeats=1) -> Path:
     """A run folder with one record per (backend, query, repeat). ``backends`` maps a name to lists of
     per-query values: correct, energy (None: unavailable), duration, latency, ttft, tokens, error, and
-    the backend's role and energy quality."""
+    the backend's role and energy quality. A serving sweep: ``backend`` (the records' backend name, default
+    the key, so one backend can have several entries), ``concurrency`` (default 1), ``split_method``
+    (default ""), and ``start``: per-query window starts (s) relative to the entry's own beginning, so
+    windows may overlap (default: one after the other; every repeat gets the same windows)."""
     n = len(next(iter(backends.values()))["correct"])
     query_ids = query_ids or [f"q{i}" for i in range(n)]
     categories = categories or ["cat"] * n
@@ -40,13 +43,18 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
     })
     t = 0.0
     for name, b in backends.items():
+        begin = t
         for i, qid in enumerate(query_ids):
             for r in range(repeats):
                 energy = b["energy"][i]
                 duration = b.get("duration", [1.0] * n)[i]
                 error = (b.get("error") or [None] * n)[i]
+                if "start" in b:
+                    t = begin + b["start"][i]
                 folder.append(record(
-                    run_id=run_id, backend=name, model=b.get("model", name), role=b.get("role", "local"),
+                    run_id=run_id, backend=b.get("backend", name), model=b.get("model", b.get("backend", name)),
+                    role=b.get("role", "local"), concurrency=b.get("concurrency", 1),
+                    split_method=b.get("split_method", ""),
                     query_id=qid, category=categories[i], repeat=r, output="a" if b["correct"][i] else "b",
                     correct=float(b["correct"][i]), error=error, error_category="timeout" if error else None,
                     prompt_tokens=b.get("prompt_tokens", 10), completion_tokens=b.get("tokens", [10] * n)[i],
@@ -56,5 +64,7 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
                     energy_scope="cpu_package",
                 ))
                 t += duration + 0.01
+        if "start" in b:
+            t = begin + max(s + d for s, d in zip(b["start"], b.get("duration", [1.0] * n))) + 0.01
     folder.finish(status)
     return folder.path

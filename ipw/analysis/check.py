@@ -107,7 +107,7 @@ def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_
 def _per_query(manifest: RunManifest, frame) -> dict:
     from ipw.analysis.load import parts_of
 
-    return {p.info.backend: p for p in parts_of(manifest.run_id or "run", manifest, frame)}
+    return {p.info.label: p for p in parts_of(manifest.run_id or "run", manifest, frame)}  # NAME or NAME@cN
 
 
 def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: int, q_offset: int) -> dict:

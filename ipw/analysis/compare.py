@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
-from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, load
+from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
+from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
 from ipw.phases import LinearFit, fit_linear
@@ -107,6 +108,8 @@ class Comparison:
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
     judge: tuple[JudgeRow, ...] = ()  # the judge's verdicts and cost, per judged run and backend (and category)
     hardware_note: str | None = None  # the runs were measured on different kinds of machine (the report's banner)
+    deadline: Deadline | None = None  # --deadline: the latency bound of the energy-optimal level
+    level_picks: tuple[LevelPick, ...] = ()  # per backend, its energy-optimal level under the deadline
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -126,16 +129,33 @@ class Comparison:
 
 # --- names and prices ---------------------------------------------------------------------------------
 
-def resolve_name(name: str, labels: Sequence[str], backends: Sequence[str], option: str) -> str:
-    """A label from a label or an unambiguous backend name."""
-    if name in labels:
-        return name
-    hits = [label for label, b in zip(labels, backends) if b == name]
-    if len(hits) == 1:
-        return hits[0]
+def resolve_levels(name: str, backends: Sequence[BackendInfo], option: str) -> list[str]:
+    """The labels ``name`` means: a label, or an unambiguous backend name (``NAME``: all its concurrency
+    levels; ``NAME@cN``: that level) without the run_id/ that labels carry when names occur in several runs."""
+    if any(b.label == name for b in backends):
+        return [name]
+    hits = [b for b in backends if name in (b.backend, level_label(b.backend, b.concurrency))]
+    runs = sorted({b.run_id for b in hits})
+    if len(runs) == 1:
+        return [b.label for b in hits]
     if hits:
-        raise IpwError(f"{option} {name!r} is in several runs; name one of: {', '.join(hits)}")
-    raise IpwError(f"{option} {name!r}: no such backend (backends: {', '.join(labels)})")
+        raise IpwError(f"{option} {name!r} is in several runs; name one of: {', '.join(b.label for b in hits)}")
+    raise IpwError(f"{option} {name!r}: no such backend (backends: {', '.join(b.label for b in backends)})")
+
+
+def _reference(name: str | None, infos: Sequence[BackendInfo], roles: Sequence[str]) -> tuple[str, str | None]:
+    """The reference's label, and a note when it is one of several levels of a backend: ``name``
+    (--reference), else the first cloud-role backend, else the first backend; of a backend measured at
+    several concurrency levels, the highest (what a server runs at under load)."""
+    if name is not None:
+        labels = resolve_levels(name, infos, "--reference")
+    else:
+        first = next((b for b, r in zip(infos, roles) if r == "cloud"), infos[0])
+        labels = [b.label for b in by_backend(infos)[(first.run_id, first.backend)]]
+    if len(labels) == 1:
+        return labels[0], None
+    ref = serving_level([b for b in infos if b.label in labels]).label
+    return ref, f"routing reference: {ref} (highest concurrency measured; --reference to choose)"
 
 
 def parse_api_price(text: str) -> tuple[str, float, float]:
@@ -252,8 +272,10 @@ def quantiles_of(pq: PerQuery) -> list:
 def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
             local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
             n_boot: int | None = None, seed: int = 0, usd_per_kwh: float | None = None,
-            api_prices: Sequence[str] = ()) -> Comparison:
-    """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring."""
+            api_prices: Sequence[str] = (), deadline: str | None = None) -> Comparison:
+    """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring.
+    ``deadline`` (``METRIC=VALUE``, ``ipw.analysis.serving.parse_deadline``) picks each backend's
+    energy-optimal concurrency level within it."""
     if not 0.0 <= router_accuracy <= 1.0:
         raise IpwError(f"--router-accuracy {router_accuracy}: must be between 0 and 1")
     if n_boot is not None and n_boot < 1:
@@ -261,25 +283,27 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     if usd_per_kwh is not None and not usd_per_kwh >= 0:
         raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
     prices_raw = [parse_api_price(p) for p in api_prices]
+    bound = None if deadline is None else parse_deadline(deadline)
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
-    name = lambda x, opt: resolve_name(x, labels, plain, opt)  # noqa: E731
-    roles = resolve_roles(labels, [i.role for i in infos], local=[name(x, "--local") for x in local],
-                          cloud=[name(x, "--cloud") for x in cloud])
+    names = lambda xs, opt: [x for n_ in xs for x in resolve_levels(n_, infos, opt)]  # noqa: E731
+    roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"),
+                          cloud=names(cloud, "--cloud"))
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
-    if reference is not None:
-        ref = name(reference, "--reference")
-    else:
-        ref = next((label for label, r in zip(labels, roles) if r == "cloud"), labels[0])
-    prices = {name(n_, "--api-price"): (pin, pout) for n_, pin, pout in prices_raw}
+    ref, ref_note = _reference(reference, infos, roles)
+    if ref_note:
+        notes.append(ref_note)
+    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "--api-price")}
     cost = cost_matrix(pq, labels, roles, usd_per_kwh, prices)
     m, n = pq.correct.shape
     n_boot = n_boot or n_resamples(n)
     ri = labels.index(ref)
 
-    # routing: the reference is the cloud; locals are the local-role backends other than it
-    local_idx = [j for j in range(m) if roles[j] == "local" and j != ri]
+    # routing: the reference is the cloud; locals are the local-role backends other than it (and other
+    # than its other concurrency levels)
+    local_idx = [j for j in range(m) if roles[j] == "local"
+                 and (infos[j].run_id, infos[j].backend) != (infos[ri].run_id, infos[ri].backend)]
     routing = None
     oq = None
     mean_power = [metric_table.point_values(backend_values(pq, j))["mean_power_w"] for j in range(m)]
@@ -318,10 +342,12 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     if hardware:
         notes.insert(0, hardware)
     models = {labels[j]: fitted_models(pq, j) for j in range(m)}
+    picks = () if bound is None else pick_levels(
+        infos, {x: {k: e.value for k, e in metrics[x].items()} for x in labels}, bound)
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
-                      judge=judge_rows(runs, plain), hardware_note=hardware)
+                      judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

@@ -1,6 +1,11 @@
 """Loading run folders into per-query frames (the analysis layer's input): a run's records, repeats
 averaged per (backend, query) with ``np.bincount`` over integer codes, become a per-query matrix
 (backends x queries) aligned across runs. Nothing here computes a metric or renders anything.
+
+Concurrency levels (a serving sweep): a backend whose records hold several ``concurrency`` levels
+becomes one backend per level, labeled ``NAME@cN`` (``level_label``), so every per-backend table,
+paired comparison and routing works per level; a backend measured at one level keeps its plain name
+(its level is still in ``BackendInfo.concurrency``). This is the one place that split is made.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from ipw.telemetry.hardware import machines
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
                 "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
-                "prefill_energy_j", "decode_energy_j", "win_tie", "vs_backend"]
+                "prefill_energy_j", "decode_energy_j", "win_tie", "vs_backend", "concurrency", "split_method",
+                "node"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class BackendInfo:
     energy_qualities: dict[str, int]  # records per quality
     energy_sources: tuple[str, ...]
     vs_backend: str = ""  # the reference backend(s) a judge compared its answers with ("": none judged)
+    concurrency: int = 1  # requests in flight at this level of a serving sweep (1: one at a time, older runs)
+    split_methods: tuple[str, ...] = ()  # how overlapping requests' energy was split ("": not split, omitted)
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,15 @@ class PerQuery:
     prefill_energy_j: np.ndarray | None = None  # None when no record of any run has phases
     decode_energy_j: np.ndarray | None = None
     win_tie: np.ndarray | None = None  # vs a reference backend's answer; NaN: not judged; None: no record judged
+    # the backend level's wall span (its first start to its last end) / its records: each record's share of
+    # the wall clock, so a sum over queries is the span a level's query set took (NaN: no time window, or
+    # records of several machines, whose monotonic clocks do not compare)
+    wall_share_s: np.ndarray | None = None
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
-          "prefill_energy_j", "decode_energy_j", "win_tie")
+          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s")
 
 
 @dataclass
@@ -86,7 +98,8 @@ class _Part:
     values: dict[str, np.ndarray | None]
 
 
-CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source", "vs_backend"]
+CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source", "vs_backend",
+               "split_method", "node"]
 
 
 def _floats(series) -> np.ndarray:
@@ -112,6 +125,25 @@ def _codes(series, missing: str) -> tuple[np.ndarray, list[str]]:
         codes = np.where(codes < 0, len(names), codes)
         names.append(missing)
     return codes, names
+
+
+def level_label(backend: str, concurrency: int) -> str:
+    """The label of one concurrency level of a backend measured at several: ``NAME@cN``."""
+    return f"{backend}@c{concurrency}"
+
+
+def concurrency_of(series) -> np.ndarray:
+    """The records' concurrency levels as ints (a run made before the field: 1)."""
+    x = _floats(series)
+    return np.where(np.isnan(x), 1, x).astype(np.int64)
+
+
+def _levels(bcode: np.ndarray, level: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Groups of records by (backend, concurrency level), in backend order then ascending level: each
+    record's group code, and each group's backend code and level."""
+    base = int(level.max()) + 1
+    uniq, gcode = np.unique(bcode * base + level, return_inverse=True)
+    return gcode.reshape(-1), uniq // base, uniq % base
 
 
 def _release_arrow_memory() -> None:
@@ -154,10 +186,13 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
         raise IpwError(f"{path}: the run has no records")
     qcode, qids = pd.factorize(frame["query_id"])
     bcode, bnames = _codes(frame["backend"], "")
+    # one group per backend and concurrency level (a backend at one level: one group)
+    gcode, gbackend, glevel = _levels(bcode, concurrency_of(frame["concurrency"]))
+    several = np.bincount(gbackend, minlength=len(bnames)) > 1
     run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
                   dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)))
-    nq, nb = len(qids), len(bnames)
-    key = bcode * nq + qcode
+    nq, nb = len(qids), len(gbackend)
+    key = gcode * nq + qcode
     size = nb * nq
     count = np.bincount(key, minlength=size)
 
@@ -169,18 +204,24 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
         with np.errstate(invalid="ignore", divide="ignore"):
             return (np.bincount(key, np.where(ok, x, 0.0), size) / np.bincount(key, ok, size)).reshape(nb, nq)
 
+    start, end = _floats(frame["start_s"]), _floats(frame["end_s"])
+    per_b = np.bincount(gcode, minlength=nb)
+    span = (pd.Series(end).groupby(gcode).max() - pd.Series(start).groupby(gcode).min()).to_numpy(float)
+    machines_per_group = pd.Series(_codes(frame["node"], "")[0]).groupby(gcode).nunique().to_numpy()
+    span = np.where(machines_per_group > 1, np.nan, span)  # the monotonic clocks of several machines
     values = {
         # an errored record counts incorrect, an unscored one (None: a judge item, failed or not) is left
         # out (ipw.analysis.metrics)
         "correct": mean(_unscored_kept(frame["error"].notna().to_numpy(), _floats(frame["correct"]))),
         "energy_j": mean(_floats(frame["energy_j"])),
-        "duration_s": mean(_floats(frame["end_s"]) - _floats(frame["start_s"])),
+        "duration_s": mean(end - start),
         "latency_s": mean(_floats(frame["latency_s"])),
         "ttft_s": mean(_floats(frame["ttft_s"])),
         "completion_tokens": mean(_floats(frame["completion_tokens"])),
         "prompt_tokens": mean(_floats(frame["prompt_tokens"])) if prompt_tokens else None,
         "errors": np.bincount(key, frame["error"].notna().to_numpy(), size).reshape(nb, nq),
         "error_share": mean(frame["error"].notna().to_numpy(float)),
+        "wall_share_s": np.where(count.reshape(nb, nq) > 0, (span / per_b)[:, None], np.nan),
     }
     for name in ("prefill_energy_j", "decode_energy_j", "win_tie"):  # None in runs made before them
         x = _floats(frame[name])
@@ -189,34 +230,35 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     category = np.zeros(nq, np.int64)
     category[qcode] = ccode
     has_e = frame["energy_j"].notna().to_numpy()
-    first = [int(np.argmax(bcode == b)) for b in range(nb)]  # the backend's first record
+    first = [int(np.argmax(gcode == g)) for g in range(nb)]  # the group's first record
     models = [str(frame["model"].iloc[i]) for i in first]
     judged_vs = frame["vs_backend"].astype(object).where(frame["win_tie"].notna())
-    vs = [", ".join(sorted({str(x) for x in judged_vs[bcode == b].dropna() if x})) for b in range(nb)]
+    vs = [", ".join(sorted({str(x) for x in judged_vs[gcode == g].dropna() if x})) for g in range(nb)]
+    split = frame["split_method"].astype(object)
+    splits = [tuple(sorted({str(x) for x in split[gcode == g].dropna() if x})) for g in range(nb)]
     roles = [str(frame["role"].iloc[i]) for i in first]
     qual_code, qual_names = _codes(frame["energy_quality"], "unavailable")
     src_code, src_names = _codes(frame["energy_source"], "")
-    per_b = np.bincount(bcode, minlength=nb)
-    qual_counts = np.bincount(bcode[has_e] * len(qual_names) + qual_code[has_e],
+    qual_counts = np.bincount(gcode[has_e] * len(qual_names) + qual_code[has_e],
                               minlength=nb * len(qual_names)).reshape(nb, len(qual_names))
-    src_counts = np.bincount(bcode[has_e] * len(src_names) + src_code[has_e],
+    src_counts = np.bincount(gcode[has_e] * len(src_names) + src_code[has_e],
                              minlength=nb * len(src_names)).reshape(nb, len(src_names))
     del frame
     parts = []
-    for b, name in enumerate(bnames):
-        if not per_b[b]:
-            continue  # a name in the file's dictionary without records
-        quals = {qual_names[i]: int(qual_counts[b, i]) for i in range(len(qual_names)) if qual_counts[b, i]}
+    for g in range(nb):
+        name, level = bnames[gbackend[g]], int(glevel[g])
+        quals = {qual_names[i]: int(qual_counts[g, i]) for i in range(len(qual_names)) if qual_counts[g, i]}
         known = [q for q in quals if q in QUALITY_ORDER]
         info = BackendInfo(
-            label=name, run_id=run_id, backend=name, model=models[b], role=roles[b], vs_backend=vs[b],
-            n_records=int(per_b[b]),
+            label=level_label(name, level) if several[gbackend[g]] else name, run_id=run_id, backend=name,
+            model=models[g], role=roles[g], vs_backend=vs[g], concurrency=level, split_methods=splits[g],
+            n_records=int(per_b[g]),
             energy_quality=max(known, key=QUALITY_ORDER.index) if known else "unavailable",
             energy_qualities=quals,
-            energy_sources=tuple(src_names[i] for i in range(len(src_names)) if src_counts[b, i] and src_names[i]),
+            energy_sources=tuple(src_names[i] for i in range(len(src_names)) if src_counts[g, i] and src_names[i]),
         )
-        parts.append(_Part(run, info, qids, count.reshape(nb, nq)[b] > 0, category, cnames,
-                           {k: (None if v is None else v[b]) for k, v in values.items()}))
+        parts.append(_Part(run, info, qids, count.reshape(nb, nq)[g] > 0, category, cnames,
+                           {k: (None if v is None else v[g]) for k, v in values.items()}))
     return parts
 
 
@@ -274,11 +316,11 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
     problem = _query_set_error(parts)
     if problem and not common_queries:
         raise IpwError(f"{problem}; compare them on the queries they share with --common-queries")
-    # labels: the backend name, or run_id/backend where a name occurs in several runs
-    names = [p.info.backend for p in parts]
+    # labels: the backend's (NAME or NAME@cN), or run_id/that where it occurs in several runs
+    names = [p.info.label for p in parts]
     for p in parts:
-        if names.count(p.info.backend) > 1:
-            p.info = BackendInfo(**{**p.info.__dict__, "label": f"{p.info.run_id}/{p.info.backend}"})
+        if names.count(p.info.label) > 1:
+            p.info = BackendInfo(**{**p.info.__dict__, "label": f"{p.info.run_id}/{p.info.label}"})
     # the queries every backend has, in the first run's order
     universe = parts[0].query_id
     for p in parts:

@@ -16,6 +16,7 @@ Columns (per backend, one value per query; ``query_columns``):
   h  1 if it has energy    e   energy (J) or 0        th  window (s) if energy kh   output tokens if energy
   pe, de: prefill/decode J where both are known; ph, dk: prompt/output tokens there
   cost, hc: USD and 1 where a cost is known
+  kw, ws: output tokens and the query's share of its level's wall span (s) where the span is known
 Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the per-query means.
 """
 
@@ -69,6 +70,9 @@ METRICS: tuple[Metric, ...] = (
            lambda g: _ratio(g["de"], g["dk"]), energy=True),
     Metric("prefill_energy_share", "prefill share of J", "", "", "queries with phases",
            lambda g: _ratio(g["pe"], g["pe"] + g["de"]), energy=True),
+    Metric("output_tokens_per_s", "output tok/s", "tokens/s", "higher",
+           "queries with a time window: output tokens over the wall span of the backend's (level's) records, "
+           "first start to last end, on one machine's clock", lambda g: _ratio(g["kw"], g["ws"])),
     Metric("ttft_p50_s", "TTFT p50 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p50"],
            aliases=("ttft_p50",)),
     Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
@@ -109,7 +113,8 @@ def values(g: Mapping[str, Any]) -> dict[str, Any]:
 def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], np.ndarray] | str]:
     """One backend's per-query columns (see the module docstring) from its per-query values ``v``
     (correct (NaN: unscored), error_share, errors, energy_j, duration_s, completion_tokens, and where
-    known prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd, win_tie (NaN: not judged)): name ->
+    known prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd, win_tie (NaN: not judged),
+    wall_share_s (NaN: no time window)): name ->
     a function that makes the column, or the name of a column known to be equal (made once)."""
     n = len(v["correct"])
     h = ~np.isnan(v["energy_j"])
@@ -135,6 +140,11 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
             cols["de"] = lambda: np.where(hp, dec, 0.0)
             cols["ph"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
             cols["dk"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
+    wall = v.get("wall_share_s")
+    if wall is not None:  # throughput: output tokens over the level's wall span, shared per record
+        hs = ~np.isnan(wall)
+        cols["kw"] = lambda: np.where(hs, np.nan_to_num(v["completion_tokens"]), 0.0)
+        cols["ws"] = lambda: np.where(hs, wall, 0.0)
     win = v.get("win_tie")
     if win is not None:
         cols["w"] = lambda: np.nan_to_num(win)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from ipw.analysis.compare import LEVEL, METRICS, Comparison
 from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
+from ipw.analysis.serving import SERVING_METRICS, shown
 from ipw.analysis.stats import Estimate
 from ipw.phases import fit_dict
 from ipw.telemetry.base import worst_quality
@@ -101,6 +102,22 @@ def _routing_dict(c: Comparison) -> dict | None:
     }
 
 
+def _serving_list(c: Comparison) -> list[dict]:
+    """Per backend and concurrency level: its level, records, split methods and the serving metrics."""
+    return [{"label": b.label, "run_id": b.run_id, "backend": b.backend, "concurrency": b.concurrency,
+             "n_records": b.n_records, "split_methods": list(b.split_methods),
+             "metrics": {k: _est(c.metrics[b.label][k]) for k in SERVING_METRICS}} for b in c.backends]
+
+
+def _deadline_dict(c: Comparison) -> dict | None:
+    if c.deadline is None:
+        return None
+    return {"metric": c.deadline.metric, "limit_s": c.deadline.limit_s,
+            "picks": [{"run_id": x.run_id, "backend": x.backend, "levels": list(x.levels), "meeting": list(x.meeting),
+                       "chosen": x.chosen, "concurrency": x.concurrency, "energy_per_query_j": x.energy_per_query_j,
+                       "value_s": x.value_s} for x in c.level_picks]}
+
+
 def to_dict(c: Comparison) -> dict:
     """The JSON layout (``schema_version`` 1, documented in README.md)."""
     from ipw import __version__
@@ -114,7 +131,8 @@ def to_dict(c: Comparison) -> dict:
         "reference": c.reference,
         "backends": [{
             "label": b.label, "run_id": b.run_id, "backend": b.backend, "model": b.model, "role": b.role,
-            "n_records": b.n_records, "energy_quality": b.energy_quality, "energy_qualities": b.energy_qualities,
+            "concurrency": b.concurrency, "split_methods": list(b.split_methods), "n_records": b.n_records,
+            "energy_quality": b.energy_quality, "energy_qualities": b.energy_qualities,
             "energy_sources": list(b.energy_sources),
             "metrics": {k: _est(e) for k, e in c.metrics[b.label].items()},
             "vs_reference": (None if b.label == c.reference
@@ -122,6 +140,8 @@ def to_dict(c: Comparison) -> dict:
             **{f"{what}_model": (fit_dict(f) if f is not None else None)
                for what, f in ((w, c.models.get(b.label, {}).get(w)) for w in ("energy", "latency"))},
         } for b in c.backends],
+        "serving": _serving_list(c),
+        "deadline": _deadline_dict(c),
         "routing": _routing_dict(c),
         "judge": [dict(row.__dict__) for row in c.judge],
         "hardware_note": c.hardware_note,
@@ -157,6 +177,15 @@ def csv_rows(c: Comparison) -> list[tuple]:
             f = b.get(f"{what}_model")
             for k in ("intercept", "per_prompt_token", "per_completion_token", "r2") if f else ():
                 add("model", b["label"], what, k, f[k])
+    for b in d["serving"]:  # key: the concurrency level
+        add("serving", b["label"], str(b["concurrency"]), "n_records", b["n_records"])
+        for k, v in b["metrics"].items():
+            add("serving", b["label"], str(b["concurrency"]), k, v)
+    dl = d["deadline"]
+    for x in dl["picks"] if dl else ():  # key: the deadline; an empty value: no level meets it
+        bound = f"{dl['metric']}<={dl['limit_s']:g}s"
+        add("deadline", f"{x['run_id']}/{x['backend']}", bound, "chosen_concurrency", x["concurrency"])
+        add("deadline", f"{x['run_id']}/{x['backend']}", bound, "energy_per_query_j", x["energy_per_query_j"])
     r = d["routing"]
     if r:
         add("routing", "", "", "local_coverage", r["local_coverage"])
@@ -222,14 +251,17 @@ class Table(NamedTuple):
     headers: list[str]
     rows: list[list[str]]
     est: list[list[bool]]
-    key: str  # metrics | difference | fits | routing | router_curve | power_envelope | energy_budget | by_category | judge
-    section: str  # compare | routing
+    key: str  # metrics | difference | fits | serving | deadline | routing | router_curve | power_envelope |
+    # energy_budget | by_category | judge
+    section: str  # compare | serving | routing
 
 
 def _table(key: str, title: str, headers: list[str], rows: list[list[str]], energy=lambda i, j: False) -> Table:
     """A table whose cell (i, j) is marked estimated when ``energy(i, j)`` says it rests on estimated energy."""
     est = [[j > 0 and cell != "n/a" and bool(energy(i, j)) for j, cell in enumerate(row)] for i, row in enumerate(rows)]
-    return Table(title, headers, rows, est, key, "compare" if key in ("metrics", "difference", "fits") else "routing")
+    section = ("compare" if key in ("metrics", "difference", "fits") else
+               "serving" if key in ("serving", "deadline") else "routing")
+    return Table(title, headers, rows, est, key, section)
 
 
 def tables(c: Comparison) -> list[Table]:
@@ -267,7 +299,51 @@ def tables(c: Comparison) -> list[Table]:
                                                     for f in fits])
         out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
                           f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
-    return out + routing_tables(c) + judge_table(c)
+    return out + serving_tables(c) + routing_tables(c) + judge_table(c)
+
+
+def _levels_text(labels, by_label: dict) -> str:
+    return ", ".join(f"c={by_label[x].concurrency}" for x in labels)
+
+
+def serving_tables(c: Comparison) -> list[Table]:
+    """Per backend and concurrency level: the serving metrics (when some backend ran above one request at
+    a time), and with --deadline each backend's energy-optimal level within it."""
+    out = []
+    names = dict(METRICS)
+    if shown(c.backends):
+        rows = [[b.label, str(b.concurrency), str(b.n_records)]
+                + [_pct(c.metrics[b.label][k].value) if k == "accuracy" else _f(c.metrics[b.label][k].value)
+                   for k in SERVING_METRICS]
+                + [", ".join(b.split_methods) or "none"] for b in c.backends]
+        columns = [None] * 3 + list(SERVING_METRICS) + [None]  # the metric of each column
+
+        def energy(i: int, j: int) -> bool:
+            return columns[j] is not None and BY_NAME[columns[j]].energy and c.estimated(c.backends[i].label)
+
+        out.append(_table("serving", "serving: per backend and concurrency level (point values; CIs in the metrics "
+                          "table; output tok/s: output tokens over the level's wall span)",
+                          ["backend", "concurrency", "records"] + [names[k] for k in SERVING_METRICS]
+                          + ["energy split"], rows, energy))
+    if c.deadline is not None:
+        by_label = {b.label: b for b in c.backends}
+        clash = {x.backend for x in c.level_picks if sum(y.backend == x.backend for y in c.level_picks) > 1}
+        rows = []
+        for x in c.level_picks:
+            name = f"{x.run_id}/{x.backend}" if x.backend in clash else x.backend
+            meeting = (f"{_levels_text(x.meeting, by_label)} of {_levels_text(x.levels, by_label)}" if x.meeting
+                       else f"none of {_levels_text(x.levels, by_label)}")
+            if x.chosen is None:
+                rows.append([name, f"none meets {c.deadline.text}", "n/a", "n/a", meeting])
+            else:
+                rows.append([name, f"{x.chosen} (c={x.concurrency})", _f(x.energy_per_query_j), _f(x.value_s),
+                             meeting])
+        out.append(_table("deadline", f"energy-optimal concurrency level under {c.deadline.text} (the lowest J/query "
+                          "among the levels that meet it)",
+                          ["backend", "level", names["energy_per_query_j"], names[c.deadline.key], "levels meeting it"],
+                          rows, lambda i, j: j == 2 and c.level_picks[i].chosen is not None
+                          and c.estimated(c.level_picks[i].chosen)))
+    return out
 
 
 def _est_text(v, pct=True) -> str:

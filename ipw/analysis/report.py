@@ -42,7 +42,7 @@ MAX_TEXT = 1200  # characters of a prompt, reference or output shown
 DPI = 110
 ESTIMATED_NOTE = "hatched bars, hollow markers, dashed lines, '(estimated)': estimated energy (a model, not a sensor)"
 RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
-                  "start_s", "end_s", "energy_j"]
+                  "start_s", "end_s", "energy_j", "concurrency"]
 TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
 
 
@@ -57,19 +57,21 @@ def _imports():
 
 # --- data ---------------------------------------------------------------------------------------------
 
-def _load_records(runs, labels: dict[tuple[str, str], str]):
-    """Every run's records (the report's columns) with the compare label of their backend."""
+def _load_records(runs, labels: dict[tuple[str, str, int], str]):
+    """Every run's records (the report's columns) with the compare label of their backend (and
+    concurrency level: ``labels`` maps (run_id, backend, concurrency) to it)."""
     import pandas as pd
 
-    from ipw.analysis.load import as_manifest
+    from ipw.analysis.load import as_manifest, concurrency_of
     from ipw.results import load_run
 
     frames, manifests = [], []
     for run in runs:
         manifest, frame = load_run(run.path, columns=RECORD_COLUMNS, categorical=["backend", "category"])
-        names = {b: labels.get((run.run_id, str(b)), str(b)) for b in frame["backend"].astype(str).unique()}
-        frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)),
-                             label=frame["backend"].astype(str).map(names))
+        level = concurrency_of(frame["concurrency"])
+        label = [labels.get((run.run_id, b, int(c)), b) for b, c in zip(frame["backend"].astype(str), level)]
+        frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)), concurrency=level,
+                             label=pd.Series(label, index=frame.index, dtype=object))
         frames.append(frame)
         manifests.append((run, as_manifest(manifest)))
     frame = pd.concat(frames, ignore_index=True)
@@ -395,6 +397,45 @@ def _plot_energy_tokens(p: _Plots, frame) -> None:
           any(p.est.get(x) for x in drawn))
 
 
+def _plot_serving(p: _Plots, d: dict) -> None:
+    """J per output token against output tokens/s, one line per backend through its concurrency levels
+    (each point labeled c=N): where batching stops paying."""
+    lines: dict[tuple[str, str], list[dict]] = {}
+    for x in d["serving"]:
+        lines.setdefault((x["run_id"], x["backend"]), []).append(x)
+    fig, (ax,) = p.figure()
+    drawn, xs = [], []
+    for levels in lines.values():
+        pts = [(x["metrics"]["output_tokens_per_s"]["value"], x["metrics"]["j_per_output_token"]["value"],
+                x["concurrency"]) for x in sorted(levels, key=lambda x: x["concurrency"])]
+        pts = [(x, y, k) for x, y, k in pts if x is not None and y is not None]
+        if not pts:
+            continue
+        top = max(levels, key=lambda x: x["concurrency"])  # its color and estimated style: its highest level's
+        label = top["label"]
+        name = p.name(label).replace(f"@c{top['concurrency']}", "", 1)  # run_id/NAME where names clash
+        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], color=p.color[label], zorder=2,
+                linestyle="--" if p.est.get(label) else "-")
+        ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], s=40, zorder=3, label=name,
+                   **p.marker_style(label))
+        for x, y, k in pts:
+            ax.annotate(f"c={k}", (x, y), fontsize=8, textcoords="offset points", xytext=(5, 4))
+        drawn.append(label)
+        xs += [x for x, _, _ in pts]
+    if not drawn:
+        return
+    if min(xs) > 0 and max(xs) / min(xs) > 20:
+        _log_x(ax)
+    any_est = any(p.est.get(x) for x in drawn)
+    ax.set_xlabel("output tokens/s (output tokens over the level's wall span)")
+    ax.set_ylabel("J per output token" + (" (estimated where marked)" if any_est else ""))
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="best")
+    p.add(fig, "serving", "Energy per output token vs throughput, per concurrency level",
+          "One line per backend through the concurrency levels it was measured at (c = requests in flight); "
+          "down and to the right is cheaper and faster.", any_est)
+
+
 def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int):
     """Energy-weighted average power in ``n_bins`` equal time bins (query windows by their midpoint)."""
     edges = np.linspace(t0.min(), t1.max(), n_bins + 1)
@@ -596,7 +637,7 @@ def _plot_categories(p: _Plots, frame) -> str:
 
 def build(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
           local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
-          n_boot: int | None = None, seed: int = 0) -> dict:
+          n_boot: int | None = None, seed: int = 0, deadline: str | None = None) -> dict:
     """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``."""
     _imports()
     import matplotlib
@@ -604,11 +645,12 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     from ipw import __version__
     from ipw.analysis.compare import compare
     from ipw.analysis.render import to_dict
+    from ipw.analysis.serving import shown as serving_shown
 
     c = compare(paths, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
-                    router_accuracy=router_accuracy, n_boot=n_boot, seed=seed)
+                router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, deadline=deadline)
     d = to_dict(c)
-    labels = {(b.run_id, b.backend): b.label for b in c.backends}
+    labels = {(b.run_id, b.backend, b.concurrency): b.label for b in c.backends}
     est = {b.label: c.estimated(b.label) for b in c.backends}
     manifests, frame = _load_records(c.runs, labels)
     if common_queries:  # the queries every backend has, as compare used
@@ -623,6 +665,8 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         _plot_accuracy_energy(p, d)
         _plot_ipj(p, d)
         _plot_energy_tokens(p, frame)
+        if serving_shown(c.backends):
+            _plot_serving(p, d)
         for run, _ in manifests:
             power_path = Path(run.path) / "power.parquet"
             power = None
@@ -683,7 +727,7 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
         lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
-    order = ("metrics", "routing", "by_category", "judge", "difference")  # the answer first, as in the HTML
+    order = ("metrics", "serving", "deadline", "routing", "by_category", "judge", "difference")  # as in the HTML
     keep = sorted((t for t in ctx["tables"] if t["key"] in order), key=lambda t: order.index(t["key"]))
     for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",

@@ -7,7 +7,7 @@ from ipw.errors import IpwError
 
 
 def compare_command(runs, *, reference, common_queries, local, cloud, router_accuracy, fmt, n_boot, seed,
-                    usd_per_kwh, api_prices) -> int:
+                    usd_per_kwh, api_prices, deadline=None) -> int:
     import sys
 
     from ipw.analysis import render
@@ -17,7 +17,7 @@ def compare_command(runs, *, reference, common_queries, local, cloud, router_acc
         raise IpwError(f"--format {fmt!r}: must be one of {', '.join(render.FORMATS)}")
     result = compare(runs, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
                      router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
-                     api_prices=api_prices)
+                     api_prices=api_prices, deadline=deadline)
     if fmt == "table":
         console = stdout()
         for table in render.rich_tables(render.tables(result)):
