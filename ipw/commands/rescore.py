@@ -69,19 +69,23 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
 def summary(run, manifest, original, new_run, new_manifest, rescored) -> list[dict]:
     """Per backend: records, accuracy before and after and win/tie after (the metric table's own
     definitions, ``ipw.analysis.metrics``), records whose score changed, records judged."""
-    from ipw.analysis.load import parts_of
+    from ipw.analysis.load import concurrency_of, parts_of
     from ipw.analysis.metrics import point_values
 
-    before = {p.info.backend: point_values(p.values) for p in parts_of(run, manifest, original)}
-    after = {p.info.backend: point_values(p.values) for p in parts_of(new_run, new_manifest, rescored)}
+    before = {p.info.label: point_values(p.values) for p in parts_of(run, manifest, original)}
     rows = []
-    for backend, new in rescored.groupby("backend", sort=False, observed=True):
-        old = original[original["backend"] == backend]
-        merged = old.merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
-        rows.append({"backend": backend, "records": len(new), "accuracy_before": before[backend]["accuracy"],
-                     "accuracy_after": after[backend]["accuracy"],
+    for part in parts_of(new_run, new_manifest, rescored):  # one per backend and concurrency level
+        info, after = part.info, point_values(part.values)
+
+        def of(frame):
+            return frame[(frame["backend"] == info.backend) & (concurrency_of(frame["concurrency"]) == info.concurrency)]
+
+        new = of(rescored)
+        merged = of(original).merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
+        rows.append({"backend": info.label, "records": len(new), "accuracy_before": before[info.label]["accuracy"],
+                     "accuracy_after": after["accuracy"],
                      "changed": int((merged["correct_old"].fillna(-1) != merged["correct_new"].fillna(-1)).sum()),
-                     "win_tie": after[backend]["win_tie_rate"], "judged": int(new["win_tie"].notna().sum())})
+                     "win_tie": after["win_tie_rate"], "judged": int(new["win_tie"].notna().sum())})
     return rows
 
 
