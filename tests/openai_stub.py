@@ -3,8 +3,15 @@
 Every answer is ``ANSWER``, streamed as SSE.  ``modes`` is a list of actions for the next POSTs
 (then ``ok``): ``500:N`` answers HTTP 500 with a body that echoes the request's headers after N
 filler characters, ``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
-``errchunk`` an ``{"error": ...}`` chunk holding the headers.  ``required_key`` makes ``GET /models``
-answer 401 unless the Authorization header carries that key.
+``errchunk`` an ``{"error": ...}`` chunk holding the headers, ``json`` one JSON body instead of a stream.
+``required_key`` makes ``GET /models`` answer 401 unless the Authorization header carries that key.
+
+``llama_server = True`` streams exactly as llama.cpp's ``llama-server`` does (the chunk shapes were
+recorded from the real binary, llama.cpp 0c1e570): a chat stream opens with a role chunk whose
+content is null; ``usage`` and the server's own ``timings`` come in the last chunk before ``[DONE]``:
+with ``stream_options.include_usage``, for the chat API, an extra chunk with ``"choices": []``,
+``usage`` and ``timings``; without it, ``timings`` on the finish chunk; for the completions API, always
+``usage`` and ``timings`` on the finish chunk.  A JSON body carries ``timings`` at the top level.
 """
 
 from __future__ import annotations
@@ -14,6 +21,30 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 ANSWER = "42"
+# what the llama-server flavor reports for every answer (prompt_n as in usage: no prompt cache)
+TIMINGS = {"cache_n": 0, "prompt_n": 31, "prompt_ms": 12.5, "prompt_per_token_ms": 0.403, "prompt_per_second": 2480.0,
+           "predicted_n": 1, "predicted_ms": 0.001, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
+
+
+def llama_server_events(chat: bool, include_usage: bool, text: str = ANSWER) -> list[dict]:
+    """The chunks llama-server streams for a one-token answer (without the final ``[DONE]``)."""
+    meta = {"created": 1796139499, "id": "chatcmpl-stub", "model": "stub", "system_fingerprint": "b1-0c1e570",
+            "object": "chat.completion.chunk" if chat else "text_completion"}
+    usage = {"completion_tokens": TIMINGS["predicted_n"], "prompt_tokens": TIMINGS["prompt_n"],
+             "total_tokens": TIMINGS["predicted_n"] + TIMINGS["prompt_n"],
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    if not chat:
+        return [{"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}], **meta},
+                {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}], **meta,
+                 "usage": usage, "timings": TIMINGS}]
+    role = {"role": "assistant", "content": None}
+    events = [{"choices": [{"finish_reason": None, "index": 0, "delta": role}], **meta},
+              {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}], **meta},
+              {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **meta}]
+    if include_usage:
+        events.append({"choices": [], **meta, "usage": usage})
+    events[-1]["timings"] = TIMINGS
+    return events
 
 
 class Stub:
@@ -22,6 +53,7 @@ class Stub:
         self.required_key: str | None = None
         self.auth_seen: list[str | None] = []
         self.bodies: list[dict] = []  # the JSON body of every completion request
+        self.llama_server = False  # stream as llama-server does (usage and timings in the last chunk)
         self.lock = threading.Lock()
         stub = self
 
@@ -44,11 +76,12 @@ class Stub:
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    parsed = json.loads(body)
+                except ValueError:
+                    parsed = {}
                 with stub.lock:
-                    try:
-                        stub.bodies.append(json.loads(body))
-                    except ValueError:
-                        stub.bodies.append({})
+                    stub.bodies.append(parsed)
                     stub.auth_seen.append(self.headers.get("Authorization"))
                     mode = stub.modes.pop(0) if stub.modes else "ok"
                 # the Authorization header first, so that the key falls inside what an error message keeps
@@ -58,11 +91,25 @@ class Stub:
                     filler = int(mode.split(":")[1]) if ":" in mode else 0
                     self._send(500, ("x" * filler + "you sent " + echoed).encode(), "text/plain")
                     return
+                chat = self.path.endswith("/chat/completions")
+                if mode == "json":
+                    choice = {"message": {"role": "assistant", "content": ANSWER}} if chat else {"text": ANSWER}
+                    data = {"choices": [{"index": 0, "finish_reason": "length", **choice}],
+                            "usage": {"prompt_tokens": TIMINGS["prompt_n"],
+                                      "completion_tokens": TIMINGS["predicted_n"]}}
+                    if stub.llama_server:
+                        data["timings"] = TIMINGS
+                    self._send(200, json.dumps(data).encode())
+                    return
                 events = []
                 if mode == "badchunk":
                     events.append(echoed.replace("\r\n", " | "))
                 elif mode == "errchunk":
                     events.append(json.dumps({"error": {"message": echoed}}))
+                elif stub.llama_server:
+                    options = (parsed.get("stream_options") if isinstance(parsed, dict) else None) or {}
+                    include_usage = bool(options.get("include_usage"))
+                    events += [json.dumps(e) for e in llama_server_events(chat, include_usage)] + ["[DONE]"]
                 else:
                     events += [json.dumps({"choices": [{"index": 0, "delta": {"content": ANSWER}, "finish_reason": None}]}),
                                json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),

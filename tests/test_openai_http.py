@@ -434,3 +434,84 @@ def test_long_concurrent_run_keeps_memory_flat(endpoint, tmp_path):
     assert growth < 200 * 1024, f"the heap grew by {growth / 1024:.0f} KiB over {n - 200} queries"
     frame = pd.read_parquet(folder.path / "records.parquet")
     assert frame["error"].isna().all() and len(frame) == n
+
+
+# -- concurrency levels and llama-server's timings --------------------------------------------------
+
+
+def test_concurrency_levels():
+    from ipw.backends.openai_http import concurrency_levels
+
+    assert concurrency_levels(1) == (1,) and concurrency_levels(4) == (4,)
+    assert concurrency_levels([16, 1, 4, 4]) == (1, 4, 16)
+    for bad in (0, -2, [], [1, 0], [1, "4"], True, [True], 2.5, "4", None):
+        with pytest.raises(IpwError, match=r"backend 'srv': field 'concurrency'"):
+            concurrency_levels(bad, "srv")
+
+
+def test_concurrency_as_a_list_in_a_config(endpoint):
+    from ipw.config import parse_config
+
+    base = ('dataset = "ipw-core"\n[[backends]]\nname = "x"\nkind = "openai"\nmodel = "m"\n'
+            f'base_url = "{endpoint.base_url}"\n')
+    backend = create_backend(parse_config(base + "concurrency = [16, 1, 4]\n", "t.toml").backends[0])
+    assert backend.levels == (1, 4, 16) and backend.concurrency == 1
+    assert backend.describe()["concurrency_levels"] == [1, 4, 16]
+    assert create_backend(parse_config(base + "concurrency = 3\n", "t.toml").backends[0]).levels == (3,)
+    with pytest.raises(IpwError, match=r"backend 'x': field 'concurrency': each level must be an integer >= 1, got 0"):
+        create_backend(parse_config(base + "concurrency = [1, 0]\n", "t.toml").backends[0])
+    with pytest.raises(IpwError, match="n_gpu_layers applies to server = \"llama-server\" only"):
+        create_backend(parse_config(base.replace(f'base_url = "{endpoint.base_url}"\n', 'server = "llama-cpp"\n')
+                                    .replace('"m"', '"smollm2-135m"') + "n_gpu_layers = 99\n", "t.toml").backends[0])
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+@pytest.mark.parametrize("mode", ["ok", "json"])
+def test_llama_server_timings_are_read(api, mode):
+    """The chunks as llama-server streams them (recorded from the real binary: usage and ``timings`` in
+    the last chunk before [DONE]), and its JSON body: ``timings`` becomes Completion.server_timings."""
+    from openai_stub import TIMINGS, Stub
+
+    from ipw.backends.base import ServerTimings
+
+    stub = Stub()
+    try:
+        stub.llama_server = True
+        stub.modes = [mode]
+        c = backend_for(stub.base_url, api=api).generate("What is 6 * 7?", SETTINGS)
+        assert c.text == "42" and c.finish_reason == "length"
+        assert c.server_timings == ServerTimings(prompt_n=31, prompt_ms=12.5, predicted_n=1, predicted_ms=0.001)
+        assert c.prompt_tokens == TIMINGS["prompt_n"] and c.completion_tokens == TIMINGS["predicted_n"]  # usage
+        assert stub.bodies[-1]["stream_options"] == {"include_usage": True}
+        # a server that sends no timings: none recorded (the plain stub streams chat deltas only)
+        stub.llama_server = False
+        stub.modes = [mode]
+        if api == "chat" or mode == "json":
+            assert backend_for(stub.base_url, api=api).generate("q", SETTINGS).server_timings is None
+    finally:
+        stub.close()
+
+
+def test_llama_server_stream_without_usage_has_timings_on_the_finish_chunk():
+    from openai_stub import llama_server_events
+
+    from ipw.backends.openai_http import server_timings
+
+    events = llama_server_events(chat=True, include_usage=False)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server_timings(events[-1]["timings"]).prompt_n == 31
+    assert all("timings" not in e for e in events[:-1])
+    events = llama_server_events(chat=True, include_usage=True)
+    assert events[-1]["choices"] == [] and "usage" in events[-1] and "timings" in events[-1]
+
+
+def test_server_timings_parsing():
+    from ipw.backends.base import ServerTimings
+    from ipw.backends.openai_http import server_timings
+
+    full = {"cache_n": 0, "prompt_n": 38, "prompt_ms": 113.7, "predicted_n": 6, "predicted_ms": 91.9}
+    assert server_timings(full) == ServerTimings(38, 113.7, 6, 91.9)
+    assert server_timings({**full, "prompt_ms": 0}) == ServerTimings(38, 0.0, 6, 91.9)
+    for bad in (None, [], "x", {k: v for k, v in full.items() if k != "predicted_ms"}, {**full, "prompt_n": "38"},
+                {**full, "predicted_n": True}):
+        assert server_timings(bad) is None

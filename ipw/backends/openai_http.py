@@ -13,11 +13,13 @@
   an error record.
 - The API key is read from the environment variable named by ``api_key_env`` and only ever sent in
   the ``Authorization`` header; the manifest records the variable's name, never its value.
-- ``server = "llama-cpp"`` or ``"vllm"`` starts a managed local server (``ipw.backends.servers``)
-  serving ``model`` (vLLM: a Hugging Face folder, or a GGUF converted once; ``repeat_penalty`` is
-  sent under vLLM's name ``repetition_penalty``); the machine's own sensors then measure it through
-  the server's PID tree.  A remote endpoint (host not loopback) is not measured: its energy is
-  estimated (``estimate.api``).
+- ``server = "llama-cpp"``, ``"llama-server"`` or ``"vllm"`` starts a managed local server
+  (``ipw.backends.servers``) serving ``model`` (vLLM: a Hugging Face folder, or a GGUF converted once;
+  ``repeat_penalty`` is sent under vLLM's name ``repetition_penalty``); the machine's own sensors then
+  measure it through the server's PID tree.  llama-server gets as many slots as the highest
+  ``concurrency`` level (an int or a list of ints), sends usage while streaming, and its own
+  per-request ``timings`` (in the last chunk) become ``Completion.server_timings``.  A remote
+  endpoint (host not loopback) is not measured: its energy is estimated (``estimate.api``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,53 @@ from urllib.parse import urlsplit
 import psutil
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
-                               few_shot_prompt)
+                               ServerTimings, few_shot_prompt)
 from ipw.errors import IpwError
 from ipw.sanitize import read_key, redact_url, scrub
 
 APIS = ("chat", "completions")
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
+
+
+class _LevelsMeta(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        return isinstance(value, (int, list)) and not isinstance(value, bool)
+
+
+class IntOrIntList(metaclass=_LevelsMeta):
+    """The config type of ``concurrency``: an int or a list (the config loader checks ``isinstance``;
+    ``concurrency_levels`` checks the items)."""
+
+
+IntOrIntList.__name__ = "int or list of ints"
+
+
+def concurrency_levels(value: Any, backend: str = "openai") -> tuple[int, ...]:
+    """The concurrency levels of ``value`` (an int, or a list of ints: the levels a run sweeps), each
+    >= 1, sorted, without repeats."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    where = f"backend {backend!r}: field 'concurrency'"
+    if not items:
+        raise IpwError(f"{where}: give at least one level (an integer >= 1 or a list of them)")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise IpwError(f"{where}: each level must be an integer >= 1, got {item!r}")
+    return tuple(sorted(set(items)))
+
+
+def server_timings(data: Any) -> ServerTimings | None:
+    """llama-server's ``timings`` object (prompt_n, prompt_ms, predicted_n, predicted_ms); None when
+    absent or incomplete."""
+    if not isinstance(data, dict):
+        return None
+    try:
+        values = [data[k] for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")]
+    except KeyError:
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+        return None
+    return ServerTimings(prompt_n=int(values[0]), prompt_ms=float(values[1]),
+                         predicted_n=int(values[2]), predicted_ms=float(values[3]))
 
 
 class _Retryable(Exception):
@@ -72,10 +115,11 @@ def listening_pids(port: int) -> list[int]:
 class OpenAIBackend:
     OPTIONS = {
         "base_url": str, "api_key_env": str, "model_name": str, "api": str, "timeout_s": float,
-        "max_retries": int, "retry_backoff_s": float, "concurrency": int, "sampling_extensions": bool,
+        "max_retries": int, "retry_backoff_s": float, "concurrency": IntOrIntList, "sampling_extensions": bool,
         "remote": bool, "energy_table": str,
         # managed local server
         "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,
+        "n_gpu_layers": int,  # llama-server: layers offloaded (default: all with a GPU, else 0; negative: all)
         "python": str,  # the interpreter of a vLLM server (default: one with vllm, e.g. .venv-vllm/bin/python)
     }
 
@@ -99,7 +143,9 @@ class OpenAIBackend:
             default_api = _MODE_TO_API.get(default_mode or "")
         elif "base_url" not in opts:
             raise IpwError(f"{name}: kind 'openai' needs base_url (e.g. \"http://127.0.0.1:8000/v1\") "
-                           "or server = \"llama-cpp\" / \"vllm\"")
+                           "or server = \"llama-cpp\" / \"llama-server\" / \"vllm\"")
+        if "n_gpu_layers" in opts and self.server_kind != "llama-server":
+            raise IpwError(f"{name}: n_gpu_layers applies to server = \"llama-server\" only")
         api = opts.get("api")
         if api is not None and api not in APIS:
             raise IpwError(f"{name}: api must be one of {', '.join(APIS)}, got {api!r}")
@@ -110,9 +156,11 @@ class OpenAIBackend:
         self.timeout_s = float(opts.get("timeout_s", 120.0))
         self.max_retries = int(opts.get("max_retries", 3))
         self.retry_backoff_s = float(opts.get("retry_backoff_s", 0.5))
-        self.concurrency = int(opts.get("concurrency", 1))
-        for key, value, low in (("timeout_s", self.timeout_s, 1e-9), ("concurrency", self.concurrency, 1),
-                                ("max_retries", self.max_retries, 0), ("retry_backoff_s", self.retry_backoff_s, 0)):
+        # the levels a run may sweep; the runner sets self.concurrency to the level it runs
+        self.levels = concurrency_levels(opts.get("concurrency", 1), spec.name)
+        self.concurrency = self.levels[0]
+        for key, value, low in (("timeout_s", self.timeout_s, 1e-9), ("max_retries", self.max_retries, 0),
+                                ("retry_backoff_s", self.retry_backoff_s, 0)):
             if value < low:
                 raise IpwError(f"{name}: {key} must be >= {low:g}, got {value}")
         self.extensions = bool(opts.get("sampling_extensions", True))
@@ -155,7 +203,8 @@ class OpenAIBackend:
             self.server = start_server(
                 self.server_kind, self.model_path, log_dir / f"server-{safe}.log",
                 n_threads=opts.get("n_threads"), n_ctx=opts.get("n_ctx", 4096), alias=self.model_name,
-                timeout_s=opts.get("server_timeout_s", 180.0), python=opts.get("python"))
+                timeout_s=opts.get("server_timeout_s", 180.0), python=opts.get("python"),
+                parallel=max(self.levels), n_gpu_layers=opts.get("n_gpu_layers"))
             self._set_url(self.server.base_url)
             if self.server_kind == "llama-cpp":
                 from ipw.backends.llama_cpp import PromptTokenCounter
@@ -293,6 +342,7 @@ class OpenAIBackend:
         parts: list[str] = []
         times: list[float] = []
         usage: dict[str, Any] = {}
+        timings: dict[str, Any] | None = None
         finish = ""
         done = False
         for raw in resp:
@@ -313,9 +363,10 @@ class OpenAIBackend:
             if not isinstance(chunk, dict) or "error" in chunk:
                 raise QueryError(f"error in stream: {self._scrub(str(chunk))[:200]}", "malformed_stream")
             usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings  # llama-server: in the last chunk
             choices = chunk.get("choices")
             if not isinstance(choices, list):
-                if chunk.get("usage"):
+                if chunk.get("usage") or chunk.get("timings"):
                     continue
                 raise QueryError(f"stream chunk without choices: {self._scrub(data)[:120]!r}", "malformed_stream")
             for choice in choices:
@@ -328,7 +379,7 @@ class OpenAIBackend:
         if not done and not finish:
             # the connection closed mid-answer (e.g. the server died): retried like a connection error
             raise _Retryable("stream ended before [DONE] or a finish_reason", "connection")
-        return self._completion("".join(parts), usage, start, times, finish, stops)
+        return self._completion("".join(parts), usage, start, times, finish, stops, timings)
 
     def _read_json(self, resp: Any, start: float, stops: list[str]) -> Completion:
         """A server that ignores ``stream`` and answers with one JSON body: TTFT is the end."""
@@ -340,10 +391,10 @@ class OpenAIBackend:
         now = time.monotonic()
         text = self._content(choice)
         return self._completion(text, data.get("usage") or {}, start, [now] if text else [],
-                                choice.get("finish_reason") or "", stops)
+                                choice.get("finish_reason") or "", stops, data.get("timings"))
 
     def _completion(self, text: str, usage: dict[str, Any], start: float, times: list[float], finish: str,
-                    stops: list[str]) -> Completion:
+                    stops: list[str], timings: Any = None) -> Completion:
         cut = min((text.find(s) for s in stops if s and s in text), default=-1)
         if cut >= 0:
             text = text[:cut]
@@ -354,13 +405,14 @@ class OpenAIBackend:
             prompt_tokens=int(usage.get("prompt_tokens") or 0),
             completion_tokens=int(usage.get("completion_tokens") or len(times)),
             start_s=start, first_token_s=times[0] if times else None, end_s=time.monotonic(),
-            token_times_s=tuple(times), finish_reason=finish,
+            token_times_s=tuple(times), finish_reason=finish, server_timings=server_timings(timings),
         )
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "engine": "openai-http", "base_url": self.base_url, "model_name": self.model_name, "api": self.api,
-            "remote": self.remote, "concurrency": self.concurrency, "timeout_s": self.timeout_s,
+            "remote": self.remote, "concurrency": self.concurrency, "concurrency_levels": list(self.levels),
+            "timeout_s": self.timeout_s,
             "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
             "api_key_env": self.spec.options.get("api_key_env"), "api_key_sent": bool(self._key),
             "sampling_extensions": self.extensions,

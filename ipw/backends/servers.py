@@ -1,22 +1,27 @@
 """Local inference servers that ipw starts, measures and stops itself.
 
 A server runs in its own session (so a Ctrl-C in the terminal reaches ipw, which then stops it), is
-bound to 127.0.0.1 on a free port, and is healthy once ``GET /v1/models`` answers 200.  It is stopped
-by its PID: SIGTERM to the process and its descendants, a wait, then SIGKILL.  An ``atexit`` hook
-stops any server still running when the interpreter exits.  Its stdout and stderr go to a log file
-(``server-<backend>.log`` in the run folder).
+bound to 127.0.0.1 on a free port, and is healthy once ``GET /v1/models`` (llama-server: ``GET /health``)
+answers 200.  It is stopped by its PID: SIGTERM to the process and its descendants, a wait, then
+SIGKILL.  An ``atexit`` hook stops any server still running when the interpreter exits.  Its stdout
+and stderr go to a log file (``server-<backend>.log`` in the run folder).
 
-Kinds: ``llama-cpp`` (``python -m llama_cpp.server`` in this environment) and ``vllm``
-(``python -m vllm.entrypoints.openai.api_server``, usually in .venv-vllm's interpreter, serving a
-Hugging Face folder: a GGUF is converted once into the per-machine cache, see ``ipw.convert``).
+Kinds: ``llama-cpp`` (``python -m llama_cpp.server`` in this environment: one request at a time),
+``llama-server`` (llama.cpp's own batching server, ``--parallel N`` slots with continuous batching,
+built by ``.ci/setup`` from the llama.cpp that llama-cpp-python vendors; healthy once ``GET /health``
+answers 200, i.e. once the model is loaded) and ``vllm`` (``python -m vllm.entrypoints.openai.api_server``,
+usually in .venv-vllm's interpreter, serving a Hugging Face folder: a GGUF is converted once into the
+per-machine cache, see ``ipw.convert``).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import http.client
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,7 +32,7 @@ import psutil
 
 from ipw.errors import IpwError
 
-SERVER_KINDS = ("llama-cpp", "vllm")
+SERVER_KINDS = ("llama-cpp", "llama-server", "vllm")
 _LIVE: set["ManagedServer"] = set()
 
 
@@ -44,6 +49,73 @@ def llama_cpp_command(model_path: Path, port: int, *, n_threads: int, n_ctx: int
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--model_alias", alias,
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(n_threads),
             "--n_threads_batch", str(n_threads), "--n_ctx", str(n_ctx), "--interrupt_requests", "False"]
+
+
+def find_llama_server() -> str:
+    """llama.cpp's ``llama-server`` binary: ``$IPW_LLAMA_SERVER``, else this environment's
+    ``<sys.prefix>/bin/llama-server`` (where ``.ci/setup`` puts it), else the first on PATH."""
+    explicit = os.environ.get("IPW_LLAMA_SERVER")
+    if explicit:
+        if not (Path(explicit).is_file() and os.access(explicit, os.X_OK)):
+            raise IpwError(f"IPW_LLAMA_SERVER={explicit} is not an executable file; unset it, or run "
+                           "`bash .ci/setup`, which builds llama-server into the virtual environment")
+        return explicit
+    venv = Path(sys.prefix) / "bin" / "llama-server"
+    if venv.is_file() and os.access(venv, os.X_OK):
+        return str(venv)
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    raise IpwError(f"llama.cpp's llama-server not found (not in {venv.parent}, not on PATH, IPW_LLAMA_SERVER "
+                   "unset): run `bash .ci/setup`, which builds it once per machine from the llama.cpp that "
+                   "llama-cpp-python vendors and puts it into the virtual environment")
+
+
+def llama_server_command(binary: str, model_path: Path, port: int, *, n_threads: int, n_ctx: int, parallel: int,
+                         n_gpu_layers: int | str, alias: str) -> list[str]:
+    """``llama-server`` with ``parallel`` slots of ``n_ctx`` tokens each (``-c`` is the total: the KV cache
+    is split among the slots), continuous batching, and every default that would make answers or
+    costs depend on earlier requests turned off: no prompt cache (``--no-cache-prompt``,
+    ``--cache-ram 0``: each request prefills its whole prompt, as the in-process backend does, and
+    the server's README warns that cached prefixes change logits), no automatic refitting of the
+    context or layers to the device memory (``--fit off``), flash attention off (llama-cpp-python's
+    default, so that both engines compute the same attention), and no web UI."""
+    return [binary, "-m", str(model_path), "--alias", alias, "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(n_threads), "-tb", str(n_threads), "--parallel", str(parallel), "-c", str(n_ctx * parallel),
+            "--cont-batching", "-ngl", str(n_gpu_layers), "--no-cache-prompt", "--cache-ram", "0",
+            "--fit", "off", "--flash-attn", "off", "--no-webui"]
+
+
+@functools.lru_cache(maxsize=8)
+def llama_server_version(binary: str) -> str | None:
+    """What ``llama-server --version`` says after ``version:``, e.g. ``0.5.0-dev (build 0, commit
+    0c1e57098)`` (the commit is the llama.cpp that llama-cpp-python vendors); None when it does not answer."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in (out.stdout + "\n" + out.stderr).splitlines():
+        if line.startswith("version:"):
+            return line.removeprefix("version:").strip()
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def llama_server_devices(binary: str) -> tuple[str, ...]:
+    """The GPU devices ``llama-server --list-devices`` offers (empty for a CPU-only build or machine)."""
+    try:
+        out = subprocess.run([binary, "--list-devices"], capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    devices, listing = [], False
+    for line in (out.stdout + "\n" + out.stderr).splitlines():
+        if line.startswith("Available devices"):
+            listing = True
+        elif listing and re.match(r"^\s+\S+: ", line):
+            devices.append(line.strip())
+    return tuple(devices)
 
 
 def vllm_command(python: str, model_dir: Path, port: int, *, max_model_len: int, alias: str) -> list[str]:
@@ -122,8 +194,9 @@ def server_model(kind: str, model: str) -> tuple[Path, str | None]:
 
 class ManagedServer:
     def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
-                 info: dict | None = None) -> None:
+                 info: dict | None = None, health_path: str = "/v1/models") -> None:
         self.command, self.port, self.log_path = command, port, log_path
+        self.health_path = health_path  # 200 once the server can answer completions
         self.env = env
         self.info = dict(info or {})  # engine, engine_version, model: what the manifest records
         self.proc: subprocess.Popen | None = None
@@ -166,7 +239,7 @@ class ManagedServer:
     def healthy(self) -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
         try:
-            conn.request("GET", "/v1/models")
+            conn.request("GET", self.health_path)
             return conn.getresponse().status == 200
         except OSError:
             return False
@@ -236,10 +309,32 @@ def _python_dist_version(python: str, *dists: str) -> str | None:
 
 
 def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int | None = None,
-                 n_ctx: int = 4096, alias: str, timeout_s: float = 120.0, python: str | None = None) -> ManagedServer:
+                 n_ctx: int = 4096, alias: str, timeout_s: float = 120.0, python: str | None = None,
+                 parallel: int = 1, n_gpu_layers: int | None = None) -> ManagedServer:
     """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy.
-    ``python``: the interpreter of a vLLM server (default: see ``find_vllm_python``)."""
-    if kind == "llama-cpp":
+    ``python``: the interpreter of a vLLM server (default: see ``find_vllm_python``).  For
+    ``llama-server``: ``parallel`` slots (the most requests the caller keeps in flight), each of
+    ``n_ctx`` tokens, and ``n_gpu_layers`` layers offloaded (default: all when the binary sees a GPU,
+    else 0; negative: all)."""
+    health_path = "/v1/models"
+    if kind == "llama-server":
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise IpwError(f"llama-server: parallel (slots) must be an integer >= 1, got {parallel!r}")
+        binary = find_llama_server()
+        devices = llama_server_devices(binary)
+        if n_gpu_layers is None:
+            n_gpu_layers = -1 if devices else 0
+        ngl: int | str = "all" if n_gpu_layers < 0 else n_gpu_layers
+        port = free_port()
+        command = llama_server_command(binary, model_path, port, n_threads=n_threads or os.cpu_count() or 1,
+                                       n_ctx=n_ctx, parallel=parallel, n_gpu_layers=ngl, alias=alias)
+        env = server_env()
+        info = {"engine": "llama.cpp-server", "engine_version": llama_server_version(binary), "binary": binary,
+                "model_file": str(model_path), "model_bytes": model_path.stat().st_size, "parallel": parallel,
+                "n_ctx_per_slot": n_ctx, "n_gpu_layers": ngl, "devices": list(devices)}
+        # every route but /health answers 503 while the model loads; /health then answers 200
+        health_path = "/health"
+    elif kind == "llama-cpp":
         import importlib.util
 
         # fail early, with the extra to install; found, not imported: this process loads no engine
@@ -267,6 +362,6 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
                 "kv_cache_gb": env["VLLM_CPU_KVCACHE_SPACE"], "python": python}
     else:
         raise IpwError(f"unknown server {kind!r} (known: {', '.join(SERVER_KINDS)})")
-    server = ManagedServer(command, port, log_path, env=env, info=info)
+    server = ManagedServer(command, port, log_path, env=env, info=info, health_path=health_path)
     server.start(timeout_s)
     return server
