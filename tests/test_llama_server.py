@@ -19,6 +19,7 @@ import pytest
 
 from ipw.backends.base import BackendSpec, GenerationSettings, create_backend
 from ipw.errors import IpwError
+from processes import children, gone
 
 
 def _binary() -> str | None:
@@ -49,21 +50,7 @@ def backend_for(tmp_path: Path, **options):
 
 
 def llama_servers() -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if Path(child.cmdline()[0]).name == "llama-server":
-                out.append(child)
-        except (psutil.NoSuchProcess, IndexError):
-            pass
-    return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return children(lambda p: Path(p.cmdline()[0]).name == "llama-server")
 
 
 def ask_together(backend, prompts) -> list:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from ipw.errors import IpwError
+from processes import children, gone
 
 pytestmark = pytest.mark.llama
 
@@ -31,21 +32,7 @@ def server_config(path: Path, dataset: Path, **options) -> Path:
 
 
 def llama_servers() -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "llama_cpp.server" in " ".join(child.cmdline()):
-                out.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return children(lambda p: "llama_cpp.server" in " ".join(p.cmdline()))
 
 
 def test_managed_llama_server_end_to_end(small_jsonl, tmp_path, run_cli):

@@ -6,7 +6,6 @@ docs/SERVING.md)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+from processes import children, gone
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("IPW_VLLM_VENV") or ROOT / ".venv-vllm")
@@ -59,21 +60,7 @@ def converted(vllm_env, tmp_path_factory) -> Path:
 
 
 def _vllm_processes() -> list[psutil.Process]:
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "vllm" in " ".join(child.cmdline()) or child.name().startswith("VLLM"):
-                out.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return children(lambda p: "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM"))
 
 
 def _check_records(frame: pd.DataFrame, n: int, max_tokens: int) -> None:
@@ -170,7 +157,7 @@ def test_vllm_managed_server(small_jsonl, tmp_path, converted, vllm_env, run_cli
     assert "--enforce-eager" in command and command[command.index("--model") + 1] == str(converted)
     assert info["remote"] is False and info["base_url"] == f"http://127.0.0.1:{server['port']}/v1"
     assert info["request_params"]["repetition_penalty"] == 1.0 and info["request_params"]["top_k"] == 40
-    assert _gone(server["pid"]), "the server is stopped at the end"
+    assert gone(server["pid"]), "the server is stopped at the end"
     assert not _vllm_processes(), "no engine process is left behind"
     log = run_dir / "server-smollm2-vllm-server.log"
     assert log.exists() and "vllm.entrypoints.openai.api_server" in log.read_text() + " ".join(command)
