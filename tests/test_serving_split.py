@@ -78,6 +78,7 @@ class PrefillBesideDecode:
     tokens in [0.1, 0.2] s (as the server times it) and streams 12 output tokens until 0.9 s."""
 
     concurrency = 2
+    token_times: dict[str, tuple[float, ...]] = {}  # what each request streamed, for the test's own count
 
     def __init__(self, spec):
         self.spec = spec
@@ -93,6 +94,7 @@ class PrefillBesideDecode:
         else:
             times = tuple(start + 0.25 + 0.05 * k for k in range(12))
             timings, length = ServerTimings(300, 100.0, 12, 550.0), 0.9
+        self.token_times["decode" if "decode" in prompt else "prefill"] = times
         time.sleep(max(0.0, start + length - time.monotonic()))
         return Completion("4", 12, len(times), start, times[0], time.monotonic(), times, "stop", timings)
 
@@ -135,10 +137,11 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     assert len(windows) == 4 and all(w1[0] == w0[1] for w0, w1 in zip(windows, windows[1:]))  # they tile
     first, both, last = (t1 - t0 for t0, t1 in windows[1:4])
     assert both > 0.5
-    # in the shared slice: A's output tokens after B's request started (all 19 unless B's thread started
-    # late), B's 300 prompt tokens and its outputs before A ended (7 of 12)
-    work_a = sum(a.start_s + 0.03 * k >= b.start_s for k in range(1, 20))
-    work_b = 300 + sum(b.start_s + 0.25 + 0.05 * k < a.end_s for k in range(12))
+    # in the shared slice [B's start, A's end): A's output tokens there (all 19 unless B's thread started
+    # late), B's 300 prompt tokens (its prefill lies inside) and its outputs before A ended (7 of 12)
+    times = PrefillBesideDecode.token_times
+    work_a = sum(b.start_s <= t < a.end_s for t in times["decode"])
+    work_b = 300 + sum(b.start_s <= t < a.end_s for t in times["prefill"])
     p = 100.0
     expected_a = p * first + p * both * work_a / (work_a + work_b)
     expected_b = p * both * work_b / (work_a + work_b) + p * last
