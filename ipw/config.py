@@ -110,11 +110,13 @@ class _Where:
         return f"{self.path}: field '{field}'"
 
 
-def _check_type(value: Any, expected: type, loc: str) -> Any:
+def _check_type(value: Any, expected: type | tuple[type, ...], loc: str) -> Any:
+    """``expected``: a type, or a tuple of types any of which will do (e.g. ``(int, list)``)."""
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
-        raise IpwError(f"{loc}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+        name = " or ".join(t.__name__ for t in expected) if isinstance(expected, tuple) else expected.__name__
+        raise IpwError(f"{loc}: expected {name}, got {type(value).__name__} {value!r}")
     if expected is float and not math.isfinite(value):  # TOML has nan and inf; 1e309 is inf too
         raise IpwError(f"{loc}: must be a finite number, got {value!r}")
     return value
@@ -382,11 +384,11 @@ def apply_overrides(
 
 
 def parse_levels(text: str, where: str) -> tuple[int, ...]:
-    """``"1,4,16"`` -> (1, 4, 16): concurrency levels, each >= 1, sorted, without repeats."""
+    """``"1,4,16"`` -> (1, 4, 16): concurrency levels, checked as a config's ``concurrency`` is."""
+    from ipw.backends.openai_http import concurrency_levels
+
     try:
         levels = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        levels = []
-    if not levels or any(n < 1 for n in levels):
-        raise IpwError(f"{where} {text!r}: expected requests in flight as whole numbers >= 1, e.g. 1,4,16,64")
-    return tuple(sorted(set(levels)))
+        raise IpwError(f"{where} {text!r}: expected requests in flight as whole numbers, e.g. 1,4,16,64") from None
+    return concurrency_levels(levels, where=f"{where} {text!r}")

@@ -218,13 +218,13 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
                 "address": options.address, "shards": n, "max_attempts": MAX_ATTEMPTS,
                 "tasks": sorted(tasks.values(), key=lambda t: (t["backend"], t["shard"]))})
 
+        from ipw.runner import config_levels
+
+        levels = config_levels(config)
+
         def submit(spec: BackendSpec, k: int) -> None:
             part = shard_items(queries, Shard(k, n))
-            from ipw.backends.base import create_backend
-            from ipw.runner import levels_of
-
-            keys = {(spec.name, q.id, r, c) for c in levels_of(create_backend(spec))
-                    for r in range(config.repeats) for q in part}
+            keys = {(spec.name, q.id, r, c) for c in levels[spec.name] for r in range(config.repeats) for q in part}
             if keys <= seen:
                 return
             task = tasks.setdefault((spec.name, k), {"backend": spec.name, "shard": k, "attempts": 0, "errors": [],

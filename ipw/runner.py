@@ -97,6 +97,12 @@ def levels_of(backend: Backend) -> tuple[int, ...]:
     return tuple(getattr(backend, "levels", None) or (int(getattr(backend, "concurrency", 1)),))
 
 
+def config_levels(config: RunConfig) -> dict[str, tuple[int, ...]]:
+    """Each backend's concurrency levels (``levels_of``), by name: made once, before the run, for the
+    progress total and for the Ray driver's shard keys (constructing a backend loads no model)."""
+    return {spec.name: levels_of(create_backend(spec)) for spec in config.backends}
+
+
 def run_backend(
     folder: RunFolder, config: RunConfig, spec: BackendSpec, queries: list[Query],
     progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,

@@ -159,3 +159,16 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     assert frame["energy_j"].sum() == pytest.approx(tally["parts_j"], rel=1e-6)
     assert tally["unattributed_j"] == pytest.approx(p * (windows[0][1] - windows[0][0]), abs=1e-5)  # µJ rounding
     assert level["end_s"] == pytest.approx(b.end_s, abs=1e-3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0,4"], r"--concurrency '0,4': each level must be an integer >= 1, got 0"),
+    (["--concurrency", "1,four"], r"--concurrency '1,four': expected requests in flight as whole numbers"),
+    (["--concurrency", "4", "--backend", "smollm2-135m"], r"no backend of this run serves concurrent requests"),
+])
+def test_bad_concurrency_is_a_usage_error(run_cli, args, message):
+    import re
+
+    code, _, err = run_cli("run", *args)
+    assert code == 2 and re.search(message, " ".join(err.split())), err
+    assert "Traceback" not in err

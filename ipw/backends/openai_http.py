@@ -46,24 +46,11 @@ APIS = ("chat", "completions")
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
 
 
-class _LevelsMeta(type):
-    def __instancecheck__(cls, value: Any) -> bool:
-        return isinstance(value, (int, list)) and not isinstance(value, bool)
-
-
-class IntOrIntList(metaclass=_LevelsMeta):
-    """The config type of ``concurrency``: an int or a list (the config loader checks ``isinstance``;
-    ``concurrency_levels`` checks the items)."""
-
-
-IntOrIntList.__name__ = "int or list of ints"
-
-
-def concurrency_levels(value: Any, backend: str = "openai") -> tuple[int, ...]:
+def concurrency_levels(value: Any, backend: str = "openai", where: str | None = None) -> tuple[int, ...]:
     """The concurrency levels of ``value`` (an int, or a list of ints: the levels a run sweeps), each
-    >= 1, sorted, without repeats."""
+    >= 1, sorted, without repeats; ``where`` names the source in an error (default: the backend's field)."""
     items = list(value) if isinstance(value, (list, tuple)) else [value]
-    where = f"backend {backend!r}: field 'concurrency'"
+    where = where or f"backend {backend!r}: field 'concurrency'"
     if not items:
         raise IpwError(f"{where}: give at least one level (an integer >= 1 or a list of them)")
     for item in items:
@@ -115,7 +102,8 @@ def listening_pids(port: int) -> list[int]:
 class OpenAIBackend:
     OPTIONS = {
         "base_url": str, "api_key_env": str, "model_name": str, "api": str, "timeout_s": float,
-        "max_retries": int, "retry_backoff_s": float, "concurrency": IntOrIntList, "sampling_extensions": bool,
+        "max_retries": int, "retry_backoff_s": float, "concurrency": (int, list),  # one level or the levels of a sweep
+        "sampling_extensions": bool,
         "remote": bool, "energy_table": str,
         # managed local server
         "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,

@@ -130,10 +130,9 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
         verb += f" shard {folder.manifest.shard['index']}/{folder.manifest.shard['count']}"
     if ray_options is not None:
         verb += f" on Ray ({ray_options.address})"
-    from ipw.backends.base import create_backend
-    from ipw.runner import levels_of
+    from ipw.runner import config_levels
 
-    levels = {spec.name: levels_of(create_backend(spec)) for spec in config.backends}
+    levels = config_levels(config)
     sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
