@@ -210,6 +210,19 @@ def test_missing_binary_says_to_run_setup(tmp_path, monkeypatch):
     assert servers.find_llama_server() == str(other / "llama-server")
 
 
+def test_missing_binary_fails_before_the_run_folder(tmp_path, monkeypatch, run_cli):
+    """The embedded default needs llama-server: without it `ipw run` stops at once (exit 2), naming the
+    fix for a checkout and for a plain pip install, and writes no run folder."""
+    from ipw.backends import servers
+
+    monkeypatch.delenv("IPW_LLAMA_SERVER", raising=False)
+    monkeypatch.setattr(servers.sys, "prefix", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code, _, err = run_cli("run", "--out", tmp_path / "res")
+    assert code == 2 and "llama-server not found" in err and "IPW_LLAMA_SERVER" in " ".join(err.split())
+    assert not (tmp_path / "res").exists() or not any((tmp_path / "res").iterdir())
+
+
 def test_llama_server_command():
     from ipw.backends.servers import llama_server_command
 

@@ -178,6 +178,13 @@ class OpenAIBackend:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    def preflight(self) -> None:
+        """Before the run folder exists: a managed llama-server must be there to start."""
+        if self.server_kind == "llama-server":
+            from ipw.backends.servers import find_llama_server
+
+            find_llama_server()
+
     def attach(self, run_dir: str | Path) -> None:
         self.run_dir = Path(run_dir)
 

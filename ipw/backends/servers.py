@@ -67,8 +67,10 @@ def find_llama_server() -> str:
     if found:
         return found
     raise IpwError(f"llama.cpp's llama-server not found (not in {venv.parent}, not on PATH, IPW_LLAMA_SERVER "
-                   "unset): run `bash .ci/setup`, which builds it once per machine from the llama.cpp that "
-                   "llama-cpp-python vendors and puts it into the virtual environment")
+                   "unset): in a checkout of ipw run `bash .ci/setup`, which builds it once per machine from the llama.cpp "
+                   "that llama-cpp-python vendors and puts it into the virtual environment; elsewhere put a "
+                   "llama-server build of llama.cpp on PATH or set IPW_LLAMA_SERVER to it (or use server = "
+                   "\"llama-cpp\", llama-cpp-python's one-at-a-time server)")
 
 
 def llama_server_command(binary: str, model_path: Path, port: int, *, n_threads: int, n_ctx: int, parallel: int,
