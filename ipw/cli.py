@@ -239,6 +239,78 @@ def check(
                                    github=github, junit_path=junit))
 
 
+_UPSTREAM = typer.Option(None, "--upstream", help="Base URL of a running OpenAI-compatible server to forward to, e.g. "
+                         "http://127.0.0.1:8080/v1 (llama.cpp, vLLM, SGLang, Ollama) or a hosted API (its energy is then "
+                         "the labeled API estimate). Or --backend.")
+_SERVE_BACKEND = typer.Option(None, "--backend", "-b", help="SERVER:MODEL: a server ipw starts and stops, e.g. "
+                              "llama-server:smollm2-135m (SERVER: llama-server, llama-cpp or vllm). Or --upstream.")
+_NAME = typer.Option(None, "--name", help="Backend name of the records (default: the server, or HOST:PORT).")
+_HOST = typer.Option("127.0.0.1", "--host", help="Address to listen on (default 127.0.0.1: this machine only).")
+_API_KEY_ENV = typer.Option(None, "--api-key-env", help="Environment variable holding the upstream's API key: sent "
+                            "upstream only, never written anywhere. The clients' own Authorization is not forwarded.")
+_TOKEN = typer.Option(None, "--token", envvar="IPW_SERVE_TOKEN", help="Require clients to send Authorization: Bearer "
+                      "TOKEN (or set IPW_SERVE_TOKEN, which keeps it out of the process list).")
+_LOG_PROMPTS = typer.Option(False, "--log-prompts", help="Keep prompts and outputs in the records (default: their "
+                            "SHA-256 only).")
+_MAX_BODY = typer.Option(16.0, "--max-body-mb", help="Largest request body accepted (413 above it).")
+_TIMEOUT = typer.Option(600.0, "--timeout-s", help="Longest an upstream request may take, start to last byte.")
+_SERVE_IDLE = typer.Option(3.0, "--idle-s", help="Seconds of idle baseline measured before the proxy opens.")
+_ROLE = typer.Option("local", "--role", help="Role of the records for routing: local or cloud.")
+_PARALLEL = typer.Option(8, "--parallel", help="With --backend llama-server: its slots (most requests in flight).")
+_N_THREADS = typer.Option(None, "--n-threads", help="With --backend: the server's CPU threads.")
+_NGL = typer.Option(None, "--n-gpu-layers", help="With --backend llama-server: layers offloaded (default: all with a GPU).")
+_N_CTX = typer.Option(None, "--n-ctx", help="With --backend: context tokens per slot (default 4096).")
+_SERVE_OUT = typer.Option(None, "--out", "-o", help="Folder that receives the run folder (default results/).")
+_UPSTREAM_PID = typer.Option(None, "--upstream-pid", help="PID of the upstream server, for the CPU model on a machine "
+                             "without RAPL (default: the process listening on the upstream's port). Repeat for several.")
+
+
+@app.command()
+def serve(
+    upstream: Optional[str] = _UPSTREAM, backend: Optional[str] = _SERVE_BACKEND,
+    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (0: a free one, printed)."),
+    out: Optional[Path] = _SERVE_OUT, name: Optional[str] = _NAME, host: str = _HOST,
+    api_key_env: Optional[str] = _API_KEY_ENV, token: Optional[str] = _TOKEN, log_prompts: bool = _LOG_PROMPTS,
+    max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
+    parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
+    n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run folder of an ipw serve that was "
+                                          "killed: new requests are added to it."),
+) -> None:
+    """A measuring OpenAI-compatible proxy: forwards /v1/chat/completions, /v1/completions and /v1/models to an
+    upstream server and returns each response's energy in usage.energy (and the x-ipw-energy-j header), split
+    among overlapping requests; every request is a record of a run folder. Ctrl-C or SIGTERM finishes it."""
+    from ipw.commands.serve import proxy_options, serve_command
+
+    options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
+                                     api_key_env=api_key_env, token=token, log_prompts=log_prompts,
+                                     max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
+                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx)
+    raise typer.Exit(serve_command(options, managed, out=out, token=token, upstream_pid=upstream_pid, resume=resume))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def wrap(
+    command: Optional[List[str]] = typer.Argument(None, help="The command to run, after --, e.g. -- python client.py"),
+    upstream: Optional[str] = _UPSTREAM, backend: Optional[str] = _SERVE_BACKEND,
+    port: int = typer.Option(0, "--port", "-p", help="Port of the proxy (default 0: a free one)."),
+    out: Optional[Path] = _SERVE_OUT, name: Optional[str] = _NAME, host: str = _HOST,
+    api_key_env: Optional[str] = _API_KEY_ENV, token: Optional[str] = _TOKEN, log_prompts: bool = _LOG_PROMPTS,
+    max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
+    parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
+    n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
+) -> None:
+    """Run COMMAND behind the measuring proxy of ipw serve: it gets OPENAI_BASE_URL (and OPENAI_API_BASE)
+    pointing at the proxy, and the energy summary is printed when it exits (with its exit code)."""
+    from ipw.commands.serve import proxy_options, wrap_command
+
+    options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
+                                     api_key_env=api_key_env, token=token, log_prompts=log_prompts,
+                                     max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
+                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx)
+    raise typer.Exit(wrap_command(options, managed, list(command or []), out=out, token=token, upstream_pid=upstream_pid))
+
+
 @app.command()
 def doctor(
     self_test: bool = typer.Option(False, "--self-test", help="On a GPU machine: ~60 s of call costs, update "

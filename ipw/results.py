@@ -215,7 +215,8 @@ class RunFolder:
         manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
         if manifest.status == "complete":
             raise IpwError(f"{path}: the run is already complete; nothing to resume")
-        RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
+        if "serve" not in manifest.config:  # an ipw serve folder holds its proxy's options instead
+            RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
         log = path / "records.jsonl"
         read_records(log)  # every line but a torn last one is a record
         data = log.read_bytes() if log.exists() else b""

@@ -6,12 +6,10 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Callable
 
-import numpy as np
 
 from ipw import __version__
 from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
@@ -19,6 +17,7 @@ from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
+from ipw.overlap import Segments, Share, Tally, request_of, split_share
 from ipw.phases import first_token_s, record_phases, sensor_splits
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
@@ -26,7 +25,6 @@ from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
-from ipw.telemetry.estimator import Request, by_time, split_concurrent, split_method
 from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, with_estimate
 
 
@@ -34,7 +32,7 @@ def make_record(
     run_id: str, spec: BackendSpec, query: Query, repeat: int, completion: Completion | None,
     error: Exception | None, start_s: float, end_s: float, readings: list[EnergyReading], *, idle: IdleBaseline,
     estimate: Any = None, busy_s: float | None = None, splits: Callable[[], dict[str, Any]] | None = None,
-    concurrency: int = 1, split: "_Share | None" = None,
+    concurrency: int = 1, split: Share | None = None,
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
     ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
@@ -195,164 +193,6 @@ def run_backend(
         backend.close()
 
 
-class _Segments:
-    """One level's span, cut into sensor windows at every request's start and end (``Window.cut``), so
-    that the windows tile the span: the energy of the whole span is the sum of theirs.
-
-    Each window's energy is split among the requests active in it (``estimator.split_concurrent``);
-    windows with no request in flight are the level's unattributed energy.  ``tally`` adds up, per
-    component, the span's energy, the unattributed part and the requests' parts, for the manifest's
-    conservation line (DESIGN.md §3: parts + unattributed == measured total).
-    """
-
-    def __init__(self, window: Window, requests: int) -> None:
-        self.window = window
-        self.remaining = requests  # requests not yet ended
-        self.lock = threading.Lock()
-        self.active: set[int] = set()
-        self.tokens: Any = None
-        self.opened_s = 0.0
-        self.closed: list[tuple[float, float, Closed, frozenset[int]]] = []  # start, end, window, active
-        self.idle: list[Closed] = []  # windows with no request in flight
-        self.started_s = self.ended_s = 0.0
-
-    def start(self) -> None:
-        self.tokens = self.window.begin()
-        self.started_s = self.opened_s = time.monotonic()
-
-    def event(self, add: int | None = None, remove: int | None = None) -> float:
-        """A request starts (``add``) or ends (``remove``): cut the window there.  When the level's last
-        request ends, the span ends with it (not when its records are built)."""
-        with self.lock:
-            if self.tokens is None:  # the span has ended
-                return time.monotonic()
-            if remove is not None:
-                self.remaining -= 1
-            last = self.remaining == 0
-            if last:
-                closed, self.tokens = self.window.end(self.tokens), None
-            else:
-                closed, self.tokens = self.window.cut(self.tokens)
-            now = time.monotonic()
-            if self.active:
-                self.closed.append((self.opened_s, now, closed, frozenset(self.active)))
-            else:
-                self.idle.append(closed)
-            self.opened_s = now
-            if last:
-                self.ended_s = now
-            if add is not None:
-                self.active.add(add)
-            self.active.discard(remove)
-            return now
-
-    def finish(self) -> None:
-        """End the span if no request did (an interrupted level)."""
-        with self.lock:
-            if self.tokens is None:
-                return
-            closed, self.tokens = self.window.end(self.tokens), None
-            self.ended_s = time.monotonic()
-            (self.closed.append((self.opened_s, self.ended_s, closed, frozenset(self.active))) if self.active
-             else self.idle.append(closed))
-
-    def of(self, job: int) -> list[tuple[float, float, Closed, frozenset[int]]]:
-        with self.lock:
-            return [seg for seg in self.closed if job in seg[3]]
-
-    def release(self, done_through: int, tally: "_Tally") -> set[int]:
-        """Forget the windows of requests up to ``done_through`` (recorded, in job order), adding their
-        energy to ``tally``, so that a long run holds only the windows of requests in flight; returns the
-        jobs those still involve.  Readings are waited for outside the lock: requests cut windows under it."""
-        with self.lock:
-            gone = [seg[2] for seg in self.closed if max(seg[3]) <= done_through]
-            self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
-            idle, self.idle = self.idle, []
-            needed = set().union(*(seg[3] for seg in self.closed))
-        for closed in gone:
-            tally.add(closed.readings(), "span_j")
-        for closed in idle:
-            tally.add(closed.readings(), "unattributed_j")
-        return needed
-
-
-class _Tally:
-    """Per-component sums of a level: the span's energy (``span_j``), the part no request was in flight
-    for (``unattributed_j``) and the requests' parts (``parts_j``); None once a window lacks it."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, dict[str, float | None]] = {}
-
-    def add(self, readings: list[EnergyReading], key: str) -> None:
-        for r in readings:
-            row = self.sums.setdefault(r.component, {"span_j": 0.0, "unattributed_j": 0.0, "parts_j": 0.0})
-            row[key] = None if r.energy_j is None or row[key] is None else row[key] + r.energy_j
-            if key == "unattributed_j":  # idle windows are part of the span too
-                row["span_j"] = None if r.energy_j is None or row["span_j"] is None else row["span_j"] + r.energy_j
-
-    def summary(self) -> dict[str, dict[str, float | None]]:
-        return {c: {k: (None if v is None else round(v, 6)) for k, v in row.items()} for c, row in self.sums.items()}
-
-
-def _request(completion: Completion | None, start: float, end: float) -> Request:
-    """A request of the concurrent split: its window, token times and, where the server timed it, its
-    prefill, placed so that it ends when the first token arrived."""
-    if completion is None:
-        return Request(start, end)
-    timings = completion.server_timings
-    prefill = None
-    if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
-        prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
-    return Request(start, end, completion.token_times_s, prefill, timings.prompt_n if prefill else 0)
-
-
-@dataclass(frozen=True)
-class _Share:
-    """One request's part of the energy measured while it ran."""
-
-    readings: list[EnergyReading]
-    busy_s: float  # its share of the time (for the idle part of net energy)
-    method: str  # "" when no other request overlapped it; else estimator.split_method
-    uncertainty_j: dict[str, float]  # per component: |share by work - share by time|
-
-
-def _split_share(job: int, segs: list[tuple[float, float, Closed, frozenset[int]]], futures) -> _Share:
-    """This request's share of each component's energy over its windows (which tile its own window),
-    split by ``estimator.split_concurrent`` among the requests active in each."""
-    if not segs:
-        return _Share([], 0.0, "", {})
-    peers = sorted(set().union(*(seg[3] for seg in segs)))
-    requests = []
-    for j in peers:
-        completion, _, start, end = futures[j].result()
-        requests.append(_request(completion, start, end))
-    me = peers.index(job)
-    edges = np.array([seg[0] for seg in segs] + [segs[-1][1]])
-    plain = by_time(requests)
-    busy_s = split_concurrent(edges, np.diff(edges), plain).per_request_j[me]  # time, split the same way
-    method = split_method(requests[me]) if len(peers) > 1 else ""
-    by_component: dict[str, list[EnergyReading]] = {}
-    for seg in segs:
-        for r in seg[2].readings():
-            by_component.setdefault(r.component, []).append(r)
-    readings, uncertainty = [], {}
-    for component, rs in by_component.items():
-        missing = len(rs) != len(segs) or any(r.energy_j is None for r in rs)
-        share = None
-        if not missing:
-            energy = [r.energy_j for r in rs]
-            share = split_concurrent(edges, energy, requests).per_request_j[me]
-            uncertainty[component] = abs(share - split_concurrent(edges, energy, plain).per_request_j[me])
-        readings.append(EnergyReading(
-            component=component, energy_j=share, source=rs[0].source, scope=rs[0].scope,
-            quality="unavailable" if missing else worst_quality([r.quality for r in rs]),
-            duration_s=float(edges[-1] - edges[0]),
-            note=f"share of {len(segs)} window(s) split among {len(peers)} overlapping request(s)"
-            + (f" by {method}" if method else ""),
-        ))
-    return _Share(readings, busy_s, method, uncertainty)
-
-
 def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurrency: int) -> None:
     """Unmeasured queries before a level: ``warmup`` of them, at least one per request slot, sent
     ``concurrency`` at a time (a failed one is not measured anyway)."""
@@ -383,8 +223,8 @@ def run_concurrent(
     the span's energy, the unattributed part and the sum of the requests' parts."""
     from concurrent.futures import ThreadPoolExecutor
 
-    segments = _Segments(window, len(work))
-    tally = _Tally()
+    segments = Segments(window, len(work))
+    tally = Tally()
     methods: dict[str, int] = {}
     estimate = getattr(backend, "energy_estimate", None)
 
@@ -403,7 +243,8 @@ def run_concurrent(
     try:
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
-            share = _split_share(job, segments.of(job), futures)
+            segs = segments.of(job)
+            share = split_share(job, segs, {j: _request_of(futures[j]) for j in set().union(*(seg[3] for seg in segs))})
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
                                  concurrency=concurrency, split=share)
@@ -424,6 +265,11 @@ def run_concurrent(
     return {"concurrency": concurrency, "requests": len(work), "start_s": segments.started_s, "end_s": segments.ended_s,
             "wall_s": round(segments.ended_s - segments.started_s, 6),
             "split_methods": methods, "energy": tally.summary()}
+
+
+def _request_of(future) -> Any:
+    completion, _, start, end = future.result()
+    return request_of(completion, start, end)
 
 
 def _load_full(config: RunConfig) -> list[Query]:

@@ -612,35 +612,8 @@ def split_concurrent(
     if np.any(energy < 0) or not np.all(np.isfinite(energy)):
         raise ValueError("slice energies must be finite and non-negative")
     reqs = [r if isinstance(r, Request) else Request(float(r[0]), float(r[1]), tuple(r[2])) for r in requests]
-    n_s, n_r = energy.size, len(reqs)
-    lo, hi = edges[:-1], edges[1:]
-
-    active_s = np.zeros((n_r, n_s))
-    work = np.zeros((n_r, n_s))
-    for k, r in enumerate(reqs):
-        if r.end_s < r.start_s:
-            raise ValueError(f"request {k} ends before it starts")
-        active_s[k] = np.clip(np.minimum(hi, r.end_s) - np.maximum(lo, r.start_s), 0.0, None)
-        tt = np.asarray(r.token_times_s, dtype=np.float64)
-        tt = tt[(tt >= r.start_s) & (tt <= r.end_s) & (tt >= edges[0]) & (tt <= edges[-1])]
-        if tt.size and n_s:
-            j = np.clip(np.searchsorted(edges, tt, side="right") - 1, 0, n_s - 1)
-            np.add.at(work[k], j, 1.0)
-        if r.prefill_s is not None and r.prefill_tokens > 0:
-            p0, p1 = max(r.prefill_s[0], r.start_s), min(r.prefill_s[1], r.end_s)
-            if p1 > p0:  # the prompt tokens, spread evenly over the prefill
-                work[k] += r.prefill_tokens * np.clip(np.minimum(hi, p1) - np.maximum(lo, p0), 0.0, None) / (p1 - p0)
-            elif lo.size:  # an instant prefill: all of it in the slice that holds that instant
-                work[k, np.clip(np.searchsorted(edges, p1, side="right") - 1, 0, n_s - 1)] += r.prefill_tokens
-    active = active_s > 0
-    work = np.where(active, work, 0.0)
-
-    work_sum = work.sum(axis=0)
-    act_sum = active_s.sum(axis=0)
-    weights = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
-                       active_s / np.where(act_sum > 0, act_sum, 1.0))
-    has_active = act_sum > 0
-    parts = (weights * np.where(has_active, energy, 0.0)).sum(axis=1) if n_r else np.zeros(0)
+    weights, has_active = slice_weights(edges[:-1], edges[1:], reqs)
+    parts = (weights * np.where(has_active, energy, 0.0)).sum(axis=1) if reqs else np.zeros(0)
     unattributed = float(energy[~has_active].sum())
     total = float(energy.sum())
     attributed = total - unattributed
@@ -648,6 +621,48 @@ def split_concurrent(
         f"concurrency split lost energy: parts {parts.sum()} J vs attributed {attributed} J"
     )
     return ConcurrencySplit(tuple(float(x) for x in parts), unattributed, total)
+
+
+def slice_weights(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's share of each slice ``[lo_s[k], hi_s[k]]`` (the weighting of
+    :func:`split_concurrent`, whose docstring says how work and active time decide it): a
+    ``(requests, slices)`` array whose columns sum to 1 where some request is active, and that mask.
+    The slices are in time order and do not overlap, but need not touch: ``ipw serve`` splits each
+    slice once, when the first of its requests ends (``ipw.meter``)."""
+    lo, hi = np.asarray(lo_s, dtype=np.float64), np.asarray(hi_s, dtype=np.float64)
+    n_s, n_r = lo.size, len(requests)
+    active_s = np.zeros((n_r, n_s))
+    work = np.zeros((n_r, n_s))
+    for k, r in enumerate(requests):
+        if r.end_s < r.start_s:
+            raise ValueError(f"request {k} ends before it starts")
+        active_s[k] = np.clip(np.minimum(hi, r.end_s) - np.maximum(lo, r.start_s), 0.0, None)
+        tt = np.asarray(r.token_times_s, dtype=np.float64)
+        if tt.size and n_s:
+            tt = tt[(tt >= r.start_s) & (tt <= r.end_s)]
+            # slice j holds [lo, hi), the last one closed; a token between two slices that do not touch is in none
+            j = np.searchsorted(lo, tt, side="right") - 1
+            ok = j >= 0
+            j = np.clip(j, 0, n_s - 1)
+            ok &= (tt < hi[j]) | ((tt == hi[j]) & (j == n_s - 1))
+            np.add.at(work[k], j[ok], 1.0)
+        if r.prefill_s is not None and r.prefill_tokens > 0:
+            p0, p1 = max(r.prefill_s[0], r.start_s), min(r.prefill_s[1], r.end_s)
+            if p1 > p0:  # the prompt tokens, spread evenly over the prefill
+                work[k] += r.prefill_tokens * np.clip(np.minimum(hi, p1) - np.maximum(lo, p0), 0.0, None) / (p1 - p0)
+            elif n_s:  # an instant prefill: all of it in the slice that holds that instant
+                at = np.nonzero((p1 >= lo) & (p1 < hi))[0]
+                if at.size:
+                    work[k, at[0]] += r.prefill_tokens
+                elif p1 == hi[-1]:
+                    work[k, n_s - 1] += r.prefill_tokens
+    active = active_s > 0
+    work = np.where(active, work, 0.0)
+    work_sum = work.sum(axis=0)
+    act_sum = active_s.sum(axis=0)
+    weights = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
+                       active_s / np.where(act_sum > 0, act_sum, 1.0))
+    return weights, act_sum > 0
 
 
 def by_time(requests: Sequence[Request]) -> list[Request]:

@@ -1,0 +1,145 @@
+"""``ipw serve`` and ``ipw wrap``: the measuring proxy, on its own or around a client command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ipw.commands.output import stdout
+from ipw.errors import IpwError
+
+
+def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
+                  api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
+                  timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
+                  n_gpu_layers: int | None, n_ctx: int | None):
+    """Check the options (before anything starts) and make the proxy's options and managed server."""
+    from ipw.config import check_idle_s
+    from ipw.serve import ServeOptions, Upstream, managed_backend
+
+    if (upstream is None) == (backend is None):
+        raise IpwError("give --upstream URL (a running OpenAI-compatible server) or --backend SERVER:MODEL "
+                       "(a server ipw starts), one of them")
+    if not 0 <= port <= 65535:
+        raise IpwError(f"--port: must be 0 (a free port) to 65535, got {port}")
+    if max_body_mb <= 0:
+        raise IpwError(f"--max-body-mb: must be > 0, got {max_body_mb:g}")
+    if timeout_s <= 0:
+        raise IpwError(f"--timeout-s: must be > 0, got {timeout_s:g}")
+    if parallel < 1:
+        raise IpwError(f"--parallel: must be >= 1, got {parallel}")
+    if role not in ("local", "cloud"):
+        raise IpwError(f"--role: must be local or cloud, got {role!r}")
+    if token is not None and len(token) < 8:
+        raise IpwError("--token: use at least 8 characters")
+    check_idle_s(idle_s, "--idle-s")
+    managed = None
+    if upstream is not None:
+        parsed = Upstream.parse(upstream)
+        default_name = f"serve:{parsed.host}:{parsed.port}"
+    else:
+        managed = managed_backend(backend, name, n_threads, n_gpu_layers, parallel, n_ctx)
+        default_name = managed.spec.name
+    options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
+                           api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
+                           max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role)
+    return options, managed
+
+
+def _sigterm_as_interrupt() -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    session = proxy.session
+    spans = line["energy"]
+    table = Table(title=f"ipw serve: {session.spec.name}")
+    for col in ("requests", "errors", "in flight (peak)", "energy (J)", "J/request", "unattributed (J)", "quality"):
+        table.add_column(col)
+    unattributed = [row.get("unattributed_j") for row in spans.values()]
+    table.add_row(str(session.requests), str(session.errors), str(line["in_flight_peak"]),
+                  f"{session.energy_j:.4g}", f"{session.energy_j / session.requests:.4g}" if session.requests else "n/a",
+                  "n/a" if not unattributed or None in unattributed else f"{sum(unattributed):.4g}",
+                  ", ".join(sorted(session.energy_quality)) or "n/a")
+    console.print(table)
+    console.print(f"run folder: {session.folder.path}  (ipw compare / ipw report / ipw check read it)")
+
+
+def _start(options, managed, out: Path | None, token: str | None, upstream_pid: list[int] | None,
+           resume: Path | None, console: Console):
+    from ipw.serve import start
+
+    return start(options, out or Path("results"), token=token, backend=managed, upstream_pids=upstream_pid,
+                 resume=resume, notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
+
+
+def serve_command(options, managed, *, out: Path | None, token: str | None, upstream_pid: list[int] | None,
+                  resume: Path | None) -> int:
+    console = Console(stderr=True)
+    _sigterm_as_interrupt()
+    proxy = _start(options, managed, out, token, upstream_pid, resume, console)
+    console.print(f"ipw serve: {proxy.url} -> {proxy.session.upstream.url}; run folder {proxy.session.folder.path}. "
+                  "Ctrl-C (or SIGTERM) stops it and finishes the folder.", highlight=False, markup=False, soft_wrap=True)
+    try:
+        shown = -1
+        while True:
+            time.sleep(0.5)
+            s = proxy.session
+            if s.requests != shown and int(time.monotonic()) % 10 == 0:
+                shown = s.requests
+                console.print(f"ipw serve: {s.requests} requests ({s.errors} errors), {s.meter.in_flight()} in flight, "
+                              f"{s.energy_j:.4g} J", highlight=False, markup=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        console.print("ipw serve: stopping (requests in flight may finish)", highlight=False, markup=False, soft_wrap=True)
+    line = proxy.stop()
+    _summary(proxy, line, stdout())
+    return 0
+
+
+def wrap_command(options, managed, command: list[str], *, out: Path | None, token: str | None,
+                 upstream_pid: list[int] | None) -> int:
+    """Run ``command`` with OPENAI_BASE_URL (and OPENAI_API_BASE) pointing at the proxy; its exit code."""
+    if not command:
+        raise IpwError("ipw wrap: give the command to run after --, e.g. ipw wrap --upstream URL -- python client.py")
+    console = Console(stderr=True)
+    proxy = _start(options, managed, out, token, upstream_pid, None, console)
+    env = {**os.environ, "OPENAI_BASE_URL": proxy.url, "OPENAI_API_BASE": proxy.url}
+    if token is not None:
+        env["OPENAI_API_KEY"] = token
+    else:
+        env.setdefault("OPENAI_API_KEY", "ipw-wrap")  # clients that insist on a key; the proxy ignores it
+    console.print(f"ipw wrap: {' '.join(command)}  (OPENAI_BASE_URL={proxy.url})", highlight=False, markup=False, soft_wrap=True)
+    code = 0
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        proxy.stop(status="failed", reason=f"the command could not start: {exc.strerror}")
+        raise IpwError(f"ipw wrap: cannot run {command[0]!r} ({exc.strerror})") from None
+    stop = threading.Event()
+
+    def forward(signum, frame):  # SIGTERM to ipw goes to the command too
+        stop.set()
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the command too (same process group)
+        code = child.wait()
+    line = proxy.stop(status="complete" if code == 0 and not stop.is_set() else "interrupted",
+                      reason=None if code == 0 else f"the command exited with {code}")
+    _summary(proxy, line, stdout())
+    return code if code >= 0 else 128 - code

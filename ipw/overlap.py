@@ -1,0 +1,348 @@
+"""Energy of requests that overlap (DESIGN.md §3, docs/SERVING.md): a span of time cut into sensor
+windows at every request's start and end, and each window's energy split among the requests in
+flight in it, by the work each did there (``estimator.slice_weights``).
+
+Two users, one split:
+
+- ``ipw run`` (:class:`Segments` with a known number of requests): a level's span; each record is
+  split once every request it overlapped has finished (``split_share``), with all their token times
+  and server timings;
+- ``ipw serve`` (:class:`Meter`, open-ended): a response needs its energy when it ends, so each window
+  is split once, when the first of its requests ends, with what is known of the others then (their
+  token times so far; a peer's prefill timings only once the peer has ended).  Every window is split
+  exactly once, so the parts and the unattributed windows still add up to the measured total.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ipw.backends.base import Completion
+from ipw.telemetry.base import EnergyReading, worst_quality
+from ipw.telemetry.estimator import Request, by_time, slice_weights, split_method
+from ipw.telemetry.window import Closed, Window
+
+#: one window of a span: its start and end (monotonic s), its sensors' result, the requests in flight
+Slice = tuple[float, float, Closed, frozenset[int]]
+
+
+class Segments:
+    """A span cut into sensor windows at every request's start and end (``Window.cut``), so that the
+    windows tile the span: the energy of the whole span is the sum of theirs.  Windows with a request
+    in flight are kept (``closed``) until the caller has split them; those with none are the span's
+    unattributed energy (``idle``).
+
+    ``requests``: how many requests the span holds (``ipw run``'s level: the span ends when the last
+    one does), or None for an open-ended span (``ipw serve``), which ends with :meth:`finish`.
+    """
+
+    def __init__(self, window: Window, requests: int | None) -> None:
+        self.window = window
+        self.remaining = requests  # requests not yet ended
+        self.lock = threading.Lock()
+        self.active: set[int] = set()
+        self.tokens: Any = None
+        self.opened_s = 0.0
+        self.closed: list[Slice] = []
+        self.idle: list[Closed] = []  # windows with no request in flight
+        self.started_s = self.ended_s = 0.0
+
+    def start(self) -> None:
+        self.tokens = self.window.begin()
+        self.started_s = self.opened_s = time.monotonic()
+
+    def event(self, add: int | None = None, remove: int | None = None) -> float:
+        """A request starts (``add``) or ends (``remove``): cut the window there.  When the span's last
+        request ends, the span ends with it (not when its records are built)."""
+        with self.lock:
+            if self.tokens is None:  # the span has ended
+                return time.monotonic()
+            if remove is not None and self.remaining is not None:
+                self.remaining -= 1
+            last = self.remaining == 0
+            if last:
+                closed, self.tokens = self.window.end(self.tokens), None
+            else:
+                closed, self.tokens = self.window.cut(self.tokens)
+            now = time.monotonic()
+            if self.active:
+                self.closed.append((self.opened_s, now, closed, frozenset(self.active)))
+            else:
+                self.idle.append(closed)
+            self.opened_s = now
+            if last:
+                self.ended_s = now
+            if add is not None:
+                self.active.add(add)
+            self.active.discard(remove)
+            return now
+
+    def finish(self) -> None:
+        """End the span if no request did (an interrupted level, or ``ipw serve`` stopping)."""
+        with self.lock:
+            if self.tokens is None:
+                return
+            closed, self.tokens = self.window.end(self.tokens), None
+            self.ended_s = time.monotonic()
+            (self.closed.append((self.opened_s, self.ended_s, closed, frozenset(self.active))) if self.active
+             else self.idle.append(closed))
+
+    def of(self, job: int) -> list[Slice]:
+        with self.lock:
+            return [seg for seg in self.closed if job in seg[3]]
+
+    def take_idle(self) -> list[Closed]:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        return idle
+
+    def release(self, done_through: int, tally: "Tally") -> set[int]:
+        """Forget the windows of requests up to ``done_through`` (recorded, in job order), adding their
+        energy to ``tally``, so that a long run holds only the windows of requests in flight; returns the
+        jobs those still involve.  Readings are waited for outside the lock: requests cut windows under it."""
+        with self.lock:
+            gone = [seg[2] for seg in self.closed if max(seg[3]) <= done_through]
+            self.closed = [seg for seg in self.closed if max(seg[3]) > done_through]
+            needed = set().union(*(seg[3] for seg in self.closed))
+        for closed in gone:
+            tally.add(closed.readings(), "span_j")
+        for closed in self.take_idle():
+            tally.add(closed.readings(), "unattributed_j")
+        return needed
+
+
+class Tally:
+    """Per-component sums of a span: its energy (``span_j``), the part no request was in flight for
+    (``unattributed_j``) and the requests' parts (``parts_j``); None once a window lacks it."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[str, float | None]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, readings: list[EnergyReading], key: str) -> None:
+        with self.lock:
+            for r in readings:
+                row = self.sums.setdefault(r.component, {"span_j": 0.0, "unattributed_j": 0.0, "parts_j": 0.0})
+                row[key] = None if r.energy_j is None or row[key] is None else row[key] + r.energy_j
+                if key == "unattributed_j":  # idle windows are part of the span too
+                    row["span_j"] = None if r.energy_j is None or row["span_j"] is None else row["span_j"] + r.energy_j
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        with self.lock:
+            return {c: {k: (None if v is None else round(v, 6)) for k, v in row.items()} for c, row in self.sums.items()}
+
+
+def request_of(completion: Completion | None, start: float, end: float) -> Request:
+    """A request of the concurrent split: its window, token times and, where the server timed it, its
+    prefill, placed so that it ends when the first token arrived."""
+    if completion is None:
+        return Request(start, end)
+    timings = completion.server_timings
+    prefill = None
+    if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
+        prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
+    return Request(start, end, completion.token_times_s, prefill, timings.prompt_n if prefill else 0)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One request's part of the energy measured while it ran."""
+
+    readings: list[EnergyReading]
+    busy_s: float  # its share of the time (for the idle part of net energy)
+    method: str  # "" when no other request overlapped it; else estimator.split_method
+    uncertainty_j: dict[str, float]  # per component: |share by work - share by time|
+
+
+def assemble(parts: list[tuple[float, float, list[EnergyReading], float, float]], method: str, peers: int) -> Share:
+    """A request's :class:`Share` from its windows, each ``(start, end, readings, weight by work, weight
+    by time)``: the windows tile its own window, the weights are its part of each (``slice_weights``)."""
+    if not parts:
+        return Share([], 0.0, "", {})
+    busy_s = sum(w_time * (hi - lo) for lo, hi, _, _, w_time in parts)
+    by_component: dict[str, list[tuple[EnergyReading, float, float]]] = {}
+    for _, _, readings, w_work, w_time in parts:
+        for r in readings:
+            by_component.setdefault(r.component, []).append((r, w_work, w_time))
+    readings, uncertainty = [], {}
+    for component, rs in by_component.items():
+        missing = len(rs) != len(parts) or any(r.energy_j is None for r, _, _ in rs)
+        share = None
+        if not missing:
+            share = sum(w * r.energy_j for r, w, _ in rs)
+            uncertainty[component] = abs(share - sum(w * r.energy_j for r, _, w in rs))
+        first = rs[0][0]
+        readings.append(EnergyReading(
+            component=component, energy_j=share, source=first.source, scope=first.scope,
+            quality="unavailable" if missing else worst_quality([r.quality for r, _, _ in rs]),
+            duration_s=float(parts[-1][1] - parts[0][0]),
+            note=f"share of {len(parts)} window(s) split among {peers} overlapping request(s)"
+            + (f" by {method}" if method else ""),
+        ))
+    return Share(readings, busy_s, method, uncertainty)
+
+
+def split_share(job: int, segs: list[Slice], requests: dict[int, Request]) -> Share:
+    """``ipw run``: this request's share of each component's energy over its windows (which tile its own
+    window), split among the requests active in each, all of which have ended (``requests``: by job)."""
+    if not segs:
+        return Share([], 0.0, "", {})
+    peers = sorted(set().union(*(seg[3] for seg in segs)))
+    reqs = [requests[j] for j in peers]
+    me = peers.index(job)
+    lo = np.array([seg[0] for seg in segs])
+    hi = np.array([seg[1] for seg in segs])
+    w_work = slice_weights(lo, hi, reqs)[0][me]
+    w_time = slice_weights(lo, hi, by_time(reqs))[0][me]
+    method = split_method(requests[job]) if len(peers) > 1 else ""
+    return assemble([(seg[0], seg[1], seg[2].readings(), float(w_work[k]), float(w_time[k]))
+                     for k, seg in enumerate(segs)], method, len(peers))
+
+
+@dataclass
+class _Live:
+    """What is known of a request in flight."""
+
+    start: float
+    times: list[float] = field(default_factory=list)  # its output tokens so far
+    prefill: tuple[float, float] | None = None
+    prompt_tokens: int = 0
+
+    def request(self, now: float) -> Request:
+        """The request as known now (in flight until at least ``now``)."""
+        return Request(self.start, max(now, self.start), tuple(self.times), self.prefill, self.prompt_tokens)
+
+
+class Meter:
+    """``ipw serve``'s open-ended span: requests start and end at any time, and each gets its share
+    when it ends (``finish``), without waiting for the requests it overlapped.
+
+    A window is split once, when the first of its requests ends: a request still in flight then counts
+    with its token times so far (they are exactly its work in that window: a token is timed under the
+    lock that cuts windows) and with its prefill once the server has reported it (``prefill``:
+    llama-server does with the first token when asked for ``timings_per_token``).  A peer whose prefill
+    is not known yet (still prefilling, or a server that reports timings only at the end) has its
+    prefill charged to the requests decoding beside it, as ``decode_tokens`` does.  The weights of each window are kept until every request in
+    it has taken its part: the parts of all requests and the windows with none in flight add up to the
+    span's measured energy (``tally``)."""
+
+    def __init__(self, window: Window) -> None:
+        self.segments = Segments(window, None)
+        self.tally = Tally()
+        self._live: dict[int, _Live] = {}  # requests in flight
+        self._ended: dict[int, Request] = {}  # ended jobs whose windows other requests still share
+        self._weights: dict[int, dict[int, tuple[float, float]]] = {}  # id(window) -> job -> (work, time)
+        self._taken: dict[int, set[int]] = {}  # id(window) -> jobs that took their part
+        self._split_lock = threading.Lock()
+        self._next = 0
+        self.in_flight_peak = 0
+
+    def open(self) -> None:
+        self.segments.start()
+
+    def start(self) -> int:
+        """A request starts now: its job number."""
+        with self.segments.lock:
+            job, self._next = self._next, self._next + 1
+        start = self.segments.event(add=job)
+        with self.segments.lock:
+            self._live[job] = _Live(start)
+            self.in_flight_peak = max(self.in_flight_peak, len(self._live))
+        return job
+
+    def token(self, job: int) -> None:
+        """An output token of ``job`` arrived now (timed under the lock that cuts windows)."""
+        with self.segments.lock:
+            self._live[job].times.append(time.monotonic())
+
+    def prefill(self, job: int, prompt_ms: float, prompt_tokens: int) -> None:
+        """The server reported ``job``'s prefill (its prompt tokens, and how long they took): it ended
+        when the first token arrived."""
+        with self.segments.lock:
+            live = self._live[job]
+            if live.times and live.prefill is None:
+                live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
+                live.prompt_tokens = prompt_tokens
+
+    def started_s(self, job: int) -> float:
+        with self.segments.lock:
+            return self._live[job].start
+
+    def token_times(self, job: int) -> tuple[float, ...]:
+        with self.segments.lock:
+            return tuple(self._live[job].times)
+
+    def finish(self, job: int, completion: Completion | None) -> tuple[float, float, Share]:
+        """``job`` ended now: its window (start, end) and its share of the energy measured while it ran
+        (waiting for the sensors to cover its end).  ``completion``: what it produced (token times,
+        server timings), or None for a request that produced nothing."""
+        end = self.segments.event(remove=job)
+        with self.segments.lock:
+            live = self._live.pop(job)
+            start = live.start
+            request = request_of(completion, start, end) if completion is not None else live.request(end)
+            self._ended[job] = request
+        mine = self.segments.of(job)
+        readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock: NVML may take a moment
+        parts, peers = [], set()
+        with self._split_lock:
+            for lo, hi, closed, active in mine:
+                key = id(closed)
+                if key not in self._weights:
+                    self._weights[key] = self._split(lo, hi, active)
+                    self._taken[key] = set()
+                    self.tally.add(readings[key], "span_j")
+                w_work, w_time = self._weights[key][job]
+                parts.append((lo, hi, readings[key], w_work, w_time))
+                peers |= active
+                self._taken[key].add(job)
+            done = [seg for seg in mine if self._taken[id(seg[2])] >= seg[3]]
+            for seg in done:
+                del self._weights[id(seg[2])], self._taken[id(seg[2])]
+            gone = {id(seg[2]) for seg in done}
+            with self.segments.lock:
+                self.segments.closed = [seg for seg in self.segments.closed if id(seg[2]) not in gone]
+                still = set().union(*(seg[3] for seg in self.segments.closed))
+                for j in [j for j in self._ended if j not in still]:
+                    del self._ended[j]
+        share = assemble(parts, split_method(request) if len(peers) > 1 else "", len(peers))
+        self.tally.add(share.readings, "parts_j")
+        self._drain_idle(wait=False)
+        return start, end, share
+
+    def _split(self, lo: float, hi: float, active: frozenset[int]) -> dict[int, tuple[float, float]]:
+        jobs = sorted(active)
+        with self.segments.lock:
+            reqs = [self._ended[j] if j in self._ended else self._live[j].request(hi) for j in jobs]
+        w_work = slice_weights(np.array([lo]), np.array([hi]), reqs)[0][:, 0]
+        w_time = slice_weights(np.array([lo]), np.array([hi]), by_time(reqs))[0][:, 0]
+        return {j: (float(w_work[i]), float(w_time[i])) for i, j in enumerate(jobs)}
+
+    def _drain_idle(self, wait: bool) -> None:
+        """Add the windows with no request in flight to the unattributed energy (those whose readings are
+        final, or all of them with ``wait``)."""
+        idle = self.segments.take_idle()
+        later = [c for c in idle if not (wait or c.ready())]
+        for closed in idle:
+            if wait or closed.ready():
+                self.tally.add(closed.readings(), "unattributed_j")
+        if later:
+            with self.segments.lock:
+                self.segments.idle[:0] = later
+
+    def in_flight(self) -> int:
+        with self.segments.lock:
+            return len(self._live)
+
+    def close(self) -> dict[str, dict[str, float | None]]:
+        """End the span (after the last request has finished) and return the conservation tally."""
+        self.segments.finish()
+        self._drain_idle(wait=True)
+        for lo, hi, closed, active in self.segments.closed:  # requests that never finished (should be none)
+            self.tally.add(closed.readings(), "span_j")
+        return self.tally.summary()

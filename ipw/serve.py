@@ -1,0 +1,777 @@
+"""``ipw serve``: a measuring OpenAI-compatible proxy.  Clients (an app, an agent, a load generator)
+talk to it as to any OpenAI endpoint; it forwards ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/models`` to an upstream server, meters this machine's devices with the sensors of ``ipw run``
+while requests are in flight, and hands each response its own energy (``usage.energy``), split from
+overlapping requests' as under ``ipw run``'s concurrent load (``ipw.overlap.Meter``).  Every request
+becomes a record of a run folder that ``compare``, ``report`` and ``check`` read.
+
+Standard library only (``http.server`` threads, ``http.client`` upstream): a stream passes through
+event by event, unbuffered; only its last usage event waits for the sensors to cover the request's end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import http.client
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from ipw import __version__
+from ipw.backends.base import BackendSpec, Completion, QueryError
+from ipw.datasets import Query
+from ipw.errors import IpwError
+from ipw.overlap import Meter
+from ipw.results import QueryRecord, RunFolder, RunManifest, load_records_jsonl, new_run_id
+from ipw.sanitize import read_key, redact_url, scrub
+from ipw.telemetry.window import IdleBaseline, Window, measure_idle
+
+#: the paths a client may call (under /v1); the first two are metered
+METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+MODELS = "/v1/models"
+MAX_ERROR_BODY = 1 << 20  # an upstream error body passed through, at most
+MAX_RESPONSE_BODY = 64 << 20  # a non-streamed upstream answer, at most
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What ``ipw serve`` was asked to do (the manifest's ``config.serve``; no secret in it)."""
+
+    upstream: str  # base URL of the upstream OpenAI-compatible API, e.g. http://127.0.0.1:8080/v1
+    name: str  # the backend name of the records
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port
+    api_key_env: str | None = None  # the variable holding the upstream's key (sent upstream only)
+    token_required: bool = False  # clients must send Authorization: Bearer <token>
+    log_prompts: bool = False  # keep prompts and outputs in the records (else their SHA-256)
+    max_body_bytes: int = 16 << 20
+    timeout_s: float = 600.0  # per upstream request, from its start to its last byte
+    idle_s: float = 3.0
+    role: str = "local"
+    model: str = ""  # what the upstream serves, when known (a managed server's model)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    scheme: str
+    host: str
+    port: int
+    prefix: str  # the path before /chat/completions, e.g. /v1
+    remote: bool  # not on this machine: its energy is the API estimate, labeled estimated
+
+    @classmethod
+    def parse(cls, url: str) -> "Upstream":
+        from ipw.backends.openai_http import is_loopback
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise IpwError(f"--upstream {redact_url(url)!r}: expected http(s)://HOST[:PORT]/v1")
+        if parts.username or parts.password:
+            raise IpwError("--upstream: a user or password in the URL is refused; put the key in a variable and "
+                           "give --api-key-env NAME")
+        if parts.query:
+            raise IpwError("--upstream: a query string is refused; give the base URL, e.g. http://HOST:PORT/v1")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            raise IpwError(f"--upstream {redact_url(url)!r}: bad port") from None
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), not is_loopback(parts.hostname))
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
+
+    def connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=timeout_s)
+
+
+def prompt_digest(body: dict[str, Any]) -> tuple[str, str]:
+    """A request's query id (the first 16 hex digits of the SHA-256 of its prompt: the same prompt
+    pairs across runs) and its prompt as text (chat: the messages as JSON)."""
+    prompt = body.get("messages") if "messages" in body else body.get("prompt", "")
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:16], text
+
+
+def _hashed(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def energy_object(record: QueryRecord) -> dict[str, Any]:
+    """``usage.energy`` of a response: its record's energy, labeled as the record is."""
+    return {
+        "energy_j": record.energy_j, "net_energy_j": record.net_energy_j,
+        # the ± that the split among overlapping requests adds (|by work - by time|); null when the
+        # request ran alone; the sensors' own error is not in it (docs/SERVING.md)
+        "uncertainty_j": record.split_uncertainty_j,
+        "quality": record.energy_quality, "source": record.energy_source, "scope": record.energy_scope,
+        "split_method": record.split_method or "none",
+        "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+        "duration_s": round(record.end_s - record.start_s, 6), "request_id": f"{record.query_id}/{record.repeat}",
+    }
+
+
+class Session:
+    """The measuring side of a proxy: the meter, the run folder and the records (thread-safe)."""
+
+    def __init__(self, folder: RunFolder, options: ServeOptions, upstream: Upstream, meter: Meter,
+                 idle: IdleBaseline, estimate: Any = None, key: str | None = None, token: str | None = None,
+                 notice: Callable[[str], None] = lambda line: None, llama_timings: bool = False) -> None:
+        self.folder, self.options, self.upstream = folder, options, upstream
+        self.llama_timings = llama_timings  # the upstream is llama.cpp's server: ask for timings_per_token
+        self.meter, self.idle, self.estimate = meter, idle, estimate
+        self.key, self.token = key, token
+        self.spec = BackendSpec(name=options.name, kind="serve", model=options.model or options.name, role=options.role)
+        self.notice = notice
+        self._lock = threading.Lock()
+        self.repeats: dict[str, int] = {}
+        self.queries: set[str] = set()
+        self.requests = self.errors = 0
+        self.energy_j = 0.0
+        self.energy_quality: set[str] = set()
+        for row in load_records_jsonl(folder.path / "records.jsonl").to_dict("records"):  # a resumed folder
+            self.repeats[row["query_id"]] = max(self.repeats.get(row["query_id"], 0), int(row["repeat"]) + 1)
+            self.queries.add(row["query_id"])
+
+    def next_repeat(self, query_id: str) -> int:
+        with self._lock:
+            n = self.repeats.get(query_id, 0)
+            self.repeats[query_id] = n + 1
+            self.queries.add(query_id)
+            return n
+
+    def build(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
+              error: Exception | None) -> QueryRecord:
+        """End ``job`` and make its record (its energy waits for the sensors to cover its end)."""
+        from ipw.runner import make_record
+
+        start, end, share = self.meter.finish(job, completion)
+        query_id, text = prompt_digest(body)
+        if not self.options.log_prompts:
+            text = _hashed(text)
+            if completion is not None:
+                completion = dataclasses.replace(completion, text=_hashed(completion.text))
+        query = Query(id=query_id, prompt=text, answer="", category=api, scorer="judge")
+        return make_record(self.folder.manifest.run_id, self.spec, query, self.next_repeat(query_id), completion,
+                           error, start, end, share.readings, idle=self.idle, estimate=self.estimate,
+                           busy_s=share.busy_s, split=share)
+
+    def write(self, record: QueryRecord) -> None:
+        with self._lock:
+            self.folder.append(record)
+            self.requests += 1
+            self.errors += record.error is not None
+            if record.energy_j is not None:
+                self.energy_j += record.energy_j
+            self.energy_quality.add(record.energy_quality)
+
+    def hide_key(self, data: bytes) -> bytes:
+        """An upstream's body with the upstream key (should it echo it) replaced, before it reaches a client."""
+        return data.replace(self.key.encode(), b"***") if self.key else data
+
+    def check_token(self, header: str | None) -> bool:
+        if self.token is None:
+            return True
+        expected = f"Bearer {self.token}".encode()
+        return hmac.compare_digest((header or "").encode(errors="replace"), expected)
+
+
+class _Stream:
+    """What the proxy saw of one upstream answer: content pieces, usage, server timings, finish."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.usage: dict[str, Any] = {}
+        self.timings: Any = None
+        self.finish = ""
+        self.first_s: float | None = None
+
+    def take(self, data: dict[str, Any], api: str) -> bool:
+        """Note one chunk (or a whole answer); True when it carried output text."""
+        if isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+        self.timings = data.get("timings") or self.timings
+        got = False
+        for choice in data.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            if api == "chat":
+                piece = (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+            else:
+                piece = choice.get("text") or ""
+            if piece:
+                self.parts.append(piece)
+                got = True
+            self.finish = choice.get("finish_reason") or self.finish
+        return got
+
+    def completion(self, start: float, end: float, times: tuple[float, ...]) -> Completion:
+        from ipw.backends.openai_http import server_timings
+
+        return Completion(
+            text="".join(self.parts), prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
+            completion_tokens=int(self.usage.get("completion_tokens") or len(times)), start_s=start,
+            first_token_s=times[0] if times else self.first_s, end_s=end, token_times_s=times,
+            finish_reason=self.finish, server_timings=server_timings(self.timings))
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the answer was being written."""
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "ProxyServer"
+    server_version = f"ipw-serve/{__version__}"
+
+    def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr (bodies never logged)
+        pass
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _json(self, status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        payload = json.dumps(data, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _error(self, status: int, message: str, kind: str) -> None:
+        self.close_connection = True
+        self._json(status, {"error": {"message": scrub(message), "type": kind, "code": status}}, {"Connection": "close"})
+
+    def _authorized(self) -> bool:
+        if self.server.session.check_token(self.headers.get("Authorization")):
+            return True
+        self._error(401, "ipw serve: missing or wrong token (send Authorization: Bearer <token>)", "unauthorized")
+        return False
+
+    def _upstream_headers(self, stream: bool) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "User-Agent": f"ipw-serve/{__version__}",
+                   "Accept": "text/event-stream" if stream else "application/json"}
+        key = self.server.session.key
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
+
+    def _open(self, method: str, path: str, body: bytes | None, stream: bool,
+              deadline: float | None = None) -> tuple[http.client.HTTPConnection, Any]:
+        """Send the request upstream on this client connection's upstream connection (one retry on a fresh
+        connection when a kept-alive one was closed by the server)."""
+        session = self.server.session
+        for attempt in (0, 1):
+            conn = getattr(self, "_up", None)
+            fresh = conn is None
+            if fresh:
+                conn = self._up = session.upstream.connection(session.options.timeout_s)
+            try:
+                conn.request(method, session.upstream.prefix + path[len("/v1"):], body=body,
+                             headers=self._upstream_headers(stream))
+                if deadline is not None:  # a trickle that never ends is cut at the deadline
+                    self.server.watchdog.watch(self, conn, deadline)
+                return conn, conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                conn.close()
+                self._up = None
+                if fresh or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _drop_upstream(self) -> None:
+        conn = getattr(self, "_up", None)
+        if conn is not None:
+            conn.close()  # the server sees the connection close and stops generating
+            self._up = None
+
+    def _send_chunk(self, data: bytes) -> None:
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
+            raise _ClientGone(type(exc).__name__) from None
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            return self._json(200, {"status": "ok", "in_flight": self.server.session.meter.in_flight()})
+        if path.rstrip("/") != MODELS:
+            return self._error(404, f"ipw serve: no route {path} (it serves /v1/chat/completions, "
+                               "/v1/completions and /v1/models)", "not_found")
+        if not self._authorized():
+            return
+        try:
+            conn, resp = self._open("GET", MODELS, None, stream=False)
+            payload = resp.read(MAX_RESPONSE_BODY)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop_upstream()
+            return self._error(502, f"ipw serve: upstream {self.server.session.upstream.url}: {type(exc).__name__}",
+                               "upstream_unreachable")
+        self.send_response(resp.status)
+        self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        api = METERED.get(path)
+        if api is None:
+            return self._error(404, f"ipw serve: no route {path} (it serves /v1/chat/completions, "
+                               "/v1/completions and /v1/models)", "not_found")
+        if not self._authorized():
+            return
+        session = self.server.session
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            return self._error(411, "ipw serve: send the body with a Content-Length", "length_required")
+        if int(length) > session.options.max_body_bytes:
+            return self._error(413, f"ipw serve: request body of {int(length)} bytes is over the limit of "
+                               f"{session.options.max_body_bytes} (--max-body-mb)", "request_too_large")
+        try:
+            body = json.loads(self.rfile.read(int(length)))
+        except (ValueError, RecursionError):
+            return self._error(400, "ipw serve: the request body is not JSON", "invalid_request")
+        if not isinstance(body, dict):
+            return self._error(400, "ipw serve: the request body must be a JSON object", "invalid_request")
+        self._metered(api, path, body)
+
+    def _metered(self, api: str, path: str, body: dict[str, Any]) -> None:
+        session = self.server.session
+        stream = bool(body.get("stream"))
+        if stream:  # ask for usage always: exact token counts, and the chunk that carries the energy
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            body = {**body, "stream_options": {**options, "include_usage": True}}
+            if session.llama_timings:  # llama-server: each chunk says how long the prompt took (the split's prefill)
+                body.setdefault("timings_per_token", True)
+        payload = json.dumps(body).encode()
+        seen = _Stream()
+        job = session.meter.start()
+        start = session.meter.started_s(job)
+        error: Exception | None = None
+        self._record = None  # set as soon as the request's record is made (its energy is then final)
+        try:
+            try:
+                conn, resp = self._open("POST", path, payload, stream, deadline=start + session.options.timeout_s)
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop_upstream()
+                error = QueryError(f"upstream {session.upstream.url}: {type(exc).__name__}: {scrub(str(exc))}",
+                                   "connection")
+                self._record = session.build(job, body, api, None, error)
+                return self._error(502, str(error), "upstream_unreachable")
+            if resp.status != 200:
+                detail = session.hide_key(resp.read(MAX_ERROR_BODY))  # an echoed header goes no further
+                category = "http_429" if resp.status == 429 else "http_5xx" if resp.status >= 500 else "http_4xx"
+                error = QueryError(f"HTTP {resp.status} from {session.upstream.url}: "
+                                   f"{scrub(detail.decode('utf-8', errors='replace'))[:300].strip()}", category)
+                self._record = session.build(job, body, api, None, error)
+                self.send_response(resp.status)  # the upstream's error, passed through with its status
+                self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
+                self.send_header("Content-Length", str(len(detail)))
+                self.end_headers()
+                self.wfile.write(detail)
+                return
+            if "text/event-stream" in (resp.getheader("Content-Type") or ""):
+                self._relay_stream(job, body, api, resp, seen, start)
+            else:
+                self._relay_json(job, body, api, resp, seen, start)
+        except (_ClientGone, BrokenPipeError, ConnectionResetError) as exc:
+            self._drop_upstream()  # the server sees its connection close and stops generating
+            error = QueryError(f"the client disconnected mid-answer ({type(exc).__name__}); the upstream request "
+                               "was cancelled", "client_disconnect")
+            self.close_connection = True
+        except (OSError, http.client.HTTPException) as exc:  # the upstream failed or ran past --timeout-s
+            self._drop_upstream()
+            timeout = isinstance(exc, TimeoutError) or self.server.watchdog.expired(self)
+            error = QueryError(f"upstream {session.upstream.url} failed mid-answer: {type(exc).__name__}"
+                               + (f" (--timeout-s {session.options.timeout_s:g})" if timeout else ""),
+                               "timeout" if timeout else "connection")
+            self.close_connection = True
+        finally:
+            self.server.watchdog.forget(self)
+            record = self._record
+            if record is None:  # ended by an error before its record was made
+                record = session.build(job, body, api, seen.completion(start, time.monotonic(),
+                                                                       session.meter.token_times(job))
+                                       if seen.parts else None, error or QueryError("no answer", "connection"))
+            elif error is not None and error.category == "client_disconnect" and record.error is None:
+                record = dataclasses.replace(record, error=f"QueryError: {error}", error_category=error.category)
+            session.write(record)  # after the answer went out: the client never waits for the disk
+
+    def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
+                    start: float) -> QueryRecord:
+        session = self.server.session
+        raw = resp.read(MAX_RESPONSE_BODY)
+        end = time.monotonic()
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            record = self._record = session.build(job, body, api, None, QueryError("upstream answer is not JSON", "malformed_stream"))
+            self.send_response(200)
+            self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+            return record
+        seen.take(data, api)
+        completion = seen.completion(start, end, (end,) if seen.parts else ())
+        record = self._record = session.build(job, body, api, completion, None)
+        energy = energy_object(record)
+        data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}), "energy": energy}
+        headers = {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
+                   "x-ipw-energy-quality": record.energy_quality}
+        self._json(200, data, headers)
+        return record
+
+    def _relay_stream(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
+                      start: float) -> QueryRecord:
+        from ipw.backends.openai_http import server_timings
+
+        session = self.server.session
+        meter = session.meter
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        deadline = start + session.options.timeout_s
+        record: QueryRecord | None = None
+        last: dict[str, Any] = {}
+        lines: list[bytes] = []
+        prefilled = False
+        while True:
+            raw = resp.readline(1 << 20)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no [DONE] within --timeout-s {session.options.timeout_s:g}")
+            if not raw:
+                break  # the upstream closed the stream
+            if raw.strip():
+                lines.append(raw)
+                continue
+            if not lines:
+                continue
+            event, lines = b"".join(lines), []
+            data_lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
+            data = b"\n".join(data_lines)
+            if data == b"[DONE]":
+                if record is None:  # no usage chunk came: the energy goes in a last chunk of its own
+                    record = self._record = self._end_stream(job, body, api, seen, start)
+                    self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+                self._send_chunk(event + b"\n")
+                break
+            try:
+                chunk = json.loads(data) if data else None
+            except ValueError:
+                chunk = None
+            if not isinstance(chunk, dict):
+                self._send_chunk(event + b"\n")
+                continue
+            last = chunk
+            if isinstance(chunk.get("usage"), dict) and not chunk.get("choices"):
+                # the usage chunk (choices: []), which ipw asked for: the request's end; its energy goes in
+                # it, and the client gets it whether it asked for usage or not (then as the last event)
+                if record is None:
+                    seen.take(chunk, api)
+                    record = self._record = self._end_stream(job, body, api, seen, start)
+                    chunk["usage"] = {**chunk["usage"], "energy": energy_object(record)}
+                    self._send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                continue
+            if seen.take(chunk, api):
+                meter.token(job)
+                if not prefilled and seen.timings:  # llama-server with timings_per_token: known at the first token
+                    timings = server_timings(seen.timings)
+                    if timings is not None:
+                        meter.prefill(job, timings.prompt_ms, timings.prompt_n)
+                        prefilled = True
+            self._send_chunk(event + b"\n")
+        if record is None:  # the stream ended without [DONE]
+            record = self._record = self._end_stream(job, body, api, seen, start,
+                                      None if seen.finish else QueryError("stream ended before [DONE]", "connection"))
+            self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+        self._send_chunk(b"")  # the end of the chunked body
+        return record
+
+    def _end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
+                    error: Exception | None = None) -> QueryRecord:
+        session = self.server.session
+        times = session.meter.token_times(job)
+        completion = seen.completion(start, time.monotonic(), times)
+        if error is None and not completion.text.strip():
+            error = QueryError(f"empty answer (finish_reason={seen.finish or 'none'})", "empty_answer")
+        return session.build(job, body, api, completion, error)
+
+    @staticmethod
+    def _usage_chunk(last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
+        """A chunk as a server sends for ``stream_options.include_usage``: no choices, and usage (with
+        the request's energy)."""
+        return {"id": last.get("id", f"ipw-{record.query_id}"), "object": last.get("object", "chat.completion.chunk"),
+                "created": last.get("created", int(time.time())), "model": last.get("model", ""), "choices": [],
+                "usage": {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                          "total_tokens": record.prompt_tokens + record.completion_tokens,
+                          "energy": energy_object(record)}}
+
+
+class Watchdog:
+    """Cuts upstream connections that run past their deadline (a server that trickles bytes and never
+    ends would otherwise reset every read timeout forever): one thread for all requests."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[Any, tuple[http.client.HTTPConnection, float]] = {}
+        self._expired: set[Any] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ipw-serve-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, owner: Any, conn: http.client.HTTPConnection, deadline: float) -> None:
+        with self._lock:
+            self._due[owner] = (conn, deadline)
+
+    def forget(self, owner: Any) -> None:
+        with self._lock:
+            self._due.pop(owner, None)
+            self._expired.discard(owner)
+
+    def expired(self, owner: Any) -> bool:
+        with self._lock:
+            return owner in self._expired
+
+    def _run(self) -> None:
+        import socket
+
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [(owner, conn) for owner, (conn, due) in self._due.items() if due < now]
+                for owner, _ in late:
+                    del self._due[owner]
+                    self._expired.add(owner)
+            for _, conn in late:
+                try:
+                    if conn.sock is not None:
+                        conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class ProxyServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256  # a load generator opens its connections at once
+
+    def __init__(self, address: tuple[str, int], session: Session) -> None:
+        self.session = session
+        self.watchdog = Watchdog()
+        super().__init__(address, Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away is not an error of the proxy; anything else is one line on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError, _ClientGone, TimeoutError)):
+            return
+        self.session.notice(f"ipw serve: request from {client_address[0]} failed: {type(exc).__name__}: "
+                            f"{scrub(str(exc))[:200]}")
+
+
+@dataclass
+class Proxy:
+    """A running proxy (``start``): its URL, and ``stop`` to finish the run folder."""
+
+    server: ProxyServer
+    session: Session
+    backend: Any  # a managed upstream server (an OpenAIBackend), or None
+    sensors: list[Any]
+    thread: threading.Thread
+    started_s: float
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def stop(self, grace_s: float = 30.0, status: str = "complete", reason: str | None = None) -> dict[str, Any]:
+        """Stop accepting, let the requests in flight finish (at most ``grace_s``), end the meter's span
+        and finish the run folder; returns the session's manifest line."""
+        self.server.shutdown()
+        self.server.server_close()
+        deadline = time.monotonic() + grace_s
+        while self.session.meter.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.session.meter.in_flight()
+        energy = self.session.meter.close()
+        self.server.watchdog.close()
+        session = self.session
+        folder = session.folder
+        try:
+            for sensor in self.sensors:
+                if hasattr(sensor, "trace"):
+                    folder.add_power(session.spec.name, sensor.trace())
+            line = {
+                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.started_s))),
+                "wall_s": round(time.monotonic() - self.started_s, 3), "requests": session.requests,
+                "errors": session.errors, "in_flight_peak": session.meter.in_flight_peak,
+                "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
+                "sampler_overhead": {s.name: s.overhead() for s in self.sensors if hasattr(s, "overhead")},
+            }
+            backends = folder.manifest.backends or []
+            entry = dict(backends[0]) if backends else {}
+            entry["sessions"] = [*entry.get("sessions", [])[:-1], line]  # the last session is this one
+            folder.write_manifest(backends=[entry], dataset=_dataset(session))
+            folder.finish(status, **({"reason": reason} if reason else {}))
+        finally:
+            for sensor in self.sensors:
+                sensor.close()
+            if self.backend is not None:
+                self.backend.close()
+        return line
+
+
+def is_llama_server(upstream: Upstream, key: str | None) -> bool:
+    """Whether the upstream is llama.cpp's server (its /v1/models says ``owned_by: llamacpp``)."""
+    conn = upstream.connection(10.0)
+    try:
+        conn.request("GET", f"{upstream.prefix}/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+        resp = conn.getresponse()
+        data = json.loads(resp.read(MAX_ERROR_BODY)) if resp.status == 200 else {}
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+    finally:
+        conn.close()
+    models = data.get("data") if isinstance(data, dict) else None
+    return any(isinstance(m, dict) and m.get("owned_by") == "llamacpp" for m in models or [])
+
+
+def _dataset(session: Session) -> dict[str, Any]:
+    """The run's "dataset": the distinct prompts its clients sent (by query id), so that two runs of the
+    same client workload have the same fingerprint and ``ipw check`` pairs them."""
+    digest = hashlib.sha256("\n".join(sorted(session.queries)).encode()).hexdigest()[:16]
+    return {"name": "ipw serve", "n_queries": len(session.queries), "fingerprint": "sha256:" + digest,
+            "categories": sorted(METERED.values())}
+
+
+def managed_backend(kind_model: str, name: str | None, n_threads: int | None, n_gpu_layers: int | None,
+                    parallel: int, n_ctx: int | None) -> Any:
+    """``--backend SERVER:MODEL``: an OpenAIBackend whose managed server ipw starts (and stops)."""
+    from ipw.backends.base import create_backend
+    from ipw.backends.servers import SERVER_KINDS
+
+    kind, sep, model = kind_model.partition(":")
+    if not sep or kind not in SERVER_KINDS or not model:
+        raise IpwError(f"--backend {kind_model!r}: expected SERVER:MODEL with SERVER one of {', '.join(SERVER_KINDS)}"
+                       " (e.g. llama-server:smollm2-135m)")
+    options: dict[str, Any] = {"server": kind, "concurrency": parallel}
+    for key, value in (("n_threads", n_threads), ("n_gpu_layers", n_gpu_layers), ("n_ctx", n_ctx)):
+        if value is not None:
+            options[key] = value
+    backend = create_backend(BackendSpec(name=name or f"{kind}:{Path(model).stem}", kind="openai", model=model,
+                                         options=options))
+    backend.preflight()
+    return backend
+
+
+def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = None, backend: Any = None,
+          upstream_pids: list[int] | None = None, resume: str | Path | None = None, command: list[str] | None = None,
+          notice: Callable[[str], None] = lambda line: None, probe: Callable[..., list[Any]] | None = None) -> Proxy:
+    """Start the proxy: the managed server (``backend``) if any, the sensors and their idle baseline,
+    the run folder (new, or ``resume``'s), then the listening socket.  Returns once it accepts requests."""
+    from ipw.backends.openai_http import listening_pids
+    from ipw.telemetry.cpu_model import CpuModelSensor
+    from ipw.telemetry.hardware import node_identity, software_fingerprint
+    from ipw.telemetry.probe import probe_sensors
+
+    key = read_key(options.api_key_env, options.name) if options.api_key_env else None
+    folder = _folder(options, out_dir, resume, command)
+    sensors: list[Any] = []
+    try:
+        if backend is not None:
+            backend.attach(folder.path)
+            backend.load()
+            options = dataclasses.replace(options, upstream=backend.base_url, model=options.model or backend.spec.model)
+        upstream = Upstream.parse(options.upstream)
+        if backend is not None:
+            pids_fn = backend.pids
+        else:
+            found = upstream_pids if upstream_pids is not None else (
+                [] if upstream.remote else listening_pids(upstream.port))
+            pids_fn = lambda: list(found)  # noqa: E731
+        sensors = (probe or probe_sensors)(pids_fn, remote=upstream.remote)
+        if any(isinstance(s, CpuModelSensor) for s in sensors) and not pids_fn():
+            raise IpwError(f"--upstream {upstream.url}: no process of this user listens on port {upstream.port}, so "
+                           "the CPU model (this machine has no RAPL) cannot see its work; give --upstream-pid PID")
+        estimate = None
+        if upstream.remote:
+            from ipw.telemetry.api_estimate import ApiEnergyEstimate
+
+            estimate = ApiEnergyEstimate.load(None)
+        window = Window(sensors)
+        idle = measure_idle(window, options.idle_s) if options.idle_s > 0 and sensors else IdleBaseline({}, {}, 0.0)
+        meter = Meter(window)
+        llama = (backend.server_kind == "llama-server") if backend is not None else is_llama_server(upstream, key)
+        session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama)
+        identity, hardware = node_identity()
+        entry = {"name": options.name, "kind": "serve", "model": session.spec.model, "role": options.role,
+                 "upstream": upstream.url, "remote": upstream.remote, "llama_server_timings": llama,
+                 "sensors": [asdict(s.info()) for s in sensors] + ([asdict(estimate.info())] if estimate else []),
+                 "idle_baseline": asdict(idle),
+                 **({"managed": backend.describe()} if backend is not None else {"upstream_pids": pids_fn()}),
+                 "sessions": [*((folder.manifest.backends or [{}])[0].get("sessions", [])), {"status": "serving"}]}
+        folder.write_manifest(backends=[entry], hardware_by_id={**(folder.manifest.hardware_by_id or {}),
+                                                                identity.hardware_id: hardware},
+                              software=folder.manifest.software or software_fingerprint())
+        server = ProxyServer((options.host, options.port), session)
+    except OSError as exc:
+        _abandon(folder, sensors, backend, f"cannot listen on {options.host}:{options.port}: {exc.strerror}")
+        raise IpwError(f"--port {options.port}: cannot listen on {options.host}:{options.port} ({exc.strerror})") from None
+    except BaseException as exc:
+        _abandon(folder, sensors, backend, f"{type(exc).__name__}: {exc}")
+        raise
+    meter.open()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ipw-serve", daemon=True)
+    thread.start()
+    return Proxy(server, session, backend, sensors, thread, time.monotonic())
+
+
+def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -> None:
+    for sensor in sensors:
+        sensor.close()
+    if backend is not None:
+        backend.close()
+    folder.finish("failed", reason=scrub(reason))
+
+
+def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | None,
+            command: list[str] | None) -> RunFolder:
+    """A new run folder, or the one ``--resume`` names (a serve folder that did not finish)."""
+    from ipw.telemetry.hardware import node_identity
+
+    config = {"source": "ipw serve", "serve": asdict(options)}
+    if resume is not None:
+        folder = RunFolder.reopen(resume)
+        if "serve" not in (folder.manifest.config or {}):
+            raise IpwError(f"{resume}: not a folder of ipw serve (resume a run with ipw run --resume)")
+        folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
+                              + [time.strftime("%Y-%m-%dT%H:%M:%S")])
+        return folder
+    identity, hardware = node_identity()
+    run_id = new_run_id()
+    return RunFolder.create(out_dir, run_id, RunManifest(
+        run_id=run_id, ipw_version=__version__, command=list(command if command is not None else sys.argv),
+        config=config, dataset={"name": "ipw serve", "n_queries": 0, "fingerprint": "sha256:" + "0" * 16},
+        hardware=hardware, hardware_by_id={identity.hardware_id: hardware},
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S"), backends=[]))

@@ -1,0 +1,474 @@
+"""ipw serve and ipw wrap: the measuring proxy in front of a real llama.cpp server (llama-server, built by
+.ci/setup), read by the OpenAI Python client; the safety cases against small local stubs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ipw.backends.base import BackendSpec, create_backend
+from ipw.serve import ServeOptions, Upstream, start
+from ipw.telemetry.base import QUALITY_ORDER
+from openai_stub import Stub
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+IPW = [sys.executable, "-m", "ipw.cli"]
+
+
+def _binary() -> bool:
+    from ipw.backends.servers import find_llama_server
+    from ipw.errors import IpwError
+
+    try:
+        return bool(find_llama_server())
+    except IpwError:
+        return False
+
+
+needs_binary = pytest.mark.skipif(not _binary(), reason="llama-server is not built: run `bash .ci/setup`")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One real llama-server (SmolLM2-135M, 16 slots) for the module: its base URL and PID."""
+    if not _binary():
+        pytest.skip("llama-server is not built: run `bash .ci/setup`")
+    backend = create_backend(BackendSpec("smol", "openai", "smollm2-135m", options={
+        "server": "llama-server", "n_threads": 1, "n_ctx": 256, "concurrency": 16, "server_timeout_s": 300.0}))
+    backend.attach(tmp_path_factory.mktemp("llama"))
+    backend.load()
+    yield backend.base_url, backend.pids()
+    backend.close()
+
+
+def _proxy(tmp_path, upstream: str, pids: list[int], **options):
+    opts = ServeOptions(upstream=upstream, name=options.pop("name", "smol"), port=0, idle_s=options.pop("idle_s", 0.5),
+                        **options)
+    token = opts.token_required and "token-123456" or None
+    return start(opts, tmp_path / "out", token=token, upstream_pids=pids, command=["test"])
+
+
+def _records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines()]
+
+
+def _energy(usage) -> dict:
+    """usage.energy as the OpenAI client exposes a field it does not know (pydantic's extra)."""
+    return (usage.model_extra or {})["energy"]
+
+
+@needs_binary
+def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_path):
+    url, pids = llama
+    proxy = _proxy(tmp_path, url, pids)
+    client = openai.OpenAI(base_url=proxy.url, api_key="unused")
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model="smol", messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0)
+        plain = raw.parse()
+        header = raw.headers.get("x-ipw-energy-j")
+        streamed, last_chunk = [], None
+        for include_usage in (True, False):
+            kwargs = {"stream_options": {"include_usage": True}} if include_usage else {}
+            chunks = list(client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": "Count to three."}], max_tokens=6, temperature=0,
+                stream=True, **kwargs))
+            assert chunks[-1].usage is not None and chunks[-1].choices == []  # the energy: the last event
+            assert any(c.choices and c.choices[0].delta.content for c in chunks[:-1])
+            streamed.append(chunks[-1].usage)
+            last_chunk = chunks[-1]
+    finally:
+        proxy.stop()
+    folder = proxy.session.folder.path
+    records = _records(folder)
+    assert len(records) == 3
+    energies = [_energy(plain.usage)] + [_energy(u) for u in streamed]
+    for energy, usage, record in zip(energies, [plain.usage, *streamed], records):
+        assert energy["energy_j"] > 0 and energy["energy_j"] == pytest.approx(record["energy_j"])
+        assert energy["quality"] == record["energy_quality"] and energy["quality"] in QUALITY_ORDER
+        assert energy["source"] == record["energy_source"] and energy["net_energy_j"] == record["net_energy_j"]
+        assert energy["prompt_tokens"] == usage.prompt_tokens == record["prompt_tokens"] > 0
+        assert energy["completion_tokens"] == usage.completion_tokens == record["completion_tokens"] > 0
+        assert energy["split_method"] == "none" and energy["uncertainty_j"] is None  # one at a time
+    assert float(header) == pytest.approx(records[0]["energy_j"], rel=1e-5)
+    assert last_chunk.id.startswith("chatcmpl")  # the energy event of a stream that did not ask for usage
+    # prompts and outputs are hashed unless --log-prompts; the same prompt pairs across runs by its hash
+    assert all(r["prompt"].startswith("sha256:") and r["output"].startswith("sha256:") for r in records)
+    assert records[1]["query_id"] == records[2]["query_id"] and [r["repeat"] for r in records[1:]] == [0, 1]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["backends"][0]["kind"] == "serve"
+    assert manifest["backends"][0]["llama_server_timings"] is True
+    # compare reads the folder like any other
+    from ipw.cli import main
+
+    assert main(["compare", str(folder)]) == 0
+
+
+@needs_binary
+def test_sixteen_concurrent_streams_conserve_the_measured_energy(llama, tmp_path):
+    url, pids = llama
+    proxy = _proxy(tmp_path, url, pids)
+    client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0, timeout=300)
+    results: list = [None] * 16
+    barrier = threading.Barrier(16)
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        stream = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": f"Name a fruit, number {i}."}], max_tokens=8,
+            temperature=0, stream=True)
+        results[i] = [c for c in stream][-1].usage
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    line = proxy.stop()
+    energies = [_energy(u) for u in results]
+    assert all(e["energy_j"] is not None and e["energy_j"] > 0 for e in energies)
+    assert line["in_flight_peak"] > 1 and any(e["split_method"] != "none" for e in energies)
+    spans = line["energy"]
+    assert spans, "the span was measured"
+    for row in spans.values():  # per component: the requests' parts and the idle windows make the span
+        assert row["parts_j"] + row["unattributed_j"] == pytest.approx(row["span_j"], rel=1e-6, abs=1e-9)
+    total = sum(row["span_j"] for row in spans.values())
+    unattributed = sum(row["unattributed_j"] for row in spans.values())
+    assert sum(e["energy_j"] for e in energies) + unattributed == pytest.approx(total, rel=1e-6)
+    records = _records(proxy.session.folder.path)
+    assert sorted(r["energy_j"] for r in records) == pytest.approx(sorted(e["energy_j"] for e in energies))
+
+
+CLIENT = '''
+import os, sys, openai
+client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from ipw wrap
+for prompt in ("Say hi.", "Say bye."):
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=4)
+    print("energy_j", r.usage.model_extra["energy"]["energy_j"], flush=True)
+sys.exit(int(os.environ.get("CLIENT_EXIT", "0")))
+'''
+
+
+@needs_binary
+def test_wrap_runs_a_client_script_end_to_end(llama, tmp_path):
+    url, pids = llama
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    base = [*IPW, "wrap", "--upstream", url, "--idle-s", "0.5", "--out", str(tmp_path / "out"),
+            *[a for pid in pids for a in ("--upstream-pid", str(pid))], "--", sys.executable, str(script)]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r"^energy_j \d", done.stdout, re.M)) == 2
+    assert "OPENAI_BASE_URL=http://127.0.0.1:" in done.stderr
+    folders = list((tmp_path / "out").iterdir())
+    manifest = json.loads((folders[0] / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and len(_records(folders[0])) == 2
+    # the command's exit code is wrap's
+    failed = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env={**os.environ, "CLIENT_EXIT": "3"})
+    assert failed.returncode == 3, failed.stderr
+
+
+def test_token_body_limit_routes_and_upstream_errors(tmp_path, monkeypatch):
+    stub = Stub()
+    key = "sk-SNTL9f3Kq7Zx2Lp0WdQv"
+    monkeypatch.setenv("IPW_TEST_UPSTREAM_KEY", key)
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], token_required=True, api_key_env="IPW_TEST_UPSTREAM_KEY",
+                   max_body_bytes=4096)
+    import http.client
+
+    def post(path: str, body: bytes, token: str | None = "token-123456") -> tuple[int, bytes, dict]:
+        host, port = proxy.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        out = (resp.status, resp.read(), dict(resp.getheaders()))
+        conn.close()
+        return out
+
+    ask = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    try:
+        assert post("/v1/chat/completions", ask, token=None)[0] == 401
+        assert post("/v1/chat/completions", ask, token="wrong-token")[0] == 401
+        stub.modes = ["json"]  # a plain (not streamed) answer
+        status, body, headers = post("/v1/chat/completions", ask)
+        assert status == 200 and json.loads(body)["usage"]["energy"]["energy_j"] is not None
+        assert "x-ipw-energy-j" in {k.lower() for k in headers}
+        assert stub.auth_seen[-1] == f"Bearer {key}"  # the upstream's key, not the client's token
+        assert post("/v1/chat/completions", b"x" * 5000)[0] == 413
+        assert post("/v1/embeddings", ask)[0] == 404
+        assert post("/v1/chat/completions", b"{not json")[0] == 400
+        stub.modes = ["500:0"]  # the stub echoes the headers it got, the upstream key among them
+        status, body, _ = post("/v1/chat/completions", ask)
+        assert status == 500 and b"you sent" in body and key.encode() not in body
+    finally:
+        proxy.stop()
+        stub.close()
+    folder = proxy.session.folder.path
+    records = _records(folder)
+    assert [r["error_category"] for r in records] == [None, "http_5xx"]
+    for path in folder.iterdir():
+        assert key not in path.read_bytes().decode("utf-8", errors="replace"), path.name
+
+
+class _SlowStream:
+    """An upstream that streams one chunk every ``period_s`` (``events`` of them), or with ``trickle``
+    one byte at a time and never a whole event; records when a write to the proxy failed."""
+
+    def __init__(self, events: int = 200, period_s: float = 0.05, trickle: bool = False) -> None:
+        self.cancelled = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                try:
+                    for i in range(events):
+                        data = b"d" if trickle else (
+                            b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i)
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        time.sleep(period_s)
+                    self.wfile.write(b"0\r\n\r\n")
+                except OSError:
+                    outer.cancelled.set()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _open_stream(proxy) -> socket.socket:
+    host, port = proxy.server.server_address[:2]
+    sock = socket.create_connection((host, port), timeout=30)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True}).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(tmp_path):
+    slow = _SlowStream()
+    proxy = _proxy(tmp_path, slow.url, [os.getpid()])
+    try:
+        sock = _open_stream(proxy)
+        got = b""
+        while b"w1 " not in got:  # the stream passes through event by event, as it comes
+            got += sock.recv(65536)
+        assert b"w3 " not in got
+        sock.close()
+        assert slow.cancelled.wait(10), "the upstream saw its connection close"
+        deadline = time.monotonic() + 10
+        while proxy.session.requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proxy.stop()
+        slow.close()
+    (record,) = _records(proxy.session.folder.path)
+    assert record["error_category"] == "client_disconnect" and "disconnected" in record["error"]
+    assert record["end_s"] - record["start_s"] < 8  # not the 10 s the whole answer would have taken
+
+
+def test_an_upstream_that_trickles_is_cut_at_the_timeout(tmp_path):
+    slow = _SlowStream(events=400, period_s=0.05, trickle=True)  # 20 s of single bytes, never an event
+    proxy = _proxy(tmp_path, slow.url, [os.getpid()], timeout_s=1.0)
+    try:
+        sock = _open_stream(proxy)
+        t0 = time.monotonic()
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+        waited = time.monotonic() - t0
+        sock.close()
+    finally:
+        proxy.stop()
+        slow.close()
+    assert waited < 5, f"the proxy answered after {waited:.1f} s"
+    (record,) = _records(proxy.session.folder.path)
+    assert record["error_category"] == "timeout"
+
+
+def test_serve_stops_on_sigterm_and_resume_recovers_a_killed_folder(tmp_path):
+    stub = Stub()
+    stub.llama_server = True
+
+    def serve(*extra: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen([*IPW, "serve", "--upstream", stub.base_url, "--port", "0", "--idle-s", "0.2",
+                                 "--upstream-pid", str(os.getpid()), "--out", str(tmp_path / "out"), *extra],
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        line = proc.stderr.readline()
+        match = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> .*run folder (\S+)\.", line)
+        assert match, line
+        return proc, match.group(1), match.group(2)
+
+    def ask(url: str) -> dict:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "same"}],
+                                                     max_tokens=2, stream=True))
+        return _energy(chunks[-1].usage)
+
+    proc, url, folder = serve()
+    assert ask(url)["completion_tokens"] == 1
+    deadline = time.monotonic() + 10
+    while len(Path(folder, "records.jsonl").read_text().splitlines()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL: nothing finishes the folder
+    proc.wait()
+    assert json.loads(Path(folder, "manifest.json").read_text())["status"] == "running"
+    proc, url, again = serve("--resume", folder)
+    assert again == folder
+    ask(url)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    stub.close()
+    manifest = json.loads(Path(folder, "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["resumed_at"]
+    records = _records(Path(folder))
+    assert [r["repeat"] for r in records] == [0, 1] and records[0]["query_id"] == records[1]["query_id"]
+
+
+def _non_loopback_ipv4() -> str | None:
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def test_a_remote_upstream_gets_the_labeled_api_estimate(tmp_path):
+    address = _non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to play a remote host")
+    stub = Stub()  # its handler, on an address that is not loopback
+    server = ThreadingHTTPServer((address, 0), stub.server.RequestHandlerClass)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://{address}:{server.server_address[1]}/v1"
+    assert Upstream.parse(url).remote
+    proxy = _proxy(tmp_path, url, [])
+    try:
+        client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+        stub.modes = ["json"]
+        r = client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    finally:
+        proxy.stop()
+        server.shutdown()
+        server.server_close()
+        stub.close()
+    energy = _energy(r.usage)
+    assert energy["quality"] == "estimated" and energy["source"] == "estimate.api"
+
+
+def test_bad_options_exit_2_before_anything_starts(tmp_path, run_cli):
+    for args, fragment in (
+        ([], "give --upstream URL"),
+        (["--upstream", "ftp://x/v1"], "expected http(s)://"),
+        (["--upstream", "http://user:pw@127.0.0.1:1/v1"], "user or password"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--port", "70000"], "--port"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--max-body-mb", "0"], "--max-body-mb"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--token", "short"], "--token"),
+        (["--backend", "nosuch:model"], "SERVER:MODEL"),
+    ):
+        code, _, err = run_cli("serve", *args, "--out", tmp_path / "out")
+        assert code == 2 and fragment in err, (args, err)
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli("wrap", "--upstream", "http://127.0.0.1:1/v1", "--out", tmp_path / "out")
+    assert code == 2 and "give the command" in err
+
+
+def test_meter_splits_every_window_once_and_conserves_energy():
+    """Requests that start and end at random in threads: each window is split once, when its first
+    request ends; the parts and the idle windows add up to the span exactly (a sensor with a constant
+    power and a cut, as RAPL has)."""
+    import random
+
+    from ipw.overlap import Meter
+    from ipw.telemetry.base import EnergyReading, SensorInfo
+    from ipw.telemetry.window import Window
+
+    class Clock:
+        name = "clock"
+
+        def info(self):
+            return SensorInfo("clock", True, "test.clock", "measured", "cpu_package", ("pkg",))
+
+        def begin(self):
+            return time.monotonic()
+
+        def end(self, token):
+            now = time.monotonic()
+            return [EnergyReading("pkg", 50.0 * (now - token), "test.clock", "measured", "cpu_package", now - token)]
+
+        def cut(self, token):
+            now = time.monotonic()
+            return [EnergyReading("pkg", 50.0 * (now - token), "test.clock", "measured", "cpu_package", now - token)], now
+
+        def close(self):
+            pass
+
+    meter = Meter(Window([Clock()]))
+    meter.open()
+    shares = []
+    lock = threading.Lock()
+    rng = random.Random(7)
+    plans = [(rng.uniform(0, 0.2), rng.randint(0, 6)) for _ in range(24)]
+
+    def request(delay: float, tokens: int) -> None:
+        time.sleep(delay)
+        job = meter.start()
+        for _ in range(tokens):
+            time.sleep(0.01)
+            meter.token(job)
+        if tokens:
+            meter.prefill(job, 5.0, 10)
+        _, _, share = meter.finish(job, None)
+        with lock:
+            shares.append(share)
+
+    threads = [threading.Thread(target=request, args=plan) for plan in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.05)
+    meter.close()
+    row = meter.tally.sums["pkg"]  # unrounded
+    parts = sum(r.energy_j for s in shares for r in s.readings)
+    assert any(s.method for s in shares), "some requests overlapped"
+    assert row["parts_j"] == pytest.approx(parts, rel=1e-9)
+    assert parts + row["unattributed_j"] == pytest.approx(row["span_j"], rel=1e-9)
+    assert math.isclose(row["span_j"] / 50.0, meter.segments.ended_s - meter.segments.started_s, abs_tol=2e-3)
+    assert not meter.segments.closed and not meter._weights, "every window was split and let go"
