@@ -66,10 +66,12 @@ class RunConfig:
         try:
             gen = dict(data.get("generation", {}))
             gen["stop"] = tuple(gen.get("stop", ()))
-            return cls(**{**data, "generation": GenerationSettings(**gen),
-                          "backends": tuple(BackendSpec(**b) for b in data["backends"]),
-                          "categories": tuple(data.get("categories") or ()),
-                          "judge": JudgeSpec.from_dict(data["judge"]) if data.get("judge") else None})
+            config = cls(**{**data, "generation": GenerationSettings(**gen),
+                            "backends": tuple(BackendSpec(**b) for b in data["backends"]),
+                            "categories": tuple(data.get("categories") or ()),
+                            "judge": JudgeSpec.from_dict(data["judge"]) if data.get("judge") else None})
+            register_secret_envs(config.backends, config.judge)
+            return config
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise IpwError(f"{where}: not a run config ({type(exc).__name__}: {exc})") from None
 
@@ -96,18 +98,37 @@ _JUDGE = {"name": str, "kind": str, "model": str, "mode": str, "grading": str, "
 
 
 class _Where:
-    """Finds the line of a key in the TOML text, so errors can name file, line and field."""
+    """Finds the line of a key in the TOML text, so errors can name file, line and field. The lines of
+    every key are indexed once (a config of 10,000 backends is checked in linear time)."""
+
+    _KEY = re.compile(r"^\s*([A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')\s*=")
+    _TABLE = re.compile(r"^\s*\[")
 
     def __init__(self, path: str, text: str) -> None:
         self.path, self.lines = path, text.splitlines()
+        self._keys: dict[str, list[int]] = {}
+        self._headers: dict[str, list[int]] = {}  # the lines of every [table] and [[array]] header
+        for i, line in enumerate(self.lines, start=1):
+            m = self._KEY.match(line)
+            if m:
+                self._keys.setdefault(m.group(1).strip("\"'"), []).append(i)
+            elif self._TABLE.match(line):
+                self._headers.setdefault(line.split("#")[0].strip(), []).append(i)
+
+    def header_line(self, header: str, index: int = 0) -> int:
+        """The line of the ``index``-th header ``header`` (e.g. ``[[backends]]``), else 0."""
+        found = self._headers.get(header, [])
+        return found[index] if index < len(found) else 0
 
     def __call__(self, field: str, key: str | None = None, after: int = 0) -> str:
+        import bisect
+
         key = key or field.rsplit(".", 1)[-1]
-        pattern = re.compile(rf"^\s*{re.escape(key)}\s*=")
-        for i, line in enumerate(self.lines[after:], start=after + 1):
-            if pattern.match(line):
-                return f"{self.path}:{i}: field '{field}'"
-        return f"{self.path}: field '{field}'"
+        lines = self._keys.get(key, [])
+        i = bisect.bisect_right(lines, after)
+        if i < len(lines):
+            return f"{self.path}:{lines[i]}: field '{field}'"
+        return f"{self.path}{f':{after}' if after else ''}: field '{field}'"
 
 
 def _check_type(value: Any, expected: type | tuple[type, ...], loc: str) -> Any:
@@ -160,21 +181,58 @@ def check_idle_s(value: float, loc: str) -> None:
     check_range(value, loc, low=0.0, high=MAX_IDLE_S)
 
 
+MAX_NAME_CHARS = 64
+# letters of other scripts that print like Latin ones (after casefolding): two backend names that differ
+# only in these print alike in every table
+_LOOKALIKE = str.maketrans({
+    "а": "a", "в": "b", "е": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c", "т": "t", "у": "y",
+    "х": "x", "і": "i", "ј": "j", "ѕ": "s", "ԁ": "d", "ӏ": "l", "ɡ": "g", "α": "a", "β": "b", "ε": "e", "ζ": "z",
+    "η": "n", "ι": "i", "κ": "k", "μ": "m", "ν": "v", "ο": "o", "ρ": "p", "τ": "t", "υ": "u", "χ": "x",
+})
+
+
+def check_name(name: str, loc: str) -> str:
+    """A backend name as every output shows it: NFC-normalised, at most MAX_NAME_CHARS characters, no
+    control, format (bidi override, zero-width) or surrogate character."""
+    import unicodedata
+
+    name = unicodedata.normalize("NFC", name)
+    if not name.strip():
+        raise IpwError(f"{loc}: must not be blank")
+    if len(name) > MAX_NAME_CHARS:
+        raise IpwError(f"{loc}: {len(name)} characters; a name has at most {MAX_NAME_CHARS}")
+    for i, ch in enumerate(name):
+        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            raise IpwError(f"{loc}: holds {ascii(ch)[1:-1]} at character {i + 1}; a name is printable text")
+    return name
+
+
+def name_skeleton(name: str) -> str:
+    """What a name looks like: compatibility-normalised, casefolded, other scripts' look-alikes as Latin."""
+    import unicodedata
+
+    return unicodedata.normalize("NFKC", name).casefold().translate(_LOOKALIKE)
+
+
 # engine options that are counts (the same meaning for every kind that has them)
 _AT_LEAST_ONE = ("n_threads", "n_ctx")
 
 
-def _check_table(table: dict, allowed: dict[str, type], prefix: str, where: _Where) -> dict:
+def _check_table(table: dict, allowed: dict[str, type], prefix: str, where: _Where, after: int = 0) -> dict:
     out = {}
     for key, value in table.items():
         field = f"{prefix}{key}"
         if key not in allowed:
-            raise IpwError(f"{where(field, key)}: unknown key (allowed: {', '.join(sorted(allowed))})")
-        out[key] = _check_type(value, allowed[key], where(field, key))
+            raise IpwError(f"{where(field, key, after)}: unknown key (allowed: {', '.join(sorted(allowed))})")
+        try:
+            out[key] = _check_type(value, allowed[key], "")
+        except IpwError as exc:  # the location is found only for an error
+            raise IpwError(f"{where(field, key, after)}{exc.message}") from None
     return out
 
 
 def parse_config(text: str, path: str) -> RunConfig:
+    text = text.removeprefix("\ufeff")  # a byte-order mark (Notepad writes one) is not TOML
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -209,43 +267,67 @@ def parse_config(text: str, path: str) -> RunConfig:
         gen["stop"] = tuple(gen["stop"])
     backends = []
     names: set[str] = set()
+    skeletons: dict[str, str] = {}
     raw_backends = top.pop("backends", [])
     if not raw_backends:
         raise IpwError(f"{path}: field 'backends': at least one [[backends]] table is required")
     for i, entry in enumerate(raw_backends):
         prefix = f"backends[{i}]."
+        header = where.header_line("[[backends]]", i)  # keys of this backend are found after its header
+
+        def loc(key: str) -> str:
+            return where(prefix + key, key, header)
+
         if not isinstance(entry, dict):
             raise IpwError(f"{path}: field 'backends[{i}]': expected a table")
         kind = entry.get("kind")
+        if kind is None:
+            raise IpwError(f"{loc('kind')}: required (known kinds: {', '.join(backend_kinds())})")
         if kind not in backend_kinds():
-            raise IpwError(f"{where(prefix + 'kind', 'kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
+            raise IpwError(f"{loc('kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
         allowed = {**_BACKEND, **backend_options(kind), **_RAY_RESOURCES}
-        fields = _check_table(entry, allowed, prefix, where)
+        fields = _check_table(entry, allowed, prefix, where, header)
         for key in _RAY_RESOURCES:
             if fields.get(key, 0) < 0:
-                raise IpwError(f"{where(prefix + key, key)}: must be >= 0")
+                raise IpwError(f"{loc(key)}: must be >= 0")
         for key in _AT_LEAST_ONE:
             if key in fields and fields[key] < 1:
-                raise IpwError(f"{where(prefix + key, key)}: must be >= 1, got {fields[key]}")
+                raise IpwError(f"{loc(key)}: must be >= 1, got {fields[key]}")
         for key in ("name", "model"):
             if key not in fields:
-                raise IpwError(f"{path}: field '{prefix}{key}': required")
+                raise IpwError(f"{path}{f':{header}' if header else ''}: field '{prefix}{key}': required")
+        fields["name"] = check_name(fields["name"], loc("name"))
         if fields["name"] in names:
-            raise IpwError(f"{where(prefix + 'name', 'name')}: duplicate backend name {fields['name']!r}")
+            raise IpwError(f"{loc('name')}: duplicate backend name {fields['name']!r}")
+        alike = skeletons.setdefault(name_skeleton(fields["name"]), fields["name"])
+        if alike != fields["name"]:
+            raise IpwError(f"{loc('name')}: {ascii(fields['name'])} prints like the backend name {ascii(alike)}; "
+                           "give names that can be told apart")
         names.add(fields["name"])
         role = fields.get("role", "local")
         if role not in ROLES:
-            raise IpwError(f"{where(prefix + 'role', 'role')}: must be one of {', '.join(ROLES)}")
+            raise IpwError(f"{loc('role')}: must be one of {', '.join(ROLES)}")
         mode = fields.get("mode")
         if mode is not None and mode not in MODES:
-            raise IpwError(f"{where(prefix + 'mode', 'mode')}: must be one of {', '.join(MODES)}")
+            raise IpwError(f"{loc('mode')}: must be one of {', '.join(MODES)}")
         options = {k: v for k, v in fields.items() if k not in _BACKEND}
         backends.append(BackendSpec(fields["name"], kind, fields["model"], role, mode, options))
+    register_secret_envs(backends, top.get("judge"))
     vs = top["judge"].vs_backend if top.get("judge") else None
     if vs is not None and vs not in names:
         raise IpwError(f"{where('judge.grading', 'grading')}: vs-backend:{vs} names no backend of this config "
                        f"(backends: {', '.join(sorted(names))})")
     return RunConfig(backends=tuple(backends), generation=GenerationSettings(**gen), source=path, **top)
+
+
+def register_secret_envs(backends, judge) -> None:
+    """Every variable a config names as ``api_key_env`` holds a secret: no worker or server inherits it."""
+    from ipw.sanitize import register_env
+
+    for spec in list(backends) + ([judge.backend] if judge is not None else []):
+        env = spec.options.get("api_key_env")
+        if isinstance(env, str):
+            register_env(env)
 
 
 def parse_judge_table(table: dict, path: str, text: str) -> JudgeSpec:

@@ -28,6 +28,8 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 REQUIRED = ("id", "prompt", "answer")
 OPTIONAL = ("choices", "category", "scorer")
 MAX_LINE_BYTES = 1_000_000
+MAX_FILE_BYTES = 2 * 1024**3  # a dataset file larger than this is refused before it is read
+MAX_QUERIES = 1_000_000  # rows read before a file is refused as too large a query set
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,27 @@ def resolve_dataset(name_or_path: str) -> Path:
     if not path.exists():
         known = ", ".join(sorted(BUNDLED))
         raise IpwError(f"{path}: dataset not found (bundled sets: {known})")
+    if not path.is_dir():
+        _check_regular_file(path)
     return path
+
+
+def _check_regular_file(path: Path) -> None:
+    """A dataset is a regular file of bounded size: a device (``/dev/zero``), a pipe (``/dev/stdin``) or a
+    socket is refused before anything is read from it."""
+    import stat
+
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise IpwError(f"{path}: cannot read the dataset ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a character device" if stat.S_ISCHR(info.st_mode) else "a pipe" if stat.S_ISFIFO(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "not a file")
+        raise IpwError(f"{path}: not a regular file ({kind}); save the queries to a .jsonl, .csv or .parquet "
+                       "file and pass that")
+    if info.st_size > MAX_FILE_BYTES:
+        raise IpwError(f"{path}: {info.st_size} bytes, more than the {MAX_FILE_BYTES} a dataset file may hold")
 
 
 def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> Query:
@@ -70,6 +92,9 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
             raise IpwError(f"{where(path, line, key)}: required field is missing")
         if isinstance(row[key], str) and not row[key].strip():
             raise IpwError(f"{where(path, line, key)}: required field is blank (only whitespace)")
+    for key, value in row.items():
+        for text in value if isinstance(value, list) else [value]:
+            _check_text(text, path, line, key)
     unknown = sorted(set(row) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
         raise IpwError(f"{where(path, line, unknown[0])}: unknown field (allowed: {', '.join(REQUIRED + OPTIONAL)})")
@@ -118,11 +143,34 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
     return Query(str(row["id"]), str(row["prompt"]), answer, choices, category, scorer)
 
 
+def bounded_lines(fh, path: Path, limit: int = MAX_LINE_BYTES):
+    """The lines of an open file, each read with at most ``limit`` + 1 bytes (or characters): a line
+    longer than ``limit`` is an error as soon as that much of it has been read, never after the whole
+    line is in memory (``/dev/zero``, a file without newlines)."""
+    line_no = 0
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > limit:
+            raise IpwError(f"{where(path, line_no)}: line is longer than {limit} bytes")
+        yield raw
+
+
+def _check_text(value: object, path: Path, line: int, key: str) -> None:
+    """Text that can be sent and stored: a lone surrogate (JSON ``"\\ud800"``) is not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise IpwError(f"{where(path, line, key)}: a lone surrogate {ascii(value[exc.start])[1:-1]} at "
+                           f"character {exc.start + 1}; not text (fix the file's escapes)") from None
+
+
 def _rows_jsonl(path: Path):
     with path.open("rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if len(raw) > MAX_LINE_BYTES:
-                raise IpwError(f"{where(path, line_no)}: line is longer than {MAX_LINE_BYTES} bytes")
+        for line_no, raw in enumerate(bounded_lines(fh, path), start=1):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -160,7 +208,7 @@ def _rows_csv(path: Path):
     try:
         # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name
         with path.open(newline="", encoding="utf-8-sig") as fh:
-            reader = csv.DictReader(fh)
+            reader = csv.DictReader(bounded_lines(fh, path))
             for row in reader:
                 line = reader.line_num  # the row's last physical line (a quoted cell may span lines)
                 if None in row:
@@ -217,7 +265,11 @@ def load_queries(
             raise IpwError(f"{path}: unsupported file type {suffix!r} (use .jsonl, .csv, .parquet or a "
                            "save_to_disk folder)")
         try:
-            rows = [(path, line_no, row) for line_no, row in readers[suffix](path)]
+            rows = []
+            for line_no, row in readers[suffix](path):
+                if len(rows) >= MAX_QUERIES:
+                    raise IpwError(f"{where(path, line_no)}: more than {MAX_QUERIES} queries; split the set")
+                rows.append((path, line_no, row))
         except PermissionError:
             raise IpwError(f"{path}: permission denied") from None
     rows = presets.convert_rows(rows, preset, path)

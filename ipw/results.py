@@ -122,19 +122,57 @@ def new_run_id(now: dt.datetime | None = None) -> str:
     return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+def write_error(path: Path, exc: OSError) -> IpwError:
+    """An OS error writing a run folder's file (the disk is full, a quota, a file size limit, a read-only
+    file system) as one line naming the file."""
+    what = exc.strerror or type(exc).__name__
+    return IpwError(f"{path}: cannot write it ({what}); free space or choose another --out, then "
+                    f"ipw run --resume {path.parent}")
+
+
+def _atomic_write(path: Path, tmp: Path, write) -> None:
+    """``write(tmp)``, then rename it to ``path``: a crash never leaves a truncated file, and an OS error
+    (disk full) leaves no temporary file and raises an IpwError naming ``path``."""
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from None
+
+
 def _atomic_write_parquet(frame, path: Path) -> None:
-    """Write to a temporary file, then rename: a crash never leaves a truncated Parquet file."""
-    tmp = path.with_suffix(".parquet.tmp")
-    frame.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    _atomic_write(path, path.with_suffix(".parquet.tmp"), lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    from ipw.sanitize import scrub  # e.g. a ``reason`` that quotes an exception which quoted a header
+
+    return scrub(json.dumps(data, indent=2, ensure_ascii=False, default=str)) + "\n"
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    from ipw.sanitize import scrub  # e.g. a ``reason`` that quotes an exception which quoted a header
+    text = _json_text(data)
+    _atomic_write(path, path.with_suffix(".tmp"), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(scrub(json.dumps(data, indent=2, ensure_ascii=False, default=str)) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+
+def _rewrite_in_place(path: Path, text: str) -> bool:
+    """Overwrite ``path`` in the blocks it already has (when the disk is too full for a temporary copy):
+    only when ``text`` fits in them, so that no new block is needed. Whether it was written."""
+    data = text.encode("utf-8")
+    try:
+        if len(data) > path.stat().st_blocks * 512:
+            return False
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -189,6 +227,7 @@ class RunFolder:
 
     path: Path
     manifest: RunManifest
+    write_failure: IpwError | None = None  # the first record that could not be written (disk full)
 
     @classmethod
     def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest | dict[str, Any]) -> "RunFolder":
@@ -234,13 +273,23 @@ class RunFolder:
     def write_manifest(self, **updates: Any) -> None:
         """Update fields of the manifest (a name that is not a field is a TypeError) and rewrite it."""
         self.manifest = dataclasses.replace(self.manifest, **updates)
-        _atomic_write_json(self.path / "manifest.json", self.manifest.to_dict())
+        path = self.path / "manifest.json"
+        try:
+            _atomic_write_json(path, self.manifest.to_dict())
+        except IpwError:  # the disk is full: the manifest must still say how the run ended
+            if not _rewrite_in_place(path, _json_text(self.manifest.to_dict())):
+                raise
 
     def append(self, record: QueryRecord) -> None:
-        with open(self.path / "records.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(record.to_json() + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        log = self.path / "records.jsonl"
+        try:
+            with open(log, "a", encoding="utf-8") as fh:
+                fh.write(record.to_json() + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:  # a part of the line may be there: a torn last line, which resume drops
+            self.write_failure = self.write_failure or write_error(log, exc)
+            raise self.write_failure from None
 
     def add_power(self, backend: str, columns: dict[str, Any]) -> None:
         """Append a backend's raw telemetry (t_s, device, power_w, kind, energy_j) to power.parquet."""
@@ -256,9 +305,20 @@ class RunFolder:
         _atomic_write_parquet(frame, path)
 
     def finish(self, status: str, **updates: Any) -> None:
-        frame = load_records_jsonl(self.path / "records.jsonl")
-        _atomic_write_parquet(frame, self.path / "records.parquet")
+        """records.parquet from the log, then the manifest's final status.  When the Parquet file cannot be
+        written (the disk is full), the manifest still records the run as ``failed`` with that reason; then
+        the first write error of the run is raised (an IpwError naming the file)."""
+        problem: IpwError | None = None
+        try:
+            frame = load_records_jsonl(self.path / "records.jsonl")
+            _atomic_write_parquet(frame, self.path / "records.parquet")
+        except IpwError as exc:
+            problem = exc
+            status = "failed"
+            updates["reason"] = "; ".join(r for r in (updates.get("reason"), exc.message) if r)
         self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
+        if problem is not None:
+            raise self.write_failure or problem
 
 
 def read_manifest(run_dir: str | Path, require: tuple[str, ...] = ()) -> dict[str, Any]:

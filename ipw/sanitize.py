@@ -3,8 +3,12 @@ no raw terminal escape.
 
 - API keys are read only through :func:`read_key`: stripped, checked (an HTTP header cannot carry a
   control character, and http.client would quote the whole header in its error), and registered, so
-  that :func:`scrub` replaces them in every text written to a run folder or printed.  Scrub *before*
-  cutting a text short: a key cut in two is no longer found.
+  that :func:`scrub` replaces them in every text written to a run folder or printed: the whole key, and
+  any 8 characters of it in a row, also where some of them are masked with ``*`` (``sk-SENT****``, as
+  an API's "incorrect key" message shows it).  Scrub *before* cutting a text short; a text cut at an
+  arbitrary point loses its tail too (:func:`scrub_tail`).
+- The names of the variables a config gives as ``api_key_env`` are registered too
+  (:func:`register_env`): no engine worker or managed server inherits them, whatever they are called.
 - :func:`redact_url` drops ``user:password@`` and the values of secret-looking query parameters.
 - :func:`github_escape` / :func:`github_property` escape GitHub workflow commands, :func:`md_text`
   Markdown, :func:`printable` control characters for the terminal.
@@ -20,24 +24,73 @@ from urllib.parse import urlsplit, urlunsplit
 from ipw.errors import IpwError
 
 _SECRETS: set[str] = set()
+_SECRET_ENV: set[str] = set()  # names of the variables a config gives as api_key_env
 _MIN_SECRET = 8  # shorter values are not scrubbed from every text (they would mangle ordinary words)
+WINDOW = 8  # any this many characters of a key in a row are scrubbed
+_MIN_SHOWN = 4  # ... of which at least this many are shown (not masked with "*")
+_windows: re.Pattern[str] | None = None
 
 SECRET_PARAM = re.compile(r"(?i)(?:key|token|secret|passw(?:or)?d|pwd|auth|signature|sig|credential|session)")
 _URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+")
 
 
 def register(secret: str) -> None:
-    if secret and len(secret) >= _MIN_SECRET:
+    global _windows
+    if secret and len(secret) >= _MIN_SECRET and secret not in _SECRETS:
         _SECRETS.add(secret)
         _SECRETS.add(json.dumps(secret)[1:-1])  # as it appears inside a JSON string
+        # one lookahead alternative per window of every secret; a character may be shown or masked ("*")
+        alternatives = sorted({"".join(f"[{re.escape(c)}*]" for c in s[i: i + WINDOW])
+                               for s in _SECRETS for i in range(len(s) - WINDOW + 1)})
+        _windows = re.compile(f"(?=(?:{'|'.join(alternatives)}))")
+
+
+def register_env(name: str) -> None:
+    """``name`` holds a secret (a config's ``api_key_env``): never passed to a worker or server."""
+    _SECRET_ENV.add(name)
+
+
+def is_secret_env(name: str, value: str) -> bool:
+    """Whether an environment variable is a secret: named by a config's ``api_key_env``, or holding a
+    registered key."""
+    return name in _SECRET_ENV or any(secret in value for secret in _SECRETS)
 
 
 def scrub(text: str) -> str:
-    """``text`` with every registered secret replaced by ``***``."""
-    for secret in _SECRETS:
-        if secret in text:
-            text = text.replace(secret, "***")
-    return text
+    """``text`` with every registered secret replaced by ``***``: the whole key, and every run of
+    characters that holds any 8 of its characters in a row, shown or masked with ``*`` (at least 4
+    shown), together with the ``*`` around it."""
+    if _windows is None:
+        return text
+    spans: list[list[int]] = []
+    for match in _windows.finditer(text):
+        start = match.start()
+        if text.count("*", start, start + WINDOW) > WINDOW - _MIN_SHOWN:
+            continue
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = start + WINDOW
+        else:
+            spans.append([start, start + WINDOW])
+    if not spans:
+        return text
+    out, at = [], 0
+    for start, end in spans:
+        while start > at and text[start - 1] == "*":  # the mask around a shown part
+            start -= 1
+        while end < len(text) and text[end] == "*":
+            end += 1
+        if start > at or not out:
+            out.append(text[at:start] + "***")
+        at = max(at, end)
+    return "".join(out) + text[at:]
+
+
+def scrub_tail(text: str) -> str:
+    """A text that was cut at an arbitrary point (a bounded read), without its last characters, as many as
+    the longest registered key has: the part of a key that the cut left there is too short to be
+    recognised, so it goes whole."""
+    n = max((len(s) for s in _SECRETS), default=0)
+    return text[: max(0, len(text) - n)]
 
 
 def read_key(env: str, backend: str) -> str:
@@ -116,3 +169,17 @@ def md_text(text: object) -> str:
     t = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     t = _MD_SPECIAL.sub(r"\\\1", t)
     return re.sub(r"[\r\n]+", " ", t)
+
+
+MAX_FILE_PART = 80  # characters of a name that go into a file name (NAME_MAX is 255 bytes)
+
+
+def file_part(name: str) -> str:
+    """A name as part of a file name: letters, digits, ``_.-`` only; a long name is cut and keeps a hash of
+    the whole, so that two long names never share a file."""
+    import hashlib
+
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    if len(safe) <= MAX_FILE_PART:
+        return safe
+    return safe[: MAX_FILE_PART - 11] + "-" + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]

@@ -1,9 +1,12 @@
 """Bad input gives one line naming file, line and field, exit code 2, no traceback, and no run folder."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+from ipw.errors import IpwError
 
 GOOD = {"id": "q1", "prompt": "What is 1 + 1?", "answer": "2", "scorer": "numeric"}
 
@@ -435,3 +438,105 @@ def test_merge_refuses_a_shard_with_a_torn_line_in_the_middle(tmp_path, run_cli)
     code, out, err = run_cli("merge", shard, "--out", tmp_path / "merged")
     assert code == 2 and "records.jsonl:2: torn or corrupt record" in err and "Traceback" not in out + err, err
     assert not (tmp_path / "merged").exists()
+
+
+# -- round 3 (issue 30): bounded reads, hostile text, names -----------------------------------------
+# The same table shape as round 2: (dataset file, config text or None, extra CLI options, environment,
+# expected message fragment); every case exits 2 with one line, no traceback and no run folder.
+
+ROUND3_CASES = {
+    "lone surrogate in a prompt": (('{"id": "q", "prompt": "bad \\ud800 text", "answer": "1"}\n',), None, [], {},
+                                   "data.jsonl:1: field 'prompt': a lone surrogate \\ud800 at character 5"),
+    "lone surrogate in choices": (('{"id": "q", "prompt": "p", "choices": ["a", "\\udfff"], "answer": "A"}\n',), None,
+                                  [], {}, ":1: field 'choices': a lone surrogate \\udfff"),
+    "300-character backend name": ((FOUR,), _cfg().replace('name = "api"', 'name = "' + "n" * 300 + '"'), [], {},
+                                   ":8: field 'backends[0].name': 300 characters; a name has at most 64"),
+    "right-to-left override in a name": ((FOUR,), _cfg().replace('name = "api"', 'name = "api\\u202eevil"'), [], {},
+                                         "field 'backends[0].name': holds \\u202e at character 4"),
+    "newline in a name": ((FOUR,), _cfg().replace('name = "api"', 'name = "a\\n::error::forged"'), [], {},
+                          "field 'backends[0].name': holds \\n at character 2"),
+    "Cyrillic look-alike name": ((FOUR,), _cfg(backend=STUB_BACKEND.replace('"api"', '"\u0430pi"')), [], {},
+                                 "field 'backends[1].name': '\\u0430pi' prints like the backend name 'api'"),
+    "café in two Unicode forms": ((FOUR,), _cfg().replace('"api"', '"caf\u00e9"') + STUB_BACKEND.replace(
+        '"api"', '"cafe\u0301"'), [], {}, "field 'backends[1].name': duplicate backend name 'café'"),
+    "backend without a kind": ((FOUR,), _cfg(backend='[[backends]]\nname = "k"\nmodel = "m"\n'), [], {},
+                               ":12: field 'backends[1].kind': required (known kinds:"),
+    "config with a byte-order mark, then a bad key": ((FOUR,), "\ufeff" + _cfg(top="repets = 2"), [], {},
+                                                      "run.toml:3: field 'repets': unknown key"),
+    "dataset on stdin": ((FOUR,), None, [], {}, "not a regular file"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND3_CASES))
+def test_bad_input_round3(case, tmp_path, run_cli, monkeypatch):
+    data, config, options, env, expected = ROUND3_CASES[case]
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text(data[0], encoding="utf-8")
+    if case == "dataset on stdin":
+        read, write = os.pipe()  # what /dev/stdin is under a pipe: a FIFO
+        os.close(write)
+        dataset = Path(f"/proc/self/fd/{read}")
+    args = ["run", "--dataset", dataset] if config is None else ["run", tmp_path / "run.toml"]
+    if config is not None:
+        (tmp_path / "run.toml").write_text(config.replace("DATA", str(dataset)), encoding="utf-8")
+    code, out, err = run_cli(*args, *options, "--out", tmp_path / "res")
+    assert code == 2, err
+    assert expected in err, err
+    assert err.count("\n") == 1 and "Traceback" not in out + err
+    assert not (tmp_path / "res").exists()
+
+
+def _ipw_subprocess(*args, timeout: float):
+    """``ipw`` in a process of its own: (exit code, stderr, seconds, peak RSS of the child in MiB)."""
+    import resource
+    import subprocess
+    import sys
+    import time
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ipw.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+    seconds = time.monotonic() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux; the largest child so far
+    return proc.returncode, proc.stderr, seconds, peak / 1024 if peak > before else None
+
+
+def test_dev_zero_as_a_dataset_exits_2_at_once(tmp_path):
+    """A symlink to /dev/zero named .jsonl: refused before a byte is read (exit 2 within 5 s, no memory
+    growth); before, it read until 24 GB of memory were gone."""
+    link = tmp_path / "zero.jsonl"
+    link.symlink_to("/dev/zero")
+    code, err, seconds, peak_mib = _ipw_subprocess("run", "--dataset", link, "--out", tmp_path / "res", timeout=60)
+    assert code == 2 and "zero.jsonl: not a regular file (a character device)" in err, err
+    assert seconds < 5.0 + 5.0  # interpreter start-up included; the read itself is refused at once
+    assert peak_mib is None or peak_mib < 400, peak_mib
+    assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_file_without_newlines_is_read_only_to_the_line_limit(suffix, tmp_path):
+    """A 1.5 GB (sparse) file of zero bytes and no newline: the reader stops at the 1 MB line limit."""
+    path = tmp_path / f"zeros{suffix}"
+    with open(path, "wb") as fh:
+        fh.truncate(1_500_000_000)
+    code, err, seconds, peak_mib = _ipw_subprocess("run", "--dataset", path, "--out", tmp_path / "res", timeout=120)
+    assert code == 2 and ":1: line is longer than 1000000 bytes" in err, err
+    assert peak_mib is None or peak_mib < 400, peak_mib
+    assert not (tmp_path / "res").exists()
+
+
+def test_config_validation_is_linear(tmp_path):
+    """10,000 backends, the last one wrong: the error names its line at once (it took 42 s, quadratic)."""
+    import time
+
+    from ipw.config import parse_config
+
+    text = 'dataset = "d"\n' + "".join(f'[[backends]]\nname = "b{i}"\nkind = "openai"\nmodel = "m"\n'
+                                       f'base_url = "http://127.0.0.1:9/v1"\n' for i in range(10_000))
+    text += "timeout_s = \"soon\"\n"
+    t0 = time.monotonic()
+    with pytest.raises(IpwError) as info:
+        parse_config(text, "big.toml")
+    assert time.monotonic() - t0 < 5.0
+    assert info.value.message.startswith(f"big.toml:{2 + 5 * 10_000}: field 'backends[9999].timeout_s': expected float")

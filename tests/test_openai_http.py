@@ -88,6 +88,9 @@ class FakeEndpoint:
             return
         if action == "slow":
             time.sleep(3.0)
+        if action.startswith("trickle"):  # one byte every 0.25 s, never a newline: each resets a read timeout
+            self.trickle(h, headers=action == "trickle-headers")
+            return
         chat = h.path.endswith("/chat/completions")
         h.send_response(200)
         h.send_header("Content-Type", "text/event-stream")
@@ -114,6 +117,22 @@ class FakeEndpoint:
             event({"choices": [], "usage": {"prompt_tokens": 17, "completion_tokens": len(words) * 2,
                                             "total_tokens": 17 + len(words) * 2}})
         event("[DONE]")
+
+    @staticmethod
+    def trickle(h, headers: bool) -> None:
+        """Trickle a header line (``headers``) or, after complete headers, an event stream, for up to 20 s."""
+        out = h.wfile
+        out.write(b"HTTP/1.1 200 OK\r\n")
+        if not headers:
+            out.write(b"Content-Type: text/event-stream\r\nConnection: close\r\n\r\ndata: ")
+        out.flush()
+        try:
+            for _ in range(80):
+                out.write(b"X-Slow: " if headers else b" ")
+                out.flush()
+                time.sleep(0.25)
+        except OSError:
+            pass  # the client gave up
 
     def close(self) -> None:
         self.server.shutdown()
@@ -203,6 +222,33 @@ def test_truncated_stream_is_retried_as_a_connection_error(endpoint):
     with pytest.raises(QueryError) as info:
         backend_for(endpoint.base_url, max_retries=1).generate("q", SETTINGS)
     assert info.value.category == "connection"
+
+
+@pytest.mark.parametrize("action", ["trickle", "trickle-headers"])
+def test_a_trickling_server_is_cut_at_the_total_deadline(endpoint, action):
+    """A byte every 0.25 s and never a newline, in the stream or in the headers: each byte resets the read
+    timeout, so only the request's total deadline (timeout_s) ends it (before: at the server's leisure)."""
+    endpoint.script = [action]
+    backend = backend_for(endpoint.base_url, max_retries=0, timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(QueryError) as info:
+        backend.generate("q", SETTINGS)
+    took = time.monotonic() - t0
+    assert info.value.category == "timeout" and "total deadline" in str(info.value)
+    assert 1.9 <= took < 4.0, took
+
+
+def test_an_endless_stream_line_is_cut_at_the_line_limit(endpoint, monkeypatch):
+    """A stream line is read up to MAX_LINE_BYTES, not whole (bounded memory)."""
+    from ipw.backends import openai_http
+
+    monkeypatch.setattr(openai_http, "MAX_LINE_BYTES", 10)
+    endpoint.script = ["trickle"]
+    endpoint.trickle = staticmethod(lambda h, headers: (h.wfile.write(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + b"x" * 1000), None))
+    with pytest.raises(QueryError) as info:
+        backend_for(endpoint.base_url, max_retries=0, timeout_s=5.0).generate("q", SETTINGS)
+    assert info.value.category == "malformed_stream" and "longer than 10 bytes" in str(info.value)
 
 
 def test_connection_refused_is_a_connection_error(endpoint):

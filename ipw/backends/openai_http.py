@@ -29,7 +29,9 @@ import http.client
 import ipaddress
 import json
 import re
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ from ipw.errors import IpwError
 from ipw.sanitize import read_key, redact_url, scrub
 
 APIS = ("chat", "completions")
+MAX_LINE_BYTES = 1024 * 1024  # one line of an event stream
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a completion sent as one JSON body
+MAX_ERROR_BYTES = 64 * 1024  # what is kept of an error body (scrubbed, then cut to a message)
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
 
 
@@ -72,6 +77,47 @@ def server_timings(data: Any) -> ServerTimings | None:
         return None
     return ServerTimings(prompt_n=int(values[0]), prompt_ms=float(values[1]),
                          predicted_n=int(values[2]), predicted_ms=float(values[3]))
+
+
+class _Deadline:
+    """A request's total deadline: at ``deadline`` (monotonic seconds) the socket is shut down, so that a
+    server that trickles a byte now and then (each one resetting the read timeout) cannot hold a query
+    past it, whether it is sending headers, a stream or a body.  ``expired`` says it fired."""
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float) -> None:
+        self.expired = False
+        self._sock = conn.sock
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self) -> None:
+        self.expired = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit`` bytes of a response body, and whether more was left unread."""
+    data = resp.read(limit + 1)
+    return data[:limit], len(data) > limit
+
+
+def _lines(resp: Any):
+    """The lines of a streamed body, each read with at most MAX_LINE_BYTES + 1 bytes."""
+    limit = MAX_LINE_BYTES
+    while True:
+        raw = resp.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            raise QueryError(f"a stream line longer than {limit} bytes", "malformed_stream")
+        yield raw
 
 
 class _Retryable(Exception):
@@ -193,7 +239,9 @@ class OpenAIBackend:
             from ipw.backends.servers import start_server
 
             log_dir = self.run_dir or Path(tempfile.mkdtemp(prefix="ipw-server-"))
-            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.spec.name)
+            from ipw.sanitize import file_part
+
+            safe = file_part(self.spec.name)
             opts = self.spec.options
             self.server = start_server(
                 self.server_kind, self.model_path, log_dir / f"server-{safe}.log",
@@ -219,13 +267,19 @@ class OpenAIBackend:
 
     def _check_auth(self) -> None:
         """Fail before the run when the endpoint rejects the key; anything else shows up per query."""
-        conn = self._connection(min(self.timeout_s, 30.0))
+        timeout_s = min(self.timeout_s, 30.0)
+        conn = self._connection(timeout_s)
+        cutter = None
         try:
+            conn.connect()
+            cutter = _Deadline(conn, time.monotonic() + timeout_s)
             conn.request("GET", f"{self.prefix}/models", headers=self._headers())
             status = conn.getresponse().status
         except (OSError, http.client.HTTPException):
             return
         finally:
+            if cutter is not None:
+                cutter.cancel()
             conn.close()
         if status in (401, 403):
             env = self.spec.options.get("api_key_env")
@@ -260,6 +314,18 @@ class OpenAIBackend:
         """Scrub before cutting a text short: a key cut in two is no longer found."""
         text = text.replace(self._key, "***") if self._key else text
         return scrub(text)
+
+    def _error_detail(self, resp: Any) -> str:
+        """An error body as a message may quote it: read up to MAX_ERROR_BYTES, scrubbed whole, then cut.
+        A body longer than that loses its last characters too, as many as a key has: the read may have cut
+        a key there, and a key's fragment is no longer recognised (sanitize.scrub_tail)."""
+        from ipw.sanitize import scrub_tail
+
+        raw, more = _read_bounded(resp, MAX_ERROR_BYTES)
+        text = raw.decode("utf-8", errors="replace")
+        if more:
+            text = scrub_tail(text)
+        return self._scrub(text).strip()[:300]
 
     def request_params(self, settings: GenerationSettings) -> dict[str, Any]:
         """The generation parameters sent with every request (recorded in the manifest)."""
@@ -306,11 +372,14 @@ class OpenAIBackend:
         deadline = time.monotonic() + self.timeout_s
         path = f"{self.prefix}/{'chat/completions' if self.api == 'chat' else 'completions'}"
         conn = self._connection(self.timeout_s)
+        cutter: _Deadline | None = None
         try:
+            conn.connect()
+            cutter = _Deadline(conn, deadline)  # the total deadline; timeout_s is also each read's timeout
             conn.request("POST", path, body=payload, headers=self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
-                detail = self._scrub(resp.read(64 * 1024).decode("utf-8", errors="replace")).strip()[:300]
+                detail = self._error_detail(resp)
                 message = f"HTTP {resp.status} from {self.base_url}: {detail}"
                 if resp.status == 429:
                     raise _Retryable(message, "http_429", _retry_after(resp.getheader("Retry-After")))
@@ -318,14 +387,23 @@ class OpenAIBackend:
                     raise _Retryable(message, "http_5xx")
                 raise QueryError(message, "http_4xx")
             if "text/event-stream" in (resp.getheader("Content-Type") or ""):
-                return self._read_stream(resp, start, deadline, stops)
-            return self._read_json(resp, start, stops)
-        except TimeoutError:
-            raise QueryError(f"no answer from {self.base_url} within timeout_s={self.timeout_s:g}", "timeout") from None
-        except (OSError, http.client.HTTPException) as exc:
+                completion = self._read_stream(resp, start, deadline, stops)
+            else:
+                completion = self._read_json(resp, start, stops)
+            if cutter.expired:  # the body ended because the deadline shut the socket
+                raise TimeoutError
+            return completion
+        except (TimeoutError, QueryError, _Retryable, OSError, http.client.HTTPException) as exc:
+            if isinstance(exc, TimeoutError) or cutter is not None and cutter.expired:
+                raise QueryError(f"no complete answer from {self.base_url} within timeout_s={self.timeout_s:g} "
+                                 "(the request's total deadline)", "timeout") from None
+            if isinstance(exc, (QueryError, _Retryable)):
+                raise
             raise _Retryable(f"connection to {self.base_url} failed: {type(exc).__name__}: "
                              f"{self._scrub(str(exc))}", "connection") from None
         finally:
+            if cutter is not None:
+                cutter.cancel()
             conn.close()
 
     def _content(self, choice: dict[str, Any]) -> str:
@@ -340,7 +418,7 @@ class OpenAIBackend:
         timings: dict[str, Any] | None = None
         finish = ""
         done = False
-        for raw in resp:
+        for raw in _lines(resp):
             now = time.monotonic()
             if now > deadline:
                 raise QueryError(f"stream from {self.base_url} exceeded timeout_s={self.timeout_s:g}", "timeout")
@@ -378,8 +456,11 @@ class OpenAIBackend:
 
     def _read_json(self, resp: Any, start: float, stops: list[str]) -> Completion:
         """A server that ignores ``stream`` and answers with one JSON body: TTFT is the end."""
+        raw, more = _read_bounded(resp, MAX_BODY_BYTES)
+        if more:
+            raise QueryError(f"a response body longer than {MAX_BODY_BYTES} bytes", "malformed_stream")
         try:
-            data = json.loads(resp.read())
+            data = json.loads(raw)
             choice = data["choices"][0]
         except (ValueError, KeyError, IndexError, TypeError):
             raise QueryError("response is neither an event stream nor a completion JSON", "malformed_stream") from None

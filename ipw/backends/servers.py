@@ -166,9 +166,13 @@ def find_vllm_python(explicit: str | None = None) -> str:
 
 def server_env(extra_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     """The environment of a managed server (or an engine worker, with ``extra_prefixes=("IPW_",)``): the
-    allowed names of this process's environment, no secrets."""
+    allowed names of this process's environment, no secrets: none by its name (``*_KEY``, ``*_TOKEN``...,
+    and every variable a config names as ``api_key_env``) nor by its value (a registered key)."""
+    from ipw.sanitize import is_secret_env
+
     return {k: v for k, v in os.environ.items()
-            if (k in _ENV_KEEP or k.startswith(_ENV_KEEP_PREFIXES + extra_prefixes)) and not _SECRET_NAME.search(k)}
+            if (k in _ENV_KEEP or k.startswith(_ENV_KEEP_PREFIXES + extra_prefixes)) and not _SECRET_NAME.search(k)
+            and not is_secret_env(k, v)}
 
 
 def vllm_env(kv_cache_gb: float = 1.0) -> dict[str, str]:

@@ -238,9 +238,9 @@ class WorkerBackend:
         self._log_dir = Path(run_dir)
 
     def _log_path(self) -> Path:
-        import re
+        from ipw.sanitize import file_part
 
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.spec.name)
+        safe = file_part(self.spec.name)
         if self._log_dir is None:
             self._log_dir = Path(tempfile.mkdtemp(prefix="ipw-worker-"))
         return self._log_dir / f"worker-{safe}.log"
