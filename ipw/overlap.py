@@ -25,7 +25,7 @@ import numpy as np
 from ipw.backends.base import Completion
 from ipw.telemetry.base import EnergyReading, worst_quality
 from ipw.telemetry.estimator import Request, by_time, slice_weights, split_method
-from ipw.telemetry.window import Closed, Window
+from ipw.telemetry.window import Closed, Window, resolve
 
 #: one window of a span: its start and end (monotonic s), its sensors' result, the requests in flight
 Slice = tuple[float, float, Closed, frozenset[int]]
@@ -236,9 +236,11 @@ class Meter:
         self.tally = Tally()
         self._live: dict[int, _Live] = {}  # requests in flight
         self._ended: dict[int, Request] = {}  # ended jobs whose windows other requests still share
+        self._windows: dict[int, tuple[float, float]] = {}  # ended jobs not yet shared: their start and end
         self._weights: dict[int, dict[int, tuple[float, float]]] = {}  # id(window) -> job -> (work, time)
         self._taken: dict[int, set[int]] = {}  # id(window) -> jobs that took their part
         self._split_lock = threading.Lock()
+        self._resolve_lock = threading.Lock()
         self._next = 0
         self.in_flight_peak = 0
 
@@ -281,14 +283,31 @@ class Meter:
         """``job`` ended now: its window (start, end) and its share of the energy measured while it ran
         (waiting for the sensors to cover its end).  ``completion``: what it produced (token times,
         server timings), or None for a request that produced nothing."""
+        start, end = self.end(job, completion)
+        return start, end, self.share(job)
+
+    def end(self, job: int, completion: Completion | None) -> tuple[float, float]:
+        """``job`` ended now (its window is cut here): its start and end.  Its energy: ``share``."""
         end = self.segments.event(remove=job)
         with self.segments.lock:
             live = self._live.pop(job)
             start = live.start
-            request = request_of(completion, start, end) if completion is not None else live.request(end)
-            self._ended[job] = request
+            self._ended[job] = request_of(completion, start, end) if completion is not None else live.request(end)
+            self._windows[job] = (start, end)
+        return start, end
+
+    def share(self, job: int) -> Share:
+        """The energy of an ended ``job``: its part of every window it was in flight for, each window
+        split once, when the first of its requests asks (after the sensors have covered its end)."""
+        with self.segments.lock:
+            request = self._ended[job]
+            self._windows.pop(job)
         mine = self.segments.of(job)
-        readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock: NVML may take a moment
+        deadline = time.monotonic() + 10.0
+        while not all(seg[2].ready() for seg in mine) and time.monotonic() < deadline:
+            time.sleep(0.01)  # NVML: until the sampler has read past the request's end
+        self._resolve()
+        readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock
         parts, peers = [], set()
         with self._split_lock:
             for lo, hi, closed, active in mine:
@@ -308,12 +327,20 @@ class Meter:
             with self.segments.lock:
                 self.segments.closed = [seg for seg in self.segments.closed if id(seg[2]) not in gone]
                 still = set().union(*(seg[3] for seg in self.segments.closed))
-                for j in [j for j in self._ended if j not in still]:
+                for j in [j for j in self._ended if j not in still and j not in self._windows]:
                     del self._ended[j]
         share = assemble(parts, split_method(request) if len(peers) > 1 else "", len(peers))
         self.tally.add(share.readings, "parts_j")
         self._drain_idle(wait=False)
-        return start, end, share
+        return share
+
+    def _resolve(self) -> None:
+        """Every window of the span that is ready, made final in one go (``window.resolve``): under load
+        a window ends every few ms, and one estimate each would cost more than the proxy may."""
+        with self._resolve_lock:
+            with self.segments.lock:
+                pending = [seg[2] for seg in self.segments.closed] + list(self.segments.idle)
+            resolve(pending)
 
     def _split(self, lo: float, hi: float, active: frozenset[int]) -> dict[int, tuple[float, float]]:
         jobs = sorted(active)

@@ -54,6 +54,7 @@ class ServeOptions:
     log_prompts: bool = False  # keep prompts and outputs in the records (else their SHA-256)
     max_body_bytes: int = 16 << 20
     timeout_s: float = 600.0  # per upstream request, from its start to its last byte
+    energy_in_response: bool = True  # else the answer is not held for the sensors: energy in the run folder only
     idle_s: float = 3.0
     role: str = "local"
     model: str = ""  # what the upstream serves, when known (a managed server's model)
@@ -136,6 +137,7 @@ class Session:
         self.repeats: dict[str, int] = {}
         self.queries: set[str] = set()
         self.requests = self.errors = 0
+        self.split_methods: dict[str, int] = {}
         self.energy_j = 0.0
         self.energy_quality: set[str] = set()
         for row in load_records_jsonl(folder.path / "records.jsonl").to_dict("records"):  # a resumed folder
@@ -150,11 +152,12 @@ class Session:
             return n
 
     def build(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
-              error: Exception | None) -> QueryRecord:
-        """End ``job`` and make its record (its energy waits for the sensors to cover its end)."""
+              error: Exception | None, window: tuple[float, float]) -> QueryRecord:
+        """The record of an ended ``job`` (``window``: its start and end): its energy waits for the sensors
+        to cover its end."""
         from ipw.runner import make_record
 
-        start, end, share = self.meter.finish(job, completion)
+        share = self.meter.share(job)
         query_id, text = prompt_digest(body)
         if not self.options.log_prompts:
             text = _hashed(text)
@@ -162,7 +165,7 @@ class Session:
                 completion = dataclasses.replace(completion, text=_hashed(completion.text))
         query = Query(id=query_id, prompt=text, answer="", category=api, scorer="judge")
         return make_record(self.folder.manifest.run_id, self.spec, query, self.next_repeat(query_id), completion,
-                           error, start, end, share.readings, idle=self.idle, estimate=self.estimate,
+                           error, window[0], window[1], share.readings, idle=self.idle, estimate=self.estimate,
                            busy_s=share.busy_s, split=share)
 
     def write(self, record: QueryRecord) -> None:
@@ -170,6 +173,8 @@ class Session:
             self.folder.append(record)
             self.requests += 1
             self.errors += record.error is not None
+            method = record.split_method or "none"
+            self.split_methods[method] = self.split_methods.get(method, 0) + 1
             if record.energy_j is not None:
                 self.energy_j += record.energy_j
             self.energy_quality.add(record.energy_quality)
@@ -351,8 +356,10 @@ class Handler(BaseHTTPRequestHandler):
     def _metered(self, api: str, path: str, body: dict[str, Any]) -> None:
         session = self.server.session
         stream = bool(body.get("stream"))
+        asked_usage = False
         if stream:  # ask for usage always: exact token counts, and the chunk that carries the energy
             options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            asked_usage = bool(options.get("include_usage"))
             body = {**body, "stream_options": {**options, "include_usage": True}}
             if session.llama_timings:  # llama-server: each chunk says how long the prompt took (the split's prefill)
                 body.setdefault("timings_per_token", True)
@@ -361,7 +368,8 @@ class Handler(BaseHTTPRequestHandler):
         job = session.meter.start()
         start = session.meter.started_s(job)
         error: Exception | None = None
-        self._record = None  # set as soon as the request's record is made (its energy is then final)
+        self._outcome = None  # (completion, error, window) once the request has ended
+        self._record = None  # its record, once made (at its end with --energy-in-response, else after the answer)
         try:
             try:
                 conn, resp = self._open("POST", path, payload, stream, deadline=start + session.options.timeout_s)
@@ -369,14 +377,14 @@ class Handler(BaseHTTPRequestHandler):
                 self._drop_upstream()
                 error = QueryError(f"upstream {session.upstream.url}: {type(exc).__name__}: {scrub(str(exc))}",
                                    "connection")
-                self._record = session.build(job, body, api, None, error)
+                self._end(job, body, api, None, error)
                 return self._error(502, str(error), "upstream_unreachable")
             if resp.status != 200:
                 detail = session.hide_key(resp.read(MAX_ERROR_BODY))  # an echoed header goes no further
                 category = "http_429" if resp.status == 429 else "http_5xx" if resp.status >= 500 else "http_4xx"
-                error = QueryError(f"HTTP {resp.status} from {session.upstream.url}: "
-                                   f"{scrub(detail.decode('utf-8', errors='replace'))[:300].strip()}", category)
-                self._record = session.build(job, body, api, None, error)
+                self._end(job, body, api, None, QueryError(
+                    f"HTTP {resp.status} from {session.upstream.url}: "
+                    f"{scrub(detail.decode('utf-8', errors='replace'))[:300].strip()}", category))
                 self.send_response(resp.status)  # the upstream's error, passed through with its status
                 self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
                 self.send_header("Content-Length", str(len(detail)))
@@ -384,7 +392,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(detail)
                 return
             if "text/event-stream" in (resp.getheader("Content-Type") or ""):
-                self._relay_stream(job, body, api, resp, seen, start)
+                self._relay_stream(job, body, api, resp, seen, start, asked_usage)
             else:
                 self._relay_json(job, body, api, resp, seen, start)
         except (_ClientGone, BrokenPipeError, ConnectionResetError) as exc:
@@ -401,44 +409,53 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             self.server.watchdog.forget(self)
+            if self._outcome is None:  # ended by an error before the answer was complete
+                self._end(job, body, api, seen.completion(start, time.monotonic(), session.meter.token_times(job))
+                          if seen.parts else None, error or QueryError("no answer", "connection"))
             record = self._record
-            if record is None:  # ended by an error before its record was made
-                record = session.build(job, body, api, seen.completion(start, time.monotonic(),
-                                                                       session.meter.token_times(job))
-                                       if seen.parts else None, error or QueryError("no answer", "connection"))
-            elif error is not None and error.category == "client_disconnect" and record.error is None:
+            if record is None:  # --no-energy-in-response: the energy is waited for now, after the answer
+                record = session.build(job, body, api, *self._outcome)
+            if error is not None and error.category == "client_disconnect" and record.error is None:
                 record = dataclasses.replace(record, error=f"QueryError: {error}", error_category=error.category)
             session.write(record)  # after the answer went out: the client never waits for the disk
 
-    def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
-                    start: float) -> QueryRecord:
+    def _end(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
+             error: Exception | None) -> QueryRecord | None:
+        """The request ended now: cut its window; with energy in the response, make its record now."""
         session = self.server.session
+        window = session.meter.end(job, completion)
+        self._outcome = (completion, error, window)
+        if session.options.energy_in_response:
+            self._record = session.build(job, body, api, completion, error, window)
+        return self._record
+
+    def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream, start: float) -> None:
         raw = resp.read(MAX_RESPONSE_BODY)
         end = time.monotonic()
         try:
             data = json.loads(raw)
         except ValueError:
             data = None
-        if not isinstance(data, dict):
-            record = self._record = session.build(job, body, api, None, QueryError("upstream answer is not JSON", "malformed_stream"))
+        record = None
+        if isinstance(data, dict):
+            seen.take(data, api)
+            record = self._end(job, body, api, seen.completion(start, end, (end,) if seen.parts else ()), None)
+        else:
+            self._end(job, body, api, None, QueryError("upstream answer is not JSON", "malformed_stream"))
+        if record is None:  # passed through as it came
             self.send_response(200)
             self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)
-            return record
-        seen.take(data, api)
-        completion = seen.completion(start, end, (end,) if seen.parts else ())
-        record = self._record = session.build(job, body, api, completion, None)
-        energy = energy_object(record)
-        data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}), "energy": energy}
-        headers = {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
-                   "x-ipw-energy-quality": record.energy_quality}
-        self._json(200, data, headers)
-        return record
+            return
+        data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}),
+                         "energy": energy_object(record)}
+        self._json(200, data, {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
+                               "x-ipw-energy-quality": record.energy_quality})
 
     def _relay_stream(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
-                      start: float) -> QueryRecord:
+                      start: float, asked_usage: bool) -> None:
         from ipw.backends.openai_http import server_timings
 
         session = self.server.session
@@ -449,7 +466,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         deadline = start + session.options.timeout_s
-        record: QueryRecord | None = None
+        ended = False
         last: dict[str, Any] = {}
         lines: list[bytes] = []
         prefilled = False
@@ -468,9 +485,10 @@ class Handler(BaseHTTPRequestHandler):
             data_lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
             data = b"\n".join(data_lines)
             if data == b"[DONE]":
-                if record is None:  # no usage chunk came: the energy goes in a last chunk of its own
-                    record = self._record = self._end_stream(job, body, api, seen, start)
-                    self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+                if not ended:  # no usage chunk came: the energy goes in a last chunk of its own
+                    ended, record = True, self._end_stream(job, body, api, seen, start)
+                    if record is not None:
+                        self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
                 self._send_chunk(event + b"\n")
                 break
             try:
@@ -484,11 +502,14 @@ class Handler(BaseHTTPRequestHandler):
             if isinstance(chunk.get("usage"), dict) and not chunk.get("choices"):
                 # the usage chunk (choices: []), which ipw asked for: the request's end; its energy goes in
                 # it, and the client gets it whether it asked for usage or not (then as the last event)
-                if record is None:
+                if not ended:
                     seen.take(chunk, api)
-                    record = self._record = self._end_stream(job, body, api, seen, start)
-                    chunk["usage"] = {**chunk["usage"], "energy": energy_object(record)}
-                    self._send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                    ended, record = True, self._end_stream(job, body, api, seen, start)
+                    if record is not None:
+                        chunk["usage"] = {**chunk["usage"], "energy": energy_object(record)}
+                        self._send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                    elif asked_usage:
+                        self._send_chunk(event + b"\n")
                 continue
             if seen.take(chunk, api):
                 meter.token(job)
@@ -498,21 +519,19 @@ class Handler(BaseHTTPRequestHandler):
                         meter.prefill(job, timings.prompt_ms, timings.prompt_n)
                         prefilled = True
             self._send_chunk(event + b"\n")
-        if record is None:  # the stream ended without [DONE]
-            record = self._record = self._end_stream(job, body, api, seen, start,
+        if not ended:  # the stream ended without [DONE]
+            record = self._end_stream(job, body, api, seen, start,
                                       None if seen.finish else QueryError("stream ended before [DONE]", "connection"))
-            self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+            if record is not None:
+                self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
         self._send_chunk(b"")  # the end of the chunked body
-        return record
 
     def _end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
-                    error: Exception | None = None) -> QueryRecord:
-        session = self.server.session
-        times = session.meter.token_times(job)
-        completion = seen.completion(start, time.monotonic(), times)
+                    error: Exception | None = None) -> QueryRecord | None:
+        completion = seen.completion(start, time.monotonic(), self.server.session.meter.token_times(job))
         if error is None and not completion.text.strip():
             error = QueryError(f"empty answer (finish_reason={seen.finish or 'none'})", "empty_answer")
-        return session.build(job, body, api, completion, error)
+        return self._end(job, body, api, completion, error)
 
     @staticmethod
     def _usage_chunk(last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
@@ -624,7 +643,9 @@ class Proxy:
                     folder.add_power(session.spec.name, sensor.trace())
             line = {
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.started_s))),
+                "start_s": session.meter.segments.started_s, "end_s": session.meter.segments.ended_s,
                 "wall_s": round(time.monotonic() - self.started_s, 3), "requests": session.requests,
+                "split_methods": dict(session.split_methods),
                 "errors": session.errors, "in_flight_peak": session.meter.in_flight_peak,
                 "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
                 "sampler_overhead": {s.name: s.overhead() for s in self.sensors if hasattr(s, "overhead")},

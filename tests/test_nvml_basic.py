@@ -218,3 +218,35 @@ def test_probe_sensors_order(monkeypatch, tmp_path):
     with pytest.raises(IpwError, match="Volta"):
         probe_sensors(lambda: [], rapl_root=tmp_path / "none")
     assert fake.nvmlShutdown.call_count == fake.nvmlInit.call_count - 2  # the two failed inits
+
+
+def test_many_windows_resolved_at_once_read_as_one_at_a_time(monkeypatch):
+    """``PendingWindow.resolve_all`` (ipw serve under load: one estimate for every ready window) gives
+    each window the readings its own ``result()`` would, and leaves windows that are not ready alone."""
+    from nvml_fakes import drive
+
+    from ipw.telemetry.nvml import PendingWindow
+    from ipw.telemetry.window import Closed, resolve
+
+    sig, clock = synthetic(idle_w=100.0, load_w=400.0, load=(10.3, 11.1))
+    make_fake(monkeypatch, [sig], clock)
+    sensor = sensor_at(clock)
+    drive(sensor, clock, int(1010.0 * 1e9))
+    token = sensor.begin()
+    tiled = []
+    for t in (10.2, 10.5, 10.55, 11.0, 11.4):
+        drive(sensor, clock, int((1000.0 + t) * 1e9))
+        pending, token = sensor.cut(token)
+        tiled.append(pending)
+    late = sensor.end(token)  # ends now: not ready until the sampler reads past it
+    drive(sensor, clock, int((tiled[-1].end_s + 1.2) * 1e9))
+    late = PendingWindow(sensor, int(late.start_s * 1e9), int(clock.mono_ns + 5e8))
+    resolve([Closed([p]) for p in tiled] + [Closed([late])])
+    assert all(p._result is not None for p in tiled) and late._result is None
+    for p in tiled:
+        alone = PendingWindow(sensor, int(round(p.start_s * 1e9)), p.end_ns).result()
+        assert [r.energy_j for r in p.result()] == pytest.approx([r.energy_j for r in alone], rel=1e-12)
+        assert [(r.quality, r.source) for r in p.result()] == [(r.quality, r.source) for r in alone]
+    assert sum(p.result()[0].energy_j for p in tiled) == pytest.approx(
+        100.0 * 1.4 + 300.0 * 0.8, rel=0.02)  # 1.4 s of idle, 0.8 s at +300 W
+    sensor.close()

@@ -327,9 +327,12 @@ def test_serve_stops_on_sigterm_and_resume_recovers_a_killed_folder(tmp_path):
         proc = subprocess.Popen([*IPW, "serve", "--upstream", stub.base_url, "--port", "0", "--idle-s", "0.2",
                                  "--upstream-pid", str(os.getpid()), "--out", str(tmp_path / "out"), *extra],
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        line = proc.stderr.readline()
-        match = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> .*run folder (\S+)\.", line)
-        assert match, line
+        lines = []
+        while not lines or "run folder" not in lines[-1]:  # a note may come first (a stale lock taken over)
+            lines.append(proc.stderr.readline())
+            assert lines[-1], lines
+        match = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> .*run folder (\S+)\.", lines[-1])
+        assert match, lines
         return proc, match.group(1), match.group(2)
 
     def ask(url: str) -> dict:
@@ -338,7 +341,19 @@ def test_serve_stops_on_sigterm_and_resume_recovers_a_killed_folder(tmp_path):
                                                      max_tokens=2, stream=True))
         return _energy(chunks[-1].usage)
 
+    procs = []
+    try:
+        _killed_then_resumed(serve, ask, procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        stub.close()
+
+
+def _killed_then_resumed(serve, ask, procs: list) -> None:
     proc, url, folder = serve()
+    procs.append(proc)
     assert ask(url)["completion_tokens"] == 1
     deadline = time.monotonic() + 10
     while len(Path(folder, "records.jsonl").read_text().splitlines()) < 1 and time.monotonic() < deadline:
@@ -347,11 +362,11 @@ def test_serve_stops_on_sigterm_and_resume_recovers_a_killed_folder(tmp_path):
     proc.wait()
     assert json.loads(Path(folder, "manifest.json").read_text())["status"] == "running"
     proc, url, again = serve("--resume", folder)
+    procs.append(proc)
     assert again == folder
     ask(url)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
-    stub.close()
     manifest = json.loads(Path(folder, "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["resumed_at"]
     records = _records(Path(folder))
@@ -472,3 +487,26 @@ def test_meter_splits_every_window_once_and_conserves_energy():
     assert parts + row["unattributed_j"] == pytest.approx(row["span_j"], rel=1e-9)
     assert math.isclose(row["span_j"] / 50.0, meter.segments.ended_s - meter.segments.started_s, abs_tol=2e-3)
     assert not meter.segments.closed and not meter._weights, "every window was split and let go"
+
+
+def test_without_energy_in_response_answers_pass_unchanged_and_the_folder_has_the_energy(tmp_path):
+    stub = Stub()
+    stub.llama_server = True
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], energy_in_response=False)
+    client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
+    try:
+        plain_stream = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "a"}],
+                                                           max_tokens=2, stream=True))
+        with_usage = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "b"}],
+                                                         max_tokens=2, stream=True,
+                                                         stream_options={"include_usage": True}))
+        stub.modes = ["json"]
+        plain = client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "c"}], max_tokens=2)
+    finally:
+        proxy.stop()
+        stub.close()
+    assert all(c.usage is None for c in plain_stream)  # the client did not ask for usage: it gets none
+    assert with_usage[-1].usage.completion_tokens == 1 and "energy" not in (with_usage[-1].usage.model_extra or {})
+    assert "energy" not in (plain.usage.model_extra or {})
+    records = _records(proxy.session.folder.path)
+    assert len(records) == 3 and all(r["energy_j"] is not None and r["error"] is None for r in records)

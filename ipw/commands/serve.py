@@ -20,7 +20,7 @@ from ipw.errors import IpwError
 def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
                   api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
                   timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
-                  n_gpu_layers: int | None, n_ctx: int | None):
+                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True):
     """Check the options (before anything starts) and make the proxy's options and managed server."""
     from ipw.config import check_idle_s
     from ipw.serve import ServeOptions, Upstream, managed_backend
@@ -50,7 +50,8 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
         default_name = managed.spec.name
     options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
                            api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
-                           max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role)
+                           max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role,
+                           energy_in_response=energy_in_response)
     return options, managed
 
 

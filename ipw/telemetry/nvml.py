@@ -285,8 +285,20 @@ class PendingWindow:
 
     def result(self) -> list[EnergyReading]:
         if self._result is None:
-            self._result, self.foreign_activity = self._sensor._window(self.start_s, self.end_s)
+            self._result, self.foreign_activity = self._sensor._windows([(self.start_s, self.end_s)])[0]
         return self._result
+
+    @staticmethod
+    def resolve_all(pending: list["PendingWindow"]) -> None:
+        """Make many ready windows final with one estimate per sensor (``ipw serve`` under load ends a
+        window every few ms; one estimate each would cost a calibration over the lookback each)."""
+        by_sensor: dict[int, tuple[NvmlSensor, list[PendingWindow]]] = {}
+        for p in pending:
+            if p._result is None and p.ready():
+                by_sensor.setdefault(id(p._sensor), (p._sensor, []))[1].append(p)
+        for sensor, group in by_sensor.values():
+            for p, (readings, foreign) in zip(group, sensor._windows([(p.start_s, p.end_s) for p in group])):
+                p._result, p.foreign_activity = readings, foreign
 
 
 class NvmlSensor:
@@ -465,39 +477,46 @@ class NvmlSensor:
         return pending, pending.end_ns
 
     def _readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
-        return self._window(start_s, end_s)[0]
+        return self._windows([(start_s, end_s)])[0][0]
 
-    def _window(self, start_s: float, end_s: float) -> tuple[list[EnergyReading], list[dict[str, Any]]]:
-        """The readings of one window and the foreign activity during it."""
-        duration_s = end_s - start_s
+    def _windows(self, spans: list[tuple[float, float]]) -> list[tuple[list[EnergyReading], list[dict[str, Any]]]]:
+        """The readings of each window and the foreign activity during it (one estimate for all)."""
         extra: list[str] = []
         if self.sampler._fatal:
             extra.append(f"sampler stopped: {self.sampler._fatal}")
-        foreign: list[dict[str, Any]] = []
+        foreigns: list[list[dict[str, Any]]] = []
+        notes: list[list[str]] = []
+        for start_s, end_s in spans:
+            foreign: list[dict[str, Any]] = []
+            own = list(extra)
+            try:
+                foreign = self.sampler.foreign_activity(start_s, end_s)
+            except Exception as exc:  # informational: never fails the window
+                own.append(f"foreign activity unknown: {type(exc).__name__}: {exc}")
+            if foreign:
+                own.append(foreign_note(foreign, {g.component: g for g in self.others}))
+            foreigns.append(foreign)
+            notes.append(own)
         try:
-            foreign = self.sampler.foreign_activity(start_s, end_s)
-        except Exception as exc:  # informational: never fails the window
-            extra.append(f"foreign activity unknown: {type(exc).__name__}: {exc}")
-        if foreign:
-            extra.append(foreign_note(foreign, {g.component: g for g in self.others}))
-        try:
-            estimates = self.sampler.energy_windows([(start_s, end_s)])
+            estimates = self.sampler.energy_windows(spans)
         except Exception as exc:  # never an exception into the runner
-            return [
-                EnergyReading(g.component, None, "nvml.samples", "unavailable", "gpu", duration_s,
-                              note="; ".join([f"estimate failed: {type(exc).__name__}: {exc}", *extra]))
-                for g in self.gpus
-            ], foreign
+            return [([EnergyReading(g.component, None, "nvml.samples", "unavailable", "gpu", end_s - start_s,
+                                    note="; ".join([f"estimate failed: {type(exc).__name__}: {exc}", *own]))
+                      for g in self.gpus], foreign)
+                    for (start_s, end_s), own, foreign in zip(spans, notes, foreigns)]
         signals = self.sampler.signals()
         out = []
-        for gpu in self.gpus:
-            est = estimates[gpu.component][0]
-            notes = list(extra)
-            failed = [f"{k} {v}" for k, v in signals[gpu.component].items() if v.startswith("failed")]
-            if failed and est.coverage < 1.0:
-                notes.append("NVML " + "; ".join(failed))
-            out.append(reading_from_estimate(gpu, est, duration_s, notes))
-        return out, foreign
+        for k, (start_s, end_s) in enumerate(spans):
+            readings = []
+            for gpu in self.gpus:
+                est = estimates[gpu.component][k]
+                own = list(notes[k])
+                failed = [f"{key} {v}" for key, v in signals[gpu.component].items() if v.startswith("failed")]
+                if failed and est.coverage < 1.0:
+                    own.append("NVML " + "; ".join(failed))
+                readings.append(reading_from_estimate(gpu, est, end_s - start_s, own))
+            out.append((readings, foreigns[k]))
+        return out
 
     def foreign_activity(self, start_s: float, end_s: float) -> list[dict[str, Any]]:
         """The machine's other (watched, not measured) GPUs that were busy in ``[start_s, end_s]``."""
