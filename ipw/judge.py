@@ -116,8 +116,16 @@ def load_prompt(ref: str, method: str) -> JudgePrompt:
     path = Path(ref) if ref.endswith(".txt") else PROMPTS_DIR / f"{ref}.txt"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROMPTS_DIR.glob("*.txt")))
-        raise IpwError(f"judge prompt {ref!r} not found (versions: {known}; or a .txt path)")
-    text = path.read_text(encoding="utf-8")
+        what = "is not a .txt file" if Path(ref).is_file() else "not found"
+        raise IpwError(f"judge prompt {ref!r} {what} (versions: {known}; or a .txt path)")
+    try:
+        if path.stat().st_size > 1_000_000:
+            raise IpwError(f"{path}: a judge prompt of more than 1,000,000 bytes")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IpwError(f"{path}: a judge prompt is UTF-8 text; byte {exc.start} is not") from None
+    except OSError as exc:
+        raise IpwError(f"{path}: cannot read the judge prompt ({exc.strerror})") from None
     used = set(re.findall(r"\{\{(\w+)\}\}", text))
     if used != set(PLACEHOLDERS[method]):
         raise IpwError(f"{path}: a {method} prompt needs the placeholders "

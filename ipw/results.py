@@ -203,6 +203,9 @@ class RunManifest:
     rescored_from: dict[str, Any] | None = None
     rescored_at: str | None = None
     judge: dict[str, Any] | None = None  # the judge of ipw rescore --scorer judge
+    # what records.parquet was built from: the count and sha256 of records.jsonl when it was written
+    # (readers trust the Parquet file only while the log still matches; see trusted_parquet)
+    records: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this ipw does not know, kept as they were
 
     @classmethod
@@ -221,13 +224,93 @@ class RunManifest:
         return {**{k: v for k, v in out.items() if v is not None}, **self.extra}
 
 
+LOCK_FILE = "ipw.lock"
+
+
+def own_file(path: Path) -> Path:
+    """``path`` as a file of a run folder: a symbolic link (to a file outside it, say) is refused, so that
+    no reader trusts and no writer appends to a file the folder does not hold."""
+    if path.is_symlink():
+        raise IpwError(f"{path}: a symbolic link; a run folder holds its own files (copy the target there)")
+    return path
+
+
+class FolderLock:
+    """One writer per run folder: an advisory ``fcntl.flock`` on ``ipw.lock`` in it, held from the moment a
+    run, resume, merge or rescore opens the folder until it finishes (or its process ends: the kernel
+    releases a dead process's lock). The file holds the holder's PID while it writes, so that a second
+    writer can name it; a PID left there by a process that was killed is a stale lock, taken over with a
+    note."""
+
+    def __init__(self, folder: Path) -> None:
+        import fcntl
+
+        self.fd = -1
+        path = own_file(folder / LOCK_FILE)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise IpwError(f"{path}: cannot open the run folder's lock ({exc.strerror})") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder()
+            os.close(self.fd)
+            self.fd = -1
+            raise IpwError(f"{folder}: another ipw process (pid {holder or 'unknown'}) is writing this run "
+                           "folder; wait for it to end, or stop it, then try again") from None
+        stale = self._holder()
+        if stale and stale != os.getpid():
+            import sys
+
+            alive = _pid_alive(stale)
+            print(f"note: {folder}: took over the lock of ipw pid {stale}, "
+                  f"{'which holds it no longer' if alive else 'which is no longer running'}",
+                  file=sys.stderr, flush=True)
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _holder(self) -> int | None:
+        try:
+            text = os.pread(self.fd, 32, 0).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def __del__(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Clear the PID (a clean end leaves no stale lock) and unlock."""
+        if self.fd < 0:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+        except OSError:
+            pass
+        os.close(self.fd)  # closing the descriptor releases the flock
+        self.fd = -1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @dataclass
 class RunFolder:
-    """Writes one run folder. The manifest is rewritten atomically as the run progresses."""
+    """Writes one run folder, as its only writer (:class:`FolderLock`). The manifest is rewritten
+    atomically as the run progresses."""
 
     path: Path
     manifest: RunManifest
     write_failure: IpwError | None = None  # the first record that could not be written (disk full)
+    lock: FolderLock | None = None
 
     @classmethod
     def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest | dict[str, Any]) -> "RunFolder":
@@ -239,7 +322,8 @@ class RunFolder:
             raise IpwError(f"{path}: cannot create the run folder ({exc.strerror})") from None
         if isinstance(manifest, dict):
             manifest = RunManifest.from_dict({**manifest, "run_id": run_id})
-        folder = cls(path, dataclasses.replace(manifest, run_id=run_id, status="running", schema_version=SCHEMA_VERSION))
+        folder = cls(path, dataclasses.replace(manifest, run_id=run_id, status="running", schema_version=SCHEMA_VERSION),
+                     lock=FolderLock(path))
         folder.write_manifest()
         (path / "records.jsonl").touch()
         return folder
@@ -251,17 +335,30 @@ class RunFolder:
         from ipw.config import RunConfig
 
         path = Path(run_dir)
-        manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
-        if manifest.status == "complete":
-            raise IpwError(f"{path}: the run is already complete; nothing to resume")
-        if "serve" not in manifest.config:  # an ipw serve folder holds its proxy's options instead
-            RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
-        log = path / "records.jsonl"
-        read_records(log)  # every line but a torn last one is a record
-        data = log.read_bytes() if log.exists() else b""
-        if data and not data.endswith(b"\n"):  # the query in flight when the process died
-            log.write_bytes(data[: data.rfind(b"\n") + 1])
-        return cls(path, manifest)
+
+        def check() -> RunManifest:
+            manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
+            if manifest.status == "complete":
+                raise IpwError(f"{path}: the run is already complete; nothing to resume")
+            if "serve" not in manifest.config:  # an ipw serve folder holds its proxy's options instead
+                RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
+            read_records(path / "records.jsonl")  # every line but a torn last one is a record
+            return manifest
+
+        check()  # before the lock: a folder that cannot be resumed is left exactly as it was
+        lock = FolderLock(path)
+        try:
+            manifest = check()  # again, as the only writer: another may have finished it meanwhile
+            log = own_file(path / "records.jsonl")
+            data = log.read_bytes() if log.exists() else b""
+            if data and not data.endswith(b"\n"):  # the query in flight when the process died
+                log.write_bytes(data[: data.rfind(b"\n") + 1])
+            # the records appended from now on are not in records.parquet: readers must not trust it
+            (path / "records.parquet").unlink(missing_ok=True)
+        except BaseException:
+            lock.release()
+            raise
+        return cls(path, manifest, lock=lock)
 
     def done_keys(self) -> set[tuple[str, str, int, int]]:
         """(backend, query_id, repeat, concurrency) of every record already written (concurrency 1 in
@@ -283,7 +380,8 @@ class RunFolder:
     def append(self, record: QueryRecord) -> None:
         log = self.path / "records.jsonl"
         try:
-            with open(log, "a", encoding="utf-8") as fh:
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            with open(fd, "a", encoding="utf-8") as fh:
                 fh.write(record.to_json() + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -312,20 +410,62 @@ class RunFolder:
         try:
             frame = load_records_jsonl(self.path / "records.jsonl")
             _atomic_write_parquet(frame, self.path / "records.parquet")
+            updates["records"] = log_digest(self.path / "records.jsonl")
         except IpwError as exc:
             problem = exc
             status = "failed"
             updates["reason"] = "; ".join(r for r in (updates.get("reason"), exc.message) if r)
-        self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
+        try:
+            self.write_manifest(status=status, finished_at=dt.datetime.now().isoformat(timespec="seconds"), **updates)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
         if problem is not None:
             raise self.write_failure or problem
+
+
+def log_digest(log: Path) -> dict[str, Any]:
+    """The record count (lines) and sha256 of a records.jsonl, as the manifest stores them."""
+    import hashlib
+
+    digest, count = hashlib.sha256(), 0
+    with open(own_file(log), "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+            count += block.count(b"\n")
+    return {"count": count, "jsonl_sha256": digest.hexdigest()}
+
+
+def trusted_parquet(run_dir: str | Path, manifest: dict[str, Any]) -> Path | None:
+    """The run folder's records.parquet when it holds what records.jsonl holds: its manifest's ``records``
+    entry (count and sha256 of the log when the Parquet file was written) matches the log now.  None when
+    there is none, or it is stale (a resume appended to the log, a run was killed during a resume): then
+    the log is read, with a note.  A folder written before the entry existed: trusted when complete."""
+    path = Path(run_dir)
+    parquet = own_file(path / "records.parquet")
+    log = path / "records.jsonl"
+    if not parquet.exists():
+        return None
+    entry = manifest.get("records")
+    if not isinstance(entry, dict) or not log.exists():
+        return parquet if manifest.get("status") == "complete" or not log.exists() else _stale(parquet, "")
+    if log_digest(log) == {"count": entry.get("count"), "jsonl_sha256": entry.get("jsonl_sha256")}:
+        return parquet
+    return _stale(parquet, " (records.jsonl changed since it was written)")
+
+
+def _stale(parquet: Path, why: str) -> None:
+    import sys
+
+    print(f"note: {parquet}: not used{why}; reading records.jsonl", file=sys.stderr, flush=True)
+    return None
 
 
 def read_manifest(run_dir: str | Path, require: tuple[str, ...] = ()) -> dict[str, Any]:
     """A run folder's manifest.json, checked: a JSON object of a schema this ipw reads, with a known
     ``status``; ``require`` names further fields that must be there (``dataset.fingerprint``)."""
     path = Path(run_dir)
-    file = path / "manifest.json"
+    file = own_file(path / "manifest.json")
     try:
         text = file.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):
@@ -366,7 +506,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     when the process died) is left out; any other line that is not a record is an error naming its
     line, so that nothing after it is ever dropped silently."""
     try:
-        fh = open(path, encoding="utf-8")
+        fh = open(own_file(path), encoding="utf-8")
     except FileNotFoundError:
         raise IpwError(f"{path}: missing; the run folder is incomplete") from None
     except OSError as exc:
@@ -507,8 +647,8 @@ def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical:
     """
     path = Path(run_dir)
     manifest = read_manifest(path, require)
-    parquet = path / "records.parquet"
-    if parquet.exists():
+    parquet = trusted_parquet(path, manifest)
+    if parquet is not None:
         import pandas as pd
         import pyarrow.parquet as pq
 

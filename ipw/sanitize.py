@@ -141,13 +141,41 @@ def message(text: str) -> str:
     return redact_urls(scrub(text))
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# control characters, and the bidi controls that reorder what a terminal, a page or an editor shows
+# (a right-to-left override makes "api\u202eevil" print as "apilive")
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\\x00-\\x08\\x0b-\\x1f\\x7f-\\x9f{_BIDI}]")
+_CONTROL_OR_NEWLINE = re.compile(f"[\\x00-\\x1f\\x7f-\\x9f{_BIDI}]")
+
+
+def _escaped(m: re.Match) -> str:
+    return m.group(0).encode("unicode_escape").decode("ascii")
 
 
 def printable(text: str) -> str:
-    """Control characters (an escape sequence, a carriage return) shown escaped, e.g. ``\\x1b``; newlines
-    and tabs kept."""
-    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
+    """Control and bidi characters (an escape sequence, a carriage return, a right-to-left override) shown
+    escaped, e.g. ``\\x1b``, ``\\u202e``; newlines and tabs kept."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def one_line(text: object) -> str:
+    """A table cell or a name as shown: every control and bidi character escaped, newlines too, so that no
+    text starts a line of its own (a forged ``::error`` workflow command)."""
+    return _CONTROL_OR_NEWLINE.sub(_escaped, str(text))
+
+
+def json_bidi(text: str) -> str:
+    """A JSON text with its bidi controls written as ``\\u202e`` escapes: the same data, shown in order."""
+    return re.sub(f"[{_BIDI}]", lambda m: f"\\u{ord(m.group(0)):04x}", text)
+
+
+def csv_cell(value: object) -> object:
+    """A CSV cell: text on one line, and text that a spreadsheet would run as a formula (``= + - @``, a tab
+    or CR first) neutralised with a leading ``'``; numbers as they are."""
+    if not isinstance(value, str):
+        return value
+    text = one_line(value)
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") or value[:1] in ("\t", "\r") else text
 
 
 def github_escape(text: str) -> str:
@@ -168,7 +196,7 @@ def md_text(text: object) -> str:
     that could start a link, an image, emphasis, code or a table cell."""
     t = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     t = _MD_SPECIAL.sub(r"\\\1", t)
-    return re.sub(r"[\r\n]+", " ", t)
+    return one_line(re.sub(r"[\r\n]+", " ", t))
 
 
 MAX_FILE_PART = 80  # characters of a name that go into a file name (NAME_MAX is 255 bytes)

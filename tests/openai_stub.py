@@ -2,7 +2,8 @@
 
 Every answer is ``ANSWER``, streamed as SSE.  ``modes`` is a list of actions for the next POSTs
 (then ``ok``): ``500:N`` answers HTTP 500 with a body that echoes the request's headers after N
-filler characters, ``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
+filler characters (``500s:N``: N spaces), ``401text:TEXT`` answers HTTP 401 with an error message TEXT,
+``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
 ``errchunk`` an ``{"error": ...}`` chunk holding the headers, ``json`` one JSON body instead of a stream.
 ``required_key`` makes ``GET /models`` answer 401 unless the Authorization header carries that key.
 
@@ -53,7 +54,9 @@ class Stub:
         self.required_key: str | None = None
         self.auth_seen: list[str | None] = []
         self.bodies: list[dict] = []  # the JSON body of every completion request
+        self.paths: list[str] = []  # the path (and query string) of every completion request
         self.llama_server = False  # stream as llama-server does (usage and timings in the last chunk)
+        self.delay_s = 0.0  # seconds before every completion answer
         self.lock = threading.Lock()
         stub = self
 
@@ -80,16 +83,27 @@ class Stub:
                     parsed = json.loads(body)
                 except ValueError:
                     parsed = {}
+                if stub.delay_s:
+                    import time
+
+                    time.sleep(stub.delay_s)
                 with stub.lock:
                     stub.bodies.append(parsed)
+                    stub.paths.append(self.path)
                     stub.auth_seen.append(self.headers.get("Authorization"))
                     mode = stub.modes.pop(0) if stub.modes else "ok"
                 # the Authorization header first, so that the key falls inside what an error message keeps
                 items = sorted(self.headers.items(), key=lambda kv: kv[0].lower() != "authorization")
                 echoed = "".join(f"{k}: {v}\r\n" for k, v in items)
+                if mode.startswith("500s:"):  # filler of spaces, then the echo (a strip moves what is cut)
+                    self._send(500, (" " * int(mode[5:]) + "you sent " + echoed).encode(), "text/plain")
+                    return
                 if mode.startswith("500"):
                     filler = int(mode.split(":")[1]) if ":" in mode else 0
                     self._send(500, ("x" * filler + "you sent " + echoed).encode(), "text/plain")
+                    return
+                if mode.startswith("401text:"):  # an error body of the given text (an API's "incorrect key")
+                    self._send(401, json.dumps({"error": {"message": mode[8:]}}).encode())
                     return
                 chat = self.path.endswith("/chat/completions")
                 if mode == "json":

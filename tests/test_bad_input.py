@@ -540,3 +540,42 @@ def test_config_validation_is_linear(tmp_path):
         parse_config(text, "big.toml")
     assert time.monotonic() - t0 < 5.0
     assert info.value.message.startswith(f"big.toml:{2 + 5 * 10_000}: field 'backends[9999].timeout_s': expected float")
+
+
+HOSTILE_NAMES = ["=HYPERLINK(\"http://x\",\"click\")", "b\n::error file=x::forged", "api\u202eevil", "@SUM(A1)"]
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv", "markdown", "json"])
+def test_hostile_backend_names_in_a_run_folder_stay_text(fmt, tmp_path, run_cli):
+    """Names from a run folder (written by hand or by an older ipw; a config refuses them now): in every
+    output no line starts a GitHub workflow command, no CSV cell is a formula, no bidi control is raw."""
+    import csv
+    import io
+
+    from runfolders import write_run
+
+    run = write_run(tmp_path, "r1", {name: {"correct": [1, 0], "energy": [1.0, 2.0]} for name in HOSTILE_NAMES})
+    code, out, err = run_cli("compare", run, "--format", fmt)
+    assert code == 0, err
+    assert not [line for line in out.splitlines() if line.lstrip().startswith("::")], out
+    assert "\u202e" not in out and "\\u202e" in out.replace("\\\\", "\\")
+    if fmt == "csv":
+        cells = [cell for row in csv.reader(io.StringIO(out)) for cell in row]
+        assert not [c for c in cells if c[:1] in ("=", "+", "@") or (c[:1] == "-" and not c[1:2].isdigit())], cells
+        assert "'=HYPERLINK(\"http://x\",\"click\")" in cells
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("judge.txt", b"Grade {{response}} \xff\xfe", "judge.txt: a judge prompt is UTF-8 text; byte 19 is not"),
+    ("judge.bin", b"\x00\x01binary", "judge prompt 'JUDGE' is not a .txt file"),
+])
+def test_bad_judge_prompt_is_one_line(name, content, expected, tmp_path, run_cli):
+    prompt = tmp_path / name
+    prompt.write_bytes(content)
+    text = _cfg().replace("DATA", str(tmp_path / "data.jsonl")) + (
+        f'[judge]\nkind = "openai"\nmodel = "m"\nbase_url = "http://127.0.0.1:9/v1"\nprompt = "{prompt}"\n')
+    (tmp_path / "data.jsonl").write_text(FOUR)
+    (tmp_path / "run.toml").write_text(text)
+    code, out, err = run_cli("run", tmp_path / "run.toml", "--out", tmp_path / "res")
+    assert code == 2 and expected.replace("JUDGE", str(prompt)) in err, err
+    assert err.count("\n") == 1 and "Traceback" not in out + err and not (tmp_path / "res").exists()

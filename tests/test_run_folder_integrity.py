@@ -4,6 +4,7 @@ processes (``python -m ipw.cli``) against the loopback stub endpoint, real file 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -93,3 +94,142 @@ def test_a_full_disk_fails_the_run_in_one_line(stub, tmp_path, tiny_tmpfs):
     cfg = stub_config(tmp_path / "run.toml", data, stub.base_url, out_dir=tiny_tmpfs / "res")
     proc = subprocess.run(IPW + ["run", str(cfg)], capture_output=True, text=True, timeout=300)
     _assert_failed_cleanly(proc, tiny_tmpfs / "res", "No space left on device")
+
+
+# -- one writer per run folder ------------------------------------------------------------------------
+
+def _interrupted_run(stub, tmp_path: Path, n: int, keep: int) -> Path:
+    """A run of ``n`` queries stopped after ``keep`` records (status interrupted, its records.parquet of
+    those records written, as after Ctrl-C)."""
+    from ipw.cli import main
+    from ipw.results import RunManifest, RunFolder
+
+    cfg = stub_config(tmp_path / "run.toml", _dataset(tmp_path, n), stub.base_url, out_dir=tmp_path / "res")
+    assert main(["run", str(cfg)]) == 0
+    run = _only_run(tmp_path / "res")
+    log = run / "records.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:keep]))
+    (run / "records.parquet").unlink()
+    folder = RunFolder(run, RunManifest.read(run))
+    folder.finish("interrupted", reason="interrupted by the user")
+    return run
+
+
+def _query_keys(run: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    return sorted((r["backend"], r["query_id"], r["repeat"]) for r in rows)
+
+
+def test_two_concurrent_resumes_one_succeeds_one_is_refused(stub, tmp_path):
+    """Before: both exited 0 and the folder held 72 records for 40 queries."""
+    run = _interrupted_run(stub, tmp_path, 40, keep=10)
+    stub.delay_s = 0.05  # the resume takes about 1.5 s: long enough for the two to overlap
+    try:
+        procs = [subprocess.Popen(IPW + ["run", "--resume", str(run)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(p.wait(timeout=300), p.stderr.read(), p.pid) for p in procs]
+    finally:
+        stub.delay_s = 0.0
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    (winner,) = [pid for code, _, pid in results if code == 0]
+    (refusal,) = [err for code, err, _ in results if code == 2]
+    last = refusal.strip().splitlines()[-1]
+    assert (f"another ipw process (pid {winner}) is writing this run folder" in last
+            or "the run is already complete" in last), refusal
+    assert "Traceback" not in refusal
+    assert _query_keys(run) == sorted(("stub", f"q{i}", 0) for i in range(40))  # one record per query
+    assert _manifest(run)["status"] == "complete"
+    assert (run / "ipw.lock").read_text() == ""  # released cleanly: no stale PID left
+
+
+def test_a_second_writer_is_refused_naming_the_holder(stub, tmp_path):
+    from ipw.results import FolderLock
+
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.name != "ipw.lock"}
+    lock = FolderLock(run)  # this test process writes the folder
+    try:
+        proc = subprocess.run(IPW + ["run", "--resume", str(run)], capture_output=True, text=True, timeout=120)
+    finally:
+        lock.release()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {run}: another ipw process (pid {os.getpid()}) is writing this run "
+                                   "folder; wait for it to end, or stop it, then try again")
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "ipw.lock"} == before
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_note(stub, tmp_path):
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / "ipw.lock").write_text(f"{dead.pid}\n")  # what a killed ipw leaves (the kernel freed the flock)
+    proc = subprocess.run(IPW + ["run", "--resume", str(run)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"note: {run}: took over the lock of ipw pid {dead.pid}, which is no longer running" in proc.stderr
+    assert _query_keys(run) == sorted(("stub", f"q{i}", 0) for i in range(6))
+
+
+# -- no stale or foreign files ------------------------------------------------------------------------
+
+def test_resume_removes_the_stale_parquet_before_appending(stub, tmp_path):
+    from ipw.results import RunFolder
+
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    assert (run / "records.parquet").exists()
+    folder = RunFolder.reopen(run)
+    try:
+        assert not (run / "records.parquet").exists()
+    finally:
+        folder.lock.release()
+
+
+def test_readers_use_the_log_when_the_parquet_is_stale(stub, tmp_path, run_cli, capsys):
+    """A resume killed after appending (SIGINT, --resume, SIGKILL): the old records.parquet (3 records) no
+    longer matches records.jsonl (5): compare, report and check read the log, with a note."""
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    log = run / "records.jsonl"
+    extra = [json.loads(line) for line in log.read_text().splitlines()[:2]]
+    with log.open("a") as fh:  # what the killed resume appended
+        for i, row in enumerate(extra):
+            fh.write(json.dumps({**row, "query_id": f"q{3 + i}"}) + "\n")
+    capsys.readouterr()  # the run's own output
+    code, out, err = run_cli("compare", run, "--format", "json")
+    assert code == 0, err
+    assert f"note: {run / 'records.parquet'}: not used (records.jsonl changed since it was written)" in err
+    assert json.loads(out)["runs"][0]["n_records"] == 5
+    code, _, err = run_cli("report", run, "--out", tmp_path / "r.html")
+    assert code == 0 and "not used" in err, err
+
+
+def test_symlinked_files_are_refused(stub, tmp_path, run_cli):
+    """records.jsonl linked to a file outside the folder: before, --resume truncated that file as a torn tail
+    and appended to it."""
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes((run / "records.jsonl").read_bytes() + b'{"torn')
+    (run / "records.jsonl").unlink()
+    (run / "records.jsonl").symlink_to(outside)
+    before = outside.read_bytes()
+    for args in (["run", "--resume", run], ["compare", run], ["check", run, run]):
+        code, out, err = run_cli(*args)
+        assert code == 2 and f"{run / 'records.jsonl'}: a symbolic link; a run folder holds its own files" in err, err
+    assert outside.read_bytes() == before
+    (run / "records.jsonl").unlink()
+    (run / "records.jsonl").write_bytes(before[: before.rfind(b"\n") + 1])
+    (run / "manifest.json").rename(tmp_path / "m.json")
+    (run / "manifest.json").symlink_to(tmp_path / "m.json")
+    code, _, err = run_cli("compare", run)
+    assert code == 2 and "manifest.json: a symbolic link" in err, err
+
+
+@pytest.mark.parametrize("command", ["compare", "report"])
+def test_compare_and_report_note_unfinished_runs(command, stub, tmp_path, run_cli):
+    run = _interrupted_run(stub, tmp_path, 6, keep=3)
+    args = ["compare", run] if command == "compare" else ["report", run, "--out", tmp_path / "r.html",
+                                                          "--markdown", tmp_path / "r.md"]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    text = out if command == "compare" else (tmp_path / "r.md").read_text()
+    run_id = _manifest(run)["run_id"]
+    assert f"run {run_id} is unfinished (interrupted): its numbers cover the 3 records written so far" in text

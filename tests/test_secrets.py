@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def test_every_error_path_keeps_the_key_out(stub, dataset, tmp_path, monkeypatch
     offsets = list(range(0, 40, 13)) + list(range(228, 275, 2))
     stub.modes = [f"500:{k}" for k in offsets] + ["badchunk", "errchunk"]
     data = dataset(len(stub.modes) + 2)
-    base = stub.base_url.replace("http://", "http://alice:pa55-Wd3xQ@") + "?api_key=Kx9-Hidden-Q7&mode=fast"
+    base = stub.base_url + "?api_key=Kx9-Hidden-Q7&mode=fast"  # sent with every request, redacted when stored
     cfg = stub_config(tmp_path / "run.toml", data, base, out_dir=tmp_path / "res",
                       backend_extra=f'api_key_env = "{ENV}"\n')
     code, out, err = run_cli("run", cfg)
@@ -74,8 +75,9 @@ def test_every_error_path_keeps_the_key_out(stub, dataset, tmp_path, monkeypatch
     assert_no_leak("stdout", out)
     assert_no_leak("stderr", err)
     manifest = (run_dir / "manifest.json").read_text()
-    assert "pa55-Wd3xQ" not in manifest and "Kx9-Hidden-Q7" not in manifest and "alice" not in manifest
-    assert "***@127.0.0.1" in manifest and "api_key=***" in manifest and "mode=fast" in manifest
+    assert "Kx9-Hidden-Q7" not in manifest
+    assert "api_key=***" in manifest and "mode=fast" in manifest
+    assert set(stub.paths) == {"/v1/chat/completions?api_key=Kx9-Hidden-Q7&mode=fast"}
     import pandas as pd
 
     frame = pd.read_parquet(run_dir / "records.parquet")
@@ -197,3 +199,82 @@ def test_github_annotations_and_markdown_are_escaped():
     md = markdown(CheckResult((v,), 0.01, False, (name,)))
     assert not re.search(r"(?<!\\)\]\(", md) and "\\[x\\](javascript:" in md  # no link can start
     assert md_text("[x](javascript:alert(1)) <img src=x>") == "\\[x\\](javascript:alert(1)) &lt;img src=x&gt;"
+
+
+# -- round 3 (issue 30): the key by value, wherever it turns up ------------------------------------------
+
+def _backend(stub, env: str = ENV):
+    return create_backend(BackendSpec("s", "openai", "stub", options={
+        "base_url": stub.base_url, "api_key_env": env, "max_retries": 0}))
+
+
+def test_a_500_that_puts_the_key_at_the_64_kib_boundary(stub, monkeypatch):
+    """65,524 spaces, then the key: the 64 KiB read cuts it, the strip moved the fragment to the front and the
+    records stored ``sk-SENTINEL1``. Every offset across the boundary: no 8 characters of it survive."""
+    from ipw.backends.openai_http import MAX_ERROR_BYTES
+
+    monkeypatch.setenv(ENV, SENTINEL)
+    backend = _backend(stub)
+    prefix = len("you sent Authorization: Bearer ")
+    offsets = range(MAX_ERROR_BYTES - prefix - len(SENTINEL) - 2, MAX_ERROR_BYTES - prefix + 2)
+    stub.modes = [f"500s:{k}" for k in offsets]
+    for k in offsets:
+        with pytest.raises(QueryError) as info:
+            backend.generate("q", GenerationSettings(max_tokens=2))
+        assert_no_leak(f"offset {k}", str(info.value))
+        fragment = SENTINEL[: max(0, MAX_ERROR_BYTES - prefix - k)]
+        assert len(fragment) < 4 or fragment not in str(info.value), (k, str(info.value)[:80])
+
+
+def test_a_masked_key_in_an_error_is_scrubbed(stub, dataset, tmp_path, monkeypatch, run_cli):
+    """An OpenAI-style 401 body ("Incorrect API key provided: sk-Zq8v****...L1aS") quotes a masked key: the run
+    stores none of it (before: an 8-character window, and exit 0)."""
+    from ipw.sanitize import scrub
+
+    monkeypatch.setenv(ENV, SENTINEL)
+    masked = [SENTINEL[:7] + "****", SENTINEL[:8] + "*" * 20 + SENTINEL[-4:], "*" * 4 + SENTINEL[-8:],
+              SENTINEL[:3] + "..." + SENTINEL[-4:] + "x"]
+    _backend(stub)  # registers the key
+    for text in masked[:3]:
+        assert scrub(f"Incorrect API key provided: {text}.") == "Incorrect API key provided: ***.", text
+    stub.modes = [f"401text:Incorrect API key provided: {m}" for m in masked[:3]]
+    cfg = stub_config(tmp_path / "run.toml", dataset(4), stub.base_url, out_dir=tmp_path / "res",
+                      backend_extra=f'api_key_env = "{ENV}"\n')
+    code, out, err = run_cli("run", cfg)
+    (run_dir,) = (tmp_path / "res").iterdir()
+    for p in [p for p in run_dir.rglob("*") if p.is_file()] + ["out"]:
+        text = out + err if p == "out" else p.read_bytes().decode("utf-8", "replace")
+        for m in masked[:3]:
+            assert m not in text and m.strip("*")[:8] not in text, (p, m)
+
+
+def test_a_custom_api_key_env_never_reaches_a_worker(monkeypatch, tmp_path):
+    """``api_key_env = "IPW_CLOUD_CRED"``: an IPW_ variable (workers get those) whose name says nothing
+    secret; before, the llama.cpp worker inherited it. Now no worker or server gets it, by name nor value."""
+    from ipw.backends.servers import server_env
+    from ipw.backends.worker import worker_env
+    from ipw.config import parse_config
+
+    monkeypatch.setenv("IPW_CLOUD_CRED", SENTINEL)
+    monkeypatch.setenv("IPW_SHOWS_THE_SAME_VALUE", "x" + SENTINEL)
+    monkeypatch.setenv("IPW_PLAIN_SETTING", "1")
+    parse_config('dataset = "d"\n[[backends]]\nname = "c"\nkind = "openai"\nmodel = "m"\n'
+                 'base_url = "http://127.0.0.1:9/v1"\napi_key_env = "IPW_CLOUD_CRED"\n', "run.toml")
+    env = worker_env(sys.executable)
+    assert "IPW_CLOUD_CRED" not in env and "IPW_PLAIN_SETTING" in env
+    from ipw.sanitize import read_key
+
+    read_key("IPW_CLOUD_CRED", "c")  # the value registered: a variable holding it is dropped too
+    env = worker_env(sys.executable)
+    assert "IPW_SHOWS_THE_SAME_VALUE" not in env
+    assert_no_leak("worker env", json.dumps(env))
+    assert_no_leak("server env", json.dumps(server_env()))
+
+
+def test_a_base_url_with_a_user_name_is_refused(stub, dataset, tmp_path, run_cli):
+    base = stub.base_url.replace("http://", "http://alice:pa55-Wd3xQ@")
+    cfg = stub_config(tmp_path / "run.toml", dataset(2), base, out_dir=tmp_path / "res")
+    code, out, err = run_cli("run", cfg)
+    assert code == 2 and "base_url holds a user name or password" in err and "api_key_env" in err, err
+    assert "pa55-Wd3xQ" not in err + out and "alice" not in err + out
+    assert not (tmp_path / "res").exists() and not stub.bodies

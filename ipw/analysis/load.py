@@ -313,6 +313,10 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
         seen[rid] = str(path)
         parts += new
     notes: list[str] = []
+    for run in {p.run.run_id: p.run for p in parts}.values():
+        if run.status != "complete":
+            notes.append(f"run {run.run_id} is unfinished ({run.status}): its numbers cover the {run.n_records} "
+                         f"records written so far; ipw run --resume {run.path} completes it")
     problem = _query_set_error(parts)
     if problem and not common_queries:
         raise IpwError(f"{problem}; compare them on the queries they share with --common-queries")

@@ -150,7 +150,9 @@ def to_dict(c: Comparison) -> dict:
 
 
 def to_json(c: Comparison) -> str:
-    return json.dumps(to_dict(c), indent=2, ensure_ascii=False) + "\n"
+    from ipw.sanitize import json_bidi
+
+    return json_bidi(json.dumps(to_dict(c), indent=2, ensure_ascii=False)) + "\n"
 
 
 CSV_HEADER = ("section", "backend", "key", "metric", "value", "lo", "hi")
@@ -219,10 +221,12 @@ def csv_rows(c: Comparison) -> list[tuple]:
 
 
 def to_csv(c: Comparison) -> str:
+    from ipw.sanitize import csv_cell  # backend names are the user's text: no formula, no line of its own
+
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(CSV_HEADER)
-    writer.writerows(["" if x is None else x for x in row] for row in csv_rows(c))
+    writer.writerows(["" if x is None else csv_cell(x) for x in row] for row in csv_rows(c))
     return buf.getvalue()
 
 
@@ -460,12 +464,16 @@ def rich_tables(ts: list[Table]) -> list:
     """rich tables of ``tables(c)`` or ``routing_tables(c)``."""
     from rich.table import Table as RichTable
 
+    from rich.markup import escape
+
+    from ipw.sanitize import one_line  # names are the user's text: escapes and bidi controls shown escaped
+
     out = []
     for t in ts:
-        rt = RichTable(title=t.title, title_justify="left")
+        rt = RichTable(title=escape(one_line(t.title)), title_justify="left")
         for i, h in enumerate(t.headers):
-            rt.add_column(h, justify="left" if i == 0 else "right")
+            rt.add_column(escape(one_line(h)), justify="left" if i == 0 else "right")
         for row in t.rows:
-            rt.add_row(*row)
+            rt.add_row(*(escape(one_line(cell)) for cell in row))
         out.append(rt)
     return out

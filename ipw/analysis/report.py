@@ -167,15 +167,15 @@ def _texts(runs, rows) -> dict[tuple[str, int], dict]:
     """Prompt, reference, output and error of the given records (run_id, row), read for those rows only."""
     import pyarrow.parquet as pq
 
-    from ipw.results import load_run
+    from ipw.results import load_run, read_manifest, trusted_parquet
 
     out = {}
     for run in runs:
         want = sorted({int(r) for rid, r in zip(rows["run_id"], rows["row"]) if rid == run.run_id})
         if not want:
             continue
-        parquet = Path(run.path) / "records.parquet"
-        if parquet.exists():
+        parquet = trusted_parquet(run.path, read_manifest(run.path))  # the same file load_run read
+        if parquet is not None:
             present = set(pq.read_schema(parquet).names)
             table = pq.read_table(parquet, columns=[c for c in TEXT_COLUMNS if c in present]).take(want)
             values = {c: (table.column(c).to_pylist() if c in present else [None] * len(want)) for c in TEXT_COLUMNS}

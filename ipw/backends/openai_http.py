@@ -216,10 +216,16 @@ class OpenAIBackend:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise IpwError(f"backend {self.spec.name!r}: base_url must be http(s)://HOST[:PORT]/PATH, got "
                            f"{redact_url(base_url)!r}")
+        if parts.username is not None or parts.password is not None:
+            raise IpwError(f"backend {self.spec.name!r}: base_url holds a user name or password "
+                           f"({redact_url(base_url)!r}); ipw sends no credentials in a URL: put the key in an "
+                           "environment variable and name it with api_key_env")
         self.scheme, self.host = parts.scheme, parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.prefix = parts.path.rstrip("/")
-        # what the manifest shows: no user:password@, no query string
+        # a query string is sent with every request (Azure's api-version=...); the manifest shows it with
+        # secret-looking values redacted (describe's base_url_query)
+        self.query = f"?{parts.query}" if parts.query else ""
         self.base_url = f"{self.scheme}://{self.host}:{self.port}{self.prefix}"
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -273,7 +279,7 @@ class OpenAIBackend:
         try:
             conn.connect()
             cutter = _Deadline(conn, time.monotonic() + timeout_s)
-            conn.request("GET", f"{self.prefix}/models", headers=self._headers())
+            conn.request("GET", f"{self.prefix}/models{self.query}", headers=self._headers())
             status = conn.getresponse().status
         except (OSError, http.client.HTTPException):
             return
@@ -370,7 +376,7 @@ class OpenAIBackend:
 
     def _attempt(self, payload: bytes, start: float, stops: list[str]) -> Completion:
         deadline = time.monotonic() + self.timeout_s
-        path = f"{self.prefix}/{'chat/completions' if self.api == 'chat' else 'completions'}"
+        path = f"{self.prefix}/{'chat/completions' if self.api == 'chat' else 'completions'}{self.query}"
         conn = self._connection(self.timeout_s)
         cutter: _Deadline | None = None
         try:
@@ -487,6 +493,7 @@ class OpenAIBackend:
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "engine": "openai-http", "base_url": self.base_url, "model_name": self.model_name, "api": self.api,
+            "base_url_query": redact_url(f"{self.base_url}{self.query}").partition("?")[2] or None,
             "remote": self.remote, "concurrency": self.concurrency, "concurrency_levels": list(self.levels),
             "timeout_s": self.timeout_s,
             "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
