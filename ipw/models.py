@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,16 +64,36 @@ def resolve_model(name_or_path: str) -> tuple[Path, str | None]:
 GGUF_MAGIC = b"GGUF"
 
 
+GGUF_VERSIONS = (1, 2, 3)
+# a header that claims more tensors or metadata entries than this, or more than the file's bytes could
+# hold, is damaged (real models: hundreds of tensors, tens of entries)
+MAX_GGUF_COUNT = 1_000_000
+
+
 def check_gguf(path: Path) -> None:
-    """A GGUF file starts with the magic ``GGUF``: checked here, before a run folder exists, rather than
-    by the engine after the run started."""
+    """A GGUF file starts with the magic ``GGUF``, a known version and counts of tensors and metadata
+    entries that the file can hold: checked here, before a run folder exists, rather than by the engine
+    after the run started."""
+    import struct
+
     try:
         with open(path, "rb") as fh:
-            head = fh.read(4)
+            head = fh.read(24)
+            size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
         raise IpwError(f"model file {path}: cannot read it ({exc.strerror})") from None
-    if head != GGUF_MAGIC:
-        raise IpwError(f"model file {path}: not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})")
+    if head[:4] != GGUF_MAGIC:
+        raise IpwError(f"model file {path}: not a GGUF file (it starts with {head[:4]!r}, not {GGUF_MAGIC!r})")
+    if len(head) < 24:
+        raise IpwError(f"model file {path}: a GGUF header cut short ({len(head)} bytes)")
+    version, tensors, entries = struct.unpack("<IQQ", head[4:24])
+    if version not in GGUF_VERSIONS:
+        raise IpwError(f"model file {path}: GGUF version {version} (known: {', '.join(map(str, GGUF_VERSIONS))}); "
+                       "the header is damaged or from a newer format")
+    for what, count in (("tensors", tensors), ("metadata entries", entries)):
+        if count > MAX_GGUF_COUNT or count * 8 > size:
+            raise IpwError(f"model file {path}: its GGUF header claims {count} {what}, more than a "
+                           f"{size}-byte file can hold; the file is damaged")
 
 
 def _assemble_gemma(model: BundledModel) -> Path:

@@ -579,3 +579,31 @@ def test_bad_judge_prompt_is_one_line(name, content, expected, tmp_path, run_cli
     code, out, err = run_cli("run", tmp_path / "run.toml", "--out", tmp_path / "res")
     assert code == 2 and expected.replace("JUDGE", str(prompt)) in err, err
     assert err.count("\n") == 1 and "Traceback" not in out + err and not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("header,expected", [
+    ((3, 2**60, 5), "its GGUF header claims 1152921504606846976 tensors, more than a 1024-byte file can hold"),
+    ((3, 10, 10**7), "claims 10000000 metadata entries"),
+    ((99, 1, 1), "GGUF version 99 (known: 1, 2, 3)"),
+])
+def test_gguf_with_the_right_magic_and_an_absurd_header(header, expected, tmp_path, run_cli):
+    import struct
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes((b"GGUF" + struct.pack("<IQQ", *header)).ljust(1024, b"\0"))
+    (tmp_path / "data.jsonl").write_text(FOUR)
+    (tmp_path / "run.toml").write_text(_cfg().replace("DATA", str(tmp_path / "data.jsonl")).replace(
+        STUB_BACKEND, f'[[backends]]\nname = "l"\nkind = "llama-cpp"\nmodel = "{model}"\n'))
+    code, out, err = run_cli("run", tmp_path / "run.toml", "--out", tmp_path / "res")
+    assert code == 2 and expected in err and err.count("\n") == 1, err
+    assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--self-test", "--seconds", "-5"], "--seconds -5.0: must be a number of seconds > 0"),
+    (["--self-test", "--json", "/proc/x/numbers.json"], "--json /proc/x/numbers.json: cannot write there"),
+    (["--json", "numbers.json"], "--json: the self-test's numbers; only with --self-test"),
+])
+def test_doctor_options_are_checked_first(args, expected, run_cli):
+    code, out, err = run_cli("doctor", *args)
+    assert code == 2 and expected in err and err.count("\n") == 1, err

@@ -231,7 +231,10 @@ class OpenAIBackend:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def preflight(self) -> None:
-        """Before the run folder exists: a managed llama-server must be there to start."""
+        """Before the run folder exists: a managed llama-server must be there to start, and an endpoint
+        that is already up must accept the key (a 401 leaves no failed run folder behind)."""
+        if self.server_kind is None:
+            self._check_auth()
         if self.server_kind == "llama-server":
             from ipw.backends.servers import find_llama_server
 

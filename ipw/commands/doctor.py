@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -448,6 +449,22 @@ def _print_self_test(out: _Out, r: dict[str, Any]) -> None:
 def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | None = None, file: Any = None) -> int:
     """Print what this machine can measure; with ``self_test`` on a GPU machine, run the self-test.
     Returns the exit code: 1 when a self-test check fails, else 0."""
+    import math
+
+    from ipw.errors import IpwError
+
+    if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and 0 < seconds <= 3600):
+        raise IpwError(f"--seconds {seconds}: must be a number of seconds > 0 and <= 3600")
+    if json_path is not None:
+        if not self_test:
+            raise IpwError("--json: the self-test's numbers; only with --self-test")
+        existed = os.path.exists(json_path)
+        try:  # the self-test takes a minute: find out now that its numbers could not be written
+            os.close(os.open(json_path, os.O_WRONLY | os.O_CREAT, 0o644))
+        except OSError as exc:
+            raise IpwError(f"--json {json_path}: cannot write there ({exc.strerror})") from None
+        if not existed:
+            os.unlink(json_path)
     out = _Out(file)
     rows = sensor_rows()
     out.table("sensors on this machine (probed in this order)",
