@@ -358,9 +358,9 @@ def _is_click_exception(exc: BaseException) -> bool:
 
 def _error(text: str) -> None:
     """One line on stderr: secrets scrubbed, URLs redacted, control characters escaped, rich markup off."""
-    from ipw.sanitize import message, printable
+    from ipw.sanitize import message, one_line
 
-    _console().print(f"[bold red]error:[/] {_escape(printable(message(text)))}", highlight=False, markup=True,
+    _console().print(f"[bold red]error:[/] {_escape(one_line(message(text)))}", highlight=False, markup=True,
                      soft_wrap=True)
 
 

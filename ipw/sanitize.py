@@ -164,6 +164,11 @@ def one_line(text: object) -> str:
     return _CONTROL_OR_NEWLINE.sub(_escaped, str(text))
 
 
+def show_bidi(text: str) -> str:
+    """``text`` with its bidi controls shown escaped (``\\u202e``), everything else as it is (HTML)."""
+    return re.sub(f"[{_BIDI}]", _escaped, text)
+
+
 def json_bidi(text: str) -> str:
     """A JSON text with its bidi controls written as ``\\u202e`` escapes: the same data, shown in order."""
     return re.sub(f"[{_BIDI}]", lambda m: f"\\u{ord(m.group(0)):04x}", text)

@@ -607,3 +607,21 @@ def test_gguf_with_the_right_magic_and_an_absurd_header(header, expected, tmp_pa
 def test_doctor_options_are_checked_first(args, expected, run_cli):
     code, out, err = run_cli("doctor", *args)
     assert code == 2 and expected in err and err.count("\n") == 1, err
+
+
+def test_hostile_names_in_the_html_report_are_shown_escaped(tmp_path, run_cli):
+    from runfolders import write_run
+
+    run = write_run(tmp_path, "r1", {name: {"correct": [1, 0], "energy": [1.0, 2.0]} for name in HOSTILE_NAMES})
+    code, _, err = run_cli("report", run, "--out", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    assert code == 0, err
+    for page in ("r.html", "r.md"):
+        text = (tmp_path / page).read_text()
+        assert "\u202e" not in text and "api\\u202eevil" in text, page
+
+
+def test_a_newline_in_a_file_name_stays_on_one_line(tmp_path, run_cli):
+    path = tmp_path / "two\nlines.jsonl"
+    path.write_text("{not json\n")
+    code, out, err = run_cli("run", "--dataset", path, "--out", tmp_path / "res")
+    assert code == 2 and "two\\nlines.jsonl:1: invalid JSON" in err and err.count("\n") == 1, err

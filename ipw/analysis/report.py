@@ -706,9 +706,18 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
 def _env():
     import jinja2
 
+    from markupsafe import Markup
+
+    from ipw.sanitize import show_bidi  # names are the user's text: a bidi override is shown, not obeyed
+
+    def finalize(value):
+        if isinstance(value, Markup):
+            return Markup(show_bidi(str(value)))
+        return show_bidi(value) if isinstance(value, str) else value
+
     return jinja2.Environment(loader=jinja2.FileSystemLoader(resource_path("templates")),
                               autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
-                              lstrip_blocks=True)
+                              lstrip_blocks=True, finalize=finalize)
 
 
 def render_html(ctx: dict) -> str:
