@@ -167,6 +167,8 @@ def main() -> None:
                        "direct_tokens_per_s": statistics.median(x["direct"]["tokens_per_s"] for x in rows),
                        "requests_per_mode": rows[0]["direct"]["requests"], "rounds": rows} for c, rows in rounds.items()},
         "proxy_records": sum(1 for _ in open(runs[-1] / "records.jsonl")),
+        "proxy_session": {k: v for k, v in manifest["backends"][0]["sessions"][-1].items()
+                          if k in ("requests", "in_flight_peak", "meter_cost", "sampler_overhead", "wall_s")},
     }
     print(json.dumps({c: {k: v for k, v in x.items() if k != "rounds"} for c, x in summary["levels"].items()}, indent=1))
     if args.out:

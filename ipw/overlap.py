@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -56,12 +56,17 @@ class Segments:
         self.tokens = self.window.begin()
         self.started_s = self.opened_s = time.monotonic()
 
-    def event(self, add: int | None = None, remove: int | None = None) -> float:
+    def event(self, add: int | None = None, remove: int | None = None,
+              then: Callable[[float], None] | None = None) -> float:
         """A request starts (``add``) or ends (``remove``): cut the window there.  When the span's last
-        request ends, the span ends with it (not when its records are built)."""
+        request ends, the span ends with it (not when its records are built).  ``then(now)`` runs under
+        the same lock, so that nothing sees the cut before the caller's own bookkeeping of it."""
         with self.lock:
             if self.tokens is None:  # the span has ended
-                return time.monotonic()
+                now = time.monotonic()
+                if then is not None:
+                    then(now)
+                return now
             if remove is not None and self.remaining is not None:
                 self.remaining -= 1
             last = self.remaining == 0
@@ -80,6 +85,8 @@ class Segments:
             if add is not None:
                 self.active.add(add)
             self.active.discard(remove)
+            if then is not None:
+                then(now)
             return now
 
     def finish(self) -> None:
@@ -243,6 +250,8 @@ class Meter:
         self._resolve_lock = threading.Lock()
         self._next = 0
         self.in_flight_peak = 0
+        #: wall seconds the requests' threads spent making sensor readings final and splitting windows
+        self.cost = {"shares": 0, "readings_s": 0.0, "split_s": 0.0}
 
     def open(self) -> None:
         self.segments.start()
@@ -251,10 +260,12 @@ class Meter:
         """A request starts now: its job number."""
         with self.segments.lock:
             job, self._next = self._next, self._next + 1
-        start = self.segments.event(add=job)
-        with self.segments.lock:
-            self._live[job] = _Live(start)
+
+        def opened(now: float) -> None:  # under the lock that cut the window
+            self._live[job] = _Live(now)
             self.in_flight_peak = max(self.in_flight_peak, len(self._live))
+
+        self.segments.event(add=job, then=opened)
         return job
 
     def token(self, job: int) -> None:
@@ -288,13 +299,14 @@ class Meter:
 
     def end(self, job: int, completion: Completion | None) -> tuple[float, float]:
         """``job`` ended now (its window is cut here): its start and end.  Its energy: ``share``."""
-        end = self.segments.event(remove=job)
-        with self.segments.lock:
+        def ended(now: float) -> None:  # under the lock that cut the window
             live = self._live.pop(job)
-            start = live.start
-            self._ended[job] = request_of(completion, start, end) if completion is not None else live.request(end)
-            self._windows[job] = (start, end)
-        return start, end
+            self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
+            self._windows[job] = (live.start, now)
+
+        self.segments.event(remove=job, then=ended)
+        with self.segments.lock:
+            return self._windows[job]
 
     def share(self, job: int) -> Share:
         """The energy of an ended ``job``: its part of every window it was in flight for, each window
@@ -306,16 +318,19 @@ class Meter:
         deadline = time.monotonic() + 10.0
         while not all(seg[2].ready() for seg in mine) and time.monotonic() < deadline:
             time.sleep(0.01)  # NVML: until the sampler has read past the request's end
+        t0 = time.perf_counter()
         self._resolve()
         readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock
+        t1 = time.perf_counter()
         parts, peers = [], set()
         with self._split_lock:
+            new = [seg for seg in mine if id(seg[2]) not in self._weights]
+            if new:
+                self._split(new)
+                for seg in new:
+                    self.tally.add(readings[id(seg[2])], "span_j")
             for lo, hi, closed, active in mine:
                 key = id(closed)
-                if key not in self._weights:
-                    self._weights[key] = self._split(lo, hi, active)
-                    self._taken[key] = set()
-                    self.tally.add(readings[key], "span_j")
                 w_work, w_time = self._weights[key][job]
                 parts.append((lo, hi, readings[key], w_work, w_time))
                 peers |= active
@@ -332,6 +347,10 @@ class Meter:
         share = assemble(parts, split_method(request) if len(peers) > 1 else "", len(peers))
         self.tally.add(share.readings, "parts_j")
         self._drain_idle(wait=False)
+        with self._split_lock:  # what the meter costs (the session line's meter_cost)
+            self.cost["shares"] += 1
+            self.cost["readings_s"] += t1 - t0
+            self.cost["split_s"] += time.perf_counter() - t1
         return share
 
     def _resolve(self) -> None:
@@ -342,13 +361,28 @@ class Meter:
                 pending = [seg[2] for seg in self.segments.closed] + list(self.segments.idle)
             resolve(pending)
 
-    def _split(self, lo: float, hi: float, active: frozenset[int]) -> dict[int, tuple[float, float]]:
-        jobs = sorted(active)
+    def _split(self, segs: list[Slice]) -> None:
+        """Weigh the requests of windows not split yet, all in one go (``slice_weights``: a request is in a
+        window exactly when it was in flight then, so one call over their union gives each window's own)."""
+        jobs = sorted(set().union(*(seg[3] for seg in segs)))
+        now = max(seg[1] for seg in segs)
         with self.segments.lock:
-            reqs = [self._ended[j] if j in self._ended else self._live[j].request(hi) for j in jobs]
-        w_work = slice_weights(np.array([lo]), np.array([hi]), reqs)[0][:, 0]
-        w_time = slice_weights(np.array([lo]), np.array([hi]), by_time(reqs))[0][:, 0]
-        return {j: (float(w_work[i]), float(w_time[i])) for i, j in enumerate(jobs)}
+            reqs = [self._ended[j] if j in self._ended else self._live[j].request(now) for j in jobs]
+        lo, hi = np.array([seg[0] for seg in segs]), np.array([seg[1] for seg in segs])
+        w_work = slice_weights(lo, hi, reqs)[0]
+        w_time = slice_weights(lo, hi, by_time(reqs))[0]
+        row = {j: i for i, j in enumerate(jobs)}
+        for k, seg in enumerate(segs):
+            members = sorted(seg[3])
+            work, by_t = w_work[[row[j] for j in members], k], w_time[[row[j] for j in members], k]
+            if not (abs(work.sum() - 1.0) < 1e-9 and abs(by_t.sum() - 1.0) < 1e-9):  # a window's own requests only
+                one = [reqs[row[j]] for j in members]
+                work = slice_weights(lo[k:k + 1], hi[k:k + 1], one)[0][:, 0]
+                by_t = slice_weights(lo[k:k + 1], hi[k:k + 1], by_time(one))[0][:, 0]
+                if not by_t.sum() > 0:  # a window of no length: equal parts, so that its energy is not lost
+                    work = by_t = np.full(len(members), 1.0 / len(members))
+            self._weights[id(seg[2])] = {j: (float(work[i]), float(by_t[i])) for i, j in enumerate(members)}
+            self._taken[id(seg[2])] = set()
 
     def _drain_idle(self, wait: bool) -> None:
         """Add the windows with no request in flight to the unattributed energy (those whose readings are

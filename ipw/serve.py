@@ -649,6 +649,7 @@ class Proxy:
                 "errors": session.errors, "in_flight_peak": session.meter.in_flight_peak,
                 "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
                 "sampler_overhead": {s.name: s.overhead() for s in self.sensors if hasattr(s, "overhead")},
+                "meter_cost": {k: round(v, 4) for k, v in session.meter.cost.items()},
             }
             backends = folder.manifest.backends or []
             entry = dict(backends[0]) if backends else {}
