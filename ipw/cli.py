@@ -287,11 +287,7 @@ def serve(
     among overlapping requests; every request is a record of a run folder. Ctrl-C or SIGTERM finishes it."""
     from ipw.commands.serve import proxy_options, serve_command
 
-    options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
-                                     api_key_env=api_key_env, token=token, log_prompts=log_prompts,
-                                     max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
-                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
-                                     energy_in_response=energy_in_response)
+    options, managed = proxy_options(**locals())
     raise typer.Exit(serve_command(options, managed, out=out, token=token, upstream_pid=upstream_pid, resume=resume))
 
 
@@ -311,11 +307,7 @@ def wrap(
     pointing at the proxy, and the energy summary is printed when it exits (with its exit code)."""
     from ipw.commands.serve import proxy_options, wrap_command
 
-    options, managed = proxy_options(upstream=upstream, backend=backend, name=name, host=host, port=port,
-                                     api_key_env=api_key_env, token=token, log_prompts=log_prompts,
-                                     max_body_mb=max_body_mb, timeout_s=timeout_s, idle_s=idle_s, role=role,
-                                     parallel=parallel, n_threads=n_threads, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
-                                     energy_in_response=energy_in_response)
+    options, managed = proxy_options(**locals())
     raise typer.Exit(wrap_command(options, managed, list(command or []), out=out, token=token, upstream_pid=upstream_pid))
 
 

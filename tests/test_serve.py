@@ -116,6 +116,8 @@ def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_p
     from ipw.cli import main
 
     assert main(["compare", str(folder)]) == 0
+    assert main(["report", str(folder), "--out", str(tmp_path / "report.html")]) == 0
+    assert main(["check", str(folder), str(folder)]) == 0  # a serve folder gates against another
 
 
 @needs_binary
@@ -492,7 +494,7 @@ def test_meter_splits_every_window_once_and_conserves_energy():
 def test_without_energy_in_response_answers_pass_unchanged_and_the_folder_has_the_energy(tmp_path):
     stub = Stub()
     stub.llama_server = True
-    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], energy_in_response=False)
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], energy_in_response=False, log_prompts=True)
     client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0)
     try:
         plain_stream = list(client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "a"}],
@@ -510,3 +512,5 @@ def test_without_energy_in_response_answers_pass_unchanged_and_the_folder_has_th
     assert "energy" not in (plain.usage.model_extra or {})
     records = _records(proxy.session.folder.path)
     assert len(records) == 3 and all(r["energy_j"] is not None and r["error"] is None for r in records)
+    assert json.loads(records[0]["prompt"]) == [{"role": "user", "content": "a"}]  # --log-prompts keeps them
+    assert records[0]["output"] == "42"

@@ -20,8 +20,9 @@ from ipw.errors import IpwError
 def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
                   api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
                   timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
-                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True):
-    """Check the options (before anything starts) and make the proxy's options and managed server."""
+                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, **_: Any):
+    """Check the options (before anything starts) and make the proxy's options and managed server (the
+    commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
     from ipw.config import check_idle_s
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
