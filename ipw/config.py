@@ -101,7 +101,11 @@ class _Where:
     """Finds the line of a key in the TOML text, so errors can name file, line and field. The lines of
     every key are indexed once (a config of 10,000 backends is checked in linear time)."""
 
-    _KEY = re.compile(r"^\s*([A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')\s*=")
+    _PART = r"(?:[A-Za-z0-9_-]+|\"[^\"]*\"|'[^']*')"
+    _DOTTED = rf"{_PART}(?:\s*\.\s*{_PART})*"
+    _KEY = re.compile(rf"^\s*({_DOTTED})\s*=")  # key = ..., and dotted: generation.max_tokens = ...
+    _INLINE_KEY = re.compile(rf"[{{,]\s*({_DOTTED})\s*=")  # keys of inline tables: {{ name = ..., kind = ... }}
+    _PARTS = re.compile(_PART)
     _TABLE = re.compile(r"^\s*\[")
 
     def __init__(self, path: str, text: str) -> None:
@@ -111,9 +115,20 @@ class _Where:
         for i, line in enumerate(self.lines, start=1):
             m = self._KEY.match(line)
             if m:
-                self._keys.setdefault(m.group(1).strip("\"'"), []).append(i)
+                self._index(m.group(1), i)
             elif self._TABLE.match(line):
                 self._headers.setdefault(line.split("#")[0].strip(), []).append(i)
+            if "{" in line:  # an inline table (perhaps in an array of them): each of its keys on this line
+                for key in self._INLINE_KEY.findall(line[m.end():] if m else line):
+                    self._index(key, i)
+
+    def _index(self, dotted: str, line: int) -> None:
+        """Every part of a dotted key names this line (an unknown ``generation.max_tokn`` is found by
+        ``max_tokn``, an unknown top-level ``foo.bar`` by ``foo``)."""
+        for part in dict.fromkeys(p.strip("\"'") for p in self._PARTS.findall(dotted)):
+            found = self._keys.setdefault(part, [])
+            if not found or found[-1] != line:
+                found.append(line)
 
     def header_line(self, header: str, index: int = 0) -> int:
         """The line of the ``index``-th header ``header`` (e.g. ``[[backends]]``), else 0."""

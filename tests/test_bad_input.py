@@ -441,14 +441,41 @@ def test_merge_refuses_a_shard_with_a_torn_line_in_the_middle(tmp_path, run_cli)
 
 
 # -- round 3 (issue 30): bounded reads, hostile text, names -----------------------------------------
-# The same table shape as round 2: (dataset file, config text or None, extra CLI options, environment,
-# expected message fragment); every case exits 2 with one line, no traceback and no run folder.
+# The same table shape as round 2: (dataset: (text,) or (file name, text or a Path to link to), config text
+# or None, extra CLI options, environment, expected message fragment[, other files]); every case exits 2
+# with one line, no traceback and no run folder. "TMP" in a config (or in the expected fragment) is the
+# test's folder, where the other files are written. A dataset of None: the options are the whole command.
+# What needs a server, several processes or a measure of time and memory has a test of its own below and
+# in tests/test_run_folder_integrity.py and tests/test_secrets.py.
+
+def _gguf(version: int, tensors: int, entries: int) -> bytes:
+    import struct
+
+    return (b"GGUF" + struct.pack("<IQQ", version, tensors, entries)).ljust(1024, b"\0")
+
+
+def _with_model(name: str) -> str:
+    return _cfg().replace(STUB_BACKEND, f'[[backends]]\nname = "l"\nkind = "llama-cpp"\nmodel = "TMP/{name}"\n')
+
+
+def _with_judge(prompt: str) -> str:
+    return _cfg() + f'[judge]\nkind = "openai"\nmodel = "m"\nbase_url = "http://127.0.0.1:9/v1"\nprompt = "TMP/{prompt}"\n'
+
 
 ROUND3_CASES = {
+    # datasets
     "lone surrogate in a prompt": (('{"id": "q", "prompt": "bad \\ud800 text", "answer": "1"}\n',), None, [], {},
                                    "data.jsonl:1: field 'prompt': a lone surrogate \\ud800 at character 5"),
     "lone surrogate in choices": (('{"id": "q", "prompt": "p", "choices": ["a", "\\udfff"], "answer": "A"}\n',), None,
                                   [], {}, ":1: field 'choices': a lone surrogate \\udfff"),
+    "dataset on stdin": ((FOUR,), None, [], {}, "not a regular file"),
+    "dataset a symlink to /dev/zero": (("zero.jsonl", Path("/dev/zero")), None, [], {},
+                                       "zero.jsonl: not a regular file (a character device)"),
+    "a dataset line without a newline, over 1 MB": (("x" * 1_000_100,), None, [], {},
+                                                    "data.jsonl:1: line is longer than 1000000 bytes"),
+    "a newline in the dataset's file name": (("two\nlines.jsonl", "{not json\n"), None, [], {},
+                                             "two\\nlines.jsonl:1: invalid JSON"),
+    # names
     "300-character backend name": ((FOUR,), _cfg().replace('name = "api"', 'name = "' + "n" * 300 + '"'), [], {},
                                    ":8: field 'backends[0].name': 300 characters; a name has at most 64"),
     "right-to-left override in a name": ((FOUR,), _cfg().replace('name = "api"', 'name = "api\\u202eevil"'), [], {},
@@ -459,47 +486,88 @@ ROUND3_CASES = {
                                  "field 'backends[1].name': '\\u0430pi' prints like the backend name 'api'"),
     "café in two Unicode forms": ((FOUR,), _cfg().replace('"api"', '"caf\u00e9"') + STUB_BACKEND.replace(
         '"api"', '"cafe\u0301"'), [], {}, "field 'backends[1].name': duplicate backend name 'café'"),
+    # config files
     "backend without a kind": ((FOUR,), _cfg(backend='[[backends]]\nname = "k"\nmodel = "m"\n'), [], {},
                                ":12: field 'backends[1].kind': required (known kinds:"),
     "config with a byte-order mark, then a bad key": ((FOUR,), "\ufeff" + _cfg(top="repets = 2"), [], {},
                                                       "run.toml:3: field 'repets': unknown key"),
-    "dataset on stdin": ((FOUR,), None, [], {}, "not a regular file"),
+    "unknown dotted key": ((FOUR,), _cfg(top="generation.max_tokn = 4").replace("[generation]\nmax_tokens = 4\n", ""),
+                           [], {}, "run.toml:3: field 'generation.max_tokn': unknown key"),
+    "unknown key of an inline table": ((FOUR,), _cfg(top='backends = [\n  { name = "a", kind = "openai", model = "m", '
+                                                     'n_thread = 2 },\n]').replace(STUB_BACKEND, ""), [], {},
+                                       "run.toml:4: field 'backends[0].n_thread': unknown key"),
+    "user name and password in base_url": ((FOUR,), _cfg().replace("http://127.0.0.1", "http://alice:pa55-Wd3xQ@127.0.0.1"),
+                                           [], {}, "base_url holds a user name or password"),
+    # files a config names
+    "judge prompt not UTF-8": ((FOUR,), _with_judge("judge.txt"), [], {},
+                               "judge.txt: a judge prompt is UTF-8 text; byte 19 is not", {"judge.txt": b"Grade {{response}} \xff\xfe"}),
+    "judge prompt not a .txt file": ((FOUR,), _with_judge("judge.bin"), [], {}, "judge prompt 'TMP/judge.bin' is not a .txt file",
+                                     {"judge.bin": b"\x00\x01binary"}),
+    "GGUF header claims 2**60 tensors": ((FOUR,), _with_model("model.gguf"), [], {},
+                                         "its GGUF header claims 1152921504606846976 tensors, more than a 1024-byte file can hold",
+                                         {"model.gguf": _gguf(3, 2**60, 5)}),
+    "GGUF header claims 10**7 metadata entries": ((FOUR,), _with_model("model.gguf"), [], {},
+                                                  "claims 10000000 metadata entries", {"model.gguf": _gguf(3, 10, 10**7)}),
+    "GGUF version 99": ((FOUR,), _with_model("model.gguf"), [], {}, "GGUF version 99 (known: 1, 2, 3)",
+                        {"model.gguf": _gguf(99, 1, 1)}),
+    # ipw doctor
+    "doctor --seconds -5": (None, None, ["doctor", "--self-test", "--seconds", "-5"], {},
+                            "--seconds -5.0: must be a number of seconds > 0"),
+    "doctor --json to a path that cannot be written": (None, None, ["doctor", "--self-test", "--json", "/proc/x/n.json"],
+                                                       {}, "--json /proc/x/n.json: cannot write there"),
+    "doctor --json without --self-test": (None, None, ["doctor", "--json", "numbers.json"], {},
+                                          "--json: the self-test's numbers; only with --self-test"),
 }
 
 
 @pytest.mark.parametrize("case", list(ROUND3_CASES))
 def test_bad_input_round3(case, tmp_path, run_cli, monkeypatch):
-    data, config, options, env, expected = ROUND3_CASES[case]
-    dataset = tmp_path / "data.jsonl"
-    dataset.write_text(data[0], encoding="utf-8")
-    if case == "dataset on stdin":
-        read, write = os.pipe()  # what /dev/stdin is under a pipe: a FIFO
-        os.close(write)
-        dataset = Path(f"/proc/self/fd/{read}")
-    args = ["run", "--dataset", dataset] if config is None else ["run", tmp_path / "run.toml"]
-    if config is not None:
-        (tmp_path / "run.toml").write_text(config.replace("DATA", str(dataset)), encoding="utf-8")
-    code, out, err = run_cli(*args, *options, "--out", tmp_path / "res")
+    data, config, options, env, expected, *files = ROUND3_CASES[case]
+    for name, content in (files[0] if files else {}).items():
+        (tmp_path / name).write_bytes(content)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if data is None:  # a command of its own (ipw doctor)
+        args = []
+    else:
+        name, text = data if len(data) == 2 else ("data.jsonl", data[0])
+        dataset = tmp_path / name
+        if isinstance(text, Path):
+            dataset.symlink_to(text)
+        else:
+            dataset.write_text(text, encoding="utf-8")
+        if case == "dataset on stdin":
+            read, write = os.pipe()  # what /dev/stdin is under a pipe: a FIFO
+            os.close(write)
+            dataset = Path(f"/proc/self/fd/{read}")
+        args = ["run", "--dataset", dataset] if config is None else ["run", tmp_path / "run.toml"]
+        if config is not None:
+            config = config.replace("DATA", str(dataset)).replace("TMP", str(tmp_path))
+            (tmp_path / "run.toml").write_text(config, encoding="utf-8")
+        options = [*options, "--out", tmp_path / "res"]
+    code, out, err = run_cli(*args, *options)
     assert code == 2, err
-    assert expected in err, err
+    assert expected.replace("TMP", str(tmp_path)) in err, err
     assert err.count("\n") == 1 and "Traceback" not in out + err
+    assert "pa55-Wd3xQ" not in out + err  # a password in a URL is never echoed
     assert not (tmp_path / "res").exists()
 
 
 def _ipw_subprocess(*args, timeout: float):
-    """``ipw`` in a process of its own: (exit code, stderr, seconds, peak RSS of the child in MiB)."""
+    """``ipw`` in a process of its own: (exit code, stderr, CPU seconds of the child, peak RSS of the child
+    in MiB). CPU seconds, not wall seconds: what the process did, however long a loaded machine kept it
+    waiting (issue 30: these tests must hold with a CPU hog on every core)."""
     import resource
     import subprocess
     import sys
-    import time
 
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t0 = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([sys.executable, "-m", "ipw.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout)
-    seconds = time.monotonic() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB on Linux; the largest child so far
-    return proc.returncode, proc.stderr, seconds, peak / 1024 if peak > before else None
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    peak = after.ru_maxrss  # KiB on Linux; the largest child so far
+    return proc.returncode, proc.stderr, cpu_s, peak / 1024 if peak > before.ru_maxrss else None
 
 
 def test_dev_zero_as_a_dataset_exits_2_at_once(tmp_path):
@@ -507,9 +575,9 @@ def test_dev_zero_as_a_dataset_exits_2_at_once(tmp_path):
     growth); before, it read until 24 GB of memory were gone."""
     link = tmp_path / "zero.jsonl"
     link.symlink_to("/dev/zero")
-    code, err, seconds, peak_mib = _ipw_subprocess("run", "--dataset", link, "--out", tmp_path / "res", timeout=60)
+    code, err, cpu_s, peak_mib = _ipw_subprocess("run", "--dataset", link, "--out", tmp_path / "res", timeout=120)
     assert code == 2 and "zero.jsonl: not a regular file (a character device)" in err, err
-    assert seconds < 5.0 + 5.0  # interpreter start-up included; the read itself is refused at once
+    assert cpu_s < 5.0  # interpreter start-up included (~1 CPU s); the read itself is refused at once
     assert peak_mib is None or peak_mib < 400, peak_mib
     assert not (tmp_path / "res").exists()
 
@@ -520,7 +588,7 @@ def test_a_file_without_newlines_is_read_only_to_the_line_limit(suffix, tmp_path
     path = tmp_path / f"zeros{suffix}"
     with open(path, "wb") as fh:
         fh.truncate(1_500_000_000)
-    code, err, seconds, peak_mib = _ipw_subprocess("run", "--dataset", path, "--out", tmp_path / "res", timeout=120)
+    code, err, cpu_s, peak_mib = _ipw_subprocess("run", "--dataset", path, "--out", tmp_path / "res", timeout=300)
     assert code == 2 and ":1: line is longer than 1000000 bytes" in err, err
     assert peak_mib is None or peak_mib < 400, peak_mib
     assert not (tmp_path / "res").exists()
@@ -535,10 +603,10 @@ def test_config_validation_is_linear(tmp_path):
     text = 'dataset = "d"\n' + "".join(f'[[backends]]\nname = "b{i}"\nkind = "openai"\nmodel = "m"\n'
                                        f'base_url = "http://127.0.0.1:9/v1"\n' for i in range(10_000))
     text += "timeout_s = \"soon\"\n"
-    t0 = time.monotonic()
+    t0 = time.process_time()  # CPU time: a loaded machine's waits are not the parser's work
     with pytest.raises(IpwError) as info:
         parse_config(text, "big.toml")
-    assert time.monotonic() - t0 < 5.0
+    assert time.process_time() - t0 < 5.0  # ~1 CPU s here; quadratic took 42 s
     assert info.value.message.startswith(f"big.toml:{2 + 5 * 10_000}: field 'backends[9999].timeout_s': expected float")
 
 
@@ -565,50 +633,6 @@ def test_hostile_backend_names_in_a_run_folder_stay_text(fmt, tmp_path, run_cli)
         assert "'=HYPERLINK(\"http://x\",\"click\")" in cells
 
 
-@pytest.mark.parametrize("name,content,expected", [
-    ("judge.txt", b"Grade {{response}} \xff\xfe", "judge.txt: a judge prompt is UTF-8 text; byte 19 is not"),
-    ("judge.bin", b"\x00\x01binary", "judge prompt 'JUDGE' is not a .txt file"),
-])
-def test_bad_judge_prompt_is_one_line(name, content, expected, tmp_path, run_cli):
-    prompt = tmp_path / name
-    prompt.write_bytes(content)
-    text = _cfg().replace("DATA", str(tmp_path / "data.jsonl")) + (
-        f'[judge]\nkind = "openai"\nmodel = "m"\nbase_url = "http://127.0.0.1:9/v1"\nprompt = "{prompt}"\n')
-    (tmp_path / "data.jsonl").write_text(FOUR)
-    (tmp_path / "run.toml").write_text(text)
-    code, out, err = run_cli("run", tmp_path / "run.toml", "--out", tmp_path / "res")
-    assert code == 2 and expected.replace("JUDGE", str(prompt)) in err, err
-    assert err.count("\n") == 1 and "Traceback" not in out + err and not (tmp_path / "res").exists()
-
-
-@pytest.mark.parametrize("header,expected", [
-    ((3, 2**60, 5), "its GGUF header claims 1152921504606846976 tensors, more than a 1024-byte file can hold"),
-    ((3, 10, 10**7), "claims 10000000 metadata entries"),
-    ((99, 1, 1), "GGUF version 99 (known: 1, 2, 3)"),
-])
-def test_gguf_with_the_right_magic_and_an_absurd_header(header, expected, tmp_path, run_cli):
-    import struct
-
-    model = tmp_path / "model.gguf"
-    model.write_bytes((b"GGUF" + struct.pack("<IQQ", *header)).ljust(1024, b"\0"))
-    (tmp_path / "data.jsonl").write_text(FOUR)
-    (tmp_path / "run.toml").write_text(_cfg().replace("DATA", str(tmp_path / "data.jsonl")).replace(
-        STUB_BACKEND, f'[[backends]]\nname = "l"\nkind = "llama-cpp"\nmodel = "{model}"\n'))
-    code, out, err = run_cli("run", tmp_path / "run.toml", "--out", tmp_path / "res")
-    assert code == 2 and expected in err and err.count("\n") == 1, err
-    assert not (tmp_path / "res").exists()
-
-
-@pytest.mark.parametrize("args,expected", [
-    (["--self-test", "--seconds", "-5"], "--seconds -5.0: must be a number of seconds > 0"),
-    (["--self-test", "--json", "/proc/x/numbers.json"], "--json /proc/x/numbers.json: cannot write there"),
-    (["--json", "numbers.json"], "--json: the self-test's numbers; only with --self-test"),
-])
-def test_doctor_options_are_checked_first(args, expected, run_cli):
-    code, out, err = run_cli("doctor", *args)
-    assert code == 2 and expected in err and err.count("\n") == 1, err
-
-
 def test_hostile_names_in_the_html_report_are_shown_escaped(tmp_path, run_cli):
     from runfolders import write_run
 
@@ -618,10 +642,3 @@ def test_hostile_names_in_the_html_report_are_shown_escaped(tmp_path, run_cli):
     for page in ("r.html", "r.md"):
         text = (tmp_path / page).read_text()
         assert "\u202e" not in text and "api\\u202eevil" in text, page
-
-
-def test_a_newline_in_a_file_name_stays_on_one_line(tmp_path, run_cli):
-    path = tmp_path / "two\nlines.jsonl"
-    path.write_text("{not json\n")
-    code, out, err = run_cli("run", "--dataset", path, "--out", tmp_path / "res")
-    assert code == 2 and "two\\nlines.jsonl:1: invalid JSON" in err and err.count("\n") == 1, err
