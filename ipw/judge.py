@@ -287,7 +287,7 @@ class Judge:
         end = time.monotonic()
         readings = self.window.end(tokens).readings()
         ok = completion is not None
-        readings = with_estimate(readings, getattr(self.backend, "energy_estimate", None),
+        readings = with_estimate(readings, self.backend.energy_estimate,
                                  completion.completion_tokens if ok else 0, ok, end - start)
         total = total_energy(readings)
         return JudgeCall(

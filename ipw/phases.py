@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ipw.analysis.stats import Estimate
-from ipw.telemetry.base import EnergyReading, energy_basis, worst_quality
+from ipw.telemetry.base import EnergyReading, SensorBase, energy_basis, worst_quality
 
 #: How often RAPL and the CPU model are read while a window is open (at most: see SNAPSHOT_CPU_BUDGET).
 SNAPSHOT_PERIOD_S = 0.02
@@ -262,18 +262,19 @@ def first_token_s(completion: Any) -> float | None:
     return completion.first_token_s
 
 
-def sensor_splits(sensors: Sequence[Any], tokens: Sequence[Any], parts: Sequence[Any],
+def sensor_splits(sensors: Sequence[SensorBase], tokens: Sequence[Any], parts: Sequence[Any],
                   at_s: float | None) -> dict[str, PhaseSplit]:
-    """Each component's split at ``at_s`` (the first token), from sensors that can split: those with a
-    ``split(token, at_s)`` method, or sample-based ones with ``energy_windows``.  Never raises."""
+    """Each component's split at ``at_s`` (the first token), from sensors that declare they can split:
+    ``supports_split`` (their ``split(token, at_s)``), else ``supports_energy_windows`` (sample-based:
+    both sub-windows of ``part``, what ``end`` returned, integrated).  Never raises."""
     if at_s is None:
         return {}
     out: dict[str, PhaseSplit] = {}
     for sensor, token, part in zip(sensors, tokens, parts):
         try:
-            if hasattr(sensor, "split"):
+            if sensor.supports_split:
                 splits = sensor.split(token, at_s)
-            elif hasattr(sensor, "energy_windows") and hasattr(part, "start_s"):
+            elif sensor.supports_energy_windows:
                 splits = split_sampled(sensor, part, at_s)
             else:
                 continue

@@ -111,7 +111,7 @@ def shared_node_probe(backend: Any) -> list:
     from ipw.telemetry.probe import probe_sensors
 
     gpus = ray.get_gpu_ids()  # Ray also set CUDA_VISIBLE_DEVICES to them, which NvmlSensor honours
-    return probe_sensors(backend.pids, gpu_indices=None if gpus else [], remote=getattr(backend, "remote", False),
+    return probe_sensors(backend.pids, gpu_indices=None if gpus else [], remote=backend.remote,
                          rapl=False)
 
 

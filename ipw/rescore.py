@@ -163,8 +163,7 @@ def rescore(
     try:
         with contextlib.ExitStack() as stack:
             if judge_ctx is not None:
-                if hasattr(judge_ctx.backend, "attach"):
-                    judge_ctx.backend.attach(folder.path)  # e.g. a managed server's log
+                judge_ctx.backend.attach(folder.path)  # e.g. a managed server's log
                 stack.enter_context(judge_ctx)
                 (folder.path / "judge.jsonl").touch()
                 updates["judge"] = judge_ctx.describe()

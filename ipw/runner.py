@@ -92,7 +92,7 @@ ProbeFn = Callable[[Backend], list[Sensor]]
 def levels_of(backend: Backend) -> tuple[int, ...]:
     """The concurrency levels a backend is measured at: its ``levels`` (a sweep, e.g. (1, 4, 16)), else
     its ``concurrency`` (an in-process engine: 1; a batching one: its batch size)."""
-    return tuple(getattr(backend, "levels", None) or (int(getattr(backend, "concurrency", 1)),))
+    return tuple(backend.levels) or (int(backend.concurrency),)
 
 
 def config_levels(config: RunConfig) -> dict[str, tuple[int, ...]]:
@@ -119,8 +119,7 @@ def run_backend(
             for c in levels}
     if not any(todo.values()):
         return None
-    if hasattr(backend, "attach"):
-        backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
+    backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
     t0 = time.monotonic()
     try:
         backend.load()
@@ -149,8 +148,7 @@ def run_backend(
                 work = todo[level]
                 if not work:
                     continue
-                if hasattr(backend, "concurrency"):
-                    backend.concurrency = level
+                backend.concurrency = level
                 _warm_up(backend, queries, config, level)
                 idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
                 if level > 1 or len(levels) > 1:
@@ -165,24 +163,24 @@ def run_backend(
                     closed = window.end(tokens)
                     pending.append((closed, functools.partial(
                         make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                        idle=idle, estimate=getattr(backend, "energy_estimate", None),
+                        idle=idle, estimate=backend.energy_estimate,
                         splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
                     flush(wait=False)
-                    if getattr(error, "category", None) == "engine_crash" and hasattr(backend, "recover"):
+                    if isinstance(error, QueryError) and error.category == "engine_crash":
                         backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
         except EngineStopped as exc:
             stopped = str(exc)
         finally:  # on Ctrl-C too: every finished query gets its record
             flush(wait=True)
         for sensor in sensors:
-            if hasattr(sensor, "trace"):
+            if sensor.supports_trace:
                 folder.add_power(spec.name, sensor.trace())
         return {
             "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
             "load_s": round(load_s, 3), **backend.describe(),
-            "sampler_overhead": {s.name: s.overhead() for s in sensors if hasattr(s, "overhead")},
+            "sampler_overhead": {s.name: s.overhead() for s in sensors},
             "sensors": [asdict(s.info()) for s in sensors] + (
-                [asdict(backend.energy_estimate.info())] if getattr(backend, "energy_estimate", None) else []),
+                [asdict(backend.energy_estimate.info())] if backend.energy_estimate is not None else []),
             "idle_baseline": asdict(idle),
             **({"levels": level_lines} if level_lines else {}),
             **({"stopped": stopped} if stopped else {}),
@@ -226,7 +224,7 @@ def run_concurrent(
     segments = Segments(window, len(work))
     tally = Tally()
     methods: dict[str, int] = {}
-    estimate = getattr(backend, "energy_estimate", None)
+    estimate = backend.energy_estimate
 
     def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
         start = segments.event(add=job)
@@ -296,8 +294,7 @@ def start_run(config: RunConfig, command: list[str] | None = None,
         queries = shard_items(full, shard)
     for spec in config.backends:
         backend = create_backend(spec)  # resolves the model file: a missing one fails here, before the run
-        if hasattr(backend, "preflight"):
-            backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
+        backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
     if config.judge is not None:  # the judge grades the finished run: its prompt and model fail here, not after
         from ipw.judge import Judge
 

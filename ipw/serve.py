@@ -237,6 +237,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "ProxyServer"
     server_version = f"ipw-serve/{__version__}"
+    _up: "http.client.HTTPConnection | None" = None  # this client connection's upstream connection
 
     def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr (bodies never logged)
         pass
@@ -277,7 +278,7 @@ class Handler(BaseHTTPRequestHandler):
         connection when a kept-alive one was closed by the server)."""
         session = self.server.session
         for attempt in (0, 1):
-            conn = getattr(self, "_up", None)
+            conn = self._up
             fresh = conn is None
             if fresh:
                 conn = self._up = session.upstream.connection(session.options.timeout_s)
@@ -295,7 +296,7 @@ class Handler(BaseHTTPRequestHandler):
         raise AssertionError("unreachable")
 
     def _drop_upstream(self) -> None:
-        conn = getattr(self, "_up", None)
+        conn = self._up
         if conn is not None:
             conn.close()  # the server sees the connection close and stops generating
             self._up = None
@@ -639,7 +640,7 @@ class Proxy:
         folder = session.folder
         try:
             for sensor in self.sensors:
-                if hasattr(sensor, "trace"):
+                if sensor.supports_trace:
                     folder.add_power(session.spec.name, sensor.trace())
             line = {
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.started_s))),
@@ -648,7 +649,7 @@ class Proxy:
                 "split_methods": dict(session.split_methods),
                 "errors": session.errors, "in_flight_peak": session.meter.in_flight_peak,
                 "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
-                "sampler_overhead": {s.name: s.overhead() for s in self.sensors if hasattr(s, "overhead")},
+                "sampler_overhead": {s.name: s.overhead() for s in self.sensors},
                 "meter_cost": {k: round(v, 4) for k, v in session.meter.cost.items()},
             }
             backends = folder.manifest.backends or []

@@ -3,11 +3,11 @@ the prompt, and a sensor that reports a fixed estimated energy per window."""
 
 import time
 
-from ipw.backends.base import Completion
-from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.backends.base import BackendBase, Completion
+from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
 
-class ScriptedBackend:
+class ScriptedBackend(BackendBase):
     """A backend that answers ``reply(prompt)`` at once; ``tokens`` gives (prompt, completion) counts."""
 
     def __init__(self, spec):
@@ -37,7 +37,7 @@ class ScriptedBackend:
         pass
 
 
-class FixedSensor:
+class FixedSensor(SensorBase):
     """A sensor whose every window costs ``energy_j`` joules, estimated (CPU model)."""
 
     name = "fixed"

@@ -18,6 +18,7 @@ import pytest
 
 from ipw.backends.base import BackendSpec, GenerationSettings, QueryError, create_backend
 from ipw.errors import IpwError
+from ipw.telemetry.base import SensorBase
 
 WORDS = ["The", " answer", " is", " 5", "."]
 
@@ -373,7 +374,7 @@ def test_api_energy_table_is_cited_and_ordered():
     assert table.range_j(10, ok=False).central == 0.0
 
 
-class RateSensor:
+class RateSensor(SensorBase):
     """A fake sensor of constant power (so energy = power × time): checks how energy is split."""
 
     name = "rate"

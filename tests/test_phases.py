@@ -19,7 +19,7 @@ from ipw.phases import (PhaseSplit, Snapshots, fit_linear, record_phases, sensor
                         split_series, t_quantile)
 import runfolders
 from ipw.results import QueryRecord
-from ipw.telemetry.base import EnergyReading, total_energy
+from ipw.telemetry.base import EnergyReading, SensorBase, total_energy
 from ipw.telemetry.cpu_model import CpuModelSensor
 from ipw.telemetry.estimator import estimate_windows
 from ipw.telemetry.rapl import RaplSensor
@@ -126,8 +126,14 @@ def test_sampled_split_integrates_both_phases():
     a synthetic 20 ms trace: 100 W, then 400 W from t = 20 s)."""
     t = np.arange(0.0, 60.0, 0.02)
     p = np.where(t >= 20.0, 400.0, 100.0)
-    sensor = SimpleNamespace(energy_windows=lambda windows: {
-        "gpu0": estimate_windows(t, p, None, None, windows)})
+
+    class Sampled(SensorBase):  # declares what NvmlSensor declares, over the synthetic trace
+        supports_energy_windows = True
+
+        def energy_windows(self, windows):
+            return {"gpu0": estimate_windows(t, p, None, None, windows)}
+
+    sensor = Sampled()
     part = SimpleNamespace(start_s=18.0, end_s=24.0)  # a PendingWindow's edges
     (s,) = split_sampled(sensor, part, 22.0)
     # prefill 2 s x 100 W + 2 s x 400 W = 1000 J of the window's 1800 J (one sample step of slack at 20 s)

@@ -433,11 +433,12 @@ def test_meter_splits_every_window_once_and_conserves_energy():
     import random
 
     from ipw.overlap import Meter
-    from ipw.telemetry.base import EnergyReading, SensorInfo
+    from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
     from ipw.telemetry.window import Window
 
-    class Clock:
+    class Clock(SensorBase):
         name = "clock"
+        supports_cut = True
 
         def info(self):
             return SensorInfo("clock", True, "test.clock", "measured", "cpu_package", ("pkg",))

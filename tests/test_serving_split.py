@@ -9,8 +9,8 @@ import time
 import pandas as pd
 import pytest
 
-from ipw.backends.base import Completion, ServerTimings
-from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.backends.base import BackendBase, Completion, ServerTimings
+from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 from ipw.telemetry.estimator import Request, by_time, split_concurrent, split_method
 
 
@@ -41,11 +41,12 @@ def test_prefill_beside_decode_hand_made():
     assert split_concurrent(edges, energy, by_time([a, b])).per_request_j == pytest.approx((10 * 2 / 3 + 10.0, 10 / 3 + 10.0))
 
 
-class ConstantPower:
+class ConstantPower(SensorBase):
     """A sensor drawing ``power_w`` watts: each window costs power x its length; it can cut windows
     (``Window.cut``), so consecutive windows tile time."""
 
     name = "constant"
+    supports_cut = True
 
     def __init__(self, power_w: float) -> None:
         self.power_w = power_w
@@ -72,7 +73,7 @@ class ConstantPower:
         pass
 
 
-class PrefillBesideDecode:
+class PrefillBesideDecode(BackendBase):
     """A scripted server: q-decode streams 19 output tokens over 0.6 s (its prompt already cached: no
     prefill work); q-prefill, sent at the same moment, waits 0.1 s in the queue, prefills 300 prompt
     tokens in [0.1, 0.2] s (as the server times it) and streams 12 output tokens until 0.9 s."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 from ipw.errors import IpwError
 
@@ -80,37 +81,119 @@ class QueryError(Exception):
         self.category = category
 
 
-class Backend(Protocol):
-    """Optional members the runner uses when present: ``concurrency`` (int, requests in flight;
-    default 1), ``attach(run_dir)`` (called before ``load``, e.g. to put a server log in the run
-    folder), ``remote`` (bool: the endpoint is not on this machine, so local sensors do not see it)
-    and ``energy_estimate`` (an ``ipw.telemetry.api_estimate.ApiEnergyEstimate`` for remote ones)."""
+class BackendBase:
+    """What every backend is: the runner calls these members and nothing else, and never asks whether a
+    backend has one.  The contract is in docs/ARCHITECTURE.md ("The contract of a backend").
+
+    Required: ``generate``.  Everything else has a default that does nothing:
+
+    - ``preflight()``: cheap checks before the run folder exists (an engine build this CPU cannot run);
+    - ``attach(run_dir)``: called before ``load`` (e.g. a managed server's log goes into the run folder);
+    - ``load()``: weights, engine start (not measured as query energy);
+    - ``recover()``: after a query failed with ``engine_crash``, outside any window (a new worker);
+    - ``pids()``: the processes whose CPU time is inference work (the CPU model's tree); none by default;
+    - ``describe()``: what the manifest records about the engine; ``close()``.
+
+    Declared capabilities (class or instance attributes):
+
+    - ``concurrency``: requests in flight (the runner sets it to the level it measures); 1;
+    - ``levels``: the concurrency levels of a sweep, e.g. ``(1, 4, 16)``; ``()`` means ``(concurrency,)``;
+    - ``remote``: the endpoint is not on this machine, so local sensors do not see it; False;
+    - ``energy_estimate``: an ``ipw.telemetry.api_estimate.ApiEnergyEstimate`` for a remote endpoint; None;
+    - ``OPTIONS``: the engine-specific config keys the kind accepts, with their types.
+    """
 
     spec: BackendSpec
+    OPTIONS: ClassVar[dict[str, Any]] = {}
+    concurrency: int = 1
+    levels: tuple[int, ...] = ()
+    remote: bool = False
+    energy_estimate: Any = None
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    def preflight(self) -> Any:
+        """Checks that fail in one line before the run folder exists; returns nothing of use by default."""
+        return None
+
+    def attach(self, run_dir: str | Path) -> None:
+        """Called before ``load`` with the run folder."""
 
     def load(self) -> None:
         """Load weights / start the engine (not measured as query energy)."""
 
-    def generate(self, prompt: str, settings: GenerationSettings) -> Completion: ...
+    def generate(self, prompt: str, settings: GenerationSettings) -> Completion:
+        raise NotImplementedError(f"{type(self).__name__}.generate")
+
+    def recover(self) -> None:
+        """After an ``engine_crash`` error: make the engine usable again (or raise EngineStopped)."""
 
     def pids(self) -> list[int]:
         """Processes whose CPU time is inference work (for the CPU energy model)."""
+        return []
 
     def describe(self) -> dict[str, Any]:
         """Model file, engine version, device: goes into the manifest."""
+        return {}
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the engine; called once, also after a failed ``load``."""
 
 
-BackendFactory = Callable[[BackendSpec], Backend]
+#: The type the runner holds; kept as a name for the code and the docs that say ``Backend``.
+Backend = BackendBase
+
+#: The members a backend class defines itself (a class outside the hierarchy must define all of them).
+REQUIRED_MEMBERS = ("generate",)
+_DUCK_MEMBERS = ("load", "generate", "pids", "describe", "close")
+
+BackendFactory = Callable[[BackendSpec], BackendBase]
 _REGISTRY: dict[str, BackendFactory | str] = {}
 
 
-def register_backend(kind: str, factory: BackendFactory | str, *, replace: bool = False) -> None:
-    """Register a backend kind; ``factory`` may be ``"module:attr"`` so the import stays lazy."""
+def _checked(kind: str, factory: Any) -> BackendFactory:
+    """A factory that makes ``BackendBase`` instances, or a clear error.
+
+    A ``BackendBase`` subclass must override ``generate``.  A class outside the hierarchy (a test double,
+    an older extension) must define ``load``, ``generate``, ``pids``, ``describe`` and ``close``; it is
+    registered as a subclass of itself and ``BackendBase``, so it gets every default and declared
+    capability and the runner treats it exactly like a built-in one.  Any other callable is checked on
+    what it returns (``create_backend``)."""
+    if isinstance(factory, type):
+        if issubclass(factory, BackendBase):
+            missing = [m for m in REQUIRED_MEMBERS if vars(BackendBase)[m] is _member(factory, m)]
+        else:
+            missing = [m for m in _DUCK_MEMBERS if _member(factory, m) is None]
+        if missing:
+            raise TypeError(f"backend kind {kind!r}: {factory.__module__}.{factory.__qualname__} does not define "
+                            f"{', '.join(missing)} (see ipw.backends.base.BackendBase)")
+        if not issubclass(factory, BackendBase):
+            factory = type(factory.__name__, (factory, BackendBase),
+                           {"__module__": factory.__module__, "__qualname__": factory.__qualname__,
+                            "__doc__": factory.__doc__})
+        return factory
+    if not callable(factory):
+        raise TypeError(f"backend kind {kind!r}: the factory must be a BackendBase subclass, a callable or "
+                        f"\"module:attr\", got {factory!r}")
+    return factory
+
+
+def _member(cls: type, name: str) -> Any:
+    """``name`` as the class's MRO defines it (None where no class does), read without calling
+    descriptors."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
+
+
+def register_backend(kind: str, factory: BackendFactory | type | str, *, replace: bool = False) -> None:
+    """Register a backend kind; ``factory`` may be ``"module:attr"`` so the import stays lazy (it is
+    checked when first resolved).  Raises TypeError for a class that does not meet the contract."""
     if kind in _REGISTRY and not replace:
         raise ValueError(f"backend kind {kind!r} is already registered")
-    _REGISTRY[kind] = factory
+    _REGISTRY[kind] = factory if isinstance(factory, str) else _checked(kind, factory)
 
 
 def backend_kinds() -> list[str]:
@@ -121,13 +204,14 @@ def _resolve(kind: str) -> BackendFactory:
     factory = _REGISTRY[kind]
     if isinstance(factory, str):
         module, attr = factory.split(":")
-        factory = getattr(importlib.import_module(module), attr)
+        factory = _REGISTRY[kind] = _checked(kind, vars(importlib.import_module(module))[attr])
     return factory
 
 
 def backend_options(kind: str) -> dict[str, type]:
     """Engine-specific config keys a backend kind accepts, with their types (its ``OPTIONS``)."""
-    return dict(getattr(_resolve(kind), "OPTIONS", {}))
+    factory = _resolve(kind)
+    return dict(factory.OPTIONS) if isinstance(factory, type) else {}
 
 
 def unregister_backend(kind: str) -> None:
@@ -138,7 +222,11 @@ def create_backend(spec: BackendSpec) -> Backend:
     factory = _REGISTRY.get(spec.kind)
     if factory is None:
         raise IpwError(f"backend {spec.name!r}: unknown kind {spec.kind!r} (known: {', '.join(backend_kinds())})")
-    return _resolve(spec.kind)(spec)
+    backend = _resolve(spec.kind)(spec)
+    if not isinstance(backend, BackendBase):
+        raise TypeError(f"backend kind {spec.kind!r}: its factory returned a {type(backend).__name__}, "
+                        "not a BackendBase (see ipw.backends.base.BackendBase)")
+    return backend
 
 
 # Few-shot framing for base (non-instruction) models such as Gemma-3-270M: they continue text, so

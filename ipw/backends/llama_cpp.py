@@ -71,6 +71,7 @@ class LlamaCppEngine:
         self.mode = spec.mode or default_mode or "chat"
         self._llm: Any = None
         self._formatter: Any = None
+        self.gpu_offload = False  # set by load
 
     def load(self) -> None:
         llama_cpp = self._llama_cpp = _import_llama_cpp()
@@ -172,7 +173,7 @@ class LlamaCppEngine:
             "model_file": str(self.model_path),
             "model_bytes": self.model_path.stat().st_size,
             "mode": self.mode,
-            "gpu_offload": getattr(self, "gpu_offload", False),
+            "gpu_offload": self.gpu_offload,
             "n_threads": self.spec.options.get("n_threads", os.cpu_count()),
             "prefix_cache": self.spec.options.get("prefix_cache", False),
         }

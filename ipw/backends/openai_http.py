@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
+from ipw.backends.base import (FEW_SHOT_STOP, BackendBase, BackendSpec, Completion, GenerationSettings, QueryError,
                                ServerTimings, few_shot_prompt)
 from ipw.errors import IpwError
 from ipw.sanitize import read_key, redact_url, scrub
@@ -145,7 +145,7 @@ def listening_pids(port: int) -> list[int]:
                    if c.pid and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
 
 
-class OpenAIBackend:
+class OpenAIBackend(BackendBase):
     OPTIONS = {
         "base_url": str, "api_key_env": str, "model_name": str, "api": str, "timeout_s": float,
         "max_retries": int, "retry_backoff_s": float, "concurrency": (int, list),  # one level or the levels of a sweep
@@ -203,6 +203,7 @@ class OpenAIBackend:
         self.server: Any = None
         self.run_dir: Path | None = None
         self.energy_estimate: Any = None
+        self.sent_params: dict[str, Any] | None = None  # the last request's parameters (set by generate)
         # read and checked now, before the run folder exists: unset, empty or unsendable fails here
         env = opts.get("api_key_env")
         self._key: str | None = read_key(env, spec.name) if env else None
@@ -504,7 +505,7 @@ class OpenAIBackend:
             "sampling_extensions": self.extensions,
             "usage_source": "response usage when sent, else content chunks counted and prompt tokens "
                             + ("counted with the GGUF's tokenizer" if self._prompt_tokens is not None else "unknown (0)"),
-            "request_params": getattr(self, "sent_params", None),
+            "request_params": self.sent_params,
         }
         if self.server is not None:
             out["server"] = {

@@ -35,7 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from ipw.backends.base import BackendSpec, Completion, GenerationSettings, QueryError
+from ipw.backends.base import BackendBase, BackendSpec, Completion, GenerationSettings, QueryError
 from ipw.errors import IpwError
 
 MAX_RESTARTS = 3
@@ -208,7 +208,7 @@ class Worker:
                 pass
 
 
-class WorkerBackend:
+class WorkerBackend(BackendBase):
     """A backend whose engine (``ENGINE``: ``module:Class``) runs in a worker process.
 
     The engine class has the Backend methods ``load``, ``generate``, ``describe``, ``close`` and may set

@@ -9,7 +9,7 @@ source, quality and scope (DESIGN.md §2), so a measured number is never confuse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal
 
 Quality = Literal["measured", "measured_interpolated", "estimated", "unavailable"]
 Scope = Literal["gpu", "cpu_package", "dram", "system_estimate", "datacenter_estimate"]
@@ -45,27 +45,97 @@ class SensorInfo:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-class Deferred(Protocol):
+class Deferred:
     """Readings that become final later (e.g. once the driver's sample buffer covers the window and
     its edges).  The runner appends the query's record only when every sensor's result is ready."""
 
-    def ready(self) -> bool: ...
+    def ready(self) -> bool:
+        raise NotImplementedError
 
-    def result(self) -> list[EnergyReading]: ...
+    def result(self) -> list[EnergyReading]:
+        raise NotImplementedError
+
+    @classmethod
+    def resolve_all(cls, pending: list[Any]) -> None:
+        """Make many ready results of this class final at once (NVML: one estimate for many windows);
+        by default each becomes final on its own, in ``result()``."""
 
 
-class Sensor(Protocol):
-    name: str
+class SensorBase:
+    """What every sensor is: the runner calls these members and nothing else, and never asks whether a
+    sensor has one.  The contract is in docs/ARCHITECTURE.md ("The contract of a sensor").
 
-    def info(self) -> SensorInfo: ...
+    Required: ``name``, ``info``, ``begin`` and ``end``.  The rest have defaults, and what a sensor can do
+    beyond a window is declared by its class (checked when the class is made):
+
+    - ``supports_cut``: ``cut(token)`` closes a window and opens the next at the same instant, so that
+      consecutive windows tile time; the default ends and begins again (the moment between is lost);
+    - ``supports_split``: ``split(token, at_s)`` says which share of each component's window
+      energy falls before ``at_s`` (the first token): one ``PhaseSplit`` per component;
+    - ``supports_energy_windows``: ``energy_windows(windows)`` integrates arbitrary sub-windows after
+      the fact (the sampled split uses it when the sensor has no ``split``);
+    - ``supports_trace``: ``trace()`` returns power columns for ``power.parquet``;
+    - ``overhead()``: what the sensor's own threads cost, for the manifest (``{}`` by default);
+    - ``close()``: release the device; does nothing by default.
+    """
+
+    name: str = ""
+    supports_cut: ClassVar[bool] = False
+    supports_split: ClassVar[bool] = False
+    supports_energy_windows: ClassVar[bool] = False
+    supports_trace: ClassVar[bool] = False
+
+    #: each capability flag and the method a class that declares it must define itself
+    CAPABILITIES: ClassVar[dict[str, str]] = {"supports_cut": "cut", "supports_split": "split",
+                                              "supports_energy_windows": "energy_windows",
+                                              "supports_trace": "trace"}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for flag, method in SensorBase.CAPABILITIES.items():
+            declared = next(vars(k)[flag] for k in cls.__mro__ if flag in vars(k))
+            defined = any(method in vars(k) for k in cls.__mro__ if k is not SensorBase)
+            if declared and not defined:
+                raise TypeError(f"sensor {cls.__qualname__} declares {flag} but does not define {method}()")
+
+    def info(self) -> SensorInfo:
+        raise NotImplementedError(f"{type(self).__name__}.info")
 
     def begin(self) -> Any:
         """Start a window; returns an opaque token for ``end``."""
+        raise NotImplementedError(f"{type(self).__name__}.begin")
 
     def end(self, token: Any) -> "list[EnergyReading] | Deferred":
         """Close the window opened by ``begin``: one reading per component, now or deferred."""
+        raise NotImplementedError(f"{type(self).__name__}.end")
 
-    def close(self) -> None: ...
+    def cut(self, token: Any) -> "tuple[list[EnergyReading] | Deferred, Any]":
+        """Close the window and open the next (default: ``end`` then ``begin``)."""
+        return self.end(token), self.begin()
+
+    def split(self, token: Any, at_s: float) -> list[Any]:
+        """The window's split at ``at_s`` (``ipw.telemetry.phases.PhaseSplit`` per component); none by
+        default."""
+        return []
+
+    def energy_windows(self, windows: list[tuple[float, float]], **kwargs: Any) -> dict[str, list[Any]]:
+        """Energy of arbitrary (start_s, end_s) windows per component; none by default."""
+        return {}
+
+    def trace(self, since_s: float | None = None) -> dict[str, Any]:
+        """Power columns for ``power.parquet``; none by default."""
+        return {}
+
+    def overhead(self) -> dict[str, Any]:
+        """The sensor's own cost, for the manifest's ``sampler_overhead``; none by default."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the sensor holds."""
+
+
+#: The name the code and the docs used for the interface.
+Sensor = SensorBase
 
 
 def worst_quality(qualities: list[str]) -> str:

@@ -31,7 +31,7 @@ import psutil
 
 from ipw.errors import IpwError
 from ipw.phases import CPU_TICK_S, SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
-from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,12 @@ def tree_cpu_s(procs: list[psutil.Process]) -> float:
     return total_s
 
 
-class CpuModelSensor:
+class CpuModelSensor(SensorBase):
     """Estimated CPU energy of the inference process tree (source ``model.cpu``)."""
 
     name = "cpu_model"
+    supports_cut = True
+    supports_split = True  # from the snapshot thread's reads (None without one: no split)
 
     def __init__(self, pids_fn: Callable[[], list[int]], watts_per_core: float | None = None,
                  snapshot_period_s: float | None = SNAPSHOT_PERIOD_S) -> None:

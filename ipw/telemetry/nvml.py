@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ipw.errors import IpwError
-from ipw.telemetry.base import EnergyReading, SensorInfo
+from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
 from ipw.telemetry.estimator import (
     CALIBRATION_BOUNDS,
     COUNTER_DELTA_MIN_S,
@@ -261,7 +261,7 @@ def reading_from_estimate(
     )
 
 
-class PendingWindow:
+class PendingWindow(Deferred):
     """The deferred result of one :class:`NvmlSensor` window (the runner's ``Deferred``): ready once
     the sampler has read every signal far enough past the window's end."""
 
@@ -288,8 +288,8 @@ class PendingWindow:
             self._result, self.foreign_activity = self._sensor._windows([(self.start_s, self.end_s)])[0]
         return self._result
 
-    @staticmethod
-    def resolve_all(pending: list["PendingWindow"]) -> None:
+    @classmethod
+    def resolve_all(cls, pending: list["PendingWindow"]) -> None:
         """Make many ready windows final with one estimate per sensor (``ipw serve`` under load ends a
         window every few ms; one estimate each would cost a calibration over the lookback each)."""
         by_sensor: dict[int, tuple[NvmlSensor, list[PendingWindow]]] = {}
@@ -301,7 +301,7 @@ class PendingWindow:
                 p._result, p.foreign_activity = readings, foreign
 
 
-class NvmlSensor:
+class NvmlSensor(SensorBase):
     """GPU energy per window from the driver's 20 ms power samples, calibrated by the energy counter.
 
     One :class:`~ipw.telemetry.sampler.NvmlSampler` thread owns the NVML handles and records the
@@ -324,6 +324,9 @@ class NvmlSensor:
     """
 
     name = "nvml"
+    supports_cut = True
+    supports_energy_windows = True  # the phase split integrates both sub-windows (ipw.telemetry.phases)
+    supports_trace = True
 
     def __init__(
         self,
@@ -340,6 +343,7 @@ class NvmlSensor:
         self._nvml = import_pynvml()
         self._closed = False
         self._clock = clock_ns
+        sampler: NvmlSampler | None = None
         try:
             self._nvml.nvmlInit()
         except self._nvml.NVMLError as exc:
@@ -347,7 +351,7 @@ class NvmlSensor:
         try:
             self.gpus = select_gpus(self._nvml, indices)
             self.others = other_gpus(self._nvml, self.gpus) if watch_others else []
-            self.sampler = NvmlSampler(
+            self.sampler = sampler = NvmlSampler(
                 self._nvml, self.gpus, counter_period_s=counter_period_s,
                 samples_period_s=samples_period_s, sample_shift_s=sample_shift_s,
                 clock_ns=clock_ns, wall_ns=wall_ns, watch=self.others,
@@ -355,8 +359,8 @@ class NvmlSensor:
             self._signals = self.sampler.start(threaded=threaded)
             self._check_signals()
         except BaseException:
-            if getattr(self, "sampler", None) is not None:
-                self.sampler.stop()
+            if sampler is not None:
+                sampler.stop()
             self._nvml.nvmlShutdown()
             raise
 

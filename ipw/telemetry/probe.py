@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Sensor, SensorInfo
@@ -17,9 +17,10 @@ from ipw.telemetry.nvml import NvmlSensor
 from ipw.telemetry.rapl import DEFAULT_ROOT, RaplSensor
 
 
-def default_probe(backend) -> list:
-    """The sensors of a loaded backend's processes (or the API estimate of a remote one)."""
-    return probe_sensors(backend.pids, remote=getattr(backend, "remote", False))
+def default_probe(backend: Any) -> list[Sensor]:
+    """The sensors of a loaded backend's processes (none for a remote one: its API estimate instead).
+    ``backend``: an ``ipw.backends.base.BackendBase`` (its ``pids`` and declared ``remote``)."""
+    return probe_sensors(backend.pids, remote=backend.remote)
 
 
 def probe_sensors(

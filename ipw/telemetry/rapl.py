@@ -29,7 +29,7 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.phases import SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
-from ipw.telemetry.base import EnergyReading, Scope, SensorInfo
+from ipw.telemetry.base import EnergyReading, Scope, SensorBase, SensorInfo
 
 DEFAULT_ROOT = Path("/sys/class/powercap")
 
@@ -117,10 +117,12 @@ def energy_delta_uj(start_uj: int, end_uj: int, max_energy_range_uj: int) -> int
     return delta
 
 
-class RaplSensor:
+class RaplSensor(SensorBase):
     """Measured CPU package (and DRAM, where exposed) energy from RAPL counters."""
 
     name = "rapl"
+    supports_cut = True
+    supports_split = True  # from the snapshot thread's reads (None without one: no split)
 
     def __init__(self, root: Path = DEFAULT_ROOT, snapshot_period_s: float | None = SNAPSHOT_PERIOD_S) -> None:
         """``snapshot_period_s``: also read the counters this often while a window is open, so that

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ipw.telemetry.base import EnergyReading, Sensor
+from ipw.telemetry.base import Deferred, EnergyReading, Sensor, SensorBase
 
 
 class Closed:
@@ -34,12 +34,12 @@ class Closed:
 
 
 def resolve(closed: list[Closed]) -> None:
-    """Make the ready deferred parts of many windows final at once, where their class can (a
-    ``resolve_all`` static method: NVML's one estimate for many windows); the rest stay as they are."""
+    """Make the deferred parts of many windows final at once, a class at a time (``Deferred.resolve_all``:
+    NVML's one estimate for many windows; by default nothing happens and each part becomes final alone)."""
     groups: dict[type, list[Any]] = {}
     for c in closed:
         for part in c.parts:
-            if not isinstance(part, list) and hasattr(type(part), "resolve_all"):
+            if isinstance(part, Deferred):
                 groups.setdefault(type(part), []).append(part)
     for cls, parts in groups.items():
         cls.resolve_all(parts)
@@ -49,6 +49,10 @@ class Window:
     """Opens a measurement window on every sensor and closes it."""
 
     def __init__(self, sensors: list[Sensor]) -> None:
+        for sensor in sensors:  # where every sensor enters a measurement: the contract is checked here
+            if not isinstance(sensor, SensorBase):
+                raise TypeError(f"{type(sensor).__name__} is not a sensor: subclass ipw.telemetry.base.SensorBase "
+                                "(docs/ARCHITECTURE.md, the contract of a sensor)")
         self.sensors = sensors
 
     def begin(self) -> list[Any]:
@@ -59,14 +63,11 @@ class Window:
 
     def cut(self, tokens: list[Any]) -> tuple[Closed, list[Any]]:
         """Close the window and open the next where it ended, so that consecutive windows tile time and
-        their energies add up to the whole span's.  A sensor without ``cut`` ends and begins again (the
-        moment between is then not measured)."""
+        their energies add up to the whole span's.  A sensor without ``supports_cut`` ends and begins again
+        (``SensorBase.cut``; the moment between is then not measured)."""
         parts, following = [], []
         for sensor, token in zip(self.sensors, tokens):
-            if hasattr(sensor, "cut"):
-                part, nxt = sensor.cut(token)
-            else:
-                part, nxt = sensor.end(token), sensor.begin()
+            part, nxt = sensor.cut(token)
             parts.append(part)
             following.append(nxt)
         return Closed(parts), following
