@@ -15,7 +15,7 @@ WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone",
 
 
 def _run(run_cli, tmp_path: Path, name: str, *, max_tokens: int, dataset: str = "ipw-core", limit: int = 12,
-         temperature: float = 0.0) -> Path:
+         temperature: float = 0.0, shard: str | None = None) -> Path:
     config = tmp_path / f"{name}.toml"
     config.write_text(f'''dataset = "{dataset}"
 limit = {limit}
@@ -31,11 +31,35 @@ kind = "llama-cpp"
 model = "smollm2-135m"
 n_threads = 1
 ''')
-    out = tmp_path / name
-    code, _, err = run_cli("run", config, "--out", out)
+    out = tmp_path / (name if shard is None else f"{name}-shard{shard.split('/')[0]}")
+    code, _, err = run_cli("run", config, "--out", out, *(["--shard", shard] if shard else []))
     assert code == 0, err
     (run_dir,) = list(out.iterdir())
     return run_dir
+
+
+TURNS = 4
+
+
+def _interleaved(run_cli, tmp_path: Path, runs: dict[str, dict]) -> dict[str, Path]:
+    """Runs whose energies are compared, made in turns: a quarter of each (``--shard K/4``), then the next
+    quarter of each, in the reverse order, and so on; then each run's quarters merged (``ipw merge``).
+
+    Made one after the other, a neighbour that loads the machine during one run and not the other
+    moves their ratio: on a shared 2-core machine this test once saw a 20% change where there was
+    none, or none where there was one (issue 30). In turns, such a neighbour weighs on every run alike."""
+    shards: dict[str, list[Path]] = {name: [] for name in runs}
+    for k in range(1, TURNS + 1):
+        order = list(runs) if k % 2 else list(reversed(runs))
+        for name in order:
+            shards[name].append(_run(run_cli, tmp_path, name, shard=f"{k}/{TURNS}", **runs[name]))
+    merged = {}
+    for name, parts in shards.items():
+        out = tmp_path / f"{name}-merged"
+        code, _, err = run_cli("merge", *parts, "--out", out)
+        assert code == 0, err
+        (merged[name],) = list(out.iterdir())
+    return merged
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +78,12 @@ def runs(tmp_path_factory):
         return main([str(a) for a in args]), "", ""
 
     return {
-        "base": _run(cli, tmp, "base", max_tokens=12, dataset=stories),
-        "same": _run(cli, tmp, "same", max_tokens=12, dataset=stories),
-        "longer": _run(cli, tmp, "longer", max_tokens=36, dataset=stories),  # longer answers: a real energy increase
-        "bit_longer": _run(cli, tmp, "bit_longer", max_tokens=20, dataset=stories),  # 8 more tokens: about +20%
+        **_interleaved(cli, tmp, {
+            "base": dict(max_tokens=12, dataset=stories),
+            "same": dict(max_tokens=12, dataset=stories),
+            "longer": dict(max_tokens=36, dataset=stories),  # longer answers: a real energy increase
+            "bit_longer": dict(max_tokens=20, dataset=stories),  # 8 more tokens: about +20%
+        }),
         "easy": _run(cli, tmp, "easy", max_tokens=16, dataset=easy, limit=0),
         # sampling at temperature 5 from the whole vocabulary: the same model answers at random
         "hot": _run(cli, tmp, "hot", max_tokens=16, dataset=easy, limit=0, temperature=5.0),
@@ -113,11 +139,18 @@ def test_mismatched_datasets_exit_2(runs, run_cli):
     assert code == 2 and "dataset fingerprints differ" in err
 
 
+def _other_hardware(manifest: dict, key: str, value: str) -> None:
+    """The run as if made on another machine: its fingerprint changed wherever the manifest keeps one (a
+    merged run, as these are, keeps every shard's machine in hardware_by_id)."""
+    for hardware in [manifest["hardware"], *(manifest.get("hardware_by_id") or {}).values()]:
+        hardware[key] = value
+
+
 def test_hardware_mismatch_exit_2_unless_allowed(runs, run_cli, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(runs["same"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["hardware"]["cpu_model"] = "Other CPU"
+    _other_hardware(manifest, "cpu_model", "Other CPU")
     (copy / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("check", runs["base"], copy)
     assert code == 2 and "hardware differs" in err
@@ -131,8 +164,7 @@ def test_same_cpu_name_other_instruction_sets_is_a_mismatch(runs, run_cli, tmp_p
     shutil.copytree(runs["same"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     assert manifest["hardware"]["cpu_isa"]  # recorded by every run
-    manifest["hardware"]["cpu_isa"] = "x86_64+sse42+avx+avx2+bmi2+fma+f16c"
-    manifest.pop("hardware_by_id", None)
+    _other_hardware(manifest, "cpu_isa", "x86_64+sse42+avx+avx2+bmi2+fma+f16c")
     (copy / "manifest.json").write_text(json.dumps(manifest))
     code, _, err = run_cli("check", runs["base"], copy)
     if json.loads((runs["base"] / "manifest.json").read_text())["hardware"]["cpu_isa"] != manifest["hardware"]["cpu_isa"]:
