@@ -7,7 +7,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ipw.phases import fit_linear, record_phases, sensor_splits
+from ipw.analysis.fit import fit_linear
+from ipw.telemetry.phases import record_phases, sensor_splits
 from ipw.telemetry.base import total_energy
 from ipw.telemetry.nvml import NvmlSensor
 

@@ -56,7 +56,7 @@ class QueryRecord:
     net_energy_j: float | None  # energy_j minus idle power x duration
     energy_parts: str = "[]"  # JSON list of per-component readings
     # prefill (window start -> first token) and decode (first token -> end): the same readings as
-    # energy_j cut at the first token, so they sum to it; None without a first token (ipw/phases.py)
+    # energy_j cut at the first token, so they sum to it; None without a first token (ipw/telemetry/phases.py)
     prefill_energy_j: float | None = None
     decode_energy_j: float | None = None
     prefill_uncertainty_j: float | None = None  # ± energy that may belong to the other phase

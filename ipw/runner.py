@@ -18,7 +18,7 @@ from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
 from ipw.overlap import Segments, Share, Tally, request_of, split_share
-from ipw.phases import first_token_s, record_phases, sensor_splits
+from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
@@ -36,7 +36,7 @@ def make_record(
 ) -> QueryRecord:
     """``estimate``: a remote endpoint's ApiEnergyEstimate (adds its ``estimate.api`` reading);
     ``busy_s``: the window's share of time when concurrent requests split it (for the idle part);
-    ``splits``: each component's split at the first token (``ipw.phases.sensor_splits``), called now
+    ``splits``: each component's split at the first token (``ipw.telemetry.phases.sensor_splits``), called now
     that the readings are final; ``concurrency``: the requests in flight at the record's level; ``split``:
     how its energy was split from overlapping requests' (its method, and the uncertainty that the
     weighting adds to the components of the total).  The record names the machine that measured it

@@ -30,8 +30,7 @@ ALLOWED = {
     "ipw/presets.py": {"value"},
     "ipw/results.py": {"value", "self"},  # self: a dataclass's own fields, by name
     # the platform, a lazy import, third-party objects (vLLM, tokenizers, a stream)
-    "ipw/phases.py": {"os"},
-    "ipw/telemetry/phases.py": {"os"},
+    "ipw/telemetry/snapshots.py": {"os"},
     "ipw/__init__.py": {"importlib.import_module(_LAZY[name])"},
     "ipw/backends/vllm.py": {"tokenizer", "llm", "out", "metrics"},
     "ipw/convert.py": {"tokenizer"},

@@ -26,7 +26,7 @@ from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_r
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
-from ipw.phases import LinearFit, fit_linear
+from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
 
 LEVEL = 0.95

@@ -17,7 +17,7 @@ from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
 from ipw.analysis.serving import SERVING_METRICS, shown
 from ipw.analysis.stats import Estimate
-from ipw.phases import fit_dict
+from ipw.analysis.fit import fit_dict
 from ipw.telemetry.base import worst_quality
 
 SCHEMA_VERSION = 1

@@ -355,9 +355,9 @@ def _plot_ipj(p: _Plots, d: dict) -> None:
 
 def _plot_energy_tokens(p: _Plots, frame) -> None:
     """Energy per query against prompt tokens and against output tokens, with each backend's fitted
-    model E = a + b*prompt + c*output (ipw.phases.fit_linear, the fit ipw compare reports) drawn with
+    model E = a + b*prompt + c*output (ipw.analysis.fit.fit_linear, the fit ipw compare reports) drawn with
     the other token count held at its mean."""
-    from ipw.phases import fit_linear
+    from ipw.analysis.fit import fit_linear
 
     fig, (ax_p, ax_k) = p.figure(w=10.0, ncols=2)
     rng = np.random.default_rng(0)

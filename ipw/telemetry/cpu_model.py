@@ -30,7 +30,8 @@ from typing import Any, Callable
 import psutil
 
 from ipw.errors import IpwError
-from ipw.phases import CPU_TICK_S, SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
+from ipw.telemetry.phases import PhaseSplit, split_trace
+from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, Snapshots
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
 

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from ipw.errors import IpwError
-from ipw.phases import SNAPSHOT_PERIOD_S, PhaseSplit, Snapshots, split_trace
+from ipw.telemetry.phases import PhaseSplit, split_trace
+from ipw.telemetry.snapshots import SNAPSHOT_PERIOD_S, Snapshots
 from ipw.telemetry.base import EnergyReading, Scope, SensorBase, SensorInfo
 
 DEFAULT_ROOT = Path("/sys/class/powercap")

@@ -1,0 +1,179 @@
+"""Prefill and decode energy per query (DESIGN.md §2-3): each sensor's split of a window at the first
+token, and the record's phase fields.
+
+A query's window is cut at its first token: **prefill** is window start -> first token (reading the
+prompt), **decode** is first token -> window end (writing the answer).  Each sensor says which
+fraction of each component's window energy falls before the cut (a :class:`PhaseSplit`); the record's
+``prefill_energy_j`` is that fraction of the very readings that make its ``energy_j``, and
+``decode_energy_j`` is the rest, so the two always sum to the total.
+
+How each sensor splits a window:
+
+- NVML samples (``NvmlSensor``): the sampler integrates the two sub-windows after the fact
+  (``energy_windows``); the parts are scaled to the window's reading.  Uncertainty: half a sample
+  period times the peak power (the cut is one interpolated edge).  A prefill shorter than the
+  estimator's ``SHORT_WINDOW_S`` (0.15 s) is flagged unresolved, as any window that short is.
+- RAPL and the CPU model read counters only at the window's edges, so a :class:`Snapshots` thread
+  also reads them every ``SNAPSHOT_PERIOD_S`` (20 ms; longer when a read costs more than 1% of a core)
+  while a window is open, and the counter is interpolated linearly at the first token.  For an
+  in-process engine the CPU model's snapshots read the process CPU clock (ns), else /proc times.
+  Uncertainty: the counter's increase over the snapshot interval around the cut (the true value lies
+  inside it: the counter only grows), plus, for /proc times, one CPU-time tick (10 ms) per process.  A prefill with no snapshot inside it is flagged
+  unresolved.  The split of the CPU model is ``estimated``; of RAPL ``measured_interpolated``.
+
+A record without a first token (an error, zero tokens), from concurrent requests, or with a part of
+its total that no sensor can split (an API estimate, NVML counter edges only) has no phases (None).
+
+The snapshot thread is ``ipw.telemetry.snapshots``; J per token and the fitted energy model per backend
+are analysis (``ipw.analysis.fit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ipw.telemetry.base import EnergyReading, SensorBase, energy_basis, worst_quality
+from ipw.telemetry.snapshots import Trace
+
+
+@dataclass(frozen=True)
+class PhaseSplit:
+    """Which share of one component's window energy is prefill (before the first token)."""
+
+    component: str
+    prefill_fraction: float
+    uncertainty_fraction: float  # ± bound on prefill_fraction (energy that may belong to the other phase)
+    unresolved: bool  # the prefill window is shorter than the sensor can resolve
+    quality: str
+    note: str = ""
+
+
+NO_PHASES: dict[str, Any] = {"prefill_energy_j": None, "decode_energy_j": None, "prefill_uncertainty_j": None,
+                             "phase_quality": "", "prefill_unresolved": None, "phase_note": ""}
+
+
+# --- cutting a counter series at the first token --------------------------------------------------
+
+def split_series(t_s: Sequence[float], values: Sequence[float], at_s: float,
+                 step: float = 0.0) -> tuple[float, float, bool] | None:
+    """Cut a cumulative counter series at ``at_s``: (prefill fraction, ± bound on it, unresolved).
+
+    The counter is interpolated linearly between the snapshots around ``at_s``; the bound is its
+    increase from the snapshot before to ``at_s`` or from ``at_s`` to the snapshot after, whichever is
+    larger, plus ``step`` (the counter's own resolution).  Unresolved: no snapshot inside the prefill.
+    None when the series goes down (a process left the tree) or has fewer than two points."""
+    t = np.asarray(t_s, dtype=float)
+    v = np.asarray(values, dtype=float)
+    if t.size < 2 or np.any(np.diff(v) < 0) or np.any(np.diff(t) < 0):
+        return None
+    at = min(max(float(at_s), t[0]), t[-1])
+    unresolved = not bool(np.any((t > t[0]) & (t < at)))
+    total = v[-1] - v[0]
+    if total <= 0:
+        span = t[-1] - t[0]
+        return ((at - t[0]) / span if span > 0 else 0.0), 0.0, unresolved
+    i = int(np.clip(np.searchsorted(t, at, side="right") - 1, 0, t.size - 2))
+    dt = t[i + 1] - t[i]
+    x = v[i] + (v[i + 1] - v[i]) * ((at - t[i]) / dt if dt > 0 else 0.0)
+    bound = max(x - v[i], v[i + 1] - x) + step
+    return float((x - v[0]) / total), float(min(bound / total, 1.0)), unresolved
+
+
+def split_trace(trace: Trace | None, at_s: float, components: Sequence[str], quality: str, what: str,
+                cumulative: Callable[[int, np.ndarray], np.ndarray] | None = None) -> list[PhaseSplit]:
+    """One :class:`PhaseSplit` per component (column k of the trace's values; ``cumulative(k, column)``
+    turns a wrapping counter into a cumulative one)."""
+    if trace is None or trace.error or len(trace.t_s) < 2:
+        return []
+    columns = np.asarray(trace.values, dtype=float)
+    out = []
+    for k, component in enumerate(components):
+        series = columns[:, k] if cumulative is None else cumulative(k, columns[:, k])
+        cut = split_series(trace.t_s, series, at_s, trace.step)
+        if cut is None:
+            continue
+        fraction, bound, unresolved = cut
+        periods = np.diff(trace.t_s)
+        note = (f"{what} read every {np.median(periods) * 1000:.0f} ms, interpolated at the first token "
+                f"(±{bound:.1%} of the window)")
+        if unresolved:
+            note += "; no snapshot inside the prefill: unresolved"
+        out.append(PhaseSplit(component, fraction, bound, unresolved, quality, note))
+    return out
+
+
+# --- sensors -> splits -> record fields -------------------------------------------------------------
+
+def split_sampled(sensor: Any, part: Any, at_s: float) -> list[PhaseSplit]:
+    """Split of a sample-based sensor (``NvmlSensor``): integrate both sub-windows with its
+    ``energy_windows``; ``part`` is its deferred result (``start_s``/``end_s``), ready by now."""
+    start, end = float(part.start_s), float(part.end_s)
+    at = min(max(float(at_s), start), end)
+    out = []
+    for component, (pre, dec) in sensor.energy_windows([(start, at), (at, end)]).items():
+        if pre.energy_j is None or dec.energy_j is None or "unavailable" in (pre.quality, dec.quality):
+            continue
+        a, b = max(0.0, float(pre.energy_j)), max(0.0, float(dec.energy_j))
+        whole = a + b
+        fraction = a / whole if whole > 0 else ((at - start) / (end - start) if end > start else 0.0)
+        bound = min(1.0, 0.5 * (pre.uncertainty_j or 0.0) / whole) if whole > 0 else 0.0
+        note = f"{pre.source} integrated over both phases (prefill {1000 * (at - start):.0f} ms, ±{bound:.1%})"
+        if pre.short_window:
+            note += "; prefill shorter than the 0.15 s NVML signals resolve"
+        out.append(PhaseSplit(component, fraction, bound, bool(pre.short_window),
+                              worst_quality([pre.quality, dec.quality]), note))
+    return out
+
+
+def first_token_s(completion: Any) -> float | None:
+    """Where a completion's window is cut: its first token; None without one (no phases)."""
+    if completion is None or not completion.completion_tokens:
+        return None
+    return completion.first_token_s
+
+
+def sensor_splits(sensors: Sequence[SensorBase], tokens: Sequence[Any], parts: Sequence[Any],
+                  at_s: float | None) -> dict[str, PhaseSplit]:
+    """Each component's split at ``at_s`` (the first token), from sensors that declare they can split:
+    ``supports_split`` (their ``split(token, at_s)``), else ``supports_energy_windows`` (sample-based:
+    both sub-windows of ``part``, what ``end`` returned, integrated).  Never raises."""
+    if at_s is None:
+        return {}
+    out: dict[str, PhaseSplit] = {}
+    for sensor, token, part in zip(sensors, tokens, parts):
+        try:
+            if sensor.supports_split:
+                splits = sensor.split(token, at_s)
+            elif sensor.supports_energy_windows:
+                splits = split_sampled(sensor, part, at_s)
+            else:
+                continue
+        except Exception:  # a failed split leaves the record without phases, never without its record
+            continue
+        out.update({s.component: s for s in splits})
+    return out
+
+
+def record_phases(readings: list[EnergyReading], splits: dict[str, PhaseSplit]) -> dict[str, Any]:
+    """The record's phase fields: the split of exactly the readings its ``energy_j`` sums."""
+    basis = energy_basis(readings)
+    if not basis or not splits:
+        return dict(NO_PHASES)
+    missing = [r.component for r in basis if r.component not in splits]
+    if missing:
+        return {**NO_PHASES, "phase_note": f"no phase split for {', '.join(missing)}"}
+    total = sum(r.energy_j for r in basis)  # type: ignore[misc]  # the same sum as total_energy
+    prefill = sum(splits[r.component].prefill_fraction * r.energy_j for r in basis)  # type: ignore[operator]
+    prefill = min(max(prefill, 0.0), total)
+    used = [splits[r.component] for r in basis]
+    return {
+        "prefill_energy_j": prefill,
+        "decode_energy_j": total - prefill,
+        "prefill_uncertainty_j": sum(s.uncertainty_fraction * r.energy_j for s, r in zip(used, basis)),
+        "phase_quality": worst_quality([s.quality for s in used]),
+        "prefill_unresolved": any(s.unresolved for s in used),
+        "phase_note": "; ".join(f"{s.component}: {s.note}" for s in used),
+    }
