@@ -335,8 +335,10 @@ def test_resume_a_ray_run(cluster, unsharded, tmp_path, run_cli):
 def test_failing_task_is_retried_then_reported(cluster, tmp_path, run_cli):
     """A task that raises (here: a model file llama.cpp cannot load) is submitted again; after 3
     attempts the run stops (status failed) with the reason in one line, and the manifest lists every error."""
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    import struct
+
+    bad = tmp_path / "broken.gguf"  # a header ipw accepts (version 3, no tensors), a model llama.cpp cannot load
+    bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"\0" * 64)
     config = tmp_path / "bad.toml"
     config.write_text(f'''dataset = "ipw-core"
 limit = 2
