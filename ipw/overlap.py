@@ -227,7 +227,7 @@ class _Live:
 
 class Meter:
     """``ipw serve``'s open-ended span: requests start and end at any time, and each gets its share
-    when it ends (``finish``), without waiting for the requests it overlapped.
+    when it ends (``end``, then ``share``), without waiting for the requests it overlapped.
 
     A window is split once, when the first of its requests ends: a request still in flight then counts
     with its token times so far (they are exactly its work in that window: a token is timed under the
@@ -289,13 +289,6 @@ class Meter:
     def token_times(self, job: int) -> tuple[float, ...]:
         with self.segments.lock:
             return tuple(self._live[job].times)
-
-    def finish(self, job: int, completion: Completion | None) -> tuple[float, float, Share]:
-        """``job`` ended now: its window (start, end) and its share of the energy measured while it ran
-        (waiting for the sensors to cover its end).  ``completion``: what it produced (token times,
-        server timings), or None for a request that produced nothing."""
-        start, end = self.end(job, completion)
-        return start, end, self.share(job)
 
     def end(self, job: int, completion: Completion | None) -> tuple[float, float]:
         """``job`` ended now (its window is cut here): its start and end.  Its energy: ``share``."""

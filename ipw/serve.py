@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from ipw import __version__
 from ipw.backends.base import BackendSpec, Completion, QueryError
+from ipw.backends.openai_http import Deadline, choice_text, server_timings
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.overlap import Meter
@@ -198,7 +199,6 @@ class _Stream:
         self.usage: dict[str, Any] = {}
         self.timings: Any = None
         self.finish = ""
-        self.first_s: float | None = None
 
     def take(self, data: dict[str, Any], api: str) -> bool:
         """Note one chunk (or a whole answer); True when it carried output text."""
@@ -209,10 +209,7 @@ class _Stream:
         for choice in data.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
-            if api == "chat":
-                piece = (choice.get("delta") or choice.get("message") or {}).get("content") or ""
-            else:
-                piece = choice.get("text") or ""
+            piece = choice_text(choice, api)
             if piece:
                 self.parts.append(piece)
                 got = True
@@ -220,12 +217,10 @@ class _Stream:
         return got
 
     def completion(self, start: float, end: float, times: tuple[float, ...]) -> Completion:
-        from ipw.backends.openai_http import server_timings
-
         return Completion(
             text="".join(self.parts), prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
             completion_tokens=int(self.usage.get("completion_tokens") or len(times)), start_s=start,
-            first_token_s=times[0] if times else self.first_s, end_s=end, token_times_s=times,
+            first_token_s=times[0] if times else None, end_s=end, token_times_s=times,
             finish_reason=self.finish, server_timings=server_timings(self.timings))
 
 
@@ -238,21 +233,26 @@ class Handler(BaseHTTPRequestHandler):
     server: "ProxyServer"
     server_version = f"ipw-serve/{__version__}"
     _up: "http.client.HTTPConnection | None" = None  # this client connection's upstream connection
+    _deadline: Deadline | None = None  # the request's total deadline (--timeout-s)
 
     def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr (bodies never logged)
         pass
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _json(self, status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-        payload = json.dumps(data, ensure_ascii=False).encode()
+    def _send(self, status: int, payload: bytes, content_type: str | None,
+              headers: dict[str, str] | None = None) -> None:
+        """A whole (not streamed) answer."""
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type or "application/json")
         self.send_header("Content-Length", str(len(payload)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
         self.wfile.write(payload)
+
+    def _json(self, status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(data, ensure_ascii=False).encode(), "application/json", headers)
 
     def _error(self, status: int, message: str, kind: str) -> None:
         self.close_connection = True
@@ -286,7 +286,9 @@ class Handler(BaseHTTPRequestHandler):
                 conn.request(method, session.upstream.prefix + path[len("/v1"):], body=body,
                              headers=self._upstream_headers(stream))
                 if deadline is not None:  # a trickle that never ends is cut at the deadline
-                    self.server.watchdog.watch(self, conn, deadline)
+                    if self._deadline is not None:
+                        self._deadline.cancel()  # a kept-alive connection's, that failed
+                    self._deadline = Deadline(conn, deadline)
                 return conn, conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 conn.close()
@@ -325,11 +327,7 @@ class Handler(BaseHTTPRequestHandler):
             self._drop_upstream()
             return self._error(502, f"ipw serve: upstream {self.server.session.upstream.url}: {type(exc).__name__}",
                                "upstream_unreachable")
-        self.send_response(resp.status)
-        self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        self._send(resp.status, payload, resp.getheader("Content-Type"))
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
@@ -386,12 +384,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._end(job, body, api, None, QueryError(
                     f"HTTP {resp.status} from {session.upstream.url}: "
                     f"{scrub(detail.decode('utf-8', errors='replace'))[:300].strip()}", category))
-                self.send_response(resp.status)  # the upstream's error, passed through with its status
-                self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
-                self.send_header("Content-Length", str(len(detail)))
-                self.end_headers()
-                self.wfile.write(detail)
-                return
+                return self._send(resp.status, detail, resp.getheader("Content-Type"))  # passed through
             if "text/event-stream" in (resp.getheader("Content-Type") or ""):
                 self._relay_stream(job, body, api, resp, seen, start, asked_usage)
             else:
@@ -403,13 +396,15 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except (OSError, http.client.HTTPException) as exc:  # the upstream failed or ran past --timeout-s
             self._drop_upstream()
-            timeout = isinstance(exc, TimeoutError) or self.server.watchdog.expired(self)
+            timeout = isinstance(exc, TimeoutError) or self._deadline is not None and self._deadline.expired
             error = QueryError(f"upstream {session.upstream.url} failed mid-answer: {type(exc).__name__}"
                                + (f" (--timeout-s {session.options.timeout_s:g})" if timeout else ""),
                                "timeout" if timeout else "connection")
             self.close_connection = True
         finally:
-            self.server.watchdog.forget(self)
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
             if self._outcome is None:  # ended by an error before the answer was complete
                 self._end(job, body, api, seen.completion(start, time.monotonic(), session.meter.token_times(job))
                           if seen.parts else None, error or QueryError("no answer", "connection"))
@@ -444,12 +439,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._end(job, body, api, None, QueryError("upstream answer is not JSON", "malformed_stream"))
         if record is None:  # passed through as it came
-            self.send_response(200)
-            self.send_header("Content-Type", resp.getheader("Content-Type") or "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-            return
+            return self._send(200, raw, resp.getheader("Content-Type"))
         data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}),
                          "energy": energy_object(record)}
         self._json(200, data, {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
@@ -457,8 +447,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def _relay_stream(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
                       start: float, asked_usage: bool) -> None:
-        from ipw.backends.openai_http import server_timings
-
         session = self.server.session
         meter = session.meter
         self.send_response(200)
@@ -466,14 +454,13 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        deadline = start + session.options.timeout_s
         ended = False
         last: dict[str, Any] = {}
         lines: list[bytes] = []
         prefilled = False
         while True:
             raw = resp.readline(1 << 20)
-            if time.monotonic() > deadline:
+            if self._deadline is not None and self._deadline.expired:  # it shut the socket: the read ended
                 raise TimeoutError(f"no [DONE] within --timeout-s {session.options.timeout_s:g}")
             if not raw:
                 break  # the upstream closed the stream
@@ -545,59 +532,12 @@ class Handler(BaseHTTPRequestHandler):
                           "energy": energy_object(record)}}
 
 
-class Watchdog:
-    """Cuts upstream connections that run past their deadline (a server that trickles bytes and never
-    ends would otherwise reset every read timeout forever): one thread for all requests."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict[Any, tuple[http.client.HTTPConnection, float]] = {}
-        self._expired: set[Any] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ipw-serve-watchdog", daemon=True)
-        self._thread.start()
-
-    def watch(self, owner: Any, conn: http.client.HTTPConnection, deadline: float) -> None:
-        with self._lock:
-            self._due[owner] = (conn, deadline)
-
-    def forget(self, owner: Any) -> None:
-        with self._lock:
-            self._due.pop(owner, None)
-            self._expired.discard(owner)
-
-    def expired(self, owner: Any) -> bool:
-        with self._lock:
-            return owner in self._expired
-
-    def _run(self) -> None:
-        import socket
-
-        while not self._stop.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                late = [(owner, conn) for owner, (conn, due) in self._due.items() if due < now]
-                for owner, _ in late:
-                    del self._due[owner]
-                    self._expired.add(owner)
-            for _, conn in late:
-                try:
-                    if conn.sock is not None:
-                        conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked read
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # a load generator opens its connections at once
 
     def __init__(self, address: tuple[str, int], session: Session) -> None:
         self.session = session
-        self.watchdog = Watchdog()
         super().__init__(address, Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -635,7 +575,6 @@ class Proxy:
             time.sleep(0.05)
         left = self.session.meter.in_flight()
         energy = self.session.meter.close()
-        self.server.watchdog.close()
         session = self.session
         folder = session.folder
         try:

@@ -472,7 +472,8 @@ def test_meter_splits_every_window_once_and_conserves_energy():
             meter.token(job)
         if tokens:
             meter.prefill(job, 5.0, 10)
-        _, _, share = meter.finish(job, None)
+        meter.end(job, None)
+        share = meter.share(job)
         with lock:
             shares.append(share)
 

@@ -79,7 +79,7 @@ def server_timings(data: Any) -> ServerTimings | None:
                          predicted_n=int(values[2]), predicted_ms=float(values[3]))
 
 
-class _Deadline:
+class Deadline:
     """A request's total deadline: at ``deadline`` (monotonic seconds) the socket is shut down, so that a
     server that trickles a byte now and then (each one resetting the read timeout) cannot hold a query
     past it, whether it is sending headers, a stream or a body.  ``expired`` says it fired."""
@@ -100,6 +100,13 @@ class _Deadline:
 
     def cancel(self) -> None:
         self._timer.cancel()
+
+
+def choice_text(choice: dict[str, Any], api: str) -> str:
+    """The text of one choice of a chat (``delta`` or ``message``) or completions answer."""
+    if api == "chat":
+        return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:
@@ -282,7 +289,7 @@ class OpenAIBackend(BackendBase):
         cutter = None
         try:
             conn.connect()
-            cutter = _Deadline(conn, time.monotonic() + timeout_s)
+            cutter = Deadline(conn, time.monotonic() + timeout_s)
             conn.request("GET", f"{self.prefix}/models{self.query}", headers=self._headers())
             status = conn.getresponse().status
         except (OSError, http.client.HTTPException):
@@ -382,10 +389,10 @@ class OpenAIBackend(BackendBase):
         deadline = time.monotonic() + self.timeout_s
         path = f"{self.prefix}/{'chat/completions' if self.api == 'chat' else 'completions'}{self.query}"
         conn = self._connection(self.timeout_s)
-        cutter: _Deadline | None = None
+        cutter: Deadline | None = None
         try:
             conn.connect()
-            cutter = _Deadline(conn, deadline)  # the total deadline; timeout_s is also each read's timeout
+            cutter = Deadline(conn, deadline)  # the total deadline; timeout_s is also each read's timeout
             conn.request("POST", path, body=payload, headers=self._headers())
             resp = conn.getresponse()
             if resp.status != 200:
@@ -417,9 +424,7 @@ class OpenAIBackend(BackendBase):
             conn.close()
 
     def _content(self, choice: dict[str, Any]) -> str:
-        if self.api == "chat":
-            return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
-        return choice.get("text") or ""
+        return choice_text(choice, self.api)
 
     def _read_stream(self, resp: Any, start: float, deadline: float, stops: list[str]) -> Completion:
         parts: list[str] = []
