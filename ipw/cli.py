@@ -317,11 +317,15 @@ def doctor(
                                    "periods, a 5 s idle / 5 s load step and the sampler's own overhead."),
     seconds: float = typer.Option(60.0, "--seconds", help="Length of the self-test."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the findings as JSON."),
+    record_trace: Optional[Path] = typer.Option(
+        None, "--record-trace", help="Record every sensor library's raw readings for --seconds into this file "
+        "(.json or .json.gz), the format the tests replay (docs/PLATFORMS.md)."),
 ) -> None:
     """What this machine can measure, and at what resolution (exit 1 when a self-test check fails)."""
     from ipw.commands.doctor import doctor as run_doctor
 
-    raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds, json_path=str(json_path) if json_path else None))
+    raise typer.Exit(run_doctor(self_test=self_test, seconds=seconds, json_path=str(json_path) if json_path else None,
+                                record_trace=str(record_trace) if record_trace else None))
 
 
 @app.command()

@@ -446,8 +446,43 @@ def _print_self_test(out: _Out, r: dict[str, Any]) -> None:
     out.line(f"self-test: {'PASS' if r['passed'] else 'FAIL'}")
 
 
-def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | None = None, file: Any = None) -> int:
-    """Print what this machine can measure; with ``self_test`` on a GPU machine, run the self-test.
+def record_trace_file(path: str, seconds: float, out: _Out, *, load: bool = True) -> dict[str, Any]:
+    """``--record-trace``: record every platform's raw library answers for ``seconds`` into ``path``
+    (:mod:`ipw.telemetry.recording`; the format the tests' fakes replay).  With ``load`` and torch on a
+    CUDA GPU, the middle third is matrix products, so the trace holds an idle/load step."""
+    from ipw.telemetry.recording import record, write_trace
+
+    run, note = _torch_load() if load else (None, "load off")
+    third = seconds / 3.0
+    out.line(f"record-trace: recording {seconds:g} s into {path}"
+             + (f"; load ({note}) from {third:.1f} s for {third:.1f} s" if run else f"; idle only ({note})"))
+    trace = record(seconds, load=(lambda: run(third)) if run else None, load_at_s=third, log=out.line)
+    trace["load"] = note if run else f"none: {note}"
+    write_trace(trace, path)
+    rows = []
+    for name, entry in trace["platforms"].items():
+        rows.append([name, "yes" if entry["available"] else "no",
+                     _trace_summary(entry) if entry["available"] else entry["why"]])
+    out.table(f"record-trace: {path}", ["platform", "recorded", "what"], rows)
+    return trace
+
+
+def _trace_summary(entry: dict[str, Any]) -> str:
+    """How many points of each series one platform's trace entry holds, and how many errors."""
+    parts = []
+    for group in ("devices", "zones", "rails"):
+        for item in entry.get(group, []):
+            label = item.get("component") or item.get("name") or str(item.get("index", ""))
+            counts = [f"{k} {len(v.get('v', []))}" for k, v in item.items() if isinstance(v, dict) and "v" in v]
+            errors = len(item.get("errors", []))
+            parts.append(f"{label}: {', '.join(counts)}" + (f", {errors} errors" if errors else ""))
+    return "; ".join(parts) or "-"
+
+
+def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | None = None, file: Any = None,
+           record_trace: str | None = None) -> int:
+    """Print what this machine can measure; with ``self_test`` on a GPU machine, run the self-test;
+    with ``record_trace``, record every platform's raw readings for ``seconds`` into that file.
     Returns the exit code: 1 when a self-test check fails, else 0."""
     import math
 
@@ -465,11 +500,22 @@ def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | N
             raise IpwError(f"--json {json_path}: cannot write there ({exc.strerror})") from None
         if not existed:
             os.unlink(json_path)
+    if record_trace is not None:
+        existed = os.path.exists(record_trace)
+        try:  # find out now, not after the recording, that the trace could not be written
+            with open(record_trace, "ab"):
+                pass
+        except OSError as exc:
+            raise IpwError(f"--record-trace {record_trace}: cannot write there ({exc.strerror})") from None
+        if not existed:
+            os.unlink(record_trace)
     out = _Out(file)
     rows = sensor_rows()
     out.table("sensors on this machine (probed in this order)",
               ["sensor", "available", "source", "quality", "scope", "resolution", "detail"], rows)
     out.table("engines (checked in a worker process)", ["engine", "status", "detail"], engine_rows())
+    if record_trace is not None:
+        record_trace_file(record_trace, seconds, out)
     if not self_test:
         return 0
     if not any(r[0] == "nvml" and r[1] == "yes" for r in rows):
@@ -488,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--self-test", action="store_true")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--json", dest="json_path", default=None, help="write the self-test's numbers here")
+    ap.add_argument("--record-trace", default=None, help="record every platform's raw readings into this file")
     args = ap.parse_args(argv)
-    return doctor(args.self_test, args.seconds, json_path=args.json_path)
+    return doctor(args.self_test, args.seconds, json_path=args.json_path, record_trace=args.record_trace)
 
 
 if __name__ == "__main__":
