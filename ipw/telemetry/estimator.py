@@ -367,6 +367,92 @@ class _CounterIntegral:
         return [x for x in self.backwards_at_s if start_s <= x <= end_s]
 
 
+@dataclass(frozen=True)
+class CounterGrid:
+    """Where the counter's updates fell: ``phase_s + k * step_s`` on the monotonic clock, found by
+    :func:`grid_counter_reads`.  ``t_s``/``j`` are counter "reads" that put each change exactly on its
+    update (the old value just before it, the new value on it), for :func:`estimate_windows`.
+    ``rss_ratio``: the misfit at the chosen phase over the median misfit of all phases (small: sharp)."""
+
+    phase_s: float
+    step_s: float
+    t_s: np.ndarray
+    j: np.ndarray
+    reads: int
+    rss_ratio: float
+
+
+#: The energy counter's update period on the GPUs measured so far (H200: 100.00 ms, +-2 ms jitter, from a
+#: back-to-back recording of 839 updates; docs/ENERGY.md "Short windows read high").
+COUNTER_GRID_STEP_S = 0.1
+#: A phase is used only when its misfit is below this share of the median misfit over all phases
+#: (0.1-0.3% on the H200 recordings) and below the misfit of the reads at their own times.
+COUNTER_GRID_MAX_RSS_RATIO = 0.05
+#: At least this many changes of value are needed to find the phase.
+COUNTER_GRID_MIN_READS = 6
+
+
+def grid_counter_reads(
+    counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: np.ndarray, samples_w: np.ndarray, *,
+    sample_shift_s: float = 0.0, step_s: float = COUNTER_GRID_STEP_S, max_gap_s: float = MAX_SAMPLE_GAP_S,
+) -> CounterGrid | None:
+    """Place each sparse counter read's value on the counter update that produced it.
+
+    The counter updates on a fixed grid (every 100 ms on the H200).  A read at ``t`` shows the value of
+    the latest update at or before ``t``; with reads 0.25-1 s apart that update is anywhere in the
+    100 ms before the read, so the value's time is unknown by +-50 ms, and a calibration ratio over a
+    10-20 s span is off by +-0.3-0.5% (the ratio over a run's first minute swung 0.994-1.006 around the
+    0.998 that a back-to-back counter gave; docs/ENERGY.md).  The grid's phase is found from the reads
+    and the samples together: for every phase on a 1 ms grid, each read's value is put on its update and
+    regressed on the integrated samples at those times; the right phase fits (on the H200 recordings its
+    misfit was 0.1% of the median phase's).  Returns None when no phase fits clearly (fewer than
+    ``COUNTER_GRID_MIN_READS`` changes, a counter that is not on a grid, or reads whose own times fit as
+    well): the caller keeps its own placement then.
+    """
+    if _empty(counter_t_s) or _empty(samples_t_s):
+        return None
+    si = _PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, max_gap_s)
+    t, e = _clean_series(counter_t_s, counter_j, "counter")
+    if si.empty or t.size < 2:
+        return None
+    changed = np.concatenate(([False], np.diff(e) != 0))
+    inside = changed & (t > si.t[0] + step_s) & (t < si.t[-1])
+    tc, ec = t[inside], e[inside]
+    if tc.size < COUNTER_GRID_MIN_READS or np.any(np.diff(e) < 0):  # a counter that went back: no grid fit
+        return None
+    phases = np.arange(0.0, step_s, 0.001)
+    tau = phases[:, None] + step_s * np.floor((tc[None, :] - phases[:, None]) / step_s)
+
+    def misfit(times: np.ndarray) -> np.ndarray:
+        s = si.at(times.ravel())[0].reshape(times.shape)
+        s = s - s.mean(axis=-1, keepdims=True)
+        ee = ec - ec.mean()
+        den = (s * s).sum(axis=-1)
+        r = np.where(den > 0, (s * ee).sum(axis=-1) / np.where(den > 0, den, 1.0), 0.0)
+        return ((ee - r[..., None] * s) ** 2).sum(axis=-1)
+
+    rss = misfit(tau)
+    k = int(np.argmin(rss))
+    med = float(np.median(rss))
+    own = float(misfit(tc[None, :])[0])
+    if not (med > 0 and rss[k] < COUNTER_GRID_MAX_RSS_RATIO * med and rss[k] < own):
+        return None
+    phase = float(phases[k])
+    # every read (not only the changes) moves to its update; the old value sits just before it
+    tau_all = phase + step_s * np.floor((t - phase) / step_s)
+    first_new = np.concatenate(([True], np.diff(e) != 0))
+    knot_t = tau_all[first_new]
+    knot_j = e[first_new]
+    if np.any(np.diff(knot_t) <= 0):  # two values on one update: not this grid
+        return None
+    prev_j = np.concatenate(([knot_j[0]], knot_j[:-1]))
+    eps = 1e-6
+    tt = np.concatenate([knot_t[1:] - eps, knot_t])
+    jj = np.concatenate([prev_j[1:], knot_j])
+    order = np.argsort(tt, kind="stable")
+    return CounterGrid(phase, step_s, tt[order], jj[order], int(tc.size), float(rss[k] / med))
+
+
 def counter_energy_between(t_s: np.ndarray, e_j: np.ndarray, start_s: float, end_s: float) -> WindowEstimate:
     """Counter energy over ``[start_s, end_s]``, interpolated linearly through the counter's change
     points.  A counter that went backwards inside the window is a gap: the window's energy excludes

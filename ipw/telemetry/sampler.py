@@ -51,6 +51,7 @@ from ipw.telemetry.estimator import (
     COUNTER_DELTA_MIN_S,
     WindowEstimate,
     estimate_windows,
+    grid_counter_reads,
     wall_us_to_mono_s,
 )
 
@@ -711,7 +712,11 @@ class NvmlSampler:
             if calibration_window is not None:
                 lo = min(lo, calibration_window[0] - 2.0)
             a = self.arrays(g.gpu.component, lo)
-            counter_t, counter_j = hold_counter_reads(a["counter_t_s"], a["counter_j"])
+            # each read on the counter update that produced it when the update grid is found, else held
+            grid = grid_counter_reads(a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"],
+                                      sample_shift_s=shift)
+            counter_t, counter_j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(
+                a["counter_t_s"], a["counter_j"])
             out[g.gpu.component] = estimate_windows(
                 a["samples_t_s"], a["samples_w"], counter_t, counter_j, windows,
                 calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
