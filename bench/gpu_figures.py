@@ -9,6 +9,15 @@ at each window's edges),
 begin/end counter reads on the same windows (the last read before each edge, as a harness that reads
 the counter at its anchors would get) with their zero count, the net energy against the idle baseline,
 and the sampler's CPU share.  Prints a Markdown table.
+
+Short windows (issue 27): the reference counter steps every 100 ms and is interpolated linearly between
+its steps, so it spreads each step's energy evenly over the step, gaps between queries included.  When
+the GPU draws less in those gaps (the 20 ms samples show dips of ~10% in the 6-15 ms gaps between
+~50 ms queries), the reference gives the query windows too much of it and their sum reads low against
+ipw's.  So each run also gets the comparison over the whole span from the first query's start to the
+last one's end (Σ per-query energy + ipw's energy of the gaps between queries, replayed from
+power.parquet, against the counter over the span: both ends located to a few ms), and the gaps'
+share of time and ipw's mean power in them against the windows'.
 """
 
 from __future__ import annotations
@@ -20,6 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ipw.telemetry.estimator import estimate_windows, grid_counter_reads  # noqa: E402
+from ipw.telemetry.sampler import DEFAULT_SAMPLE_SHIFT_S, hold_counter_reads  # noqa: E402
 
 
 def gpu_parts(frame: pd.DataFrame) -> np.ndarray:
@@ -47,6 +63,30 @@ def counter_series(counter: pd.DataFrame, gpu: int) -> tuple[np.ndarray, np.ndar
     return (after[step - 1] + after[step]) / 2, joules[step], after, joules
 
 
+def gap_energies(run_dir: Path, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """ipw's energy of each query window and of each gap between consecutive queries (sorted by start),
+    replayed from the run's power.parquet (gpu0) with one calibration over the whole recording; None
+    without a trace."""
+    path = run_dir / "power.parquet"
+    if not path.exists():
+        return None
+    p = pd.read_parquet(path)
+    p = p[p["device"] == "gpu0"]
+    s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
+    st, sw = s["t_s"].to_numpy(), s["power_w"].to_numpy()
+    ct, cj = c["t_s"].to_numpy(), c["energy_j"].to_numpy()
+    if st.size < 2 or ct.size < 2:
+        return None
+    grid = grid_counter_reads(ct, cj, st, sw, sample_shift_s=DEFAULT_SAMPLE_SHIFT_S)
+    ct, cj = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(ct, cj)
+    order = np.argsort(start)
+    lo, hi = start[order], end[order]
+    gaps = [(a, max(a, b)) for a, b in zip(hi[:-1], lo[1:])]
+    est = estimate_windows(st, sw, ct, cj, [*zip(lo, hi), *gaps], sample_shift_s=DEFAULT_SAMPLE_SHIFT_S)
+    e = np.array([np.nan if x.energy_j is None else x.energy_j for x in est])
+    return e[: len(lo)], e[len(lo):]
+
+
 def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     frame = pd.read_parquet(run_dir / "records.parquet")
@@ -63,6 +103,23 @@ def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
     idle = backend.get("idle_baseline", {})
     overhead = backend.get("sampler_overhead", {})
     ok = ~np.isnan(gpu_j)
+    order = np.argsort(start)
+    gap_s = np.clip(start[order][1:] - end[order][:-1], 0.0, None)
+    replay = gap_energies(run_dir, start, end)
+    span_j = float(np.interp(end.max(), step_t, step_j) - np.interp(start.min(), step_t, step_j))
+    windows_s = float((end - start).sum())
+    short = {}
+    if replay is not None:
+        win_e, gap_e = replay
+        ipw_span = float(np.nansum(gpu_j) + np.nansum(gap_e))
+        short = {
+            "sum_ipw_gaps_j": float(np.nansum(gap_e)), "span_counter_j": span_j,
+            "span_vs_counter": ipw_span / span_j - 1,
+            "replay_windows_vs_counter": float(np.nansum(win_e) / interp[ok].sum() - 1),
+            "gap_share_of_span": float(gap_s.sum() / (end.max() - start.min())),
+            "gap_power_vs_window_power": float((np.nansum(gap_e) / gap_s.sum()) / (np.nansum(win_e) / windows_s) - 1)
+            if gap_s.sum() > 0 else float("nan"),
+        }
     tokens = frame["completion_tokens"].to_numpy()
     return {
         "run": run_dir.name, "dataset": manifest["dataset"]["name"], "status": manifest["status"],
@@ -79,6 +136,8 @@ def figures(run_dir: Path, counter: pd.DataFrame) -> dict:
         "net_j_per_query": float(frame["net_energy_j"].mean()), "gross_j_per_query": float(frame["energy_j"].mean()),
         "energy_basis": sorted(set(frame["energy_source"])), "sampler_overhead": overhead,
         "engine": {k: backend.get(k) for k in ("engine_version", "cpu_variant", "gpu_offload", "system_info")},
+        "energy_audit": backend.get("energy_audit"),
+        **short,
     }
 
 
@@ -97,6 +156,9 @@ def markdown(rows: list[dict]) -> str:
     add("Σ ipw GPU energy", lambda r: f"{r['sum_ipw_gpu_j']:.1f} J")
     add("Σ reference counter, same windows", lambda r: f"{r['sum_counter_interpolated_j']:.1f} J")
     add("ipw vs reference", lambda r: f"{r['ipw_vs_counter']:+.2%}")
+    add("Σ per-query + gaps (span) vs counter over the span", lambda r: f"{r['span_vs_counter']:+.2%}" if "span_vs_counter" in r else "n/a")
+    add("gaps: share of span, ipw power vs windows'", lambda r: f"{r['gap_share_of_span']:.1%}, {r['gap_power_vs_window_power']:+.1%}"
+        if "gap_share_of_span" in r else "n/a")
     add("Σ begin/end counter reads", lambda r: f"{r['sum_begin_end_j']:.1f} J ({r['begin_end_vs_counter']:+.1%})")
     add("begin/end windows reading 0 J", lambda r: f"{r['begin_end_zero_windows']} of {r['records_with_gpu_energy']}")
     add("idle GPU power (spread)", lambda r: ", ".join(f"{k} {v:.1f} W (±{r['idle_spread_w'].get(k, 0):.1f})"
