@@ -4,6 +4,7 @@ each against a fake of its library that replays a trace (tests/platform_fakes.py
 from __future__ import annotations
 
 import io
+import re
 import time
 
 import numpy as np
@@ -22,10 +23,11 @@ from ipw.telemetry.recording import NvmlRecorder, read_trace, record, write_trac
 # NVML traces: recorded through the (autospec'd) library, replayed through the NVML fake
 
 
-def _record_synthetic_nvml(monkeypatch, tmp_path, seconds=2.0):
+def _record_synthetic_nvml(monkeypatch, tmp_path, seconds=3.0):
     """A trace recorded by NvmlRecorder on the real clock from a synthetic GPU: 100 W idle, 400 W
-    from 0.6 s to 1.4 s (20 ms samples, 100 ms counter steps, as the H200 recordings show)."""
-    t0 = time.monotonic()
+    from 0.6 s to 1.4 s after t0, 1.5 s after now (20 ms samples, 100 ms counter steps, as the H200
+    recordings show)."""
+    t0 = time.monotonic() + 1.5
     sig, _ = synthetic(seconds + 2, load=(0.6, 1.4), t0_s=t0, offset_ns=real_offset_ns())
     fake = make_fake(monkeypatch, [sig], RealClock())
     scoped_fields(fake)
@@ -51,14 +53,20 @@ def test_nvml_trace_round_trip(monkeypatch, tmp_path):
     try:
         base = trace["start_ns"] / 1e9
         rel = t0 - base  # the synthetic load's origin, in seconds after the recording's start
+        assert rel > 0.2  # the recorder opened before the load (else the windows below are cut)
         load = window(sensor, clock, rel + 0.7, rel + 1.3, base)
         idle = window(sensor, clock, rel + 1.5, rel + 1.55, base)
         (r_load,), (r_idle,) = finish(sensor, clock, load), finish(sensor, clock, idle)
+        est_load, est_idle = sensor.energy_windows([(load.start_s, load.end_s), (idle.start_s, idle.end_s)])["gpu0"]
     finally:
         sensor.close()
     assert r_load.source == "nvml.samples" and r_load.quality == "measured_interpolated"
-    assert r_load.energy_j == pytest.approx(400.0 * 0.6, rel=0.02)  # 400 W for 0.6 s
-    assert "short window" in r_idle.note and r_idle.energy_j == pytest.approx(100.0 * 0.05, rel=0.1)
+    # the driver samples the recorder saw, integrated: 400 W for 0.6 s (calibration by a 2 s recording's
+    # counter, 100 ms steps, moves the calibrated value by more: it is reported in the note)
+    assert est_load.uncalibrated_j == pytest.approx(400.0 * 0.6, rel=0.02)
+    ratio = float(re.search(r"calibration ratio ([0-9.]+)", r_load.note).group(1))
+    assert r_load.energy_j == pytest.approx(ratio * est_load.uncalibrated_j, rel=1e-3)
+    assert "short window" in r_idle.note and est_idle.uncalibrated_j == pytest.approx(100.0 * 0.05, rel=0.1)
 
 
 def test_record_trace_on_this_machine(tmp_path, monkeypatch):

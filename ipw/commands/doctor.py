@@ -59,12 +59,13 @@ class _Out:
     def table(self, title: str, columns: list[str], rows: list[list[str]]) -> None:
         if self._console is not None:
             from rich.table import Table
+            from rich.text import Text
 
             t = Table(title=title, title_justify="left")
             for c in columns:
                 t.add_column(c, overflow="fold")
             for r in rows:
-                t.add_row(*[str(x) for x in r])
+                t.add_row(*[Text(str(x)) for x in r])  # plain text: "ipw[amd]" is not markup
             self._console.print(t)
             return
         widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
@@ -111,6 +112,9 @@ def _resolution(name: str, params: dict[str, Any]) -> str:
         return "energy counter ~1 ms updates, read at window edges"
     if name == "cpu_model":
         return "process CPU time (~10 ms ticks) x per-core power model, at window edges"
+    if "period_s" in params:  # a polled platform sensor (ipw.telemetry.polled)
+        return (f"polled every {params['period_s']:g} s; counter/monitor updates every "
+                f"{params['counter_step_s']:g} s; shorter windows flagged")
     return "-"
 
 

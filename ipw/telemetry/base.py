@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 Quality = Literal["measured", "measured_interpolated", "estimated", "unavailable"]
-Scope = Literal["gpu", "cpu_package", "dram", "system_estimate", "datacenter_estimate"]
+Scope = Literal["gpu", "cpu_package", "dram", "system_estimate", "datacenter_estimate",
+                "module", "chip_rails", "board"]  # module: a superchip's module; chip_rails: Apple's; board: Jetson's
 
 #: Quality ranks, best first; a total takes the worst quality of its parts.
 QUALITY_ORDER: tuple[str, ...] = ("measured", "measured_interpolated", "estimated", "unavailable")
@@ -29,6 +30,9 @@ class EnergyReading:
     scope: Scope
     duration_s: float
     note: str = ""
+    #: ±90% half-width of ``energy_j`` (J): fitted for NVML samples, a stated band for estimates (docs/ENERGY.md,
+    #: "How far to trust a reading"); None when the sensor states none.
+    uncertainty_j: float | None = None
 
 
 @dataclass(frozen=True)

@@ -215,6 +215,37 @@ def _init_probe(pynvml: ModuleType) -> bool:
         pynvml.nvmlShutdown()
 
 
+def probe_power_scopes(pynvml: ModuleType, handle: Any) -> dict[str, str]:
+    """Whether the instant-power field answers at GPU scope and at module scope (GPU + CPU + memory of a
+    superchip: GH200, GB200, GB10): ``{"gpu": "ok" | why, "module": "ok" | why}``.  Zeus probes the same
+    two scopes (ml-energy/zeus, zeus/device/gpu/nvidia.py, ``_resolve_power_field_scope``); where the
+    module scope answers, ``ipw.telemetry.superchip`` measures the rest of the module."""
+    out = {}
+    fid = pynvml.NVML_FI_DEV_POWER_INSTANT
+    for scope, scope_id in (("gpu", pynvml.NVML_POWER_SCOPE_GPU), ("module", pynvml.NVML_POWER_SCOPE_MODULE)):
+        try:
+            ret = pynvml.nvmlDeviceGetFieldValues(handle, [(fid, scope_id)])[0].nvmlReturn
+            out[scope] = "ok" if ret == pynvml.NVML_SUCCESS else _error_name(pynvml, ret)
+        except pynvml.NVMLError as exc:
+            out[scope] = _error_name(pynvml, exc.value)
+        except Exception as exc:  # noqa: BLE001 - an old binding without scoped field ids
+            out[scope] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _error_name(pynvml: ModuleType, value: Any) -> str:
+    return next((k for k, v in vars(pynvml).items() if k.startswith("NVML_ERROR_") and v == value), f"error {value}")
+
+
+def power_scope_note(scopes: dict[str, dict[str, str]]) -> str:
+    """One line for ``info``: the power scope measured, and the module where NVML offers it."""
+    module = [c for c, s in scopes.items() if s.get("module") == "ok"]
+    if not module:
+        return "power scope: GPU (NVML offers no module scope here)"
+    return (f"power scope: GPU; module scope offered on {', '.join(module)} (a superchip): the rest of the "
+            "module is measured by the nvml_module sensor")
+
+
 def _gpu_params(gpus: list[Gpu]) -> list[dict[str, Any]]:
     return [
         {"component": g.component, "nvml_index": g.nvml_index, "uuid": g.uuid, "name": g.name,
@@ -258,6 +289,7 @@ def reading_from_estimate(
         scope="gpu",
         duration_s=duration_s,
         note="; ".join(notes),
+        uncertainty_j=est.uncertainty_j,
     )
 
 
@@ -350,6 +382,7 @@ class NvmlSensor(SensorBase):
             raise nvml_error(self._nvml, exc, "nvmlInit") from exc
         try:
             self.gpus = select_gpus(self._nvml, indices)
+            self.power_scopes = {g.component: probe_power_scopes(self._nvml, g.handle) for g in self.gpus}
             self.others = other_gpus(self._nvml, self.gpus) if watch_others else []
             self.sampler = sampler = NvmlSampler(
                 self._nvml, self.gpus, counter_period_s=counter_period_s,
@@ -411,6 +444,7 @@ class NvmlSensor(SensorBase):
                 f"; MIG enabled on {', '.join(mig)}: energy is the whole GPU, MIG slices are "
                 "not attributable"
             )
+        detail += "; " + power_scope_note(self.power_scopes)
         watched = s.watched()
         if watched:
             detail += (
@@ -430,6 +464,7 @@ class NvmlSensor(SensorBase):
                 "gpus": _gpu_params(self.gpus),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "signals": signals,
+                "power_scopes": self.power_scopes,
                 "counter_period_s": s.counter_period_s,
                 "counter_period_adaptive": s.counter_adaptive,
                 "counter_cpu_budget": COUNTER_CPU_BUDGET if s.counter_adaptive else None,

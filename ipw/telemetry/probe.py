@@ -1,20 +1,99 @@
-"""Choose the sensors for a run, in a fixed order: NVML, then RAPL, else the CPU model.
+"""Choose the sensors for a run, in a fixed order: NVML, the other platforms (AMD GPUs, NVIDIA module
+power, Apple Silicon, Jetson boards: :data:`PLATFORMS`, docs/PLATFORMS.md), then RAPL, else the CPU
+model.
 
-The CPU model estimate is used only when RAPL is absent, so a measured CPU number is never
-replaced by (or added to) an estimate of the same thing.
+The CPU model estimate is used only when nothing measures the CPU (RAPL, Apple's chip rails, a
+Jetson board's input), so a measured CPU number is never replaced by (or added to) an estimate of
+the same thing.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Sensor, SensorInfo
 from ipw.telemetry.cpu_model import CpuModelSensor
 from ipw.telemetry.nvml import NvmlSensor
+from ipw.telemetry.polled import Absent
 from ipw.telemetry.rapl import DEFAULT_ROOT, RaplSensor
+
+
+@dataclass(frozen=True)
+class PlatformEntry:
+    """One platform sensor of the registry: how to open it, and what it measures."""
+
+    name: str
+    source: str
+    scope: str
+    gpu: bool  # a GPU sensor: skipped with gpu_indices=[]
+    measures_cpu: bool  # its readings include the CPU: the CPU model estimate is then not added
+    open: Callable[..., Sensor]
+
+
+def _open_amd(gpu_indices: list[int] | None) -> Sensor:
+    from ipw.telemetry import amd
+
+    return amd.probe()
+
+
+def _open_module(gpu_indices: list[int] | None) -> Sensor:
+    from ipw.telemetry import superchip
+
+    return superchip.probe(gpu_indices)
+
+
+def _open_apple(gpu_indices: list[int] | None) -> Sensor:
+    from ipw.telemetry import apple
+
+    return apple.probe()
+
+
+def _open_jetson(gpu_indices: list[int] | None) -> Sensor:
+    from ipw.telemetry import jetson
+
+    return jetson.probe()
+
+
+#: The platform sensors beside NVML and RAPL, probed in this order.
+PLATFORMS: tuple[PlatformEntry, ...] = (
+    PlatformEntry("amdsmi", "amdsmi.power", "gpu", True, False, _open_amd),
+    PlatformEntry("nvml_module", "nvml.module.power", "module", True, False, _open_module),
+    PlatformEntry("apple", "apple.counter", "chip_rails", False, True, _open_apple),
+    PlatformEntry("jetson", "jetson.power", "board", False, True, _open_jetson),
+)
+
+
+def platform_sensors(gpu_indices: list[int] | None = None, *, quiet: bool = False,
+                     entries: tuple[PlatformEntry, ...] | None = None) -> tuple[list[tuple[PlatformEntry, Sensor]], dict[str, str]]:
+    """The platform sensors that open here, and why each other one did not (one line each).
+
+    A platform that is absent (:class:`~ipw.telemetry.polled.Absent`) is left out silently; one whose
+    library is missing or that fails (no permission) is one line on stderr (unless ``quiet``); the
+    others go on.  Never raises for a platform's failure."""
+    opened: list[tuple[PlatformEntry, Sensor]] = []
+    why: dict[str, str] = {}
+    for entry in PLATFORMS if entries is None else entries:
+        if entry.gpu and gpu_indices == []:
+            why[entry.name] = "GPUs not measured (gpu_indices=[])"
+            continue
+        try:
+            opened.append((entry, entry.open(gpu_indices)))
+        except Absent as exc:
+            why[entry.name] = exc.message
+        except IpwError as exc:
+            why[entry.name] = exc.message
+            if not quiet:
+                print(f"ipw: {entry.name} sensor not used: {exc.message}", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a vendor library's own failure never stops the run
+            why[entry.name] = f"{type(exc).__name__}: {exc}"
+            if not quiet:
+                print(f"ipw: {entry.name} sensor not used: {why[entry.name]}", file=sys.stderr)
+    return opened, why
 
 
 def default_probe(backend: Any) -> list[Sensor]:
@@ -50,12 +129,17 @@ def probe_sensors(
         if nvml is not None:
             sensors.append(nvml)
     try:
+        platforms, _ = platform_sensors(gpu_indices)
+        sensors.extend(sensor for _, sensor in platforms)
         package = RaplSensor.probe(rapl_root) if rapl else None
     except BaseException:
         for sensor in sensors:
             sensor.close()
         raise
-    sensors.append(package if package is not None else CpuModelSensor(pids_fn))
+    if package is not None:
+        sensors.append(package)
+    elif not any(entry.measures_cpu for entry, _ in platforms):
+        sensors.append(CpuModelSensor(pids_fn))
     return sensors
 
 
@@ -66,7 +150,8 @@ def _unavailable(name: str, source: str, scope: str, detail: str) -> SensorInfo:
 def describe_sensors(
     gpu_indices: list[int] | None = None, rapl_root: Path = DEFAULT_ROOT
 ) -> list[SensorInfo]:
-    """All three sensors with their availability on this machine, for ``ipw list``; never raises."""
+    """Every sensor with its availability on this machine (and why not), for ``ipw list`` and
+    ``ipw doctor``; never raises."""
     infos: list[SensorInfo] = []
     try:
         nvml = NvmlSensor.probe(gpu_indices)
@@ -80,6 +165,16 @@ def describe_sensors(
         else:
             infos.append(nvml.info())
             nvml.close()
+
+    platforms, why = platform_sensors(gpu_indices, quiet=True)
+    by_name = {entry.name: sensor for entry, sensor in platforms}
+    for entry in PLATFORMS:
+        sensor = by_name.get(entry.name)
+        if sensor is None:
+            infos.append(_unavailable(entry.name, entry.source, entry.scope, why.get(entry.name, "-")))
+        else:
+            infos.append(sensor.info())
+            sensor.close()
 
     rapl_present = False
     try:
@@ -97,7 +192,10 @@ def describe_sensors(
             rapl.close()
 
     cpu = CpuModelSensor(lambda: []).info()
+    cpu_measured = [entry.name for entry, _ in platforms if entry.measures_cpu]
     if rapl_present:
         cpu = replace(cpu, detail="not used: RAPL measures the CPU. " + cpu.detail)
+    elif cpu_measured:
+        cpu = replace(cpu, detail=f"not used: {cpu_measured[0]} measures the CPU. " + cpu.detail)
     infos.append(cpu)
     return infos

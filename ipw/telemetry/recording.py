@@ -90,6 +90,8 @@ class NvmlRecorder(Recorder):
     samples_period_s = 0.5
 
     def open(self) -> None:
+        from ipw.telemetry.nvml import probe_power_scopes
+
         try:
             import pynvml
         except ImportError as exc:
@@ -124,7 +126,7 @@ class NvmlRecorder(Recorder):
                 except Exception as exc:  # noqa: BLE001
                     dev[key] = None
                     dev["errors"].append([time.monotonic_ns(), key, _nvml_error_name(nvml, exc)])
-            dev["power_scope_probe"] = probe_power_scopes(nvml, h)
+            dev["power_scope_probe"] = probe_power_scopes(nvml, h)  # ipw.telemetry.nvml
             self.devices.append(dev)
         self._next_samples_ns = 0
 
@@ -192,24 +194,6 @@ class NvmlRecorder(Recorder):
 
 def _scope_id(nvml: Any, scope: str) -> int:
     return {"gpu": nvml.NVML_POWER_SCOPE_GPU, "module": nvml.NVML_POWER_SCOPE_MODULE}[scope]
-
-
-def probe_power_scopes(nvml: Any, handle: Any) -> dict[str, str]:
-    """Whether the instant-power field answers at GPU scope and at module scope (GPU + CPU of a
-    superchip): ``{"gpu": "ok" | reason, "module": "ok" | reason}``.  Zeus probes the same two scopes
-    (ml-energy/zeus, zeus/device/gpu/nvidia.py, ``_resolve_power_field_scope``)."""
-    out = {}
-    fid = nvml.NVML_FI_DEV_POWER_INSTANT
-    for scope in ("gpu", "module"):
-        try:
-            fv = nvml.nvmlDeviceGetFieldValues(handle, [(fid, _scope_id(nvml, scope))])
-            ret = fv[0].nvmlReturn
-            out[scope] = "ok" if ret == nvml.NVML_SUCCESS else _nvml_error_name(nvml, nvml.NVMLError(ret))
-        except nvml.NVMLError as exc:
-            out[scope] = _nvml_error_name(nvml, exc)
-        except Exception as exc:  # noqa: BLE001 - an old binding without scoped field ids
-            out[scope] = f"{type(exc).__name__}: {exc}"
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,432 @@
+"""Sensors of libraries that answer "what now" (a cumulative energy counter, a power reading), read by
+one background thread: AMD GPUs (``amdsmi``), Apple Silicon (IOReport through ``zeus-apple-silicon``),
+Jetson boards (INA3221/INA238 through sysfs hwmon), NVIDIA module power (superchips).
+
+:class:`PolledSensor` is the shared part; a :class:`Platform` is the thin layer over one library (its
+channels, one ``read()``, its counter's update period).  Windows are attributed by the same estimator
+as NVML (:func:`ipw.telemetry.estimator.estimate_windows`): power readings integrated and scaled by
+the counter over a long span where a channel has both (``<platform>.power``), the counter alone
+(``<platform>.counter``), or the power readings alone (noted ``uncalibrated``).  Windows shorter than
+the counter's update period are flagged short, with an uncertainty, as on NVML.
+
+Counters are checked (:func:`counter_checks`) at start-up (as Zeus does for amdsmi,
+ml-energy/zeus zeus/device/gpu/amd.py) and over the data of every estimate: a counter that does not
+move while the power says the device is busy, that goes backwards (other than a wrap of its known
+range), or whose energy disagrees with power x time by more than the platform's stated tolerance is
+*distrusted*: not used, and every reading says why.  ``ipw doctor`` reports the same checks.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from ipw.errors import IpwError
+from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
+from ipw.telemetry.estimator import WindowEstimate, estimate_windows
+
+#: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
+DEFAULT_PERIOD_S = 0.1
+#: Calibration and checks use at most this much history before the newest data.
+LOOKBACK_S = 600.0
+#: A channel is busy when its power is above this share of the highest power seen (and above
+#: ``BUSY_MIN_W``): a counter that does not move then is stalled.
+BUSY_FRACTION = 0.2
+BUSY_MIN_W = 1.0
+
+
+class Absent(IpwError):
+    """The platform is not on this machine (not a Mac, no AMD GPU, no INA monitor, no superchip): the
+    sensor is left out without a word in a run; ``ipw doctor`` shows the reason.  Any other IpwError of
+    a platform sensor (its library missing where the platform is, no permission) is one line on stderr,
+    and the run goes on with the other sensors."""
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One component a platform measures."""
+
+    component: str  # "amd0", "apple-gpu", "jetson-board"
+    scope: Scope
+    prefix: str  # source prefix: "amdsmi", "apple", "jetson", "nvml.module"
+    has_counter: bool
+    has_power: bool
+    #: the counter restarts at 0 past this (J); None when it never wraps in practice
+    counter_range_j: float | None = None
+    #: the largest relative disagreement between counter and power x time that is not a fault
+    tolerance: float = 0.10
+    note: str = ""
+    #: a rail inside another channel's measurement (a Jetson rail inside the board input): its energy is
+    #: given in that channel's reading's note, never as a reading of its own (it would be counted twice)
+    part_of: str | None = None
+
+
+@dataclass(frozen=True)
+class Poll:
+    """One read of every channel: cumulative energy (J) and power (W), and why a value is missing."""
+
+    counter_j: dict[str, float] = field(default_factory=dict)
+    power_w: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class Platform:
+    """The library-specific part of a :class:`PolledSensor`."""
+
+    name = ""
+    #: how often the counter updates (s): windows shorter than this are flagged short
+    counter_step_s = DEFAULT_PERIOD_S
+    #: how often to poll (s)
+    period_s = DEFAULT_PERIOD_S
+    channels: list[Channel]
+
+    def read(self) -> Poll:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line: the device(s) and what the library reads."""
+        return ""
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Release the library."""
+
+
+# --------------------------------------------------------------------------------------------------
+# counter checks (pure)
+
+
+@dataclass(frozen=True)
+class CounterCheck:
+    ok: bool
+    problems: tuple[str, ...] = ()
+    ratio: float | None = None  # counter energy / power x time over the checked span
+
+
+def unwrap_counter(t_s: np.ndarray, j: np.ndarray, range_j: float | None, max_power_w: float | None) -> tuple[np.ndarray, int, list[float]]:
+    """Counter values with wraps of a known range undone: ``(values, wraps, backwards_at_s)``.
+
+    A drop is a wrap when ``range_j`` is known and the energy it implies (``new + range - old``) is
+    plausible: at most 3x ``max_power_w`` over the time between the reads (any amount when the power is
+    unknown).  Any other drop is left as is: the estimator treats it as a gap, and it is reported."""
+    t = np.asarray(t_s, dtype=np.float64)
+    x = np.asarray(j, dtype=np.float64).copy()
+    offset, wraps, backwards = 0.0, 0, []
+    out = x.copy()
+    for i in range(1, x.size):
+        if x[i] < x[i - 1]:
+            implied = x[i] + (range_j or 0.0) - x[i - 1]
+            plausible = max_power_w is None or implied <= 3.0 * max_power_w * max(t[i] - t[i - 1], 1e-3) + 1.0
+            if range_j and implied >= 0 and plausible:
+                offset += range_j
+                wraps += 1
+            else:
+                backwards.append(float(t[i]))
+        out[i] = x[i] + offset
+    return out, wraps, backwards
+
+
+def counter_checks(counter_t_s: np.ndarray, counter_j: np.ndarray, power_t_s: np.ndarray | None,
+                   power_w: np.ndarray | None, *, step_s: float, tolerance: float,
+                   backwards_at_s: list[float] | None = None) -> CounterCheck:
+    """Whether a counter can be trusted over the span it was read (``counter_j`` already unwrapped):
+
+    - it went backwards (``backwards_at_s``, other than a wrap);
+    - it did not move over a span of at least 3 update periods while the power readings say the
+      device was busy (above ``BUSY_FRACTION`` of the highest power seen and ``BUSY_MIN_W``);
+    - its energy over the span disagrees with power x time (the power readings integrated) by more
+      than ``tolerance``; checked over spans of at least 10 update periods only (its step weighs less).
+    """
+    problems: list[str] = []
+    ct, cj = np.asarray(counter_t_s, dtype=np.float64), np.asarray(counter_j, dtype=np.float64)
+    if backwards_at_s:
+        problems.append(f"went backwards {len(backwards_at_s)}x (first at {backwards_at_s[0]:.3f} s)")
+    ratio = None
+    if power_t_s is not None and power_w is not None and len(power_t_s) >= 2 and ct.size >= 2:
+        pt, pw = np.asarray(power_t_s, dtype=np.float64), np.asarray(power_w, dtype=np.float64)
+        peak = float(np.max(pw))
+        busy_w = max(BUSY_MIN_W, BUSY_FRACTION * peak)
+        # stalled: consecutive reads with the same value spanning >= 3 steps while busy
+        same_from = 0
+        for i in range(1, ct.size + 1):
+            if i < ct.size and cj[i] == cj[same_from]:
+                continue
+            span = ct[i - 1] - ct[same_from]
+            if span >= 3 * step_s:
+                sel = (pt >= ct[same_from]) & (pt <= ct[i - 1])
+                if sel.sum() >= 2 and float(np.mean(pw[sel])) >= busy_w:
+                    problems.append(f"did not move for {span:.1f} s while the power read {float(np.mean(pw[sel])):.0f} W")
+                    break
+            same_from = i
+        lo, hi = max(ct[0], pt[0]), min(ct[-1], pt[-1])
+        if hi - lo >= 10 * step_s:
+            grid = np.linspace(lo, hi, 2001)
+            y = np.interp(grid, pt, pw)
+            power_j = float(np.sum((y[1:] + y[:-1]) / 2.0 * np.diff(grid)))
+            counter = float(np.interp(hi, ct, cj) - np.interp(lo, ct, cj))
+            if power_j > BUSY_MIN_W * (hi - lo):
+                ratio = counter / power_j
+                if abs(ratio - 1.0) > tolerance:
+                    problems.append(f"counter {counter:.1f} J vs power x time {power_j:.1f} J over {hi - lo:.1f} s "
+                                    f"(ratio {ratio:.3f}, tolerance ±{tolerance:.0%})")
+    return CounterCheck(not problems, tuple(problems), ratio)
+
+
+# --------------------------------------------------------------------------------------------------
+# the sensor
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.t: list[float] = []
+        self.v: list[float] = []
+
+    def arrays(self, lo_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        t, v = np.asarray(self.t, dtype=np.float64), np.asarray(self.v, dtype=np.float64)
+        if lo_s is not None and t.size:
+            keep = t >= lo_s
+            t, v = t[keep], v[keep]
+        return t, v
+
+
+class PendingPolled(Deferred):
+    """A window of a :class:`PolledSensor`: final once the thread has polled past its end."""
+
+    def __init__(self, sensor: "PolledSensor", start_s: float, end_s: float) -> None:
+        self.sensor, self.start_s, self.end_s = sensor, start_s, end_s
+        self._result: list[EnergyReading] | None = None
+
+    def ready(self) -> bool:
+        return self._result is not None or self.sensor.polled_until() >= self.end_s
+
+    def result(self) -> list[EnergyReading]:
+        if self._result is None:
+            self._result = self.sensor.readings(self.start_s, self.end_s)
+        return self._result
+
+
+def _relabel(est: WindowEstimate, prefix: str) -> str:
+    return {"nvml.samples": f"{prefix}.power", "nvml.counter": f"{prefix}.counter"}.get(est.source, est.source)
+
+
+def _fmt_j(x: float) -> str:
+    return f"{x:.3g} J" if abs(x) < 100 else f"{x:.0f} J"
+
+
+class PolledSensor(SensorBase):
+    """Energy per window of each channel of a :class:`Platform`, polled by one thread (see the module
+    docstring).  ``threaded=False``: the caller polls with :meth:`poll` (tests, replays)."""
+
+    supports_cut = True
+    supports_energy_windows = True
+    supports_trace = True
+
+    def __init__(self, platform: Platform, *, threaded: bool = True,
+                 clock_ns: Callable[[], int] = time.monotonic_ns, startup_check_s: float = 0.6) -> None:
+        self.platform = platform
+        self.name = platform.name
+        self._clock = clock_ns
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._counter = {c.component: _Series() for c in platform.channels}
+        self._power = {c.component: _Series() for c in platform.channels}
+        self._errors: dict[str, str] = {}
+        self._last_poll_s = -math.inf
+        self._polls = 0
+        self._cpu_s = 0.0
+        self.startup: dict[str, CounterCheck] = {}
+        self._thread: threading.Thread | None = None
+        self.poll()
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name=f"ipw-{self.name}-poller", daemon=True)
+            self._thread.start()
+            if startup_check_s > 0 and any(c.has_counter and c.has_power for c in platform.channels):
+                time.sleep(startup_check_s)  # Zeus waits 0.5 s for the same check
+                self.startup = self.check(self._clock() / 1e9 - startup_check_s - 1.0)
+
+    # -- polling -------------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Read every channel once (the thread calls this every ``platform.period_s``)."""
+        t0 = self._clock()
+        try:
+            p = self.platform.read()
+        except Exception as exc:  # noqa: BLE001 - a broken read is recorded, never kills the thread
+            p = Poll(errors={c.component: f"{type(exc).__name__}: {exc}" for c in self.platform.channels})
+        t_s = (t0 + self._clock()) / 2e9
+        with self._lock:
+            for comp, j in p.counter_j.items():
+                self._counter[comp].t.append(t_s)
+                self._counter[comp].v.append(float(j))
+            for comp, w in p.power_w.items():
+                self._power[comp].t.append(t_s)
+                self._power[comp].v.append(float(w))
+            self._errors.update(p.errors)
+            self._last_poll_s = t_s
+            self._polls += 1
+
+    def _run(self) -> None:
+        cpu0 = time.thread_time()
+        period = self.platform.period_s
+        while not self._stop.wait(period):
+            self.poll()
+            self._cpu_s = time.thread_time() - cpu0
+
+    def polled_until(self) -> float:
+        """Monotonic seconds up to which windows are final (``inf`` once stopped)."""
+        if self._stop.is_set() or (self._thread is not None and not self._thread.is_alive()):
+            return math.inf
+        return self._last_poll_s
+
+    # -- estimates -------------------------------------------------------------------------------
+
+    def _arrays(self, comp: str, lo_s: float | None) -> dict[str, Any]:
+        channel = next(c for c in self.platform.channels if c.component == comp)
+        with self._lock:
+            ct, cj = self._counter[comp].arrays(lo_s)
+            pt, pw = self._power[comp].arrays(lo_s)
+        max_w = float(np.max(pw)) if pw.size else None
+        cj, wraps, backwards = unwrap_counter(ct, cj, channel.counter_range_j, max_w)
+        return {"ct": ct, "cj": cj, "pt": pt, "pw": pw, "wraps": wraps, "backwards": backwards, "channel": channel}
+
+    def check(self, lo_s: float | None = None) -> dict[str, CounterCheck]:
+        """:func:`counter_checks` of each channel with a counter over what was recorded since ``lo_s``."""
+        out = {}
+        for c in self.platform.channels:
+            if not c.has_counter:
+                continue
+            a = self._arrays(c.component, lo_s)
+            out[c.component] = counter_checks(a["ct"], a["cj"], a["pt"] if c.has_power else None,
+                                              a["pw"] if c.has_power else None, step_s=self.platform.counter_step_s,
+                                              tolerance=c.tolerance, backwards_at_s=a["backwards"])
+        return out
+
+    def energy_windows(self, windows: list[tuple[float, float]], **kwargs: Any) -> dict[str, list[WindowEstimate]]:
+        """Per channel, one estimate per (start_s, end_s) window; a distrusted counter is not used."""
+        out: dict[str, list[WindowEstimate]] = {}
+        for comp, ests in self._estimate(windows).items():
+            out[comp] = [e for e, _ in ests]
+        return out
+
+    def _estimate(self, windows: list[tuple[float, float]]) -> dict[str, list[tuple[WindowEstimate, list[str]]]]:
+        newest = self._last_poll_s
+        lo = min([newest - LOOKBACK_S] + [w[0] - 2.0 for w in windows])
+        out = {}
+        for c in self.platform.channels:
+            a = self._arrays(c.component, lo)
+            notes: list[str] = []
+            use_counter = c.has_counter and a["ct"].size >= 2
+            if use_counter:
+                verdict = counter_checks(a["ct"], a["cj"], a["pt"] if c.has_power else None,
+                                         a["pw"] if c.has_power else None, step_s=self.platform.counter_step_s,
+                                         tolerance=c.tolerance, backwards_at_s=a["backwards"])
+                bad = [*self.startup.get(c.component, CounterCheck(True)).problems, *verdict.problems]
+                if bad and c.has_power and a["pt"].size >= 2:
+                    notes.append("counter distrusted, not used: " + "; ".join(dict.fromkeys(bad)))
+                    use_counter = False
+                elif bad:
+                    notes.append("counter check: " + "; ".join(dict.fromkeys(bad)))
+                if a["wraps"]:
+                    notes.append(f"counter wrapped {a['wraps']}x (range {c.counter_range_j:.6g} J, undone)")
+            estimates = estimate_windows(
+                a["pt"] if c.has_power else None, a["pw"] if c.has_power else None,
+                a["ct"] if use_counter else None, a["cj"] if use_counter else None, windows,
+                short_window_s=max(self.platform.counter_step_s, self.platform.period_s),
+                max_gap_s=max(0.25, 2.5 * self.platform.period_s),
+            )
+            out[c.component] = [(replace(e, source=_relabel(e, c.prefix)), notes) for e in estimates]
+        return out
+
+    def readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
+        """One reading per channel for ``[start_s, end_s]``; never raises."""
+        try:
+            per = self._estimate([(start_s, end_s)])
+        except Exception as exc:  # noqa: BLE001 - never an exception into the runner
+            return [EnergyReading(c.component, None, f"{c.prefix}.power", "unavailable", c.scope, end_s - start_s,
+                                  note=f"estimate failed: {type(exc).__name__}: {exc}")
+                    for c in self.platform.channels if c.part_of is None]
+        out = []
+        for c in self.platform.channels:
+            if c.part_of is not None:
+                continue
+            est, notes = per[c.component][0]
+            parts = [n for n in (c.note, *notes, est.note) if n]
+            rails = [(r.component, per[r.component][0][0]) for r in self.platform.channels if r.part_of == c.component]
+            if rails:
+                parts.append("inside it: " + ", ".join(
+                    f"{name} {'-' if e.energy_j is None else _fmt_j(e.energy_j)}" for name, e in rails))
+            if est.calibration_ratio is not None:
+                parts.append(f"calibration ratio {est.calibration_ratio:.4f}")
+            if est.counter_delta_j is not None:
+                parts.append(f"counter delta {_fmt_j(est.counter_delta_j)}")
+            if est.short_window and est.uncertainty_j is not None:
+                parts.append(f"short window (counter updates every {self.platform.counter_step_s:g} s): "
+                             f"±{_fmt_j(est.uncertainty_j)}")
+            if c.component in self._errors and est.coverage < 1.0:
+                parts.append(f"last error: {self._errors[c.component]}")
+            ok = est.energy_j is not None and est.quality != "unavailable"
+            out.append(EnergyReading(
+                component=c.component, energy_j=max(0.0, float(est.energy_j)) if ok else None,
+                source=est.source or f"{c.prefix}.power", quality=est.quality if ok else "unavailable",  # type: ignore[arg-type]
+                scope=c.scope, duration_s=end_s - start_s, note="; ".join(parts)))
+        return out
+
+    # -- the sensor contract ---------------------------------------------------------------------
+
+    def info(self) -> SensorInfo:
+        first = self.platform.channels[0]
+        source = f"{first.prefix}.power" if first.has_power else f"{first.prefix}.counter"
+        quality = "measured_interpolated"
+        startup = {k: list(v.problems) for k, v in self.startup.items() if not v.ok}
+        detail = self.platform.describe()
+        if startup:
+            detail += "; counter distrusted at start-up: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in startup.items())
+        return SensorInfo(
+            name=self.name, available=True, source=source, quality=quality, scope=first.scope,  # type: ignore[arg-type]
+            components=tuple(c.component for c in self.platform.channels if c.part_of is None), detail=detail,
+            params={"period_s": self.platform.period_s, "counter_step_s": self.platform.counter_step_s,
+                    "channels": [{"component": c.component, "scope": c.scope, "counter": c.has_counter,
+                                  "power": c.has_power, "counter_range_j": c.counter_range_j,
+                                  "tolerance": c.tolerance, "part_of": c.part_of} for c in self.platform.channels],
+                    "startup_check": startup, **self.platform.params()},
+        )
+
+    def begin(self) -> float:
+        return self._clock() / 1e9
+
+    def end(self, token: float) -> PendingPolled:
+        return PendingPolled(self, float(token), self._clock() / 1e9)
+
+    def cut(self, token: float) -> tuple[PendingPolled, float]:
+        pending = self.end(token)
+        return pending, pending.end_s
+
+    def trace(self, since_s: float | None = None) -> dict[str, Any]:
+        """Columns for ``power.parquet``: t_s, device, power_w, kind (``power`` | ``counter``), energy_j."""
+        cols: dict[str, list[Any]] = {k: [] for k in ("t_s", "device", "power_w", "kind", "energy_j")}
+        for c in self.platform.channels:
+            a = self._arrays(c.component, since_s)
+            for t, w in zip(a["pt"], a["pw"]):
+                cols["t_s"].append(t), cols["device"].append(c.component), cols["power_w"].append(w)
+                cols["kind"].append("power"), cols["energy_j"].append(float("nan"))
+            for t, j in zip(a["ct"], a["cj"]):
+                cols["t_s"].append(t), cols["device"].append(c.component), cols["power_w"].append(float("nan"))
+                cols["kind"].append("counter"), cols["energy_j"].append(j)
+        return {k: np.asarray(v, dtype=object if k in ("device", "kind") else np.float64) for k, v in cols.items()}
+
+    def overhead(self) -> dict[str, Any]:
+        return {"cpu_s": round(self._cpu_s, 6), "polls": self._polls, "period_s": self.platform.period_s,
+                "threaded": self._thread is not None}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self.platform.close()
