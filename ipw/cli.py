@@ -215,28 +215,55 @@ def merge(
 
 @app.command()
 def check(
-    baseline: Path = typer.Argument(..., help="Baseline run folder."),
-    candidate: Path = typer.Argument(..., help="Candidate run folder (same dataset)."),
+    ctx: typer.Context,
+    paths: List[Path] = typer.Argument(..., help="BASELINE CANDIDATE: two run folders (same dataset); with --rerun, two "
+                                       "config files; with --calibrate, two or more run folders of one configuration."),
     fail_if: Optional[List[str]] = typer.Option(
         None, "--fail-if", help="METRIC:THRESHOLD, e.g. energy_per_query:+5%, accuracy:-2pp, j_per_token:+10%, "
         "ipj:-5%, ttft_p50:+20%, error_rate:+2pp. Repeat for several. Default: energy_per_query:+5%, accuracy:-2pp "
         "and error_rate:+2pp."),
     alpha: float = typer.Option(0.01, "--alpha", help="Significance level of the paired bootstrap test."),
     strict: bool = typer.Option(False, "--strict", help="Fail on inconclusive changes too (beyond the threshold, "
-                                "not significant)."),
+                                "not significant or within the noise floor), and on changed token counts."),
     allow_hardware_mismatch: bool = typer.Option(False, "--allow-hardware-mismatch",
                                                  help="Compare runs made on different hardware."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Write a Markdown verdict table (job summary)."),
     github: bool = typer.Option(False, "--github", help="Print GitHub Actions annotations for failing metrics."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one test case per metric)."),
+    rerun: bool = typer.Option(False, "--rerun", help="Interleaved A/B in this job: run BASELINE.toml and "
+                               "CANDIDATE.toml in blocks A B B A ... over the same queries, then judge them paired "
+                               "within the job (a drift of the machine's speed cancels; the drift seen is reported)."),
+    blocks: int = typer.Option(4, "--blocks", help="With --rerun: blocks in all, a multiple of 4 (A B B A ...)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="With --rerun: folder that receives the job's "
+                                       "blocks (default results/)."),
+    base_python: Optional[str] = typer.Option(None, "--base-python", help="With --rerun: the interpreter (of another "
+                                              "checkout or virtual environment) that runs the baseline's blocks."),
+    cand_python: Optional[str] = typer.Option(None, "--cand-python", help="With --rerun: the interpreter that runs "
+                                              "the candidate's blocks (a code change: the candidate checkout's venv)."),
+    backend: Optional[List[str]] = typer.Option(None, "--backend", "-b", help="With --rerun: run only this backend "
+                                                "of both configs (repeat for several)."),
+    limit: Optional[int] = typer.Option(None, "--limit", "-n", help="With --rerun: only the first N queries."),
+    calibrate: bool = typer.Option(False, "--calibrate", help="Measure the noise floor: the largest change between any "
+                                   "two of the given identical runs, per backend and metric, written to --floor FILE."),
+    floor: Optional[Path] = typer.Option(None, "--floor", help="Noise floor file (written by --calibrate): a change "
+                                         "within a metric's floor is noise, inconclusive at most."),
+    work_gate: bool = typer.Option(True, "--work-gate/--no-work-gate", help="Compare each query's prompt and output "
+                                   "tokens and errors exactly (greedy runs): more is a regression. Off for a model "
+                                   "change, whose answers differ by design."),
 ) -> None:
-    """CI gate: exit 1 when a metric regresses beyond its threshold AND significantly; 0 otherwise; 2 when
-    the runs are not comparable (dataset, hardware, energy basis) or the usage is wrong."""
+    """CI gate: exit 1 when a metric regresses beyond its threshold and noise floor, significantly, or when the
+    same queries took more tokens or failed more; 0 otherwise; 2 when the runs are not comparable (dataset,
+    hardware, energy basis) or the usage is wrong."""
     from ipw.commands.check import check_command
 
-    raise typer.Exit(check_command(baseline, candidate, fail_if=fail_if, alpha=alpha, strict=strict,
+    if not calibrate and len(paths) != 2:  # the usage error of two plain arguments
+        ctx.fail("Missing argument 'CANDIDATE'." if len(paths) < 2 else
+                 f"Got unexpected extra argument ({' '.join(map(str, paths[2:]))})")
+    raise typer.Exit(check_command(paths, fail_if=fail_if, alpha=alpha, strict=strict,
                                    allow_hardware_mismatch=allow_hardware_mismatch, markdown_path=markdown,
-                                   github=github, junit_path=junit))
+                                   github=github, junit_path=junit, rerun=rerun, blocks=blocks, out=out,
+                                   base_python=base_python, cand_python=cand_python, backends=backend or [],
+                                   limit=limit, calibrate=calibrate, floor_path=floor, work_gate=work_gate))
 
 
 _UPSTREAM = typer.Option(None, "--upstream", help="Base URL of a running OpenAI-compatible server to forward to, e.g. "

@@ -30,6 +30,8 @@ def _check_levels(run_cli, run, tmp_path) -> dict:
     for line in md.read_text().splitlines():
         if line.startswith("| ") and not line.startswith("| backend"):
             cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells[2] == "exact":  # the work gate's token counts and errors (tests/test_check.py)
+                continue
             assert cells[3] == cells[4]  # against itself
             levels[(cells[0], cells[1])] = float(cells[3])
     return levels

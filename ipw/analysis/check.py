@@ -2,9 +2,19 @@
 
 For every backend present in both runs, each metric's change (candidate vs baseline) is computed on
 the queries both share, and a paired bootstrap over queries gives its distribution. A change is a
-**regression** only when it exceeds its threshold in the bad direction and the one-sided bootstrap
-p-value is below α; beyond the threshold but not significant it is **inconclusive** (a failure only
-with ``--strict``). Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
+**regression** only when it exceeds its threshold in the bad direction, exceeds the metric's noise
+**floor** (what identical runs on this machine moved: ``calibrate``, or half the drift an interleaved
+job saw), and the one-sided bootstrap p-value is below α; beyond the threshold but within the floor or
+not significant it is **inconclusive** (a failure only with ``--strict``).
+
+Beside the energy gate, the **work gate** compares each query's prompt tokens, output tokens and
+errors exactly (greedy decoding makes them deterministic): more output tokens on the same queries is a
+regression with no noise at all, whatever the energy could resolve.
+
+``check_interleaved`` judges one job of blocks run in the order A B B A (A B B A ...) over the same queries
+(``ipw.interleave``): each side's blocks are pooled as repeats, so every query pairs the mean of its A
+blocks with the mean of its B blocks, and a drift that is linear in time cancels; the first and last A
+blocks give the drift the job saw. Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
 """
 
 from __future__ import annotations
@@ -63,8 +73,21 @@ class Verdict:
     ci_lo: float
     ci_hi: float
     p_value: float  # one-sided, for a change in the bad direction
-    status: str  # regression | inconclusive | improvement | pass
+    status: str  # regression | inconclusive | improvement | pass | changed (work gate: counts differ, none more)
     n_queries: int
+    floor: float = float("nan")  # noise floor in the threshold's unit (NaN: none known); a change within it is noise
+    floor_source: str = ""  # where the floor comes from: calibration, drift, ...
+    detail: str = ""  # work gate: how many queries changed
+
+
+@dataclass(frozen=True)
+class Drift:
+    """What an interleaved job's baseline did over time: a metric's change from its first A block to its last."""
+
+    backend: str
+    metric: str
+    change: float  # in the threshold's unit
+    unit: str
 
 
 @dataclass(frozen=True)
@@ -73,11 +96,41 @@ class CheckResult:
     alpha: float
     strict: bool
     notes: tuple[str, ...]
+    drift: tuple[Drift, ...] = ()  # interleaved jobs only
+    blocks: tuple[str, ...] = ()  # interleaved jobs only: the block order, e.g. ("A", "B", "B", "A")
 
     @property
     def exit_code(self) -> int:
-        bad = {"regression", "inconclusive"} if self.strict else {"regression"}
+        bad = {"regression", "inconclusive", "changed"} if self.strict else {"regression"}
         return 1 if any(v.status in bad for v in self.verdicts) else 0
+
+
+WORK = (("prompt_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens"), ("errors", "errors"))
+
+
+def _greedy(manifest: RunManifest) -> bool | None:
+    """True when the run decoded greedily (temperature 0), False when it sampled, None when the run does not say."""
+    temperature = ((manifest.config or {}).get("generation") or {}).get("temperature")
+    return None if temperature is None else float(temperature) == 0.0
+
+
+def work_verdicts(name: str, vb: dict, vc: dict, n: int) -> list[Verdict]:
+    """The work gate: each query's prompt tokens, output tokens and errors compared exactly. Any query whose
+    count differs is reported; more in total is a regression, fewer (or as many, moved) is ``changed``."""
+    out = []
+    for metric, key in WORK:
+        b, c = vb.get(key), vc.get(key)
+        if b is None or c is None:
+            continue
+        b, c = np.asarray(b, float), np.asarray(c, float)
+        differs = ~((b == c) | (np.isnan(b) & np.isnan(c)))
+        tb, tc = float(np.nansum(b)), float(np.nansum(c))
+        k = int(differs.sum())
+        status = "pass" if k == 0 else "regression" if tc > tb else "improvement" if metric == "errors" else "changed"
+        change = (100 * (tc / tb - 1) if tb else (0.0 if tc == 0 else float("inf")))
+        out.append(Verdict(name, metric, "exact", tb, tc, change, float("nan"), float("nan"), float("nan"), status, n,
+                           detail=f"{k} of {n} queries differ"))
+    return out
 
 
 def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_hardware_mismatch: bool) -> list[str]:
@@ -121,10 +174,13 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
 
 def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
-               n_boot: int = 4000, seed: int = 0) -> CheckResult:
+               n_boot: int = 4000, seed: int = 0, floors: dict | None = None, work_gate: bool = True) -> CheckResult:
     """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
-    metrics (and noted), never a reason to drop it from the others."""
+    metrics (and noted), never a reason to drop it from the others.
+
+    ``floors``: {(backend, metric): (floor in the threshold's unit, source)}; a change within its floor is noise.
+    ``work_gate``: compare token counts and errors per query exactly, when both runs decoded greedily."""
     from ipw.analysis.load import as_manifest
 
     base_manifest, cand_manifest = as_manifest(base_manifest), as_manifest(cand_manifest)
@@ -132,6 +188,12 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))
     verdicts, notes = [], []
+    floors = floors or {}
+    greedy = (_greedy(base_manifest), _greedy(cand_manifest))
+    if work_gate and False in greedy:
+        notes.append("work gate not applied: a run samples (temperature > 0), so its token counts are not "
+                     "deterministic")
+    work_gate = work_gate and greedy == (True, True)
     bparts, cparts = _per_query(base_manifest, base), _per_query(cand_manifest, cand)
     missing = [b for b in bparts if b not in cparts]
     if missing:
@@ -191,19 +253,103 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
             worse = stats > 0 if bad_up else stats < 0
             p_value = float((np.sum(~worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
             p_better = float((np.sum(worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
+            floor, source = floors.get((name, t.metric), (float("nan"), ""))
+            noise = abs(change) <= floor  # False when no floor is known (NaN)
             beyond = change > t.limit if bad_up else change < t.limit
-            if beyond and p_value < alpha:
+            if beyond and p_value < alpha and not noise:
                 status = "regression"
             elif beyond:
                 status = "inconclusive"
-            elif (change < -abs(t.limit) if bad_up else change > abs(t.limit)) and p_better < alpha:
+            elif (change < -abs(t.limit) if bad_up else change > abs(t.limit)) and p_better < alpha and not noise:
                 status = "improvement"
             else:
                 status = "pass"
+            if floor > abs(t.limit):
+                notes.append(f"{name}: {t.metric}'s noise floor ({floor:.2f}{t.unit}, {source}) is above the threshold "
+                             f"{t.text}: a change between them is inconclusive, not a regression")
             lo, hi = (np.quantile(stats, [0.025, 0.975]) if len(stats) else (np.nan, np.nan))
             verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), float(lo), float(hi), p_value,
-                                    status, n))
+                                    status, n, float(floor), source))
+        if work_gate:
+            verdicts += work_verdicts(name, vb, vc, n)
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
+
+
+def _pool(blocks: list) -> tuple[RunManifest, object]:
+    """One side's blocks as one run whose blocks are repeats: each query's value is the mean over the blocks."""
+    import pandas as pd
+
+    from ipw.analysis.load import as_manifest
+
+    manifests = [as_manifest(m) for m, _ in blocks]
+    fingerprints = {(m.dataset or {}).get("fingerprint") for m in manifests}
+    if len(fingerprints) != 1:
+        raise IpwError(f"not comparable: the blocks of one side ran different query sets ({sorted(map(str, fingerprints))})")
+    for m in manifests:
+        if m.status != "complete":
+            raise IpwError(f"not comparable: block {m.run_id} is {m.status}, not complete")
+    frame = pd.concat([f.assign(repeat=i) for i, (_, f) in enumerate(blocks)], ignore_index=True)
+    return manifests[0], frame
+
+
+def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list[Threshold], *, alpha: float = 0.01,
+                      strict: bool = False, floors: dict | None = None, work_gate: bool = True, n_boot: int = 4000,
+                      seed: int = 0) -> CheckResult:
+    """One interleaved job: ``blocks`` are (side "A" or "B", manifest, frame) in the order they ran.
+
+    The verdict pairs each query's mean over the A blocks with its mean over the B blocks. The drift is
+    each metric's change from the first A block to the last; a monotone drift moves the A-B difference
+    by at most half of it (A B B A: (b1 + b2 - a1 - a2) / 2 lies between -(a2 - a1)/2 and +(a2 - a1)/2; a
+    linear drift cancels), so half the drift is a floor below which the job cannot call a change; the
+    larger of it and a given (calibrated) floor is used."""
+    order = tuple(side for side, _, _ in blocks)
+    a = [(m, f) for side, m, f in blocks if side == "A"]
+    b = [(m, f) for side, m, f in blocks if side == "B"]
+    if len(a) < 2 or len(a) != len(b):
+        raise IpwError(f"an interleaved job needs as many A as B blocks, at least 2 of each (got {''.join(order)})")
+    # the drift: first A block against the last, every metric as the gate computes it
+    seen = check_runs(*a[0], *a[-1], thresholds, alpha=alpha, n_boot=n_boot, seed=seed, work_gate=False)
+    drift = tuple(Drift(v.backend, v.metric, v.change, "pp" if v.threshold.endswith("pp") else "%")
+                  for v in seen.verdicts)
+    merged = dict(floors or {})
+    for d in drift:
+        half = abs(d.change) / 2
+        if np.isfinite(half) and half > merged.get((d.backend, d.metric), (float("-inf"), ""))[0]:
+            merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({d.change:+.2f}{d.unit})")
+    result = check_runs(*_pool(a), *_pool(b), thresholds, alpha=alpha, strict=strict, floors=merged,
+                        work_gate=work_gate, n_boot=n_boot, seed=seed)
+    return CheckResult(result.verdicts, alpha, strict, result.notes, drift, order)
+
+
+def calibrate(runs: list[tuple[object, object]], thresholds: list[Threshold], *, n_boot: int = 1000) -> dict:
+    """The noise floor of identical runs: per backend and gated metric, the largest change between any two of
+    them (the earlier one as baseline). Returns the JSON object ``ipw check --floor`` reads."""
+    if len(runs) < 2:
+        raise IpwError("--calibrate: give at least 2 run folders of the same configuration")
+    changes: dict[str, dict[str, list[float]]] = {}
+    for i in range(len(runs)):
+        for j in range(i + 1, len(runs)):
+            res = check_runs(*runs[i], *runs[j], thresholds, n_boot=n_boot, work_gate=False)
+            for v in res.verdicts:
+                changes.setdefault(v.backend, {}).setdefault(v.metric, []).append(round(v.change, 4))
+    floors = {backend: {metric: max(abs(x) for x in xs) for metric, xs in by.items()} for backend, by in changes.items()}
+    return {"method": f"largest change between any two of {len(runs)} identical runs", "n_runs": len(runs),
+            "floors": floors, "changes": changes}
+
+
+def read_floors(path) -> dict:
+    """{(backend, metric): (floor, source)} from a file written by ``ipw check --calibrate``."""
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        floors = data["floors"]
+        return {(str(b), str(m)): (float(x), f"calibration: {data.get('method', path)}")
+                for b, by in floors.items() for m, x in by.items()}
+    except OSError as exc:
+        raise IpwError(f"--floor {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise IpwError(f"--floor {path}: not a floor file written by ipw check --calibrate") from None
 
 
 NEEDS_TEXT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}
@@ -213,38 +359,63 @@ def _none_known(v: dict, key: str) -> bool:
     return v.get(key) is None or bool(np.isnan(v[key]).all())
 
 
+COLUMNS = ("backend", "metric", "threshold", "baseline", "candidate", "change [95% CI]", "noise floor", "p", "verdict")
+
+
+def cells(v: Verdict) -> tuple[str, ...]:
+    """One verdict as the table's text cells (the terminal table and the Markdown one)."""
+    unit = "pp" if v.threshold.endswith("pp") else "%"
+    if v.threshold == "exact":  # the work gate: counts, compared query by query
+        return (v.backend, v.metric, v.threshold, f"{v.baseline:.10g}", f"{v.candidate:.10g}",
+                f"{v.change:+.2f}% ({v.detail})", "0", "-", v.status)
+    floor = f"±{v.floor:.2f}{unit}" if np.isfinite(v.floor) else "-"
+    return (v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
+            f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", floor, f"{v.p_value:.3g}", v.status)
+
+
+def drift_lines(result: CheckResult) -> list[str]:
+    """What an interleaved job's A blocks did over time, per backend."""
+    if not result.blocks:
+        return []
+    by: dict[str, list[str]] = {}
+    for d in result.drift:
+        by.setdefault(d.backend, []).append(f"{d.metric} {d.change:+.2f}{d.unit}")
+    return [f"interleaved blocks {' '.join(result.blocks)}: drift from the first A block to the last: "
+            f"{backend}: {', '.join(parts)} (the A B B A order cancels a linear drift; half of it is the floor)"
+            for backend, parts in by.items()]
+
+
 def markdown(result: CheckResult) -> str:
     icon = {"regression": "❌ regression", "inconclusive": "⚠️ inconclusive", "improvement": "✅ improvement",
-            "pass": "✅ pass"}
+            "pass": "✅ pass", "changed": "⚠️ changed"}
     lines = [f"### ipw check: {'FAIL' if result.exit_code else 'PASS'} (α = {result.alpha:g}"
              f"{', strict' if result.strict else ''})", "",
-             "| backend | metric | threshold | baseline | candidate | change [95% CI] | p | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for v in result.verdicts:
-        unit = "pp" if v.threshold.endswith("pp") else "%"
-        lines.append(f"| {md_text(v.backend)} | {v.metric} | {v.threshold} | {v.baseline:.4g} | {v.candidate:.4g} | "
-                     f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}] | {v.p_value:.3g} | {icon[v.status]} |")
-    lines += [""] + [f"- {md_text(n)}" for n in result.notes]
+        c = cells(v)
+        lines.append("| " + " | ".join((md_text(c[0]), *c[1:-1], icon[v.status])) + " |")
+    lines += [""] + [f"- {md_text(n)}" for n in (*drift_lines(result), *result.notes)]
     return "\n".join(lines) + "\n"
 
 
 def github_annotations(result: CheckResult) -> str:
     out = []
     for v in result.verdicts:
-        if v.status in ("regression", "inconclusive"):
+        if v.status in ("regression", "inconclusive", "changed"):
             level = "error" if v.status == "regression" or result.strict else "warning"
             # a backend name is the user's text: escaped, it can neither end the command nor start another
             title = github_property(f"ipw check {v.status}: {v.backend} {v.metric}")
-            out.append(f"::{level} title={title}::" + github_escape(
-                f"{v.backend}: {v.metric} changed {v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, "
-                f"n={v.n_queries})"))
+            what = (f"{v.baseline:.10g} -> {v.candidate:.10g}, {v.detail}" if v.threshold == "exact" else
+                    f"changed {v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, n={v.n_queries})")
+            out.append(f"::{level} title={title}::" + github_escape(f"{v.backend}: {v.metric} {what}"))
     return "\n".join(out)
 
 
 def junit_xml(result: CheckResult) -> str:
     from xml.sax.saxutils import quoteattr
 
-    failures = [v for v in result.verdicts if v.status == "regression" or (result.strict and v.status == "inconclusive")]
+    failures = [v for v in result.verdicts
+                if v.status == "regression" or (result.strict and v.status in ("inconclusive", "changed"))]
     cases = []
     for v in result.verdicts:
         name = quoteattr(f"{v.backend}.{v.metric}")

@@ -6,47 +6,107 @@ from pathlib import Path
 
 from rich.table import Table
 
+import json
+
+from rich.console import Console
+
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
 
 
-def check_command(baseline, candidate, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
-                  junit_path) -> int:
-    from ipw.analysis.check import DEFAULT_THRESHOLDS, check_runs, github_annotations, junit_xml, markdown, parse_threshold
+def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
+                  junit_path, rerun=False, blocks=4, out=None, base_python=None, cand_python=None, backends=(),
+                  limit=None, calibrate=False, floor_path=None, work_gate=True) -> int:
+    from ipw.analysis import check as gate
     from ipw.results import load_run
 
     if not 0 < alpha < 1:
         raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
-    thresholds = [parse_threshold(t) for t in (fail_if or DEFAULT_THRESHOLDS)]
+    thresholds = [gate.parse_threshold(t) for t in (fail_if or gate.DEFAULT_THRESHOLDS)]
+    if calibrate and rerun:
+        raise IpwError("--calibrate and --rerun: give one of them")
+    if (base_python or cand_python or backends or limit is not None or out is not None) and not rerun:
+        raise IpwError("--base-python, --cand-python, --backend, --limit and --out go with --rerun")
+    if calibrate:
+        if floor_path is None:
+            raise IpwError("--calibrate: give --floor FILE, the file that receives the noise floor")
+        _check_writable(Path(floor_path), "--floor")
+        runs = [load_run(p, require=("dataset.fingerprint",)) for p in paths]
+        data = gate.calibrate(runs, thresholds)
+        _write_text(floor_path, json.dumps(data, indent=2) + "\n", "--floor")
+        for backend, by in data["floors"].items():
+            stdout().print(f"{backend}: " + ", ".join(f"{m} ±{x:.2f}" for m, x in by.items()))
+        stdout().print(f"noise floor of {len(runs)} identical runs written to {floor_path}")
+        return 0
+    if len(paths) != 2:
+        raise IpwError(f"give a baseline and a candidate ({'configs' if rerun else 'run folders'}), got {len(paths)} "
+                       "path(s)")
     for option, path in (("--markdown", markdown_path), ("--junit", junit_path)):
         if path is not None:
             _check_writable(Path(path), option)  # before the (long) analysis, not after it
-    base_manifest, base = load_run(baseline, require=("dataset.fingerprint",))
-    cand_manifest, cand = load_run(candidate, require=("dataset.fingerprint",))
-    result = check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
-                        allow_hardware_mismatch=allow_hardware_mismatch)
+    floors = gate.read_floors(floor_path) if floor_path is not None else None
+    if rerun:
+        result = _rerun(paths, thresholds, blocks=blocks, out=out, pythons=(base_python, cand_python),
+                        backends=backends, limit=limit, alpha=alpha, strict=strict, floors=floors, work_gate=work_gate)
+    else:
+        base_manifest, base = load_run(paths[0], require=("dataset.fingerprint",))
+        cand_manifest, cand = load_run(paths[1], require=("dataset.fingerprint",))
+        result = gate.check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
+                                 allow_hardware_mismatch=allow_hardware_mismatch, floors=floors, work_gate=work_gate)
     table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g})")
-    for col in ("backend", "metric", "threshold", "baseline", "candidate", "change [95% CI]", "p", "verdict"):
+    for col in gate.COLUMNS:
         table.add_column(col)
-    style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green"}
+    style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green", "changed": "yellow"}
     for v in result.verdicts:
-        unit = "pp" if v.threshold.endswith("pp") else "%"
-        table.add_row(v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
-                      f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", f"{v.p_value:.3g}",
-                      f"[{style[v.status]}]{v.status}[/]")
-    out = stdout()
-    out.print(table)
+        *rest, status = gate.cells(v)
+        table.add_row(*rest, f"[{style[v.status]}]{status}[/]")
+    out_console = stdout()
+    out_console.print(table)
+    for line in gate.drift_lines(result):
+        out_console.print(line)
     for note in result.notes:
-        out.print(f"note: {note}")
+        out_console.print(f"note: {note}")
     if markdown_path:
-        _write_text(markdown_path, markdown(result), "--markdown")
+        _write_text(markdown_path, gate.markdown(result), "--markdown")
     if junit_path:
-        _write_text(junit_path, junit_xml(result), "--junit")
+        _write_text(junit_path, gate.junit_xml(result), "--junit")
     if github:
-        text = github_annotations(result)
+        text = gate.github_annotations(result)
         if text:
             print(text)
     return result.exit_code
+
+
+def _rerun(configs, thresholds, *, blocks, out, pythons, backends, limit, alpha, strict, floors, work_gate):
+    """The interleaved job: the blocks in A B B A order, each an ``ipw run`` of its side, then the verdict."""
+    import datetime as dt
+    import shutil
+
+    from ipw.analysis.check import check_interleaved
+    from ipw.interleave import block_order, default_python, run_blocks, subprocess_runner
+    from ipw.results import load_run
+
+    order = block_order(blocks)
+    for config in configs:
+        if not Path(config).is_file():
+            raise IpwError(f"--rerun {config}: not found (give two config files, baseline then candidate)")
+    python = {}
+    for side, given, option in (("A", pythons[0], "--base-python"), ("B", pythons[1], "--cand-python")):
+        found = shutil.which(given) if given else default_python()
+        if not found:
+            raise IpwError(f"{option} {given}: not found or not executable")
+        python[side] = found
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    job = Path(out or "results") / f"interleaved-{stamp}"
+    job.mkdir(parents=True, exist_ok=False)
+    run_args = [a for b in backends for a in ("--backend", b)] + (["--limit", str(limit)] if limit is not None else [])
+    err = Console(stderr=True)
+    err.print(f"interleaved job {job}: blocks {' '.join(order)}, A = {configs[0]} ({python['A']}), "
+              f"B = {configs[1]} ({python['B']})")
+    done = run_blocks(order, subprocess_runner({"A": Path(configs[0]), "B": Path(configs[1])}, python, job, run_args),
+                      progress=err.print)
+    loaded = [(b.side, *load_run(b.run_dir, require=("dataset.fingerprint",))) for b in done]
+    return check_interleaved(loaded, thresholds, alpha=alpha, strict=strict, floors=floors, work_gate=work_gate)
 
 
 def _check_writable(path: Path, option: str) -> None:
