@@ -6,17 +6,20 @@ from __future__ import annotations
 import io
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from nvml_fakes import RealClock, drive, finish, make_fake, real_offset_ns, synthetic, window
 from platform_fakes import nvml_clock, nvml_signals, scoped_fields, trace_events
 
-from ipw.commands.doctor import doctor
+from ipw.commands.doctor import STEP_TOLERANCE, doctor
 from ipw.errors import IpwError
-from ipw.telemetry.estimator import SHORT_WINDOW_S, counter_energy_between
+from ipw.telemetry.estimator import CALIBRATION_BOUNDS
 from ipw.telemetry.nvml import NvmlSensor
+from ipw.telemetry.polled import counter_checks
 from ipw.telemetry.recording import NvmlRecorder, read_trace, record, write_trace
+from ipw.telemetry.sampler import COUNTER_STEP_S
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,3 +91,75 @@ def test_record_trace_bad_path_and_bad_file(tmp_path):
     bad.write_text('{"format": "something else"}')
     with pytest.raises(IpwError, match="field 'format'"):
         read_trace(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# the real H200 trace (tests/data/h200-nvml-trace.json.gz: `ipw doctor --record-trace ... --seconds 24`
+# on one H200, driver 580.159.04; 8 s idle, 8 s of bf16 matmuls, 8 s idle; its log is
+# docs/platforms/h200-record-trace.log), replayed through the NVML fake
+
+
+H200_TRACE = Path(__file__).parent / "data" / "h200-nvml-trace.json.gz"
+
+
+@pytest.fixture(scope="module")
+def h200_trace():
+    return read_trace(H200_TRACE)
+
+
+def test_h200_trace_replays_through_the_nvml_fake(monkeypatch, h200_trace):
+    trace = h200_trace
+    dev = trace["platforms"]["nvml"]["devices"][0]
+    assert dev["name"] == "NVIDIA H200" and dev["power_scope_probe"]["gpu"] == "ok"
+    sigs, offset = nvml_signals(trace)
+    clock = nvml_clock(trace, offset)
+    fake = make_fake(monkeypatch, sigs, clock)
+    scoped_fields(fake)  # the H200 answered module scope with NOT_SUPPORTED: so does the fake
+    sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
+    base = trace["start_ns"] / 1e9
+    ev = trace_events(trace)
+    on, off = (ev["load_start"] / 1e9 - base, ev["load_end"] / 1e9 - base)
+    spans = {"idle": (1.0, on - 1.0), "load": (on + 0.5, off - 0.5), "after": (off + 2.0, 23.0)}
+    try:
+        pend = {k: window(sensor, clock, a, b, base) for k, (a, b) in spans.items()}
+        got = {k: finish(sensor, clock, p)[0] for k, p in pend.items()}
+        # windows that tile the load phase (cut at every 0.25 s, some 50 ms)
+        drive(sensor, clock, int((base + on) * 1e9))
+        token, tiles = sensor.begin(), []
+        edges = np.concatenate((np.arange(on, off, 0.25), [off]))
+        for b in edges[1:]:
+            drive(sensor, clock, int((base + b) * 1e9))
+            p, token = sensor.cut(token)
+            tiles.append(p)
+        whole = window(sensor, clock, on, off, base)
+        short = window(sensor, clock, on + 3.0, on + 3.05, base)
+        tiles_j = sum(finish(sensor, clock, p)[0].energy_j for p in tiles)
+        (r_whole,), (r_short,) = finish(sensor, clock, whole), finish(sensor, clock, short)
+        est = sensor.energy_windows([(base + a, base + b) for a, b in (spans["load"], spans["idle"])])["gpu0"]
+    finally:
+        sensor.close()
+    fake.nvmlDeviceGetPowerUsage.assert_not_called()
+    for r in got.values():
+        assert r.source == "nvml.samples" and r.quality == "measured_interpolated"
+    # the load moved the counter: the load phase draws several times the idle power
+    assert got["load"].energy_j / (spans["load"][1] - spans["load"][0]) > 3 * got["idle"].energy_j / (spans["idle"][1] - spans["idle"][0])
+    # long windows agree with the counter's own delta within the doctor's step tolerance
+    for e in est:
+        assert e.counter_delta_j is not None and abs(e.energy_j / e.counter_delta_j - 1) <= STEP_TOLERANCE
+    assert tiles_j == pytest.approx(r_whole.energy_j, rel=1e-3)  # windows that tile time lose nothing
+    assert "short window" in r_short.note
+
+
+def test_h200_trace_counter_cross_checks(h200_trace):
+    """The recorded counter against the recorded driver samples (power x time): it moves under load,
+    never goes backwards, and agrees within NVML's calibration bounds over the 24 s."""
+    dev = h200_trace["platforms"]["nvml"]["devices"][0]
+    sigs, offset = nvml_signals(h200_trace)
+    s = sigs[0]
+    samples_t = (s.samp_ts_us * 1000 + offset) / 1e9
+    lo, hi = CALIBRATION_BOUNDS
+    check = counter_checks(s.ctr_t_ns / 1e9, s.ctr_mj / 1e3, samples_t, s.samp_mw / 1e3,
+                           step_s=COUNTER_STEP_S, tolerance=max(1 - lo, hi - 1))
+    assert check.ok, check.problems
+    assert lo <= check.ratio <= hi
+    assert not dev["errors"]
