@@ -35,6 +35,20 @@ from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, Snapshots
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
 
+#: The per-core model's ±90% band, relative (docs/ENERGY.md, "Estimated energy"): what one busy core
+#: really draws, over TDP / cores, spans about 0.4-1.6x -- below with few cores busy at a low clock or
+#: light integer work, above at turbo with wide vector units or when one core carries the uncore alone
+#: (the model charges a core-second the same in every case; no RAPL was available to fit it on the
+#: machines of this project).  Plus one clock tick of CPU time at each edge.
+MODEL_UNCERTAINTY_REL = 0.6
+
+
+def model_uncertainty_j(cpu_s: float, watts_per_core: float) -> float:
+    """±90% half-width (J) of ``cpu_s x watts_per_core``: ``MODEL_UNCERTAINTY_REL`` of it, plus two
+    clock ticks of one core (the CPU time is read in ticks at each edge)."""
+    return MODEL_UNCERTAINTY_REL * cpu_s * watts_per_core + 2 * CPU_TICK_S * watts_per_core
+
+
 @dataclass(frozen=True)
 class CorePower:
     match: str  # case-insensitive substring of the CPU model name
@@ -217,6 +231,7 @@ class CpuModelSensor(SensorBase):
                 scope="cpu_package",
                 duration_s=duration_s,
                 note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model})",
+                uncertainty_j=model_uncertainty_j(cpu_s, self.watts_per_core),
             )
         ], (end_ns, end_cpu_s, None)
 

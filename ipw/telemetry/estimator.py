@@ -65,9 +65,9 @@ class WindowEstimate:
     """Energy of one window, with where it came from and how far to trust it.
 
     ``energy_j`` covers only the part of the window that the signal covers (``coverage`` is that
-    fraction); it is ``None`` when nothing is available.  ``uncertainty_j`` bounds the edge error of
-    interpolating a sampled signal: one signal period times the peak power near the window (half a
-    period at each edge).  It is not a statistical standard deviation.
+    fraction); it is ``None`` when nothing is available.  ``uncertainty_j`` is a ±90% half-width: for
+    sampled power, from :class:`ErrorModel` (fitted and checked on H200 recordings, docs/ENERGY.md);
+    for the counter and instant power, one signal period at the mean / peak power (a bound, not fitted).
     """
 
     start_s: float
@@ -80,8 +80,9 @@ class WindowEstimate:
     uncalibrated_j: float | None = None  # the sample integral before scaling by the calibration
     calibration_ratio: float | None = None
     counter_delta_j: float | None = None  # windows >= COUNTER_DELTA_MIN_S only
-    uncertainty_j: float | None = None
+    uncertainty_j: float | None = None  # ±90% half-width (J): ErrorModel for samples; one step for the counter
     short_window: bool = False
+    aliasing: bool = False  # a periodic load near a multiple of the sample period (interval widened)
 
     @property
     def duration_s(self) -> float:
@@ -99,6 +100,54 @@ class Calibration:
     end_s: float
     flagged: bool
     note: str = ""
+
+
+@dataclass(frozen=True)
+class ErrorModel:
+    """The error model behind a sampled window's ``uncertainty_j``: a ±90% half-width built from the
+    error's sources (docs/ENERGY.md, "How far to trust a reading"), with constants fitted on H200
+    recordings by ``bench/uncertainty_fit.py`` and checked on recordings the fit did not use.
+
+    One standard deviation, in joules, is the root sum of squares of
+
+    - each edge: ``edge x period x (range of the samples within 1.5 periods of the edge)`` -- where the
+      edge falls on the ~20 ms sample grid, and how far the sample shift may be off, matter only when
+      the power moves there;
+    - the power's variation inside the sample periods: ``within x period x spread x sqrt(periods in
+      the window)``, the spread being the sample-to-sample standard deviation around the window (large
+      for loads that switch faster than the samples; a periodic load that beats against the sample grid
+      is the extreme case, and is also labeled);
+    - how the samples represent a load whose power varies fast, for the whole window:
+      ``load x spread x duration`` (on the H200, 10 s blocks of 50 ms windows read 1.4-1.8% low
+      against the counter, and of 0.5 s windows 0.2-0.4% high, while steady loads agree within 0.1%);
+    - the calibration ratio's own error, relative: ``sqrt(2) x counter_time_sd_s x P / counter energy of
+      the calibration span`` (how well the counter's values are placed in time at its two ends) plus
+      ``calibration_floor`` (the ratio's drift over the span);
+
+    times ``z`` (1.645: two-sided 90% of a normal), plus, one-sided, the uncovered part of the window
+    at the peak power nearby (coverage gaps).
+    """
+
+    edge: float = 0.2
+    within: float = 0.0
+    calibration_floor: float = 0.0022
+    load: float = 0.3
+    z: float = 1.645
+
+
+DEFAULT_ERROR_MODEL = ErrorModel()
+#: The load term grows with a window's length up to this (s): beyond it, how the samples represent a
+#: fast-varying load is a share of its energy that no longer grows.
+LOAD_TERM_MAX_S = 0.5
+#: How well a counter value is placed in time (1 sd, s): on the update grid (grid_counter_reads: the
+#: H200 grid's jitter, +-2 ms), or held half a step before a sparse read (uniform over 100 ms: 29 ms).
+COUNTER_TIME_SD_GRID_S = 0.002
+COUNTER_TIME_SD_HELD_S = 0.029
+#: A window whose samples' power spectrum peaks near a multiple of the sample period is labeled
+#: ``aliasing``; its interval is already wide through the load term (the samples of a square wave
+#: spread widely), and is multiplied by this on top (1: the label only; on the H200's periodic load the
+#: load term alone covered 44 of 44 held-out windows).
+ALIASING_WIDEN = 1.0
 
 
 @dataclass(frozen=True)
@@ -254,6 +303,27 @@ class _PowerIntegral:
             inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
             return 0.0, 1.0 if inside else 0.0
         return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
+
+    def edge_step_w(self, x_s: float) -> float:
+        """How much the power moves across one window edge: the range of the samples within 1.5
+        sample periods of ``x_s`` (0 with fewer than two)."""
+        if self.empty:
+            return 0.0
+        lo = np.searchsorted(self.t, x_s - 1.5 * self.period_s, side="left")
+        hi = np.searchsorted(self.t, x_s + 1.5 * self.period_s, side="right")
+        near = self.p[lo:hi]
+        return float(near.max() - near.min()) if near.size >= 2 else 0.0
+
+    def spread_w(self, start_s: float, end_s: float) -> float:
+        """Sample-to-sample power spread in and around a window: the standard deviation of the
+        differences of consecutive samples within one period of it, divided by sqrt(2) (the spread of
+        one sample about a smooth curve); 0 with fewer than three samples."""
+        if self.empty:
+            return 0.0
+        lo = np.searchsorted(self.t, start_s - self.period_s, side="left")
+        hi = np.searchsorted(self.t, end_s + self.period_s, side="right")
+        d = np.diff(self.p[lo:hi])
+        return float(np.std(d) / math.sqrt(2.0)) if d.size >= 2 else 0.0
 
     def peak_w(self, start_s: float, end_s: float) -> float:
         """Highest power within the window widened by one period each side (edge values included)."""
@@ -527,6 +597,96 @@ def calibration_ratio(
 
 
 # --------------------------------------------------------------------------------------------------
+# how far to trust a sampled window
+
+
+@dataclass(frozen=True)
+class ErrorTerms:
+    """A sampled window's error sources in joules, each at a multiplier of 1 (``ErrorModel`` weighs them):
+    the two edges (period x power range), the within-period variation (period x spread x sqrt(n)), the
+    calibration (1 sd, already relative x energy), the uncovered energy, and whether the samples
+    around it look like a periodic load that beats against the sample grid."""
+
+    edge_start_j: float
+    edge_end_j: float
+    within_j: float
+    load_j: float
+    calibration_j: float
+    uncovered_j: float
+    aliasing_period_s: float | None = None
+
+    def half_width_j(self, model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
+        """The ±90% half-width (J) under ``model``."""
+        sd = math.sqrt((model.edge * self.edge_start_j) ** 2 + (model.edge * self.edge_end_j) ** 2
+                       + (model.within * self.within_j) ** 2 + (model.load * self.load_j) ** 2
+                       + self.calibration_j ** 2)
+        h = model.z * sd
+        if self.aliasing_period_s is not None:
+            h *= ALIASING_WIDEN
+        return h + self.uncovered_j
+
+
+def aliasing_period_s(t_s: np.ndarray, p_w: np.ndarray, period_s: float) -> float | None:
+    """The period of a strongly periodic load in ``(t_s, p_w)`` (samples ~``period_s`` apart) when it
+    sits near a multiple of the sample period, else None.  Strongly periodic: one frequency of the
+    samples' periodogram (detrended, resampled on a regular grid) carries at least 40% of their
+    variance and the variance is more than (5 W)^2; near: within a quarter period of k x period_s,
+    k = 2..10 (longer periods are resolved by the samples)."""
+    if t_s.size < 16 or not np.isfinite(period_s) or period_s <= 0:
+        return None
+    grid = np.arange(t_s[0], t_s[-1], period_s)
+    if grid.size < 16:
+        return None
+    x = np.interp(grid, t_s, p_w)
+    x = x - np.polyval(np.polyfit(np.arange(x.size), x, 1), np.arange(x.size))
+    var = float(np.var(x))
+    if var < 25.0:
+        return None
+    spec = np.abs(np.fft.rfft(x)) ** 2
+    spec[0] = 0.0
+    k = int(np.argmax(spec))
+    share = spec[k] / max(spec.sum(), 1e-12)
+    if k == 0 or share < 0.4:
+        return None
+    per = grid.size * period_s / k
+    m = round(per / period_s)
+    if 2 <= m <= 10 and abs(per - m * period_s) < 0.25 * period_s:
+        return float(per)
+    return None
+
+
+def error_terms(si: _PowerIntegral, start_s: float, end_s: float, energy_j: float, coverage: float,
+                calibration_rel_sd: float) -> ErrorTerms:
+    """The error sources of one window of sampled power (see ``ErrorModel``)."""
+    per = si.period_s
+    dur = end_s - start_s
+    n = max(1.0, dur / per) if per > 0 else 1.0
+    lo = np.searchsorted(si.t, start_s - 1.0, side="left")
+    hi = np.searchsorted(si.t, end_s + 1.0, side="right")
+    alias = aliasing_period_s(si.t[lo:hi], si.p[lo:hi], per)
+    uncovered = (1.0 - coverage) * dur * si.peak_w(start_s, end_s) if coverage < 1 else 0.0
+    spread = si.spread_w(start_s, end_s)
+    return ErrorTerms(
+        edge_start_j=per * si.edge_step_w(start_s), edge_end_j=per * si.edge_step_w(end_s),
+        within_j=per * spread * math.sqrt(n), load_j=spread * min(dur, LOAD_TERM_MAX_S),
+        calibration_j=abs(energy_j) * calibration_rel_sd, uncovered_j=max(0.0, uncovered),
+        aliasing_period_s=alias,
+    )
+
+
+def calibration_rel_sd(si: _PowerIntegral, cal: Calibration | None, counter_time_sd_s: float,
+                       model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
+    """1-sd relative error of a calibration ratio: its two ends' placement in time, at the power there,
+    over the span's counter energy, plus the model's floor.  Uncalibrated samples: 3% (the bounds
+    within which H200 and other ratios fall, DESIGN.md §3)."""
+    if cal is None or cal.ratio is None or not cal.counter_j:
+        return 0.03
+    p_lo, p_hi = np.interp([cal.start_s, cal.end_s], si.t, si.p) * cal.ratio
+    placement = counter_time_sd_s * math.hypot(p_lo, p_hi) / cal.counter_j
+    return math.hypot(placement, model.calibration_floor)
+
+
+# --------------------------------------------------------------------------------------------------
 # per-window estimates
 
 
@@ -548,6 +708,8 @@ def estimate_windows(
     short_window_s: float = SHORT_WINDOW_S,
     counter_delta_min_s: float = COUNTER_DELTA_MIN_S,
     max_gap_s: float = MAX_SAMPLE_GAP_S,
+    counter_time_sd_s: float = COUNTER_TIME_SD_HELD_S,
+    error_model: ErrorModel = DEFAULT_ERROR_MODEL,
 ) -> list[WindowEstimate]:
     """Estimate the energy of each ``(start_s, end_s)`` window.
 
@@ -563,7 +725,9 @@ def estimate_windows(
     ``sample_shift_s`` is subtracted from sample times before integrating (the driver stamps a
     sample after the power it reports; 0 keeps the driver's timestamps).  Windows of at least
     ``counter_delta_min_s`` also carry ``counter_delta_j``; windows shorter than ``short_window_s``
-    are flagged ``short_window`` (see ``uncertainty_j``).
+    are flagged ``short_window``.  A sampled window's ``uncertainty_j`` is its ±90% half-width under
+    ``error_model`` (``ErrorTerms``); ``counter_time_sd_s`` says how well the counter's values were
+    placed in time (``COUNTER_TIME_SD_GRID_S`` after :func:`grid_counter_reads`, else held).
     """
     si = None
     if not _empty(samples_t_s) and not _empty(samples_w):
@@ -582,6 +746,7 @@ def estimate_windows(
     if si is not None and ci is not None:
         lo, hi = calibration_window if calibration_window is not None else (None, None)
         cal = _calibrate(si, ci, lo, hi)
+    cal_sd = calibration_rel_sd(si, cal, counter_time_sd_s, error_model) if si is not None else 0.0
 
     out = []
     for start_s, end_s in windows:
@@ -605,9 +770,14 @@ def estimate_windows(
                     notes.append("uncalibrated" + (f" ({cal.note})" if cal is not None and cal.note else ""))
                 if cov < MIN_COVERAGE:
                     notes.append(f"samples cover {cov:.1%} of the window")
-                unc = si.period_s * si.peak_w(start_s, end_s) * (ratio or 1.0)
+                terms = error_terms(si, start_s, end_s, energy, cov, cal_sd)
+                unc = terms.half_width_j(error_model) * (ratio or 1.0)
+                if terms.aliasing_period_s is not None:
+                    notes.append(f"aliasing: periodic load ({terms.aliasing_period_s * 1000:.0f} ms) near a multiple "
+                                 f"of the {si.period_s * 1000:.0f} ms sample period, interval widened")
                 est = WindowEstimate(start_s, end_s, energy, cov, "measured_interpolated", "nvml.samples",
-                                     uncalibrated_j=raw, calibration_ratio=ratio, uncertainty_j=unc)
+                                     uncalibrated_j=raw, calibration_ratio=ratio, uncertainty_j=unc,
+                                     aliasing=terms.aliasing_period_s is not None)
 
         if est is None and ci is not None:
             energy, cov = ci.window(start_s, end_s)
@@ -641,7 +811,7 @@ def estimate_windows(
             start_s=start_s, end_s=end_s, energy_j=est.energy_j, coverage=est.coverage, quality=est.quality,
             source=est.source, note="; ".join(n for n in notes if n), uncalibrated_j=est.uncalibrated_j,
             calibration_ratio=est.calibration_ratio, counter_delta_j=counter_delta,
-            uncertainty_j=est.uncertainty_j, short_window=short,
+            uncertainty_j=est.uncertainty_j, short_window=short, aliasing=est.aliasing,
         ))
     return out
 

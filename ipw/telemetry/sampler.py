@@ -49,6 +49,8 @@ import numpy as np
 
 from ipw.telemetry.estimator import (
     COUNTER_DELTA_MIN_S,
+    COUNTER_TIME_SD_GRID_S,
+    COUNTER_TIME_SD_HELD_S,
     WindowEstimate,
     estimate_windows,
     grid_counter_reads,
@@ -721,6 +723,7 @@ class NvmlSampler:
                 a["samples_t_s"], a["samples_w"], counter_t, counter_j, windows,
                 calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
                 instant_w=a["instant_w"], sample_shift_s=shift,
+                counter_time_sd_s=COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S,
             )
         return out
 
