@@ -1,6 +1,7 @@
 """Run folders: ``results/<run_id>/`` with manifest.json, records.jsonl, records.parquet, power.parquet.
 
-``records.jsonl`` is appended and flushed per query, so a crash loses at most the query in flight.
+``records.jsonl`` is appended and fsynced as records become final (several at once when they are ready
+together), before ``ipw run`` reports them: a crash loses no reported record.
 This is the only module that turns records into pandas frames, and the one reader of run folders
 (resume, compare, report, check, merge, rescore): a folder is read whole, or an IpwError names the
 file (and line) and what is wrong with it.  Nothing is dropped silently: only a torn *last* line of
@@ -378,11 +379,19 @@ class RunFolder:
                 raise
 
     def append(self, record: QueryRecord) -> None:
+        self.append_many([record])
+
+    def append_many(self, records: list[QueryRecord]) -> None:
+        """Append records to records.jsonl in one write and one fsync: on disk when this returns (the
+        runner reports a record only after that, so a kill -9 loses nothing reported)."""
         log = self.path / "records.jsonl"
+        if not records:
+            return
+        text = "".join(record.to_json() + "\n" for record in records)
         try:
             fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             with open(fd, "a", encoding="utf-8") as fh:
-                fh.write(record.to_json() + "\n")
+                fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as exc:  # a part of the line may be there: a torn last line, which resume drops

@@ -3,9 +3,11 @@ and a record appended to the run folder after every query."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict
 from typing import Any, Callable
@@ -18,14 +20,14 @@ from ipw.config import RunConfig
 from ipw.datasets import Query, fingerprint, load_queries
 from ipw.errors import IpwError
 from ipw.overlap import Segments, Share, Tally, request_of, split_share
-from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits
+from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_many
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
-from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, with_estimate
+from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, resolve, with_estimate
 
 
 def make_record(
@@ -132,17 +134,8 @@ def run_backend(
     stopped = None
     level_lines: list[dict[str, Any]] = []
     idle = IdleBaseline({}, {}, 0.0)
+    recorder = RecordWriter(folder, progress, sensors)
     try:
-        pending: list[tuple[Closed, Callable[[list[EnergyReading]], QueryRecord]]] = []
-
-        def flush(wait: bool) -> None:
-            # records are appended in query order as soon as their energy is final
-            while pending and (wait or pending[0][0].ready()):
-                closed, build = pending.pop(0)
-                record = build(closed.readings())
-                folder.append(record)
-                progress(record)
-
         try:
             for level in levels:
                 work = todo[level]
@@ -152,26 +145,26 @@ def run_backend(
                 _warm_up(backend, queries, config, level)
                 idle = measure_idle(window, config.idle_s) if config.idle_s > 0 else IdleBaseline({}, {}, 0.0)
                 if level > 1 or len(levels) > 1:
-                    line = run_concurrent(folder, config, spec, backend, window, idle, work, progress, level)
+                    line = run_concurrent(folder, config, spec, backend, window, idle, work, recorder, level)
                     level_lines.append({**line, "idle_baseline": asdict(idle)})
                     continue
+                # the query's path: a timestamp at each edge of its window and the call; the record is
+                # made final, written and reported by the recorder's thread (docs/PERFORMANCE.md)
                 for repeat, query in work:
                     tokens = window.begin()
                     start = time.monotonic()
                     completion, error = _generate(backend, query, config)
                     end = time.monotonic()
                     closed = window.end(tokens)
-                    pending.append((closed, functools.partial(
+                    recorder.put(closed, tokens, first_token_s(completion), functools.partial(
                         make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                        idle=idle, estimate=backend.energy_estimate,
-                        splits=functools.partial(sensor_splits, sensors, tokens, closed.parts, first_token_s(completion)))))
-                    flush(wait=False)
+                        idle=idle, estimate=backend.energy_estimate))
                     if isinstance(error, QueryError) and error.category == "engine_crash":
                         backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
         except EngineStopped as exc:
             stopped = str(exc)
         finally:  # on Ctrl-C too: every finished query gets its record
-            flush(wait=True)
+            recorder.close()
         for sensor in sensors:
             if sensor.supports_trace:
                 folder.add_power(spec.name, sensor.trace())
@@ -190,6 +183,94 @@ def run_backend(
             sensor.close()
         backend.close()
 
+
+class RecordWriter:
+    """Makes records final, writes them and reports them, on a thread of its own, off the query's path.
+
+    The measuring thread hands over a closed window, its sensors' tokens, its first token and the
+    function that builds its record (``put``), or a finished record (``put_record``), and goes on with
+    the next query.  This thread takes the longest run of records whose energy is final (NVML's once
+    the sampler has read past the window's end), in query order; makes their NVML windows final in
+    one estimate (``window.resolve``) and their phase splits in another (``sensor_splits_many``);
+    builds the records; appends them with one write and one fsync (``RunFolder.append_many``); and
+    only then reports each to ``progress``.  So a kill -9 loses nothing that was reported, and the
+    fsync, the estimates, the record's scoring and serialisation and the progress display cost the
+    measuring thread nothing.  An error here (a full disk) is raised on the measuring thread at its
+    next ``put`` and at ``close``."""
+
+    POLL_S = 0.02  # how often a record whose energy is not final yet is looked at again
+
+    def __init__(self, folder: RunFolder, progress: Callable[[QueryRecord], None],
+                 sensors: list[Sensor] | None = None) -> None:
+        self._folder, self._progress, self._sensors = folder, progress, list(sensors or [])
+        append_many = getattr(folder, "append_many", None)  # a Ray task's sink takes one record at a time
+        self._append = append_many or (lambda records: [folder.append(r) for r in records])
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ipw-record-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, closed: Closed, tokens: list[Any], first_token_s: float | None,
+            build: Callable[..., QueryRecord]) -> None:
+        """A query's closed window, its sensors' tokens, its first token (where its phases split; None:
+        none) and ``build(readings, splits=...)``, its record once the readings are final."""
+        self._add((closed, tokens, first_token_s, build))
+
+    def put_record(self, record: QueryRecord) -> None:
+        self._add((None, None, None, record))
+
+    def _add(self, item: tuple[Any, ...]) -> None:
+        if self._error is not None:
+            raise self._error
+        with self._cond:
+            self._queue.append(item)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Write every record handed over (waiting for their energy to be final), then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closing:
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    closing = self._closing
+                    batch = []
+                    for item in self._queue:  # the longest ready prefix, in query order
+                        if not (closing or item[0] is None or item[0].ready()):
+                            break
+                        batch.append(item)
+                if not batch:
+                    time.sleep(self.POLL_S)
+                    continue
+                self._write(batch)
+                with self._cond:
+                    for _ in batch:
+                        self._queue.popleft()
+        except BaseException as exc:  # raised on the measuring thread
+            self._error = exc
+
+    def _write(self, batch: list[tuple[Any, ...]]) -> None:
+        windows = [item for item in batch if item[0] is not None]
+        resolve([closed for closed, _, _, _ in windows])
+        splits = iter(sensor_splits_many(self._sensors, [(tokens, closed.parts, at_s)
+                                                         for closed, tokens, at_s, _ in windows]))
+        records = [build if closed is None else build(closed.readings(), splits=functools.partial(dict, next(splits)))
+                   for closed, _, _, build in batch]
+        self._append(records)
+        for record in records:
+            self._progress(record)
 
 def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurrency: int) -> None:
     """Unmeasured queries before a level: ``warmup`` of them, at least one per request slot, sent
@@ -212,13 +293,13 @@ def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurre
 
 def run_concurrent(
     folder: RunFolder, config: RunConfig, spec: BackendSpec, backend: Backend, window: Window,
-    idle: IdleBaseline, work: list[tuple[int, Query]], progress: Callable[[QueryRecord], None],
-    concurrency: int,
+    idle: IdleBaseline, work: list[tuple[int, Query]], recorder: "RecordWriter", concurrency: int,
 ) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight; every request has its own window ([start, end] in its
     record) and its split of the energy measured while it ran.  Records are appended in query order.
     Returns the level's line for the manifest: its span, requests, split methods and, per component,
-    the span's energy, the unattributed part and the sum of the requests' parts."""
+    the span's energy, the unattributed part and the sum of the requests' parts.  ``recorder`` writes and
+    reports the records (``RecordWriter``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     segments = Segments(window, len(work))
@@ -246,8 +327,7 @@ def run_concurrent(
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
                                  concurrency=concurrency, split=share)
-            folder.append(record)
-            progress(record)
+            recorder.put_record(record)
             tally.add(share.readings, "parts_j")
             methods[record.split_method or "none"] = methods.get(record.split_method or "none", 0) + 1
             # memory stays flat over long runs: drop what no later record needs (docs/RELIABILITY.md)

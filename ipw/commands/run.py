@@ -35,6 +35,9 @@ def _progress_columns():
     )
 
 
+PROGRESS_UPDATE_S = 0.5  # the live numbers change at most this often (rich redraws twice a second)
+
+
 def _watts(record) -> str:
     """Mean watts per device over the last query's window (measured devices only), for the live display."""
     import json
@@ -136,25 +139,36 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
     sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
-    state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic()}
+    state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic(), "shown": 0.0,
+             "last": None}
     with _progress_columns() as progress:
         task = progress.add_task("queries", total=len(queries) * config.repeats * sum(map(len, levels.values())),
                                  completed=len(done), rate="-", jpq="-", acc="-")
 
+        def show() -> None:
+            record = state["last"]
+            elapsed = time.monotonic() - state["t0"]
+            progress.update(
+                task, completed=len(done) + state["n"], rate=f"{state['n'] / elapsed:.2f}",
+                description=f"{record.backend} {_watts(record)}" if record is not None else "queries",
+                jpq=f"{state['energy'] / state['n_e']:.3g}" if state["n_e"] else "n/a",
+                acc=f"{state['correct'] / state['scored']:.0%}" if state["scored"] else "unscored",
+            )
+            state["shown"] = time.monotonic()
+
         def on_record(record) -> None:
+            # called once a record is on disk, off the query's path (ipw.runner.RecordWriter); the display
+            # takes the numbers at most every PROGRESS_UPDATE_S, not per query
             state["n"] += 1
+            state["last"] = record
             if record.correct is not None:  # None: unscored (a judge item), never counted wrong
                 state["correct"] += record.correct
                 state["scored"] += 1
             if record.energy_j is not None:
                 state["energy"] += record.energy_j
                 state["n_e"] += 1
-            elapsed = time.monotonic() - state["t0"]
-            progress.update(
-                task, advance=1, description=f"{record.backend} {_watts(record)}", rate=f"{state['n'] / elapsed:.2f}",
-                jpq=f"{state['energy'] / state['n_e']:.3g}" if state["n_e"] else "n/a",
-                acc=f"{state['correct'] / state['scored']:.0%}" if state["scored"] else "unscored",
-            )
+            if time.monotonic() - state["shown"] >= PROGRESS_UPDATE_S:
+                show()
 
         def on_notice(line: str) -> None:
             progress.console.print(f"[bold red]backend stopped:[/] {escape(line)}", highlight=False)
@@ -165,7 +179,10 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
 
             def dispatch(folder, config, queries, progress, done):
                 run_on_ray(folder, config, queries, progress, ray_options, done)
-        status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
+        try:
+            status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
+        finally:
+            show()  # the final count
     from ipw.analysis.render import rich_tables
 
     summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)

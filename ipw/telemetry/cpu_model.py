@@ -197,9 +197,11 @@ class CpuModelSensor(SensorBase):
         if self.snapshots is not None:  # for the phase split: the same processes, read cheaply, until end()
             if [p.pid for p in procs] == [os.getpid()]:  # an in-process engine: the process CPU clock (ns)
                 read, step = (lambda: (time.process_time(),)), 0.0
-            else:  # /proc times, in clock ticks per process
+                first = read()
+            else:  # /proc times, in clock ticks per process: the first snapshot is the read above
                 read, step = (lambda: (tree_cpu_s(procs),)), CPU_TICK_S * max(1, len(procs))
-            trace = self.snapshots.open(read, time.monotonic(), read(), step=step)
+                first = (start_cpu_s,)
+            trace = self.snapshots.open(read, time.monotonic(), first, step=step)
         return start_ns, start_cpu_s, trace
 
     def end(self, token: tuple[int, float, Any]) -> list[EnergyReading]:
@@ -209,10 +211,12 @@ class CpuModelSensor(SensorBase):
         """Close the window and open the next at the same read of the tree's CPU time (windows that tile
         time: no CPU time is lost between them); the next window takes no snapshots."""
         start_ns, start_cpu_s, trace = token
-        if trace is not None:
-            self.snapshots.close(trace)  # type: ignore[union-attr]
-        end_cpu_s = tree_cpu_s(self.processes())
+        procs = self.processes()
+        end_cpu_s = tree_cpu_s(procs)
         end_ns = time.monotonic_ns()
+        if trace is not None:  # its last snapshot: the read above where it read the same (one read per edge)
+            same = trace.step > 0  # not an in-process engine's process clock
+            self.snapshots.close(trace, *((end_ns / 1e9, (end_cpu_s,)) if same else ()))  # type: ignore[union-attr]
         cpu_s = end_cpu_s - start_cpu_s
         duration_s = (end_ns - start_ns) / 1e9
         if cpu_s < 0:

@@ -110,22 +110,35 @@ def split_trace(trace: Trace | None, at_s: float, components: Sequence[str], qua
 def split_sampled(sensor: Any, part: Any, at_s: float) -> list[PhaseSplit]:
     """Split of a sample-based sensor (``NvmlSensor``): integrate both sub-windows with its
     ``energy_windows``; ``part`` is its deferred result (``start_s``/``end_s``), ready by now."""
-    start, end = float(part.start_s), float(part.end_s)
-    at = min(max(float(at_s), start), end)
-    out = []
-    for component, (pre, dec) in sensor.energy_windows([(start, at), (at, end)]).items():
-        if pre.energy_j is None or dec.energy_j is None or "unavailable" in (pre.quality, dec.quality):
-            continue
-        a, b = max(0.0, float(pre.energy_j)), max(0.0, float(dec.energy_j))
-        whole = a + b
-        fraction = a / whole if whole > 0 else ((at - start) / (end - start) if end > start else 0.0)
-        bound = min(1.0, 0.5 * (pre.uncertainty_j or 0.0) / whole) if whole > 0 else 0.0
-        note = f"{pre.source} integrated over both phases (prefill {1000 * (at - start):.0f} ms, ±{bound:.1%})"
-        if pre.short_window:
-            note += "; prefill shorter than the 0.15 s NVML signals resolve"
-        out.append(PhaseSplit(component, fraction, bound, bool(pre.short_window),
-                              worst_quality([pre.quality, dec.quality]), note))
-    return out
+    return split_sampled_many(sensor, [(part, at_s)])[0]
+
+
+def split_sampled_many(sensor: Any, windows: Sequence[tuple[Any, float]]) -> list[list[PhaseSplit]]:
+    """``split_sampled`` of many (part, first token) at once: one ``energy_windows`` call (one
+    calibration) for all their sub-windows, as a run's record writer makes a batch of records final."""
+    cuts = []
+    for part, at_s in windows:
+        start, end = float(part.start_s), float(part.end_s)
+        cuts.append((start, min(max(float(at_s), start), end), end))
+    estimates = sensor.energy_windows([w for start, at, end in cuts for w in ((start, at), (at, end))])
+    outs: list[list[PhaseSplit]] = []
+    for k, (start, at, end) in enumerate(cuts):
+        out = []
+        for component, ests in estimates.items():
+            pre, dec = ests[2 * k], ests[2 * k + 1]
+            if pre.energy_j is None or dec.energy_j is None or "unavailable" in (pre.quality, dec.quality):
+                continue
+            a, b = max(0.0, float(pre.energy_j)), max(0.0, float(dec.energy_j))
+            whole = a + b
+            fraction = a / whole if whole > 0 else ((at - start) / (end - start) if end > start else 0.0)
+            bound = min(1.0, 0.5 * (pre.uncertainty_j or 0.0) / whole) if whole > 0 else 0.0
+            note = f"{pre.source} integrated over both phases (prefill {1000 * (at - start):.0f} ms, ±{bound:.1%})"
+            if pre.short_window:
+                note += "; prefill shorter than the 0.15 s NVML signals resolve"
+            out.append(PhaseSplit(component, fraction, bound, bool(pre.short_window),
+                                  worst_quality([pre.quality, dec.quality]), note))
+        outs.append(out)
+    return outs
 
 
 def first_token_s(completion: Any) -> float | None:
@@ -140,21 +153,31 @@ def sensor_splits(sensors: Sequence[SensorBase], tokens: Sequence[Any], parts: S
     """Each component's split at ``at_s`` (the first token), from sensors that declare they can split:
     ``supports_split`` (their ``split(token, at_s)``), else ``supports_energy_windows`` (sample-based:
     both sub-windows of ``part``, what ``end`` returned, integrated).  Never raises."""
-    if at_s is None:
-        return {}
-    out: dict[str, PhaseSplit] = {}
-    for sensor, token, part in zip(sensors, tokens, parts):
-        try:
-            if sensor.supports_split:
-                splits = sensor.split(token, at_s)
-            elif sensor.supports_energy_windows:
-                splits = split_sampled(sensor, part, at_s)
-            else:
+    return sensor_splits_many(sensors, [(tokens, parts, at_s)])[0]
+
+
+def sensor_splits_many(sensors: Sequence[SensorBase],
+                       windows: Sequence[tuple[Sequence[Any], Sequence[Any], float | None]]) -> list[dict[str, PhaseSplit]]:
+    """``sensor_splits`` of many windows (each: its tokens, its closed parts, its first token), with one
+    ``energy_windows`` call per sample-based sensor for all of them.  Never raises."""
+    outs: list[dict[str, PhaseSplit]] = [{} for _ in windows]
+    todo = [i for i, (_, _, at_s) in enumerate(windows) if at_s is not None]
+    for k, sensor in enumerate(sensors):
+        if sensor.supports_split:
+            for i in todo:
+                tokens, _, at_s = windows[i]
+                try:
+                    outs[i].update({s.component: s for s in sensor.split(tokens[k], at_s)})
+                except Exception:  # a failed split leaves the record without phases, never without its record
+                    continue
+        elif sensor.supports_energy_windows and todo:
+            try:
+                many = split_sampled_many(sensor, [(windows[i][1][k], windows[i][2]) for i in todo])
+            except Exception:
                 continue
-        except Exception:  # a failed split leaves the record without phases, never without its record
-            continue
-        out.update({s.component: s for s in splits})
-    return out
+            for i, splits in zip(todo, many):
+                outs[i].update({s.component: s for s in splits})
+    return outs
 
 
 def record_phases(readings: list[EnergyReading], splits: dict[str, PhaseSplit]) -> dict[str, Any]:
