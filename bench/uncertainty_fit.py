@@ -10,6 +10,8 @@ Recordings (all from one NVIDIA H200, already in the repository):
   The reference per window is the block's counter energy times the window's share of the block's time
   (the windows tile the block).  **Fit: the first block of each length (rep 0). Held out: the second
   (rep 1), and the periodic load (both reps).**
+- ``docs/h200-attribution/fresh-2026-12-01-s5/`` (the same bench, ``--repeats 1``, another H200 lent two
+  days later, recorded after the fit was made): **held out entirely.**
 - ``tests/data/h200_trace.npz`` and ``h200_qtrace.npz`` (2026-11-29, another recording on the same
   machine type, synthetic loads and LLM decoding): **held out entirely.**  Windows of 50 ms .. 8 s tile
   each steady or decoding phase at least 4 s long; the counter, read at 100-200 Hz there, is decimated to
@@ -89,7 +91,8 @@ def _live_estimates(st, sw, ct, cj, windows, now_s):
     return out
 
 
-def attribution_windows(json_path: Path, npz_path: Path) -> list[Window]:
+def attribution_windows(json_path: Path, npz_path: Path, recording: str = "attribution 2026-11-29",
+                        held_out: bool = False) -> list[Window]:
     d = json.loads(json_path.read_text())
     arr = np.load(npz_path)
     st, sw, ct, cj = arr["samples_t_s"], arr["samples_w"], arr["counter_t_s"], arr["counter_j"]
@@ -101,9 +104,9 @@ def attribution_windows(json_path: Path, npz_path: Path) -> list[Window]:
         wins = [tuple(w) for w in blk["ipw_windows"]]
         periodic = blk["scenario"] == PERIODIC
         group = blk["scenario"]
-        sset = "held-out" if periodic or blk["rep"] == 1 else "fit"
+        sset = "held-out" if held_out or periodic or blk["rep"] == 1 else "fit"
         for (a, z), (e, terms, ratio) in zip(wins, _live_estimates(st, sw, ct, cj, wins, b[-1] + 0.2)):
-            out.append(Window(group, sset, "attribution 2026-11-29", e, watts * (z - a), terms, ratio))
+            out.append(Window(group, sset, recording, e, watts * (z - a), terms, ratio))
     return out
 
 
@@ -146,6 +149,8 @@ def all_windows() -> list[Window]:
     att = ROOT / "docs" / "h200-attribution"
     data = ROOT / "tests" / "data"
     ws = attribution_windows(att / "attribution.json", att / "attribution_raw.npz")
+    fresh = att / "fresh-2026-12-01-s5"
+    ws += attribution_windows(fresh / "attribution.json", fresh / "attribution_raw.npz", "fresh 2026-12-01", held_out=True)
     ws += trace_windows(data / "h200_trace.npz", data / "h200_marks.json", "trace")
     ws += trace_windows(data / "h200_qtrace.npz", data / "h200_marks.json", "qtrace")
     return ws
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"model": model.__dict__, "default_model": est.DEFAULT_ERROR_MODEL.__dict__}
     for name, sel in (("fit (attribution rep 0)", fit_set),
                       ("held out: attribution rep 1 + periodic", [w for w in held if w.recording.startswith("attribution")]),
+                      ("held out: fresh recording 2026-12-01 (bench/attribution.py --repeats 1)",
+                       [w for w in held if w.recording.startswith("fresh")]),
                       ("held out: tests/data trace + qtrace", [w for w in held if w.recording.startswith("tests/data")])):
         for label, m in (("fitted", model), ("defaults", est.DEFAULT_ERROR_MODEL)):
             ev = evaluate(sel, m)

@@ -1,0 +1,138 @@
+"""Issue 27: the ±90% interval of a sampled window holds on H200 recordings the fit never saw, and the
+counter's sparse reads are placed on its update grid.
+
+The replays use the recordings committed in docs/h200-attribution (bench/attribution.py: identical windows
+with a back-to-back counter reference; the fresh 2026-12-01 recording was made after the fit) and tests/data
+(LLM decoding and synthetic loads, full-rate counter).  bench/uncertainty_fit.py made the fit (on the
+2026-11-29 recording's first block of each length) and prints the tables in docs/ENERGY.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ipw.telemetry import estimator as est
+from ipw.telemetry.sampler import hold_counter_reads
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _fit_module():
+    spec = importlib.util.spec_from_file_location("uncertainty_fit", ROOT / "bench" / "uncertainty_fit.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["uncertainty_fit"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    fit = _fit_module()
+    return fit, [w for w in fit.all_windows() if w.set == "held-out"]
+
+
+def test_held_out_coverage_and_width_of_matmul_windows(held_out):
+    """Identical matmul windows (reference: the block's counter energy by time share), the 2026-11-29
+    recording's second blocks and the fresh 2026-12-01 recording pooled, per window length.  Coverage
+    85-95% where a length has at least 40 windows (below that, one window moves it by 2.5+ points and a
+    block's windows share one calibration error): >= 85% only; half-width <= 2x p90 |error| everywhere."""
+    fit, ws = held_out
+    matmul = [w for w in ws if not w.recording.startswith("tests/data") and w.group in fit.LENGTHS]
+    ev = fit.evaluate(matmul, est.DEFAULT_ERROR_MODEL)
+    assert set(ev) == set(fit.LENGTHS)
+    for group, x in ev.items():
+        assert x["coverage"] >= 0.85, (group, x)
+        if x["n"] >= 40:
+            assert x["coverage"] <= 0.95, (group, x)
+        assert x["median_half_width"] <= 2 * x["p90_abs_error"], (group, x)
+    assert ev["50 ms"]["n"] == 400 and ev["0.15 s"]["n"] == 140
+
+
+def test_held_out_decoding_and_synthetic_loads_are_covered(held_out):
+    """tests/data (LLM decoding blocks and a steady load, reference: the full-rate counter; windows >=
+    0.5 s): covered at least 85%, half-width <= 2x p90 |error|.  The interval is conservative there
+    (0.5 s: ~99% covered; docs/ENERGY.md says so)."""
+    fit, ws = held_out
+    trace = [w for w in ws if w.recording.startswith("tests/data")]
+    ev = fit.evaluate(trace, est.DEFAULT_ERROR_MODEL)
+    assert set(ev) == {"0.5 s", "2 s", "8 s"}
+    for group, x in ev.items():
+        assert x["coverage"] >= 0.85 and x["median_half_width"] <= 2 * x["p90_abs_error"], (group, x)
+
+
+def test_periodic_load_is_labeled_and_covered(held_out):
+    """25 ms bursts every 100 ms beat against the 20 ms samples: every window is labeled aliasing, and
+    the interval (wide there) still covers at least 90% of the errors."""
+    fit, ws = held_out
+    periodic = [w for w in ws if w.group == fit.PERIODIC]
+    assert len(periodic) == 66
+    assert all(w.terms.aliasing_period_s is not None for w in periodic)
+    ev = fit.evaluate(periodic, est.DEFAULT_ERROR_MODEL)[fit.PERIODIC]
+    assert ev["coverage"] >= 0.9
+    # and steady or decoding loads are never labeled
+    assert not any(w.terms.aliasing_period_s is not None for w in ws if w.group != fit.PERIODIC)
+
+
+GPU_RUNS = ROOT / "docs" / "gpu" / "h200-2026-12-01"
+
+
+def test_grid_placement_recovers_the_dense_calibration():
+    """The live sampler's own counter reads (~0.45 s apart, in power.parquet of the 2026-12-01 H200 runs)
+    placed on the counter's update grid give, at every 15th query as it became final, the calibration
+    ratio that the back-to-back counter (bench/gpu_counter.py, counter.csv) gives over the same span,
+    within 0.1%; held half a step before each read (the fallback), they were off by up to 0.8%."""
+    pd = pytest.importorskip("pandas")
+    cnt = pd.read_csv(GPU_RUNS / "counter.csv")
+    dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
+    shift = 0.011
+    worst_grid = worst_held = 0.0
+    for run in ("20261201-053743-d827", "20261201-053807-923e"):
+        p = pd.read_parquet(GPU_RUNS / "runs" / run / "power.parquet")
+        ends = pd.read_parquet(GPU_RUNS / "runs" / run / "records.parquet")["end_s"].to_numpy()
+        s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
+        st, sw, ct, cj = s["t_s"].to_numpy(), s["power_w"].to_numpy(), c["t_s"].to_numpy(), c["energy_j"].to_numpy()
+        for now in ends[::15] + 0.15:
+            m, mc = st <= now, ct <= now
+            grid = est.grid_counter_reads(ct[mc], cj[mc], st[m], sw[m], sample_shift_s=shift)
+            assert grid is not None
+            for placed, worst in (((grid.t_s, grid.j), "grid"), (hold_counter_reads(ct[mc], cj[mc]), "held")):
+                cal = est.calibration_ratio(st[m] - shift, sw[m], *placed)
+                si = est._PowerIntegral(st[m] - shift, sw[m], est.MAX_SAMPLE_GAP_S)
+                truth = dense.window(cal.start_s, cal.end_s)[0] / si.window(cal.start_s, cal.end_s)[0]
+                err = abs(cal.ratio / truth - 1)
+                if worst == "grid":
+                    worst_grid = max(worst_grid, err)
+                else:
+                    worst_held = max(worst_held, err)
+    assert worst_grid < 0.001
+    assert worst_held > 3 * worst_grid
+
+
+def test_grid_placement_steps_aside_where_samples_do_not_pin_the_phase():
+    """On the 2026-11-29 decoding recording (tests/data qtrace) the samples follow the counter less
+    closely (3.3 J rms at its steps against 0.3 J on the 2026-12-01 runs), so no phase stands out from
+    counter reads 0.6 s apart: the grid is refused and the held placement stays."""
+    d = np.load(DATA / "h200_qtrace.npz")
+    st = est.wall_us_to_mono_s(d["samp_ts_us"], d["pair_t_mono_ns"], d["pair_t_wall_us"])
+    ct = (d["energy_t_mono_ns"] + d["energy_call_ns"] / 2) / 1e9
+    cj = d["energy_mJ"] / 1000.0
+    ticks = np.arange(ct[0] + 5, ct[0] + 65, 0.6)
+    reads = cj[np.searchsorted(ct, ticks, side="right") - 1]
+    m = (st > ticks[0] - 1) & (st < ticks[-1])
+    assert est.grid_counter_reads(ticks, reads, st[m], d["samp_mW"][m] / 1000.0, sample_shift_s=0.011) is None
+
+
+def test_grid_placement_refuses_a_counter_off_the_grid():
+    """A counter that moves with every read (no update grid): no phase fits better than the reads' own
+    times, so the caller keeps its placement."""
+    t = np.arange(0.0, 30.0, 0.02)
+    p = 200.0 + 100.0 * (np.sin(t) > 0)
+    reads = np.arange(0.3, 29.0, 0.61)
+    energy = np.interp(reads, t, np.concatenate(([0.0], np.cumsum(np.diff(t) * p[1:]))))
+    assert est.grid_counter_reads(reads, energy, t, p) is None
