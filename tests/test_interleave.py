@@ -1,0 +1,193 @@
+"""ipw check's interleaved A/B job (ipw.interleave, check_interleaved), its work gate and its noise floor.
+
+The scheduler and the verdict are tested with a fake engine whose speed drifts over time: each block's
+run folder is written (tests/runfolders.py) with every query's energy scaled by how slow the "machine" was
+when that block ran. The command end to end (``ipw check --rerun``) runs real llama.cpp blocks."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ipw.analysis.check import check_interleaved, check_runs, parse_threshold
+from ipw.errors import IpwError
+from ipw.interleave import block_order, run_blocks
+from ipw.results import load_run
+from runfolders import write_run
+
+N = 12
+ENERGY = [1.0 + 0.5 * q for q in range(N)]  # per query, J: queries differ (the pairing is per query)
+TOKENS = [10 + q for q in range(N)]
+DEFAULT = [parse_threshold(t) for t in ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp")]
+
+
+def _greedy(run_dir: Path, temperature: float = 0.0) -> Path:
+    """The run as ipw run writes it: its config says how it decoded (the work gate reads it)."""
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["config"] = {"generation": {"temperature": temperature, "max_tokens": 64}}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    return run_dir
+
+
+def fake_engine(tmp_path: Path, *, drift_per_block: float, effect: float = 0.0, tokens_b=TOKENS):
+    """A block runner whose machine gets slower by ``drift_per_block`` with every block (energy follows speed
+    on the CPU model); the candidate (B) costs ``1 + effect`` times as much and answers with ``tokens_b``."""
+
+    def run_block(index: int, side: str) -> Path:
+        slow = 1.0 + drift_per_block * index
+        scale = slow * (1.0 + effect if side == "B" else 1.0)
+        tokens = tokens_b if side == "B" else TOKENS
+        run = write_run(tmp_path / f"{index:02d}-{side}", f"block{index}",
+                        {"smol": {"correct": [1] * N, "energy": [e * scale for e in ENERGY], "tokens": tokens}})
+        return _greedy(run)
+
+    return run_block
+
+
+def _job(tmp_path, order=("A", "B", "B", "A"), **engine):
+    blocks = run_blocks(order, fake_engine(tmp_path, **engine))
+    return blocks, [(b.side, *load_run(b.run_dir)) for b in blocks]
+
+
+def _row(result, metric):
+    return next(v for v in result.verdicts if v.metric == metric)
+
+
+def test_block_order():
+    assert block_order(4) == ("A", "B", "B", "A")
+    assert block_order(8) == ("A", "B", "B", "A", "A", "B", "B", "A")
+    for bad in (2, 6, 0):
+        with pytest.raises(IpwError, match="multiple of 4"):
+            block_order(bad)
+
+
+def test_linear_drift_cancels_in_the_verdict(tmp_path):
+    """The machine slows by 3% per block, A and B are the same: the A B B A verdict sees no change at all,
+    while the same blocks compared one after the other (what a baseline recorded earlier sees) would fail."""
+    blocks, loaded = _job(tmp_path, drift_per_block=0.03)
+    assert [b.side for b in blocks] == ["A", "B", "B", "A"] and [b.index for b in blocks] == [0, 1, 2, 3]
+    result = check_interleaved(loaded, DEFAULT)
+    energy = _row(result, "energy_per_query")
+    assert energy.change == pytest.approx(0.0, abs=1e-9) and energy.status == "pass"
+    assert result.blocks == ("A", "B", "B", "A") and result.exit_code == 0
+    drift = next(d for d in result.drift if d.metric == "energy_per_query")
+    assert drift.change == pytest.approx(9.0)  # first A block (slowness 1.00) to the last (1.09)
+    assert energy.floor == pytest.approx(4.5) and "half the drift" in energy.floor_source
+    # pairing: each query's A value is the mean of its two A blocks (slowness 1.00 and 1.09)
+    assert energy.baseline == pytest.approx(sum(ENERGY) / N * (1.00 + 1.09) / 2)
+    assert energy.n_queries == N
+    sequential = check_runs(*loaded[0][1:], *loaded[2][1:], DEFAULT)  # A then B, 2 blocks apart: +6% drift
+    assert _row(sequential, "energy_per_query").status == "regression"
+
+
+def test_a_real_change_is_measured_through_the_drift(tmp_path):
+    _, loaded = _job(tmp_path, drift_per_block=0.03, effect=0.12)
+    energy = _row(check_interleaved(loaded, DEFAULT), "energy_per_query")
+    assert energy.change == pytest.approx(12.0) and energy.status == "regression"
+    # a change within half the drift is not called: +4% under a drift of +9% (floor 4.5%)
+    _, loaded = _job(tmp_path / "small", drift_per_block=0.03, effect=0.04)
+    energy = _row(check_interleaved(loaded, DEFAULT), "energy_per_query")
+    assert energy.change == pytest.approx(4.0) and energy.status == "pass"
+
+
+def test_eight_blocks_pool_four_per_side(tmp_path):
+    _, loaded = _job(tmp_path, order=block_order(8), drift_per_block=0.01, effect=0.10)
+    result = check_interleaved(loaded, DEFAULT)
+    assert _row(result, "energy_per_query").change == pytest.approx(10.0)  # A at 0,3,4,7 and B at 1,2,5,6
+    assert next(d for d in result.drift if d.metric == "energy_per_query").change == pytest.approx(7.0)
+
+
+def test_an_unbalanced_job_is_refused(tmp_path):
+    _, loaded = _job(tmp_path, order=("A", "B", "B"), drift_per_block=0.0)
+    with pytest.raises(IpwError, match="as many A as B"):
+        check_interleaved(loaded, DEFAULT)
+
+
+def test_work_gate_counts_tokens_exactly(tmp_path):
+    """Answers 2x as long on the same queries: a regression of the work gate, whatever the energy did."""
+    _, loaded = _job(tmp_path, drift_per_block=0.0, tokens_b=[2 * t for t in TOKENS])
+    result = check_interleaved(loaded, DEFAULT)
+    out = _row(result, "output_tokens")
+    assert (out.baseline, out.candidate, out.status) == (sum(TOKENS), 2 * sum(TOKENS), "regression")
+    assert out.detail == f"{N} of {N} queries differ" and result.exit_code == 1
+    assert _row(result, "energy_per_query").status == "pass"  # the fake engine's energy did not move
+    # one query one token shorter: reported as changed, not a failure unless --strict
+    fewer = list(TOKENS)
+    fewer[3] -= 1
+    _, loaded = _job(tmp_path / "fewer", drift_per_block=0.0, tokens_b=fewer)
+    out = _row(check_interleaved(loaded, DEFAULT), "output_tokens")
+    assert (out.status, out.detail) == ("changed", f"1 of {N} queries differ")
+
+
+def test_work_gate_skips_sampled_runs(tmp_path):
+    base = _greedy(write_run(tmp_path / "b", "b", {"smol": {"correct": [1] * N, "energy": ENERGY, "tokens": TOKENS}}))
+    cand = _greedy(write_run(tmp_path / "c", "c", {"smol": {"correct": [1] * N, "energy": ENERGY,
+                                                            "tokens": [t + 1 for t in TOKENS]}}), temperature=0.7)
+    result = check_runs(*load_run(base), *load_run(cand), DEFAULT)
+    assert not any(v.threshold == "exact" for v in result.verdicts)
+    assert any("work gate not applied" in n for n in result.notes)
+
+
+def test_calibrated_floor(tmp_path, run_cli):
+    """Three identical runs at 1.00, 1.04 and 0.98 times the energy: the floor is the largest change between two
+    of them, the earlier as baseline (1.04 -> 0.98: -5.77%); a +5.5% candidate is then inconclusive (noise),
+    without the floor a regression."""
+    runs = [_greedy(write_run(tmp_path / f"r{i}", f"r{i}", {"smol": {"correct": [1] * N, "tokens": TOKENS,
+                                                                      "energy": [e * s for e in ENERGY]}}))
+            for i, s in enumerate((1.00, 1.04, 0.98))]
+    floor = tmp_path / "floor.json"
+    code, out, err = run_cli("check", "--calibrate", *runs, "--floor", floor)
+    assert code == 0, out + err
+    data = json.loads(floor.read_text())
+    assert data["n_runs"] == 3 and data["floors"]["smol"]["energy_per_query"] == pytest.approx(100 * (1 - 0.98 / 1.04),
+                                                                                                abs=1e-3)
+    cand = _greedy(write_run(tmp_path / "cand", "cand", {"smol": {"correct": [1] * N, "tokens": TOKENS,
+                                                                  "energy": [e * 1.055 for e in ENERGY]}}))
+    md = tmp_path / "v.md"
+    code, out, err = run_cli("check", runs[0], cand, "--floor", floor, "--markdown", md)
+    assert code == 0, out + err
+    row = next(line for line in md.read_text().splitlines() if "| energy_per_query |" in line)
+    assert "inconclusive" in row and "±5.77%" in row
+    code, out, err = run_cli("check", runs[0], cand)
+    assert code == 1, out + err
+    code, _, err = run_cli("check", "--calibrate", runs[0], "--floor", floor)
+    assert code == 2 and "at least 2 run folders" in err
+
+
+def test_usage_errors(tmp_path, run_cli):
+    code, _, err = run_cli("check", "--rerun", tmp_path / "a.toml", tmp_path / "b.toml")
+    assert code == 2 and "not found" in err
+    code, _, err = run_cli("check", "--rerun", "--blocks", "6", tmp_path / "a.toml", tmp_path / "b.toml")
+    assert code == 2 and "multiple of 4" in err
+    code, _, err = run_cli("check", tmp_path / "a", tmp_path / "b", "--base-python", "python3")
+    assert code == 2 and "go with --rerun" in err
+    code, _, err = run_cli("check", tmp_path / "a", tmp_path / "b", "--floor", tmp_path / "nope.json")
+    assert code == 2 and "--floor" in err
+
+
+STORIES = ["apple", "river", "house", "green"]
+
+
+@pytest.mark.llama
+def test_rerun_catches_doubled_max_tokens_exactly(tmp_path, run_cli):
+    """``ipw check --rerun`` with real llama.cpp blocks: max_tokens 8 -> 16 on prompts whose answers run to the
+    limit doubles every query's output tokens, and the work gate says so exactly."""
+    data = tmp_path / "stories.jsonl"
+    data.write_text("".join(json.dumps({"id": f"s{i}", "prompt": f"Write a long story about a {w}.", "answer": w,
+                                        "scorer": "contains"}) + "\n" for i, w in enumerate(STORIES)))
+    configs = []
+    for name, max_tokens in (("base", 8), ("cand", 16)):
+        configs.append(tmp_path / f"{name}.toml")
+        configs[-1].write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\n[generation]\nmax_tokens = {max_tokens}\n'
+                               'temperature = 0.0\n[[backends]]\nname = "smol"\nkind = "llama-cpp"\n'
+                               'model = "smollm2-135m"\nn_threads = 1\n')
+    md = tmp_path / "v.md"
+    code, out, err = run_cli("check", "--rerun", *configs, "--out", tmp_path / "jobs", "--markdown", md)
+    assert code == 1, out + err
+    (job,) = list((tmp_path / "jobs").iterdir())
+    assert sorted(p.name for p in job.iterdir()) == ["01-A", "02-B", "03-B", "04-A"]
+    row = next(line for line in md.read_text().splitlines() if "| output_tokens |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[4]) == 2 * int(cells[3]) == 2 * 8 * len(STORIES), row
+    assert "4 of 4 queries differ" in row and "regression" in row
+    assert "drift from the first A block to the last: smol: energy" in md.read_text()
