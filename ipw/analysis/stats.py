@@ -1,11 +1,84 @@
-"""Bootstrap confidence intervals (vectorized with numpy)."""
+"""Bootstrap confidence intervals (vectorized with numpy), carrying measurement error.
+
+Measurement error (issue 27): a reading's ``uncertainty_j`` is a ±90% half-width of its energy.  The
+bootstrap resamples queries *and* draws each query's measurement error on every resample, so a CI covers
+both the queries' spread and how well each was measured.  This is the one place it happens:
+:func:`measurement_sd` turns a record's ``energy_parts`` into 1-sd errors, split into an independent part
+(edges, the load's variation: different for every window) and a shared part (one calibration ratio, one
+per-core power model: the same error for every query of a backend, which averaging over queries does not
+shrink); :class:`MeasurementError` attaches them to a summed column of :func:`bootstrap_draws`, which
+adds to each resample's sum ``sqrt(sum_i w_i sd_i^2) * z1 + (sum_i w_i shared_i) * z2`` (z1, z2 standard
+normal per resample; ``w`` the resample's weights: each drawn copy of a query its own independent error, so
+that the added variance of a mean is ``sum sd^2 / n^2``, the measured mean's own).  The normal draw of a sum
+of many independent errors is the central limit; for a handful of queries it is an approximation.  The
+independent part is conservative: the measured values' spread, which the resampling sees, already holds
+it once (for 50 ms windows the error model's sd is ~4% of a query's energy, about a tenth of the queries'
+own spread in the H200 runs, so the double count widens a CI by well under 1%).  The shared part is what
+resampling alone can never see.  Resample weights come from their own generator, so draws without
+measurement error are unchanged by it.
+
+    from ipw.analysis.stats import MeasurementError, bootstrap_draws, measurement_sd
+    sd, shared = zip(*(measurement_sd(parts) for parts in records["energy_parts"]))
+    draws = bootstrap_draws(columns, n_boot=2000, measurement=[MeasurementError(0, np.array(sd), np.array(shared))])
+"""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
+
+#: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
+Z90 = 1.6448536269514722
+#: Share of an NVML sampled reading's energy whose error is shared by every window of a run (1 sd): the
+#: calibration ratio's floor (``ipw.telemetry.estimator.ErrorModel.calibration_floor``).
+NVML_SHARED_REL = 0.0022
+
+
+@dataclass(frozen=True)
+class MeasurementError:
+    """1-sd measurement errors of the items of one summed column of :func:`bootstrap_draws`: ``sd``
+    independent per item, ``shared_sd`` per item but fully correlated across the items (zeros: none).
+    Arrays of the column's length, in the column's units; NaN counts as 0."""
+
+    column: int
+    sd: np.ndarray
+    shared_sd: np.ndarray | None = None
+
+    def negligible(self) -> bool:
+        return not (np.nansum(self.sd) > 0 or (self.shared_sd is not None and np.nansum(self.shared_sd) > 0))
+
+
+def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, float]:
+    """``(independent, shared)`` 1-sd error (J) of a record's total energy from its readings
+    (``energy_parts``: the JSON a record stores, or the list of reading dicts).
+
+    A reading's ``uncertainty_j`` (±90%) is ``Z90`` sd.  Estimated readings (``quality`` estimated: the CPU
+    model, an API estimate) are shared whole: their error is the model's, the same for every query.  NVML
+    sampled readings share ``NVML_SHARED_REL`` of their energy (the calibration) and the rest is
+    independent; other readings are independent.  Independent parts add in quadrature, shared ones
+    linearly.  Readings without ``uncertainty_j`` (records made before it was stated) add nothing: (0, 0)."""
+    if not energy_parts:
+        return 0.0, 0.0
+    parts = json.loads(energy_parts) if isinstance(energy_parts, str) else energy_parts
+    var = shared = 0.0
+    for p in parts:
+        u, e = p.get("uncertainty_j"), p.get("energy_j")
+        if u is None or e is None or not math.isfinite(u):
+            continue
+        sd = abs(u) / Z90
+        if p.get("quality") == "estimated":
+            shared += sd
+        elif str(p.get("source", "")).startswith("nvml.samples"):
+            s = min(sd, NVML_SHARED_REL * abs(e))
+            shared += s
+            var += sd * sd - s * s
+        else:
+            var += sd * sd
+    return math.sqrt(max(var, 0.0)), shared
 
 
 @dataclass(frozen=True)
@@ -189,10 +262,12 @@ class Draws:
     point_quantiles: np.ndarray  # (n_quantiles,)
     n_boot: int
     method: str  # multinomial | poisson
+    measurement: tuple[int, ...] = ()  # the columns whose draws carry measurement error
 
 
 def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_columns: int | None = None,
-                    n_items: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> Draws:
+                    n_items: int | None = None, chunk_bytes: int = CHUNK_BYTES,
+                    measurement: Sequence[MeasurementError] = ()) -> Draws:
     """Sums of ``columns`` (each shape (n,), finite) and quantiles (``quantiles``: pairs of values (n,),
     NaN where missing, and a sequence of p) over ``n_boot`` paired resamples of the n items.
 
@@ -202,6 +277,9 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     stay exact; value sums carry a relative error of ~1e-6, far inside any interval at that size); the
     point sums are always float64. A resample's quantile is the ceil(p·N)-th smallest of its drawn
     finite values, found exactly from the weights without sorting the resample.
+
+    ``measurement``: columns whose items carry measurement error (:class:`MeasurementError`); each
+    resample's sum of such a column gets its drawn error (module docstring).  The point sums do not.
     """
     if n_columns is None:
         columns = [np.asarray(c, dtype=float) for c in columns]
@@ -237,11 +315,21 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
         point_q += points
     sums = np.empty((n_boot, k))
     qs = np.full((n_boot, len(windows)), np.nan)
+    errs = [(m.column, np.nan_to_num(np.asarray(m.sd, float)) ** 2,
+             None if m.shared_sd is None else np.nan_to_num(np.asarray(m.shared_sd, float)))
+            for m in measurement if not m.negligible()]
+    noise = np.random.default_rng([seed, 27])  # its own stream: the resample weights are unchanged by it
     start = 0
     for w in resample_weights(n, n_boot, seed=seed, chunk_bytes=chunk_bytes):
         rows = slice(start, start + len(w))
         s = (xt @ w.T).T.astype(np.float64)  # (rows, summed rows): one product for every sum of every backend
         sums[rows] = s[:, :k]
+        for column, var, shared in errs:
+            wf = w.astype(np.float64)
+            add = np.sqrt(wf @ var) * noise.standard_normal(len(w))  # each drawn copy its own error
+            if shared is not None:
+                add += (wf @ shared) * noise.standard_normal(len(w))
+            sums[rows, column] += add
         for j, win in enumerate(windows):
             if len(win.idx) == 0:
                 continue
@@ -252,7 +340,8 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
             pos = np.where(reached.any(axis=1), reached.argmax(axis=1), len(win.idx) - 1)
             qs[rows, j] = np.where(total > 0, win.values[pos], np.nan)
         start += len(w)
-    return Draws(sums, qs, point_sums, np.asarray(point_q, dtype=float), n_boot, bootstrap_method(n))
+    return Draws(sums, qs, point_sums, np.asarray(point_q, dtype=float), n_boot, bootstrap_method(n),
+                 tuple(c for c, _, _ in errs))
 
 
 def interval(value: float, draws: np.ndarray, level: float = 0.95) -> Estimate:
