@@ -47,12 +47,13 @@ def trace_events(trace: dict[str, Any]) -> dict[str, int]:
     return {e["what"]: int(e["t_ns"]) for e in trace["events"]}
 
 
-def scoped_fields(fake: Any, *, gpu_scope: bool = True, module_mw: int | None = None) -> None:
+def scoped_fields(fake: Any, *, gpu_scope: bool = True, module_mw: Any = None) -> None:
     """Make the NVML fake's ``nvmlDeviceGetFieldValues`` answer scoped ids ``(field, scope)`` as the
     real binding does (pynvml.py sets ``scopeId`` from a tuple): GPU scope answers as before (or
     ``NVML_ERROR_NOT_SUPPORTED`` in the field when ``gpu_scope`` is false, as on a GH200 per
     ml-energy/zeus zeus/device/gpu/nvidia.py ``_resolve_power_field_scope``); module scope answers
-    ``module_mw``, or ``NOT_SUPPORTED`` in the field when None (a discrete GPU)."""
+    ``module_mw`` (mW, or a function giving it now), or ``NOT_SUPPORTED`` in the field when None (a
+    discrete GPU)."""
     plain = fake.nvmlDeviceGetFieldValues.side_effect
 
     def fields(handle, ids):
@@ -65,7 +66,7 @@ def scoped_fields(fake: Any, *, gpu_scope: bool = True, module_mw: int | None = 
                 out[k].scopeId = scope
             elif scope == real.NVML_POWER_SCOPE_MODULE and module_mw is not None:
                 out[k].valueType = real.NVML_VALUE_TYPE_UNSIGNED_INT
-                out[k].value.uiVal = int(module_mw)
+                out[k].value.uiVal = int(module_mw() if callable(module_mw) else module_mw)
                 out[k].nvmlReturn = real.NVML_SUCCESS
             else:
                 out[k].nvmlReturn = real.NVML_ERROR_NOT_SUPPORTED
@@ -104,12 +105,14 @@ def drive_polled(sensor: Any, clock: PollClock, until_ns: int) -> None:
 
 
 def polled_window(sensor: Any, clock: PollClock, a_ns: int, b_ns: int) -> list[Any]:
-    """The readings of one window [a, b] (clock ns), polled through and a little past its end."""
+    """The readings of one window [a, b] (clock ns; a window asked for in the past starts now), polled
+    through its end and until it is final."""
     drive_polled(sensor, clock, a_ns)
     token = sensor.begin()
     drive_polled(sensor, clock, b_ns)
     pending = sensor.end(token)
-    drive_polled(sensor, clock, b_ns + int(2 * sensor.platform.period_s * 1e9))
+    assert not pending.ready()
+    drive_polled(sensor, clock, clock.t_ns + int((sensor.settle_s + sensor.platform.period_s) * 1e9))
     assert pending.ready()
     return pending.result()
 

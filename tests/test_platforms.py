@@ -5,13 +5,28 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from nvml_fakes import RealClock, drive, finish, make_fake, real_offset_ns, synthetic, window
-from platform_fakes import nvml_clock, nvml_signals, scoped_fields, trace_events
+from platform_fakes import (
+    AMDSMI_STATUS_NO_PERM,
+    AMDSMI_STATUS_NOT_SUPPORTED,
+    FakeHwmon,
+    PollClock,
+    answer_at,
+    drive_hwmon,
+    fake_amdsmi,
+    fake_zeus_apple_silicon,
+    nvml_clock,
+    nvml_signals,
+    polled_window,
+    scoped_fields,
+    trace_events,
+)
 
 from ipw.commands.doctor import STEP_TOLERANCE, doctor
 from ipw.errors import IpwError
@@ -26,15 +41,16 @@ from ipw.telemetry.sampler import COUNTER_STEP_S
 # NVML traces: recorded through the (autospec'd) library, replayed through the NVML fake
 
 
-def _record_synthetic_nvml(monkeypatch, tmp_path, seconds=3.0):
+def _record_synthetic_nvml(monkeypatch, tmp_path, seconds=4.0):
     """A trace recorded by NvmlRecorder on the real clock from a synthetic GPU: 100 W idle, 400 W
-    from 0.6 s to 1.4 s after t0, 1.5 s after now (20 ms samples, 100 ms counter steps, as the H200
-    recordings show)."""
-    t0 = time.monotonic() + 1.5
-    sig, _ = synthetic(seconds + 2, load=(0.6, 1.4), t0_s=t0, offset_ns=real_offset_ns())
-    fake = make_fake(monkeypatch, [sig], RealClock())
+    from 0.6 s to 1.4 s after t0, 1 s after now (20 ms samples, 100 ms counter steps, as the H200
+    recordings show); the recording goes on 1.5 s past the windows the test reads."""
+    gpus = [synthetic(1.0)[0]]  # replaced below, once the (slow) autospec is made
+    fake = make_fake(monkeypatch, gpus, RealClock())
     scoped_fields(fake)
     fake.nvmlSystemGetDriverVersion.return_value = "580.159.04"
+    t0 = time.monotonic() + 1.0
+    gpus[0] = synthetic(seconds + 2, load=(0.6, 1.4), t0_s=t0, offset_ns=real_offset_ns())[0]
     trace = record(seconds, recs=[NvmlRecorder()])
     path = write_trace(trace, tmp_path / "trace.json.gz")
     return path, t0
@@ -56,7 +72,7 @@ def test_nvml_trace_round_trip(monkeypatch, tmp_path):
     try:
         base = trace["start_ns"] / 1e9
         rel = t0 - base  # the synthetic load's origin, in seconds after the recording's start
-        assert rel > 0.2  # the recorder opened before the load (else the windows below are cut)
+        assert 0.2 < rel < 4.0 - 1.55 - 1.0  # the windows below lie inside the recording
         load = window(sensor, clock, rel + 0.7, rel + 1.3, base)
         idle = window(sensor, clock, rel + 1.5, rel + 1.55, base)
         (r_load,), (r_idle,) = finish(sensor, clock, load), finish(sensor, clock, idle)
@@ -163,3 +179,380 @@ def test_h200_trace_counter_cross_checks(h200_trace):
     assert check.ok, check.problems
     assert lo <= check.ratio <= hi
     assert not dev["errors"]
+
+
+# --------------------------------------------------------------------------------------------------
+# AMD GPUs through amdsmi: a trace entry in the record-trace format, replayed by tests/platform_fakes.py
+#
+# Values: counter_resolution 15.3 µJ and fields in W/µJ as ROCm/amdsmi py-interface/README.md documents
+# them ("Energy accumulated with a 15.3 uJ resolution"; energy_accumulator x counter_resolution = µJ);
+# power synthetic: 140 W idle, 600 W for 10 s, inside an MI300X's 750 W board power.  The device is
+# sampled every 10 ms: the replay answers the last value at or before the clock, as the library would.
+
+T0 = 10**12  # the fake monotonic clock at the trace's start (ns)
+RES_UJ = 15.3
+
+
+def _power(t, idle_w=140.0, load_w=600.0, load=(10.0, 20.0)):
+    return np.where((t >= load[0]) & (t < load[1]), load_w, idle_w)
+
+
+def amd_entry(duration_s=30.0, counter=None, *, power_status=None, energy_status=None):
+    """One GPU's trace entry.  ``counter(t_s, acc)`` rewrites the accumulator (stalls, wraps, resets)."""
+    t = np.arange(0.0, duration_s, 0.01)
+    p = _power(t)
+    e_j = np.concatenate(([0.0], np.cumsum(p[:-1] * 0.01)))
+    acc = np.floor(e_j * 1e6 / RES_UJ).astype(np.int64) + 1_000_000
+    if counter is not None:
+        acc = counter(t, acc)
+    t_ns = [T0 + int(x * 1e9) for x in t]
+    energy = [{"status": energy_status} if energy_status else
+              {"energy_accumulator": int(a), "counter_resolution": RES_UJ, "timestamp": int(x)} for a, x in zip(acc, t_ns)]
+    power = [{"status": power_status} if power_status else
+             {"current_socket_power": int(w), "average_socket_power": int(w), "power_limit": 750} for w in p]
+    return {"available": True, "library": "amdsmi", "devices": [{
+        "index": 0, "market_name": "AMD Instinct MI300X",
+        "energy_count": {"t_ns": t_ns, "v": energy}, "power_info": {"t_ns": t_ns, "v": power}, "errors": []}]}
+
+
+def _amd_sensor(monkeypatch, entry, **kw):
+    from ipw.telemetry import amd
+
+    clock = PollClock(T0)
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(entry, clock, **kw))
+    return amd.probe(threaded=False, clock_ns=clock), clock
+
+
+def _ns(t_s):
+    return T0 + int(t_s * 1e9)
+
+
+def test_amd_attribution_calibrated_by_the_counter(monkeypatch):
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry())
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    (idle,) = polled_window(sensor, clock, _ns(22), _ns(28))
+    (short,) = polled_window(sensor, clock, _ns(28.5), _ns(28.55))
+    sensor.close()
+    assert (r.component, r.source, r.quality, r.scope) == ("amd0", "amdsmi.power", "measured_interpolated", "gpu")
+    assert r.energy_j == pytest.approx(600 * 6, rel=0.01) and "calibration ratio" in r.note
+    assert idle.energy_j == pytest.approx(140 * 6, rel=0.01)
+    assert "short window" in short.note and short.energy_j == pytest.approx(140 * 0.05, rel=0.05)
+    assert sensor.check()["amd0"].ok
+
+
+def test_amd_stalled_counter_is_not_used(monkeypatch):
+    def stall(t, acc):  # the counter stops from 11 s on (in the load), as ml-energy/zeus#252 guards against
+        out = acc.copy()
+        out[t >= 11.0] = acc[np.searchsorted(t, 11.0)]
+        return out
+
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=stall))
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    check = sensor.check()["amd0"]
+    sensor.close()
+    assert not check.ok and any("did not move" in p for p in check.problems)
+    assert "counter distrusted, not used" in r.note and "uncalibrated" in r.note
+    assert r.energy_j == pytest.approx(600 * 6, rel=0.01)  # from the power readings alone
+
+
+def test_amd_counter_wrap_is_undone(monkeypatch):
+    def wrap(t, acc):  # a 32-bit accumulator that wraps during the load (at ~15 s)
+        return (acc + (2**32 - acc[np.searchsorted(t, 15.0)])) % 2**32
+
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=wrap))
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    sensor.close()
+    assert "counter wrapped 1x" in r.note and "distrusted" not in r.note
+    assert r.energy_j == pytest.approx(600 * 6, rel=0.01)
+
+
+def test_amd_counter_reset_and_disagreement_are_reported(monkeypatch):
+    def reset(t, acc):  # the driver reloads at 15 s: the accumulator restarts near 0
+        out = acc.copy()
+        out[t >= 15.0] -= acc[np.searchsorted(t, 15.0)] - 5
+        return out
+
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=reset))
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    sensor.close()
+    assert "counter distrusted" in r.note and "went backwards" in r.note
+    assert r.energy_j == pytest.approx(600 * 6, rel=0.01)
+
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=lambda t, acc: acc * 2))  # twice the energy
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    sensor.close()
+    assert "counter distrusted" in r.note and "power x time" in r.note
+
+
+def test_amd_counter_not_supported_uses_power(monkeypatch):
+    # "It is not supported on virtual machine guest" (ROCm/amdsmi py-interface/README.md, amdsmi_get_energy_count)
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(energy_status=AMDSMI_STATUS_NOT_SUPPORTED))
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    info = sensor.info()
+    sensor.close()
+    assert "no counter" in info.detail and "uncalibrated" in r.note
+    assert r.energy_j == pytest.approx(600 * 6, rel=0.01)
+
+
+def test_amd_no_permission_and_missing_library(monkeypatch, capsys):
+    from ipw.telemetry import amd
+    from ipw.telemetry.probe import PLATFORMS, platform_sensors
+
+    amd_only = tuple(e for e in PLATFORMS if e.name == "amdsmi")
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(amd_entry(), PollClock(T0), init_status=AMDSMI_STATUS_NO_PERM))
+    with pytest.raises(IpwError, match="AMDSMI_STATUS_NO_PERM.*render"):
+        amd.probe(threaded=False)
+    opened, why = platform_sensors(entries=amd_only)  # through the registry: one line, the run goes on
+    assert opened == [] and "AMDSMI_STATUS_NO_PERM" in why["amdsmi"]
+    assert capsys.readouterr().err.count("\n") == 1
+
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # not installed
+    monkeypatch.setattr(amd, "amd_gpu_present", lambda: False)
+    opened, why = platform_sensors(entries=amd_only)
+    assert "pip install 'ipw[amd]'" in why["amdsmi"] and capsys.readouterr().err == ""  # absent: silent
+    monkeypatch.setattr(amd, "amd_gpu_present", lambda: True)
+    platform_sensors(entries=amd_only)
+    assert "ipw[amd]" in capsys.readouterr().err  # an AMD GPU without the library: one line
+
+
+def test_amd_through_the_registry(monkeypatch):
+    from ipw.telemetry.probe import probe_sensors
+
+    clock = PollClock(T0)
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(amd_entry(), clock))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr("ipw.telemetry.polled.time.sleep", lambda s: None)  # the start-up check's wait
+    sensors = probe_sensors(lambda: [], rapl_root=Path("/nonexistent"))
+    try:
+        names = [s.name for s in sensors]
+        assert names == ["amdsmi", "cpu_model"]  # an AMD GPU, and the CPU still estimated
+    finally:
+        for s in sensors:
+            s.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Apple Silicon through zeus-apple-silicon (a faithful fake: the library builds on macOS only).
+# Fields and units from ml-energy/zeus-apple-silicon README.md (AppleEnergyMetrics, mJ, None where the
+# chip has no such channel); the counters move in ~2 s batches (lablup/all-smi#415).  Powers are
+# synthetic: CPU 5 W -> 20 W, GPU 1 W -> 30 W, ANE 0 W, DRAM 0.5 W -> 3 W, the load from 5 s to 25 s.
+
+APPLE_W = {"cpu_total_mj": (5.0, 20.0), "gpu_mj": (1.0, 30.0), "ane_mj": (0.0, 0.0), "dram_mj": (0.5, 3.0)}
+
+
+def apple_entry(duration_s=30.0, batch_s=2.0, backwards_at_s=None):
+    t = np.arange(0.0, duration_s, 0.05)
+    seen = np.floor(t / batch_s) * batch_s  # what the counters show: the energy up to the last batch
+    v = []
+    for x in seen:
+        row = {}
+        for f, (idle, load) in APPLE_W.items():
+            on = min(max(x - 5.0, 0.0), 20.0)
+            row[f] = int(1_000 * (idle * x + (load - idle) * on)) + 10_000_000
+        if backwards_at_s is not None and x >= backwards_at_s:
+            row["gpu_mj"] -= 5_000_000
+        row["gpu_sram_mj"] = None  # M5 chips have no GPU SRAM channel (the README's table)
+        v.append(row)
+    return {"available": True, "library": "zeus-apple-silicon",
+            "cumulative": {"t_ns": [T0 + int(x * 1e9) for x in t], "v": v}}
+
+
+def _apple_sensor(monkeypatch, entry, **kw):
+    from ipw.telemetry import apple
+
+    clock = PollClock(T0)
+    monkeypatch.setattr(apple.sys, "platform", "darwin")
+    monkeypatch.setitem(sys.modules, "zeus_apple_silicon", fake_zeus_apple_silicon(entry, clock, **kw))
+    return apple.probe(threaded=False, clock_ns=clock), clock
+
+
+def test_apple_attribution_and_short_windows(monkeypatch):
+    sensor, clock = _apple_sensor(monkeypatch, apple_entry())
+    long = {r.component: r for r in polled_window(sensor, clock, _ns(9), _ns(21))}
+    short = {r.component: r for r in polled_window(sensor, clock, _ns(24.0), _ns(25.0))}
+    info = sensor.info()
+    sensor.close()
+    assert set(long) == {"apple-cpu", "apple-gpu", "apple-ane", "apple-dram"}
+    gpu = long["apple-gpu"]
+    assert (gpu.source, gpu.quality, gpu.scope) == ("apple.counter", "measured", "chip_rails")
+    assert "not the whole system" in gpu.note and "not the whole system" in info.detail
+    for comp, field in (("apple-cpu", "cpu_total_mj"), ("apple-gpu", "gpu_mj"), ("apple-dram", "dram_mj")):
+        assert long[comp].energy_j == pytest.approx(APPLE_W[field][1] * 12, rel=0.02)
+    assert long["apple-ane"].energy_j == 0.0
+    s = short["apple-gpu"]  # 1 s: half a batch, flagged, with one batch at its power as the bound
+    assert "short window (counter updates every 2 s)" in s.note
+    assert s.quality == "measured_interpolated" and abs(s.energy_j - 30.0) <= float(re.search(r"±([0-9.]+) J", s.note).group(1))
+
+
+def test_apple_backwards_counter_is_reported(monkeypatch):
+    sensor, clock = _apple_sensor(monkeypatch, apple_entry(backwards_at_s=15.0))
+    gpu = {r.component: r for r in polled_window(sensor, clock, _ns(9), _ns(21))}["apple-gpu"]
+    sensor.close()
+    assert "went backwards" in gpu.note and gpu.energy_j < APPLE_W["gpu_mj"][1] * 12  # the gap is not counted
+
+
+def test_apple_missing_library_not_a_mac_and_ioreport_failure(monkeypatch):
+    from ipw.telemetry import apple
+    from ipw.telemetry.polled import Absent
+
+    monkeypatch.setattr(apple.sys, "platform", "linux")
+    with pytest.raises(Absent, match="not macOS"):
+        apple.probe()
+    monkeypatch.setattr(apple.sys, "platform", "darwin")
+    monkeypatch.setitem(sys.modules, "zeus_apple_silicon", None)
+    with pytest.raises(IpwError, match=r"pip install 'ipw\[apple\]'") as exc:
+        apple.probe()
+    assert not isinstance(exc.value, Absent)  # on a Mac, the missing library is said in a run
+    monkeypatch.setitem(sys.modules, "zeus_apple_silicon",
+                        fake_zeus_apple_silicon(apple_entry(), PollClock(T0), fail="IOReport subscription failed"))
+    with pytest.raises(IpwError, match="IOReport subscription failed"):
+        apple.probe(threaded=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Jetson: a fake sysfs hwmon tree (file names from rbonghi/jetson_stats jtop/core/power.py and the
+# kernel's Documentation/hwmon/ina238.rst).  Values synthetic: an Orin's VDD_IN at 5 V, 1.4 A idle
+# and 5 A under load; its rails inside it; a Thor's INA238 reporting µW.
+
+
+def orin_entry(duration_s=20.0, load=(5.0, 15.0)):
+    t = np.arange(0.0, duration_s, 0.05)
+    on = (t >= load[0]) & (t < load[1])
+    series = {"hwmon1/in1_input": [5000] * t.size, "hwmon1/curr1_input": np.where(on, 5000, 1400).tolist(),
+              "hwmon1/in2_input": [5000] * t.size, "hwmon1/curr2_input": np.where(on, 3000, 400).tolist(),
+              "hwmon1/in3_input": [5000] * t.size, "hwmon1/curr3_input": np.where(on, 800, 500).tolist()}
+    files = {"hwmon1/name": "ina3221", "hwmon1/update_interval": "20", "hwmon1/in1_label": "VDD_IN",
+             "hwmon1/in2_label": "VDD_CPU_GPU_CV", "hwmon1/in3_label": "VDD_SOC", "hwmon0/name": "pwmfan"}
+    t_ns = [T0 + int(x * 1e9) for x in t]
+    return {"available": True, "files": files,
+            "series": {k: {"t_ns": t_ns, "v": [int(x) for x in v]} for k, v in series.items()}}
+
+
+def _jetson_sensor(entry, tmp_path):
+    from ipw.telemetry import jetson
+
+    clock = PollClock(T0)
+    hw = FakeHwmon(entry, tmp_path / "hwmon", clock)
+    return jetson.probe(tmp_path / "hwmon", threaded=False, clock_ns=clock), hw
+
+
+def _jetson_window(sensor, hw, a_s, b_s):
+    drive_hwmon(sensor, hw, _ns(a_s))
+    token = sensor.begin()
+    drive_hwmon(sensor, hw, _ns(b_s))
+    pending = sensor.end(token)
+    drive_hwmon(sensor, hw, _ns(b_s + sensor.settle_s + 0.1))
+    assert pending.ready()
+    return pending.result()
+
+
+def test_jetson_orin_board_input_with_rails_inside(tmp_path):
+    sensor, hw = _jetson_sensor(orin_entry(), tmp_path)
+    readings = _jetson_window(sensor, hw, 6.0, 14.0)
+    short = _jetson_window(sensor, hw, 16.0, 16.01)
+    info = sensor.info()
+    sensor.close()
+    (board,) = readings  # the rails are inside VDD_IN: never readings of their own
+    assert (board.component, board.source, board.scope) == ("jetson-board", "jetson.power", "board")
+    assert board.energy_j == pytest.approx(5.0 * 5.0 * 8, rel=0.01)  # 5 V x 5 A for 8 s
+    assert "inside it: VDD_CPU_GPU_CV 120 J, VDD_SOC 32 J" in board.note  # 5 V x 3 A and 0.8 A for 8 s
+    assert "short window" in short[0].note
+    assert info.components == ("jetson-board",) and "never added" in info.detail
+
+
+def test_jetson_thor_ina238(tmp_path):
+    t = np.arange(0.0, 10.0, 0.05)
+    entry = {"files": {"hwmon3/name": "ina238"},
+             "series": {"hwmon3/power1_input": {"t_ns": [T0 + int(x * 1e9) for x in t],
+                                                "v": np.where(t >= 5.0, 90_000_000, 30_000_000).tolist()}}}
+    sensor, hw = _jetson_sensor(entry, tmp_path)
+    (board,) = _jetson_window(sensor, hw, 6.0, 9.0)
+    sensor.close()
+    assert board.component == "jetson-board" and "VIN" in board.note
+    assert board.energy_j == pytest.approx(90.0 * 3, rel=0.01)
+
+
+def test_jetson_absent_and_no_permission(tmp_path, monkeypatch):
+    from ipw.telemetry import jetson
+    from ipw.telemetry.polled import Absent
+
+    with pytest.raises(Absent, match="no INA3221/INA238"):
+        jetson.probe(tmp_path / "nothing")
+    clock = PollClock(T0)
+    FakeHwmon(orin_entry(), tmp_path / "hwmon", clock)
+    real = Path.read_text
+
+    def denied(self, *a, **k):  # this runs as root, where chmod does not deny a read: deny it here
+        if self.name == "curr1_input":
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(IpwError, match="curr1_input: permission denied"):
+        jetson.probe(tmp_path / "hwmon", threaded=False, clock_ns=clock)
+
+
+# --------------------------------------------------------------------------------------------------
+# NVIDIA superchips: module power scope (probe as ml-energy/zeus zeus/device/gpu/nvidia.py
+# _resolve_power_field_scope); the module's power beyond the GPU is module0
+
+
+def test_superchip_module_minus_gpu(monkeypatch):
+    from ipw.telemetry import superchip
+
+    sig, _clock = synthetic(30.0, idle_w=100.0, load_w=400.0, load=(10.0, 20.0))
+    fake = make_fake(monkeypatch, [sig], _clock)
+    clock = PollClock(_clock.mono())
+    _clock.mono = clock  # the fake's GPU answers follow the polled sensor's clock
+    inst = {"t_ns": sig.inst_t_ns.tolist(), "v": sig.inst_mw.tolist()}
+
+    def module_mw():  # the GPU plus a Grace CPU and memory drawing 150 W
+        return int(answer_at(inst, clock())) + 150_000
+
+    scoped_fields(fake, module_mw=module_mw)
+    sensor = superchip.probe(threaded=False, clock_ns=clock)
+    (r,) = polled_window(sensor, clock, clock.t_ns + int(12e9), clock.t_ns + int(18e9))
+    sensor.close()
+    assert (r.component, r.scope, r.source) == ("module0", "module", "nvml.module.power")
+    assert r.energy_j == pytest.approx(150.0 * 6, rel=0.01)
+
+    scoped_fields(fake, gpu_scope=False, module_mw=module_mw)  # GPU scope not offered (GH200 per Zeus)
+    with pytest.raises(IpwError, match="cannot be separated"):
+        superchip.probe(threaded=False)
+
+
+def test_discrete_gpu_has_gpu_scope_and_a_note(monkeypatch):
+    from ipw.telemetry import superchip
+    from ipw.telemetry.polled import Absent
+
+    sig, clock = synthetic(10.0)
+    fake = make_fake(monkeypatch, [sig], clock)
+    scoped_fields(fake)
+    with pytest.raises(Absent, match="not a superchip"):
+        superchip.probe(threaded=False)
+    sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
+    info = sensor.info()
+    sensor.close()
+    assert info.params["power_scopes"] == {"gpu0": {"gpu": "ok", "module": "NVML_ERROR_NOT_SUPPORTED"}}
+    assert "power scope: GPU (NVML offers no module scope here)" in info.detail
+
+
+# --------------------------------------------------------------------------------------------------
+# ipw doctor on this CPU VM: every platform listed, with why it is unavailable
+
+
+def test_doctor_lists_every_platform_with_why(monkeypatch):
+    from ipw.commands import doctor as doctor_mod
+    from ipw.telemetry.probe import PLATFORMS
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    rows = {r[0]: r for r in doctor_mod.sensor_rows()}
+    assert set(rows) >= {"nvml", "rapl", "cpu_model", *(e.name for e in PLATFORMS)}
+    for e in PLATFORMS:
+        assert rows[e.name][1] == "no" and rows[e.name][4] == e.scope and rows[e.name][6] not in ("", "-")
+    assert "not macOS" in rows["apple"][6] and "INA3221" in rows["jetson"][6]
+    assert "ipw[amd]" in rows["amdsmi"][6]
+    buf = io.StringIO()
+    assert doctor(False, file=buf) == 0
+    assert "ipw[amd]" in buf.getvalue()  # printed as text, not eaten as rich markup

@@ -105,6 +105,8 @@ class JetsonPlatform(Platform):
         rails, interval = discover_rails(self.root)
         if not rails:
             raise Absent(f"{self.root}: no INA3221/INA238 power monitor (not a Jetson board)")
+        for r in rails:
+            r.watts()  # fail now, with the fix, where the files are not readable
         self.update_interval_s = interval
         self.counter_step_s = max(self.period_s, interval or 0.0)
         inputs = [r for r in rails if r.label in INPUT_LABELS]
@@ -115,7 +117,7 @@ class JetsonPlatform(Platform):
             is_input = r is self.input
             comp = "jetson-board" if is_input else _component(r.label)
             note = f"board input {r.label}" if is_input else \
-                ("" if self.input else f"rail {r.label}; no board input channel: the board's other consumers are not measured")
+                (r.label if self.input else f"rail {r.label}; no board input channel: the board's other consumers are not measured")
             self.channels.append(Channel(comp, "board", "jetson", has_counter=r.joules() is not None, has_power=True,
                                          note=note, part_of=None if is_input or not self.input else "jetson-board"))
 

@@ -204,7 +204,7 @@ class PendingPolled(Deferred):
         self._result: list[EnergyReading] | None = None
 
     def ready(self) -> bool:
-        return self._result is not None or self.sensor.polled_until() >= self.end_s
+        return self._result is not None or self.sensor.polled_until() >= self.end_s + self.sensor.settle_s
 
     def result(self) -> list[EnergyReading]:
         if self._result is None:
@@ -279,6 +279,13 @@ class PolledSensor(SensorBase):
             self.poll()
             self._cpu_s = time.thread_time() - cpu0
 
+    @property
+    def settle_s(self) -> float:
+        """How long after a window's end its result is final: one poll, and for a channel with only a
+        counter, one update of the counter too (its energy up to the end shows only then)."""
+        counter_only = any(c.has_counter and not c.has_power for c in self.platform.channels)
+        return self.platform.period_s + (self.platform.counter_step_s if counter_only else 0.0)
+
     def polled_until(self) -> float:
         """Monotonic seconds up to which windows are final (``inf`` once stopped)."""
         if self._stop.is_set() or (self._thread is not None and not self._thread.is_alive()):
@@ -341,8 +348,24 @@ class PolledSensor(SensorBase):
                 short_window_s=max(self.platform.counter_step_s, self.platform.period_s),
                 max_gap_s=max(0.25, 2.5 * self.platform.period_s),
             )
+            if c.has_counter and not c.has_power:
+                estimates = [self._unmoved(e, a["ct"], a["cj"]) for e in estimates]
             out[c.component] = [(replace(e, source=_relabel(e, c.prefix)), notes) for e in estimates]
         return out
+
+    def _unmoved(self, est: WindowEstimate, ct: np.ndarray, cj: np.ndarray) -> WindowEstimate:
+        """A counter-only channel whose counter did not change from a read before the window to a read
+        an update period after it: 0 J, said so (idle, e.g. an unused ANE; no power reading tells a
+        stalled counter apart).  The estimator has no change points to interpolate there."""
+        if est.energy_j is not None or ct.size < 2:
+            return est
+        step = self.platform.counter_step_s
+        around = (ct >= est.start_s - step) & (ct <= est.end_s + step)
+        if ct[0] > est.start_s or ct[-1] < est.end_s + step or around.sum() < 2 or np.ptp(cj[around]) != 0:
+            return est
+        return replace(est, energy_j=0.0, coverage=1.0, quality="measured_interpolated", source="nvml.counter",
+                       note=f"counter did not move from {step:g} s before to {step:g} s after the window: 0 J "
+                            "(idle, or stalled: no power reading tells them apart)")
 
     def readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
         """One reading per channel for ``[start_s, end_s]``; never raises."""
@@ -358,7 +381,8 @@ class PolledSensor(SensorBase):
                 continue
             est, notes = per[c.component][0]
             parts = [n for n in (c.note, *notes, est.note) if n]
-            rails = [(r.component, per[r.component][0][0]) for r in self.platform.channels if r.part_of == c.component]
+            rails = [(r.note or r.component, per[r.component][0][0]) for r in self.platform.channels
+                     if r.part_of == c.component]
             if rails:
                 parts.append("inside it: " + ", ".join(
                     f"{name} {'-' if e.energy_j is None else _fmt_j(e.energy_j)}" for name, e in rails))
