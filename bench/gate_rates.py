@@ -112,22 +112,175 @@ def make_runs(work: Path, cycles: int) -> None:
             print(proc.stderr[-2000:], file=sys.stderr)
 
 
+def load_stream(work: Path) -> list[dict]:
+    """The complete runs of the stream, in order, with their log entries (a run made again: its last entry)."""
+    from ipw.results import load_run
+
+    log = {}
+    if (work / "runs.jsonl").is_file():
+        for line in (work / "runs.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            log[entry["index"]] = entry
+    out = []
+    for folder in sorted((work / "runs").iterdir()):
+        run_dir = complete(folder)
+        if run_dir is None:
+            break  # the stream's complete prefix
+        index, kind = int(folder.name[:3]), folder.name[4:]
+        manifest, frame = load_run(run_dir)
+        out.append({"index": index, "kind": kind, "dir": run_dir, "manifest": manifest, "frame": frame,
+                    "log": log.get(index, {})})
+    return out
+
+
+def scaled(run: dict, factor: float):
+    return run["manifest"], run["frame"].assign(energy_j=run["frame"]["energy_j"] * factor)
+
+
+def verdict_row(result) -> dict:
+    energy = next(v for v in result.verdicts if v.metric == "energy_per_query")
+    failing = sorted({v.metric for v in result.verdicts if v.status == "regression"})
+    return {"energy_change_pct": round(energy.change, 3), "energy_p": round(energy.p_value, 5),
+            "energy_floor_pct": None if energy.floor != energy.floor else round(energy.floor, 3),
+            "energy_status": energy.status, "failing": "+".join(failing), "exit": result.exit_code,
+            "output_tokens_status": next((v.status for v in result.verdicts if v.metric == "output_tokens"), "")}
+
+
+def smallest_caught(judge, hi: float = 100.0, step: float = 0.1) -> float:
+    """The smallest energy increase (%, of every candidate query) that the energy row calls a regression: found by
+    bisection (the change, the p-value and the floor move monotonically with the factor)."""
+    lo_pct, hi_pct = 0.0, hi
+    if judge(hi_pct / 100) != "regression":
+        return float("inf")
+    while hi_pct - lo_pct > step:
+        mid = (lo_pct + hi_pct) / 2
+        if judge(mid / 100) == "regression":
+            hi_pct = mid
+        else:
+            lo_pct = mid
+    return round(hi_pct, 2)
+
+
+def analyse(work: Path, results: Path, lag: int) -> dict:
+    import csv
+
+    import numpy as np
+
+    from ipw.analysis.check import DEFAULT_THRESHOLDS, check_interleaved, check_runs, parse_threshold
+
+    thresholds = [parse_threshold(t) for t in DEFAULT_THRESHOLDS]
+    stream = load_stream(work)
+    a_runs = [r for r in stream if r["kind"] == "A"]
+    rows = []
+
+    def interleaved(a1, b1, b2, a2, factor=1.0):
+        return check_interleaved([("A", a1["manifest"], a1["frame"]), ("B", *scaled(b1, factor)),
+                                  ("B", *scaled(b2, factor)), ("A", a2["manifest"], a2["frame"])], thresholds)
+
+    def committed(base, cand, factor=1.0):
+        return check_runs(base["manifest"], base["frame"], *scaled(cand, factor), thresholds)
+
+    # interleaved, identical: 4 consecutive A runs as A B B A (symmetric in time in this stream)
+    for i in range(len(a_runs) - 3):
+        q = a_runs[i:i + 4]
+        row = {"mode": "interleaved", "kind": "identical", "runs": "-".join(str(r["index"]) for r in q),
+               **verdict_row(interleaved(*q))}
+        row["smallest_caught_pct"] = smallest_caught(lambda f: next(
+            v.status for v in interleaved(*q, factor=1 + f).verdicts if v.metric == "energy_per_query"))
+        rows.append(row)
+    # committed baseline, identical: every pair of A runs >= lag apart, the earlier as baseline
+    for i, base in enumerate(a_runs):
+        for cand in a_runs[i + 1:]:
+            if cand["index"] - base["index"] < lag:
+                continue
+            row = {"mode": "committed", "kind": "identical", "runs": f"{base['index']}-{cand['index']}",
+                   **verdict_row(committed(base, cand))}
+            row["smallest_caught_pct"] = smallest_caught(lambda f: next(
+                v.status for v in committed(base, cand, factor=1 + f).verdicts if v.metric == "energy_per_query"))
+            rows.append(row)
+    # real regressions: A R R A around each pair of R runs; and each R run against the earlier A runs
+    by_index = {r["index"]: r for r in stream}
+    for r in stream:
+        if r["kind"] == "A" or r["index"] % 4 != 2 or r["index"] + 2 not in by_index:
+            continue
+        a1, r1, r2, a2 = (by_index[r["index"] + k] for k in (-1, 0, 1, 2))
+        rows.append({"mode": "interleaved", "kind": r["kind"], "runs": f"{a1['index']}-{r1['index']}-{r2['index']}-"
+                     f"{a2['index']}", **verdict_row(interleaved(a1, r1, r2, a2))})
+    for cand in (r for r in stream if r["kind"] != "A"):
+        for base in a_runs:
+            if cand["index"] - base["index"] >= lag:
+                rows.append({"mode": "committed", "kind": cand["kind"], "runs": f"{base['index']}-{cand['index']}",
+                             **verdict_row(committed(base, cand))})
+
+    results.mkdir(parents=True, exist_ok=True)
+    with (results / "verdicts.csv").open("w", newline="") as f:
+        keys = ["mode", "kind", "runs", "energy_change_pct", "energy_p", "energy_floor_pct", "energy_status", "failing",
+                "exit", "output_tokens_status", "smallest_caught_pct"]
+        w = csv.DictWriter(f, keys)
+        w.writeheader()
+        w.writerows(rows)
+    with (results / "runs.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["index", "kind", "started", "wall_s", "loadavg_before_1m", "loadavg_after_1m", "j_per_query",
+                    "output_tokens", "cpu"])
+        for r in stream:
+            e = r["frame"]["energy_j"]
+            w.writerow([r["index"], r["kind"], r["log"].get("started"), r["log"].get("wall_s"),
+                        (r["log"].get("loadavg_before") or [None])[0], (r["log"].get("loadavg_after") or [None])[0],
+                        round(float(e.mean()), 4), int(r["frame"]["completion_tokens"].sum()),
+                        (r["manifest"].get("hardware") or {}).get("cpu_model")])
+    with (results / "per_query.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["index", "kind", "query_id", "energy_j", "prompt_tokens", "completion_tokens", "latency_s"])
+        for r in stream:
+            for _, q in r["frame"].iterrows():
+                w.writerow([r["index"], r["kind"], q["query_id"], round(float(q["energy_j"]), 5), q["prompt_tokens"],
+                            q["completion_tokens"], round(float(q["latency_s"]), 4)])
+    (results / "manifest-first-run.json").write_text(json.dumps(stream[0]["manifest"], indent=1) + "\n")
+
+    summary = {"runs": len(stream), "a_runs": len(a_runs), "lag": lag, "thresholds": list(DEFAULT_THRESHOLDS),
+               "backend": BACKEND, "modes": {}}
+    for mode in ("committed", "interleaved"):
+        ident = [x for x in rows if x["mode"] == mode and x["kind"] == "identical"]
+        caught = sorted(x["smallest_caught_pct"] for x in ident)
+        m = {"identical": {"n": len(ident), "false_alarms": sum(x["exit"] != 0 for x in ident),
+                           "energy_regressions": sum(x["energy_status"] == "regression" for x in ident),
+                           "energy_inconclusive": sum(x["energy_status"] == "inconclusive" for x in ident),
+                           "largest_change_pct": max((abs(x["energy_change_pct"]) for x in ident), default=None),
+                           "smallest_caught_95_pct": float(np.quantile(caught, 0.95, method="higher")) if caught else None,
+                           "smallest_caught_50_pct": float(np.quantile(caught, 0.5, method="higher")) if caught else None}}
+        for kind in KINDS:
+            reg = [x for x in rows if x["mode"] == mode and x["kind"] == kind]
+            if reg:
+                m[kind] = {"n": len(reg), "caught": sum(x["exit"] == 1 for x in reg),
+                           "caught_by_energy": sum(x["energy_status"] == "regression" for x in reg),
+                           "caught_by_work_gate": sum(x["output_tokens_status"] == "regression" for x in reg),
+                           "energy_change_pct": [min(x["energy_change_pct"] for x in reg),
+                                                 float(np.median([x["energy_change_pct"] for x in reg])),
+                                                 max(x["energy_change_pct"] for x in reg)]}
+        summary["modes"][mode] = m
+    loads = [x for r in stream for x in ((r["log"].get("loadavg_before") or [None])[0],
+                                          (r["log"].get("loadavg_after") or [None])[0]) if x is not None]
+    summary["loadavg_1m"] = {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)} if loads else None
+    summary["first_started"] = stream[0]["log"].get("started")
+    summary["last_started"] = stream[-1]["log"].get("started")
+    (results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=17)
     parser.add_argument("--work", type=Path, default=Path("/tmp/gate-rates"))
     parser.add_argument("--analyse-only", action="store_true")
-    parser.add_argument("--lag", type=int, default=8, help="committed mode: runs between baseline and candidate")
+    parser.add_argument("--lag", type=int, default=8, help="committed mode: stream positions between baseline and "
+                        "candidate (at least)")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "gate-rates")
     args = parser.parse_args()
     if not args.analyse_only:
         make_runs(args.work, args.cycles)
-    try:
-        from gate_analysis import analyse  # noqa: F401  (written below once ipw check's interleaved mode exists)
-    except ImportError:
-        analyse = None
-    if analyse is not None:
-        analyse(args)
+    analyse(args.work, args.results, args.lag)
     return 0
 
 
