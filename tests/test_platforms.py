@@ -556,3 +556,45 @@ def test_doctor_lists_every_platform_with_why(monkeypatch):
     buf = io.StringIO()
     assert doctor(False, file=buf) == 0
     assert "ipw[amd]" in buf.getvalue()  # printed as text, not eaten as rich markup
+
+
+# --------------------------------------------------------------------------------------------------
+# --record-trace on the other platforms: what the recorders write is what the fakes replay
+
+
+def test_amd_and_jetson_recorders_write_what_the_fakes_replay(monkeypatch, tmp_path):
+    from ipw.telemetry import jetson
+    from ipw.telemetry.recording import AmdRecorder, AppleRecorder, JetsonRecorder
+
+    live = amd_entry()  # answered on the real clock, from now on
+    start = time.monotonic_ns()
+    for key in ("energy_count", "power_info"):
+        live["devices"][0][key]["t_ns"] = [start + t - T0 for t in live["devices"][0][key]["t_ns"]]
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(live, time.monotonic_ns))
+    monkeypatch.setattr(jetson, "DEFAULT_ROOT", tmp_path / "hwmon")
+    FakeHwmon(orin_entry(), tmp_path / "hwmon", PollClock(T0 + int(6e9)))  # the load's values, held
+    monkeypatch.setattr("ipw.telemetry.apple.sys.platform", "darwin")
+    monkeypatch.setitem(sys.modules, "zeus_apple_silicon", fake_zeus_apple_silicon(apple_entry(), PollClock(T0)))
+    trace = record(0.5, recs=[AmdRecorder(), AppleRecorder(), JetsonRecorder()])
+    path = write_trace(trace, tmp_path / "t.json.gz")
+    got = read_trace(path)["platforms"]
+    assert got["amdsmi"]["devices"][0]["market_name"] == "AMD Instinct MI300X"
+    assert got["amdsmi"]["devices"][0]["energy_count"]["v"][0]["counter_resolution"] == RES_UJ
+    assert got["jetson"]["files"]["hwmon1/in1_label"] == "VDD_IN" and "hwmon0/name" not in got["jetson"]["files"]
+    assert set(got["apple"]["cumulative"]["v"][0]) == {"cpu_total_mj", "gpu_mj", "ane_mj", "dram_mj"}
+
+    # replay the recorded entries through the same fakes
+    clock = PollClock(got["amdsmi"]["devices"][0]["power_info"]["t_ns"][0])
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(got["amdsmi"], clock))
+    from ipw.telemetry import amd
+
+    sensor = amd.probe(threaded=False, clock_ns=clock)
+    (r,) = polled_window(sensor, clock, clock.t_ns + int(0.1e9), clock.t_ns + int(0.3e9))
+    sensor.close()
+    assert r.energy_j == pytest.approx(140 * 0.2, rel=0.05)  # the idle power the recorder saw
+    hw_clock = PollClock(got["jetson"]["series"]["hwmon1/curr1_input"]["t_ns"][0])
+    FakeHwmon(got["jetson"], tmp_path / "replay", hw_clock)
+    sensor = jetson.probe(tmp_path / "replay", threaded=False, clock_ns=hw_clock)
+    (board,) = polled_window(sensor, hw_clock, hw_clock.t_ns + int(0.1e9), hw_clock.t_ns + int(0.3e9))
+    sensor.close()
+    assert board.energy_j == pytest.approx(25.0 * 0.2, rel=0.02)  # 5 V x 5 A

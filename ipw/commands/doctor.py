@@ -480,6 +480,9 @@ def _trace_summary(entry: dict[str, Any]) -> str:
             counts = [f"{k} {len(v.get('v', []))}" for k, v in item.items() if isinstance(v, dict) and "v" in v]
             errors = len(item.get("errors", []))
             parts.append(f"{label}: {', '.join(counts)}" + (f", {errors} errors" if errors else ""))
+    parts += [f"{k} {len(v['v'])}" for k, v in entry.items() if isinstance(v, dict) and "v" in v]
+    if entry.get("series"):
+        parts.append(f"{len(entry['series'])} value files, {max(len(v['v']) for v in entry['series'].values())} reads each")
     return "; ".join(parts) or "-"
 
 

@@ -239,12 +239,142 @@ class RaplRecorder(Recorder):
 
 
 # --------------------------------------------------------------------------------------------------
+# the platforms of ipw.telemetry.polled: each library's answers as it gave them
+
+
+class AmdRecorder(Recorder):
+    """Per GPU: ``amdsmi_get_energy_count`` and ``amdsmi_get_power_info`` answers (dicts, as returned;
+    ``{"status": code}`` where the call raised) every 50 ms."""
+
+    name = "amdsmi"
+    period_s = 0.05
+
+    def open(self) -> None:
+        from ipw.telemetry import amd
+
+        try:
+            self.lib = lib = amd.import_amdsmi()
+            lib.amdsmi_init(lib.AmdSmiInitFlags.INIT_AMD_GPUS)
+        except IpwError as exc:
+            raise Unavailable(exc.message) from exc
+        except Exception as exc:  # noqa: BLE001 - amdsmi_init's own failure (no permission, no driver)
+            raise Unavailable(f"amdsmi_init: {amd._status(lib, exc)}") from exc
+        self.handles = list(lib.amdsmi_get_processor_handles())
+        if not self.handles:
+            lib.amdsmi_shut_down()
+            raise Unavailable("amdsmi: no AMD GPU found")
+        self.devices = [{"index": i, "market_name": str(lib.amdsmi_get_gpu_asic_info(h).get("market_name", "?")),
+                         "energy_count": series(), "power_info": series(), "errors": []}
+                        for i, h in enumerate(self.handles)]
+
+    def _answer(self, fn: Callable[[], dict[str, Any]], keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+        try:
+            d = fn()
+        except self.lib.AmdSmiLibraryException as exc:
+            return {"status": exc.get_error_code()}
+        return {k: v for k, v in d.items() if keys is None or k in keys}
+
+    def poll(self, now_ns: int) -> None:
+        lib = self.lib
+        for h, dev in zip(self.handles, self.devices):
+            t0 = time.monotonic_ns()
+            _push(dev["energy_count"], t0, self._answer(lambda: lib.amdsmi_get_energy_count(h)))
+            t0 = time.monotonic_ns()
+            _push(dev["power_info"], t0, self._answer(lambda: lib.amdsmi_get_power_info(h),
+                                                      ("current_socket_power", "average_socket_power", "power_limit")))
+
+    def dump(self) -> dict[str, Any]:
+        return {"available": True, "library": "amdsmi", "devices": self.devices}
+
+    def close(self) -> None:
+        self.lib.amdsmi_shut_down()
+
+
+class AppleRecorder(Recorder):
+    """``AppleEnergyMonitor.get_cumulative_energy()`` (the CPU, GPU, ANE, DRAM fields, mJ) every 50 ms."""
+
+    name = "apple"
+    period_s = 0.05
+
+    def open(self) -> None:
+        from ipw.telemetry import apple
+
+        try:
+            lib = apple.import_zeus_apple_silicon()
+            self.monitor = lib.AppleEnergyMonitor()
+        except IpwError as exc:
+            raise Unavailable(exc.message) from exc
+        except RuntimeError as exc:
+            raise Unavailable(f"zeus-apple-silicon: {exc}") from exc
+        self.fields = apple.FIELDS
+        self.metric = apple._metric
+        self.cumulative = series()
+
+    def poll(self, now_ns: int) -> None:
+        t0 = time.monotonic_ns()
+        m = self.monitor.get_cumulative_energy()
+        _push(self.cumulative, (t0 + time.monotonic_ns()) // 2, {f: self.metric(m, f) for f in self.fields.values()})
+
+    def dump(self) -> dict[str, Any]:
+        return {"available": True, "library": "zeus-apple-silicon", "cumulative": self.cumulative}
+
+
+class JetsonRecorder(Recorder):
+    """Every INA3221/INA2xx hwmon directory: its name, labels and update interval once, and each value
+    file (``in*_input``, ``curr*_input``, ``power1_input``, ``energy1_input``: the text, as an int)
+    every 50 ms, named relative to the hwmon root."""
+
+    name = "jetson"
+    period_s = 0.05
+
+    def __init__(self, root: Path | None = None) -> None:
+        from ipw.telemetry import jetson
+
+        self.root = Path(root) if root is not None else jetson.DEFAULT_ROOT
+
+    def open(self) -> None:
+        from ipw.telemetry import jetson
+
+        self.files: dict[str, str] = {}
+        self.series: dict[str, dict[str, list[Any]]] = {}
+        if not self.root.is_dir():
+            raise Unavailable(f"{self.root}: no hwmon")
+        for d in sorted(self.root.iterdir()):
+            name = d / "name"
+            if not name.is_file():
+                continue
+            chip = name.read_text().strip()
+            if chip != jetson.INA3221 and chip not in jetson.INA2XX:
+                continue
+            for f in sorted(d.iterdir()):
+                rel = f"{d.name}/{f.name}"
+                if f.name == "name" or f.name.endswith("_label") or f.name in ("label", "update_interval"):
+                    self.files[rel] = f.read_text().strip()
+                elif f.name.endswith("_input") and f.name[:2] in ("in", "cu", "po", "en"):
+                    self.series[rel] = series()
+        if not self.series:
+            raise Unavailable(f"{self.root}: no INA3221/INA238 power monitor (not a Jetson board)")
+
+    def poll(self, now_ns: int) -> None:
+        for rel, s in self.series.items():
+            t0 = time.monotonic_ns()
+            try:
+                v = int((self.root / rel).read_text().split()[0])
+            except (OSError, ValueError):
+                continue
+            _push(s, (t0 + time.monotonic_ns()) // 2, v)
+
+    def dump(self) -> dict[str, Any]:
+        return {"available": True, "root": str(self.root), "files": self.files, "series": self.series}
+
+
+# --------------------------------------------------------------------------------------------------
 # the recording loop and the file
 
 
 def recorders() -> list[Recorder]:
     """One recorder per platform, in the order ``ipw doctor`` lists them."""
-    return [NvmlRecorder(), RaplRecorder()]
+    return [NvmlRecorder(), AmdRecorder(), AppleRecorder(), JetsonRecorder(), RaplRecorder()]
 
 
 def record(seconds: float, *, load: Callable[[], None] | None = None, load_at_s: float = 0.0,
