@@ -598,3 +598,18 @@ def test_amd_and_jetson_recorders_write_what_the_fakes_replay(monkeypatch, tmp_p
     (board,) = polled_window(sensor, hw_clock, hw_clock.t_ns + int(0.1e9), hw_clock.t_ns + int(0.3e9))
     sensor.close()
     assert board.energy_j == pytest.approx(25.0 * 0.2, rel=0.02)  # 5 V x 5 A
+
+
+def test_doctor_reports_a_distrusted_counter(monkeypatch):
+    """A counter that does not move while the power says 600 W: ipw doctor's cross-check row."""
+    from ipw.commands import doctor as doctor_mod
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr("ipw.telemetry.amd.amd_gpu_present", lambda: True)
+    stalled = amd_entry(counter=lambda t, acc: np.full_like(acc, acc[0]))
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(stalled, PollClock(_ns(15))))  # held in the load
+    rows = doctor_mod.counter_check_rows(seconds=0.5)
+    assert [r[:3] for r in rows] == [["amdsmi", "amd0", "DISTRUSTED"]]
+    assert "did not move" in rows[0][4] and "600 W" in rows[0][4]
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    assert doctor_mod.counter_check_rows(seconds=0.5) == []  # nothing to check here: no wait, no row

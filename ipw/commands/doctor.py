@@ -155,6 +155,58 @@ def sensor_rows() -> list[list[str]]:
     return rows
 
 
+def counter_check_rows(seconds: float = 3.0) -> list[list[str]]:
+    """Each energy counter read beside power readings for ``seconds``, checked
+    (:func:`ipw.telemetry.polled.counter_checks`): one row per component: sensor, component, verdict,
+    counter / (power x time), problems (a counter without power readings: backwards only).  A counter
+    that fails is what a run labels "counter distrusted, not used".  Empty, without waiting, where no
+    sensor here reads a counter."""
+    from ipw.errors import IpwError
+    from ipw.telemetry.estimator import CALIBRATION_BOUNDS
+    from ipw.telemetry.polled import counter_checks
+    from ipw.telemetry.probe import platform_sensors
+    from ipw.telemetry.sampler import COUNTER_STEP_S, hold_counter_reads
+
+    import numpy as np
+
+    sensors: list[Any] = []
+    try:
+        from ipw.telemetry.nvml import NvmlSensor
+
+        nvml = NvmlSensor.probe()
+        if nvml is not None:
+            sensors.append(nvml)
+    except IpwError:
+        pass
+    sensors += [s for _, s in platform_sensors(quiet=True)[0]]
+    rows: list[list[str]] = []
+    try:
+        if sensors:
+            time.sleep(seconds)
+        for sensor in sensors:
+            if sensor.name == "nvml":
+                lo, hi = CALIBRATION_BOUNDS
+                for comp in sensor.sampler.components():
+                    a = sensor.sampler.arrays(comp)
+                    ct, cj = hold_counter_reads(a["counter_t_s"], a["counter_j"])
+                    c = counter_checks(ct, cj, a["samples_t_s"], a["samples_w"], step_s=COUNTER_STEP_S,
+                                       tolerance=max(1 - lo, hi - 1),
+                                       backwards_at_s=[float(t) for t, d in zip(ct[1:], np.diff(cj)) if d < 0])
+                    rows.append(_check_row("nvml", comp, c))
+            else:
+                for comp, c in sensor.check().items():
+                    rows.append(_check_row(sensor.name, comp, c))
+    finally:
+        for sensor in sensors:
+            sensor.close()
+    return rows
+
+
+def _check_row(sensor: str, comp: str, c: Any) -> list[str]:
+    return [sensor, comp, "ok" if c.ok else "DISTRUSTED", "-" if c.ratio is None else f"{c.ratio:.4f}",
+            "; ".join(c.problems) or "-"]
+
+
 # --------------------------------------------------------------------------------------------------
 # the GPU self-test
 
@@ -520,6 +572,12 @@ def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | N
     rows = sensor_rows()
     out.table("sensors on this machine (probed in this order)",
               ["sensor", "available", "source", "quality", "scope", "resolution", "detail"], rows)
+    checks = counter_check_rows()
+    if checks:
+        out.table("energy counters checked against power x time (a DISTRUSTED counter is not used in a run)",
+                  ["sensor", "component", "counter", "counter / power x time", "problems"], checks)
+    else:
+        out.line("counter cross-checks: no sensor here reads an energy counter beside power readings")
     out.table("engines (checked in a worker process)", ["engine", "status", "detail"], engine_rows())
     if record_trace is not None:
         record_trace_file(record_trace, seconds, out)
