@@ -613,3 +613,21 @@ def test_doctor_reports_a_distrusted_counter(monkeypatch):
     assert "did not move" in rows[0][4] and "600 W" in rows[0][4]
     monkeypatch.setitem(sys.modules, "amdsmi", None)
     assert doctor_mod.counter_check_rows(seconds=0.5) == []  # nothing to check here: no wait, no row
+
+
+def test_a_jetson_run_measures_the_board_and_no_cpu_estimate(monkeypatch, tmp_path):
+    """Through the real registry: the board input includes the CPU, so the CPU model is not added."""
+    from ipw.telemetry import jetson
+    from ipw.telemetry.probe import describe_sensors, probe_sensors
+
+    FakeHwmon(orin_entry(), tmp_path / "hwmon", PollClock(T0))
+    monkeypatch.setattr(jetson, "DEFAULT_ROOT", tmp_path / "hwmon")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    sensors = probe_sensors(lambda: [], rapl_root=tmp_path / "no-rapl")
+    try:
+        assert [s.name for s in sensors] == ["jetson"]
+    finally:
+        for s in sensors:
+            s.close()
+    cpu = next(i for i in describe_sensors(rapl_root=tmp_path / "no-rapl") if i.name == "cpu_model")
+    assert cpu.detail.startswith("not used: jetson measures the CPU")

@@ -145,6 +145,7 @@ class JetsonPlatform(Platform):
                 "rails": [r.label for r in self.rails], "update_interval_s": self.update_interval_s}
 
 
-def probe(root: Path = DEFAULT_ROOT, **kwargs: Any) -> PolledSensor:
-    """The Jetson sensor; IpwError with the reason when there is no INA power monitor."""
-    return PolledSensor(JetsonPlatform(root), **kwargs)
+def probe(root: Path | None = None, **kwargs: Any) -> PolledSensor:
+    """The Jetson sensor (hwmon under ``root``, default ``DEFAULT_ROOT``); IpwError with the reason when
+    there is no INA power monitor."""
+    return PolledSensor(JetsonPlatform(DEFAULT_ROOT if root is None else root), **kwargs)
