@@ -67,3 +67,44 @@ def test_measurement_sd_of_a_records_parts():
     assert indep == pytest.approx(np.sqrt(sd_gpu ** 2 - (0.0022 * 10.0) ** 2))
     old = [{k: v for k, v in p.items() if k != "uncertainty_j"} for p in parts]  # a record made before it
     assert measurement_sd(json.dumps(old)) == (0.0, 0.0) and measurement_sd(None) == (0.0, 0.0)
+
+
+def _run(tmp_path, run_id, energies, uncertainty_rel, source="nvml.samples", quality="measured_interpolated"):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from runfolders import create, record
+
+    folder = create(tmp_path, run_id, {"command": ["test"], "config": {},
+                                       "dataset": {"name": "fixture", "n_queries": len(energies), "fingerprint": "sha256:x"}})
+    for i, e in enumerate(energies):
+        part = {"component": "gpu0", "energy_j": e, "source": source, "quality": quality, "scope": "gpu",
+                "duration_s": 0.05, "note": ""}
+        if uncertainty_rel is not None:
+            part["uncertainty_j"] = uncertainty_rel * e
+        folder.append(record(run_id=run_id, query_id=f"q{i}", correct=float(i % 3 == 0), energy_j=e,
+                             energy_quality=quality, energy_source=source, energy_scope="gpu",
+                             energy_parts=json.dumps([part]), start_s=i * 0.06, end_s=i * 0.06 + 0.05))
+    folder.finish("complete")
+    return folder.path
+
+
+@pytest.mark.parametrize("rel, source, quality", [(0.3, "nvml.samples", "measured_interpolated"),
+                                                  (0.6, "model.cpu", "estimated")])
+def test_compare_carries_each_querys_interval(tmp_path, rel, source, quality):
+    """ipw compare on run folders whose readings state uncertainty_j: the J/query CI is wider than the same
+    energies' without it, the point value is the same, and the table and JSON say what the CIs carry."""
+    from ipw.analysis.compare import compare
+    from ipw.analysis.render import to_dict
+
+    e = list(np.random.default_rng(4).normal(7.7, 0.5, 120))
+    plain = compare([_run(tmp_path / "a", "plain", e, None, source, quality)])
+    carried = compare([_run(tmp_path / "b", "carried", e, rel, source, quality)])
+    (p,), (c,) = plain.metrics.values(), carried.metrics.values()
+    key = "energy_per_query_j"
+    assert c[key].value == pytest.approx(p[key].value)
+    assert c[key].hi - c[key].lo > 1.2 * (p[key].hi - p[key].lo)
+    assert "resample queries only" in plain.measurement and "include measurement error" in carried.measurement
+    assert to_dict(carried)["bootstrap"]["measurement_error"] == carried.measurement
+    assert any("measurement error" in n for n in carried.notes)

@@ -24,7 +24,7 @@ from ipw.analysis import metrics as metric_table
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
-from ipw.analysis.stats import Draws, Estimate, bootstrap_draws, interval, n_resamples
+from ipw.analysis.stats import Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
 from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
@@ -105,6 +105,7 @@ class Comparison:
     # local_coverage, win_tie_coverage, oracle_accuracy, oracle_<energy|latency|cost>_saved_fraction, power_envelope_<i>
     routing_ci: dict[str, Estimate]
     notes: tuple[str, ...] = field(default=())
+    measurement: str = ""  # what the CIs carry besides resampling queries (measurement error, or why not)
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
     judge: tuple[JudgeRow, ...] = ()  # the judge's verdicts and cost, per judged run and backend (and category)
     hardware_note: str | None = None  # the runs were measured on different kinds of machine (the report's banner)
@@ -263,6 +264,26 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int, envelope: list[
     return cols
 
 
+def measurement_errors(pq: PerQuery, col: dict, oq=None) -> tuple[list[MeasurementError], str]:
+    """Each backend's energy column with its queries' measurement errors (``PerQuery.energy_sd_j`` and
+    ``energy_shared_sd_j``), and the routed energy with the error of the backend each query goes to; and
+    one line that says what the CIs carry.  The routed and the cloud-only energy draw their errors apart
+    (a query routed to the cloud is one measurement in both): conservative for the savings."""
+    if pq.energy_sd_j is None and pq.energy_shared_sd_j is None:
+        return [], "CIs resample queries only: these runs state no measurement uncertainty (made before it was recorded)"
+    sd = np.nan_to_num(pq.energy_sd_j) if pq.energy_sd_j is not None else np.zeros_like(pq.energy_j)
+    shared = np.nan_to_num(pq.energy_shared_sd_j) if pq.energy_shared_sd_j is not None else np.zeros_like(pq.energy_j)
+    has = ~np.isnan(pq.energy_j)
+    out = [MeasurementError(col[(j, "e")], np.where(has[j], sd[j], 0.0), np.where(has[j], shared[j], 0.0))
+           for j in range(pq.energy_j.shape[0]) if (j, "e") in col]
+    if oq is not None and ("route", "energy") in col:
+        rows = np.arange(len(oq.choice))
+        out.append(MeasurementError(col[("route", "energy")], sd.T[rows, oq.choice], shared.T[rows, oq.choice]))
+    stated = int(((sd > 0) | (shared > 0)).any(axis=1).sum())
+    return out, (f"energy CIs include measurement error (each query's ±90% energy interval drawn on every resample; "
+                 f"{stated} of {pq.energy_j.shape[0]} backends state one)")
+
+
 def quantiles_of(pq: PerQuery) -> list:
     """The quantile inputs of every backend, in ``_metric_values``' order."""
     return [(x, ps) for j in range(pq.correct.shape[0])
@@ -325,7 +346,10 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     envelope = [[labels.index(x) for x in p.backends] for p in routing.power_envelope] if routing else []
     cols = _columns(pq, cost, oq, ri, envelope)
     col = cols.index
-    draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed)
+    errors, measurement = measurement_errors(pq, col, oq)
+    notes.append(measurement)
+    draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed,
+                            measurement=errors)
     metrics, vs_ref = _estimates(draws, col, labels, ri)
     routing_ci = _routing_estimates(draws, col, routing) if routing else {}
     if routing:
@@ -347,7 +371,8 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
-                      judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks)
+                      judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks,
+                      measurement=measurement)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

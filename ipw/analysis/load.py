@@ -78,11 +78,19 @@ class PerQuery:
     # the wall clock, so a sum over queries is the span a level's query set took (NaN: no time window, or
     # records of several machines, whose monotonic clocks do not compare)
     wall_share_s: np.ndarray | None = None
+    # each query's measurement error of energy_j, 1 sd (J), repeats averaged: independent per window, and
+    # shared by every query of the backend (ipw.analysis.stats.measurement_sd); None when no record states
+    # one (runs made before readings carried uncertainty_j, or read without their parts)
+    energy_sd_j: np.ndarray | None = None
+    energy_shared_sd_j: np.ndarray | None = None
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
-          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s")
+          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j")
+#: Runs up to this many records have their readings (energy_parts) read for the measurement error of their
+#: energy; above it the parts are not read (hundreds of bytes a record) and CIs say they carry none.
+MEASUREMENT_MAX_RECORDS = 200_000
 
 
 @dataclass
@@ -156,10 +164,23 @@ def _release_arrow_memory() -> None:
 def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
     from ipw.results import load_run
 
-    manifest, frame = load_run(path, columns=LOAD_COLUMNS + (["prompt_tokens"] if prompt_tokens else []),
-                               categorical=CATEGORICAL)
+    extra = (["prompt_tokens"] if prompt_tokens else []) + (["energy_parts"] if _small(path) else [])
+    manifest, frame = load_run(path, columns=LOAD_COLUMNS + extra, categorical=CATEGORICAL)
     _release_arrow_memory()  # the Arrow table behind the frame is gone: keep the peak low
     return parts_of(path, manifest, frame, prompt_tokens)
+
+
+def _small(path: Path) -> bool:
+    """Whether a run has at most MEASUREMENT_MAX_RECORDS records (a JSONL log, unfinished: assumed so)."""
+    records = Path(path) / "records.parquet"
+    if not records.is_file():
+        return True
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(records).metadata.num_rows <= MEASUREMENT_MAX_RECORDS
+    except Exception:  # noqa: BLE001 - load_run names what is wrong with the file
+        return True
 
 
 def as_manifest(manifest: RunManifest | dict) -> RunManifest:
@@ -226,6 +247,18 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     for name in ("prefill_energy_j", "decode_energy_j", "win_tie"):  # None in runs made before them
         x = _floats(frame[name])
         values[name] = None if np.isnan(x).all() else mean(x)
+    values["energy_sd_j"] = values["energy_shared_sd_j"] = None
+    if "energy_parts" in frame:  # measurement error: a mean of k repeats has sqrt(sum sd^2) / k, shared sd / k
+        from ipw.analysis.stats import measurement_sd
+
+        sd = np.array([measurement_sd(x) for x in frame["energy_parts"]], dtype=float).reshape(-1, 2)
+        e_ok = ~np.isnan(_floats(frame["energy_j"]))
+        if (sd[e_ok] > 0).any():
+            k = np.bincount(key, e_ok, size)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                values["energy_sd_j"] = (np.sqrt(np.bincount(key, np.where(e_ok, sd[:, 0] ** 2, 0.0), size)) / k
+                                         ).reshape(nb, nq)
+                values["energy_shared_sd_j"] = (np.bincount(key, np.where(e_ok, sd[:, 1], 0.0), size) / k).reshape(nb, nq)
     ccode, cnames = _codes(frame["category"], "")
     category = np.zeros(nq, np.int64)
     category[qcode] = ccode

@@ -127,7 +127,8 @@ def to_dict(c: Comparison) -> dict:
         "ipw_version": __version__,
         "runs": [r.__dict__ for r in c.runs],
         "queries": {"n_queries": c.n_queries, "common_queries": c.common_queries},
-        "bootstrap": {"n_boot": c.n_boot, "seed": c.seed, "level": LEVEL, "method": c.method, "paired": True},
+        "bootstrap": {"n_boot": c.n_boot, "seed": c.seed, "level": LEVEL, "method": c.method, "paired": True,
+                      "measurement_error": c.measurement},
         "reference": c.reference,
         "backends": [{
             "label": b.label, "run_id": b.run_id, "backend": b.backend, "model": b.model, "role": b.role,
@@ -283,8 +284,9 @@ def tables(c: Comparison) -> list[Table]:
         return lambda i, j: (row_keys[i] is not None and BY_NAME[row_keys[i]].energy
                              and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
 
+    with_error = ", energy CIs with measurement error" if c.measurement.startswith("energy CIs include") else ""
     out = [_table("metrics", f"ipw compare: {c.n_queries} queries, {LEVEL:.0%} bootstrap CIs ({c.n_boot} {c.method} "
-                  "resamples)", ["metric"] + labels, rows, energy_cell([None] * len(head) + keys, labels, False))]
+                  f"resamples{with_error})", ["metric"] + labels, rows, energy_cell([None] * len(head) + keys, labels, False))]
     others = [x for x in labels if x != c.reference]
     if others:
         out.append(_table("difference", f"difference vs {c.reference} (paired over the same queries)",
