@@ -631,3 +631,23 @@ def test_a_jetson_run_measures_the_board_and_no_cpu_estimate(monkeypatch, tmp_pa
             s.close()
     cpu = next(i for i in describe_sensors(rapl_root=tmp_path / "no-rapl") if i.name == "cpu_model")
     assert cpu.detail.startswith("not used: jetson measures the CPU")
+
+
+def test_a_polled_sensor_in_a_window_on_the_real_clock(tmp_path):
+    """The runner's path (telemetry.window.Window) with the polling thread on the real clock: a board
+    held at 25 W (the Orin trace's load values, 5 V x 5 A) for ~0.4 s."""
+    from ipw.telemetry import jetson
+    from ipw.telemetry.window import Window
+
+    FakeHwmon(orin_entry(), tmp_path / "hwmon", PollClock(T0 + int(6e9)))
+    sensor = jetson.probe(tmp_path / "hwmon")
+    try:
+        w = Window([sensor])
+        tokens = w.begin()
+        time.sleep(0.4)
+        closed = w.end(tokens)
+        (board,) = closed.readings()
+    finally:
+        sensor.close()
+    assert board.energy_j == pytest.approx(25.0 * board.duration_s, rel=0.05)
+    assert sensor.overhead()["threaded"] and sensor.overhead()["polls"] >= 4
