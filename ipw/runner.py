@@ -168,6 +168,7 @@ def run_backend(
         for sensor in sensors:
             if sensor.supports_trace:
                 folder.add_power(spec.name, sensor.trace())
+        audit = _energy_audit(folder, spec.name, sensors, t0)
         return {
             "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
             "load_s": round(load_s, 3), **backend.describe(),
@@ -177,11 +178,28 @@ def run_backend(
             "idle_baseline": asdict(idle),
             **({"levels": level_lines} if level_lines else {}),
             **({"stopped": stopped} if stopped else {}),
+            **({"energy_audit": audit} if audit else {}),
         }
     finally:
         for sensor in sensors:
             sensor.close()
         backend.close()
+
+
+def _energy_audit(folder: RunFolder, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
+    """The run-level energy audit of this backend's records of this session (``ipw.telemetry.audit``), once,
+    after its last query: the counter over the span vs the queries plus the idle between them."""
+    from ipw.results import read_records
+    from ipw.telemetry.audit import audit_dicts
+
+    path = getattr(folder, "path", None)
+    if path is None or not any(getattr(s, "supports_energy_windows", False) for s in sensors):
+        return []
+    try:
+        records = [r for r in read_records(path / "records.jsonl") if r.get("backend") == backend]
+    except Exception as exc:  # noqa: BLE001 - the audit never costs a run
+        return [{"error": f"{type(exc).__name__}: {exc}"}]
+    return audit_dicts(sensors, records, since_s)
 
 
 class RecordWriter:

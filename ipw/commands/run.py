@@ -197,6 +197,8 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
                 console.print(f"note: {escape(note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
         console.print(f"no summary: {escape(str(exc))}", highlight=False)
+    for line in audit_lines(folder.path):
+        console.print(escape(line), highlight=False)
     console.print(f"wrote {folder.path}" + (f" (judged: {summary_dir})" if summary_dir != folder.path else ""))
     if status != "complete":
         console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
@@ -255,6 +257,25 @@ class EndSummary:
     routing: list[Table]  # compare's routing summary and power envelope (with a cloud-role backend), its judge table
 
 
+def audit_lines(run_dir) -> list[str]:
+    """One line per GPU whose run-level energy audit disagrees beyond its stated uncertainty, or failed
+    (the manifest's ``backends[].energy_audit``, ``ipw.telemetry.audit``); nothing when all agree."""
+    import json
+
+    try:
+        manifest = json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    out = []
+    for b in manifest.get("backends") or []:
+        for a in b.get("energy_audit") or []:
+            if "error" in a:
+                out.append(f"energy audit {b.get('name')}: could not run ({a['error']})")
+            elif a.get("agrees") is False:
+                out.append(f"{b.get('name')}: {a.get('line')}")
+    return out
+
+
 def end_summary(run_dir) -> EndSummary:
     """What ``ipw run`` ends with: the numbers of ``ipw compare RUN_DIR`` and, when a backend has the cloud
     role, compare's own routing tables (``ipw.analysis.render.routing_tables``: local coverage, the
@@ -271,7 +292,8 @@ def end_summary(run_dir) -> EndSummary:
 
 def metrics_table(c) -> RichTable:
     """``ipw run``'s final table: a few of compare's metrics per backend (a ``Comparison``)."""
-    table = RichTable(title="ipw run: per backend (95% bootstrap CIs)")
+    table = RichTable(title="ipw run: per backend (95% bootstrap CIs" + (
+        ", energy with measurement error)" if c.measurement.startswith("energy CIs include") else ")"))
     for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token",
                 "J/prefill token", "J/decode token", "TTFT p50", "errors", "energy"):
         table.add_column(col, justify="left" if col in ("backend", "role", "energy") else "right")

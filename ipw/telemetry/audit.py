@@ -1,0 +1,172 @@
+"""Run-level energy audit (issue 27): does the sum of the per-query energies, plus the idle between the
+queries, add up to what the device's own energy counter says over the same span?
+
+The IPW project added one after a buffer silently capped long queries (HazyResearch/intelligence-per-watt#39):
+a per-query number can be wrong in a way no per-query check sees, but the whole run cannot hide it from
+the counter.  Here, per measured GPU:
+
+- ``counter_j``: the counter's energy from the first query's start to the last one's end (its reads placed
+  on the update grid when found; the two ends interpolated, to within ``counter_sd_j``);
+- ``queries_j``: the sum of the GPU's per-query readings (``energy_parts``);
+- ``idle_between_j``: the energy of the gaps between queries (no query running: the part of the span outside
+  every query's window), from the same samples as the queries;
+- ``difference_j`` = counter − (queries + idle between); it should be 0 within ``uncertainty_j``, the ±90%
+  half-width of the difference: the queries' and gaps' stated intervals (independent parts in quadrature,
+  shared ones added up; ``ipw.analysis.stats.measurement_sd``) and the counter's ends.
+
+``audit`` is pure; ``run_audit`` gathers its inputs from a finished backend's NVML sensor and its records
+(``ipw.runner``, once per backend, after its last query).  The manifest keeps every field; ``ipw run``
+prints one line when a GPU's difference exceeds its uncertainty (``EnergyAudit.line``); ``ipw doctor
+--self-test`` shows the same audit over its own windows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ipw.telemetry.uncertainty import Z90, measurement_sd
+
+
+@dataclass(frozen=True)
+class EnergyAudit:
+    component: str
+    start_s: float  # the span: first query start .. last query end (monotonic s)
+    end_s: float
+    queries: int  # queries with this component's energy
+    missing: int  # queries without it (unavailable readings): their energy is in the difference
+    queries_j: float
+    idle_between_j: float | None
+    counter_j: float | None
+    difference_j: float | None
+    uncertainty_j: float | None  # ±90% of the difference
+    note: str = ""
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the difference lies within its uncertainty (None: nothing to compare)."""
+        if self.difference_j is None or self.uncertainty_j is None:
+            return None
+        return abs(self.difference_j) <= self.uncertainty_j
+
+    def line(self) -> str:
+        """One line for a person: the balance and whether it holds."""
+        if self.difference_j is None or self.counter_j is None:
+            return f"energy audit {self.component}: not checked ({self.note or 'no counter over the span'})"
+        rel = self.difference_j / self.counter_j if self.counter_j else float("nan")
+        verdict = "agrees" if self.agrees else "DISAGREES"
+        return (f"energy audit {self.component}: counter {self.counter_j:.1f} J over {self.end_s - self.start_s:.1f} s vs "
+                f"{self.queries} queries {self.queries_j:.1f} J + idle between {self.idle_between_j or 0.0:.1f} J: "
+                f"difference {self.difference_j:+.1f} J ({rel:+.2%}), {verdict} within ±{self.uncertainty_j:.1f} J (90%)"
+                + (f"; {self.note}" if self.note else ""))
+
+
+def gaps(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of ``[min start, max end]`` outside every window (windows may overlap), in time order."""
+    out: list[tuple[float, float]] = []
+    reach = None
+    for a, b in sorted(windows):
+        if reach is not None and a > reach:
+            out.append((reach, a))
+        reach = b if reach is None else max(reach, b)
+    return out
+
+
+def audit(component: str, windows: Sequence[tuple[float, float]], energy_j: Sequence[float | None],
+          energy_sd_j: Sequence[tuple[float, float]], idle_between_j: float | None,
+          idle_sd_j: tuple[float, float], counter_j: float | None, counter_sd_j: float) -> EnergyAudit:
+    """The balance of one component over its queries (pure).  ``energy_sd_j`` and ``idle_sd_j`` are
+    (independent, shared) 1-sd errors per query and of the gaps together; ``counter_sd_j`` the counter's
+    own 1 sd over the span."""
+    if not windows:
+        return EnergyAudit(component, math.nan, math.nan, 0, 0, 0.0, None, None, None, None, "no queries")
+    start, end = min(a for a, _ in windows), max(b for _, b in windows)
+    known = [(e, sd) for e, sd in zip(energy_j, energy_sd_j) if e is not None and math.isfinite(e)]
+    queries_j = float(sum(e for e, _ in known))
+    missing = len(windows) - len(known)
+    var = sum(sd[0] ** 2 for _, sd in known) + idle_sd_j[0] ** 2 + counter_sd_j ** 2
+    shared = sum(sd[1] for _, sd in known) + idle_sd_j[1]
+    unc = Z90 * math.sqrt(var + shared ** 2)
+    notes = [f"{missing} queries without {component} energy"] if missing else []
+    diff = None
+    if counter_j is not None and idle_between_j is not None:
+        diff = counter_j - queries_j - idle_between_j
+    elif counter_j is None:
+        notes.append("no counter over the span")
+    else:
+        notes.append("idle between queries unknown")
+    return EnergyAudit(component, float(start), float(end), len(known), missing, queries_j, idle_between_j,
+                       counter_j, diff, unc, "; ".join(notes))
+
+
+def _part_sd(part: dict[str, Any]) -> tuple[float, float]:
+    return measurement_sd([part])
+
+
+def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
+    """The audit of every GPU an NVML sensor measured, over ``records`` (dicts with start_s, end_s and
+    energy_parts, as records.jsonl holds them).  Sensors without a counter are skipped."""
+    out = []
+    windows = [(float(r["start_s"]), float(r["end_s"])) for r in records]
+    parts = [json.loads(r["energy_parts"]) if isinstance(r.get("energy_parts"), str) else (r.get("energy_parts") or [])
+             for r in records]
+    for sensor in sensors:
+        sampler = getattr(sensor, "sampler", None)
+        if sampler is None or not getattr(sensor, "supports_energy_windows", False) or not windows:
+            continue
+        between = gaps(windows)
+        gap_est = sensor.energy_windows(between) if between else {}
+        for component in sampler.components():
+            mine = [next((p for p in ps if p.get("component") == component), None) for ps in parts]
+            energy = [None if p is None else p.get("energy_j") for p in mine]
+            sds = [(0.0, 0.0) if p is None else _part_sd(p) for p in mine]
+            ests = gap_est.get(component, [])
+            idle = None
+            idle_sd = (0.0, 0.0)
+            if not between:
+                idle = 0.0
+            elif ests and all(e.energy_j is not None for e in ests):
+                idle = float(sum(e.energy_j for e in ests))
+                per = [measurement_sd([{"energy_j": e.energy_j, "uncertainty_j": e.uncertainty_j, "source": e.source,
+                                        "quality": e.quality}]) for e in ests]
+                idle_sd = (math.sqrt(sum(a * a for a, _ in per)), sum(b for _, b in per))
+            counter_j, counter_sd = counter_over(sampler, component, min(a for a, _ in windows), max(b for _, b in windows))
+            out.append(audit(component, windows, energy, sds, idle, idle_sd, counter_j, counter_sd))
+    return out
+
+
+def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since_s: float) -> list[dict[str, Any]]:
+    """``run_audit`` over the records that started at or after ``since_s`` (this session's: a resumed run's
+    earlier records predate the counter this sampler read), as the manifest keeps it: each field, whether
+    it ``agrees``, and its ``line``.  Never raises: a failure is one entry with ``error``."""
+    try:
+        mine = [r for r in records if r.get("start_s") is not None and float(r["start_s"]) >= since_s]
+        return [{**a.__dict__, "agrees": a.agrees, "line": a.line()} for a in run_audit(sensors, mine)]
+    except Exception as exc:  # noqa: BLE001 - the audit never costs a run
+        return [{"error": f"{type(exc).__name__}: {exc}"}]
+
+
+def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> tuple[float | None, float]:
+    """The counter's energy over ``[start_s, end_s]`` from an NVML sampler's reads (placed on the update
+    grid when found, else held), and its 1 sd: each end's placement in time at the power there."""
+    from ipw.telemetry.estimator import (COUNTER_TIME_SD_GRID_S, COUNTER_TIME_SD_HELD_S, _CounterIntegral,
+                                         grid_counter_reads)
+    from ipw.telemetry.sampler import hold_counter_reads
+
+    a = sampler.arrays(component)
+    ct, cj, st, sw = a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"]
+    if ct.size < 2:
+        return None, 0.0
+    grid = grid_counter_reads(ct, cj, st, sw, sample_shift_s=getattr(sampler, "sample_shift_s", 0.0))
+    t, j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(ct, cj)
+    ci = _CounterIntegral(t, j)
+    energy, cov = ci.window(start_s, end_s)
+    if cov < 0.99 or ci.gaps_in(start_s, end_s):
+        return None, 0.0
+    tsd = COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S
+    p = np.interp([start_s, end_s], st, sw) if st.size else np.zeros(2)
+    return float(energy), float(tsd * math.hypot(*p))

@@ -1,0 +1,51 @@
+"""What a reading's ``uncertainty_j`` means for a sum of readings (issue 27), defined once for the
+bootstrap (``ipw.analysis.stats``) and the run-level audit (``ipw.telemetry.audit``).
+
+A reading's ``uncertainty_j`` is a ±90% half-width of its energy.  Its error is split into a part that is
+independent from window to window (where the edges fall, how the load varied) and a part that every
+window of a backend shares (one calibration ratio, one per-core power model), because a sum over many
+windows shrinks the first (in quadrature) and not the second (linearly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+from ipw.telemetry.estimator import DEFAULT_ERROR_MODEL
+
+#: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
+Z90 = 1.6448536269514722
+#: Share of an NVML sampled reading's energy whose error is shared by every window of a run (1 sd): the
+#: calibration ratio's floor (``ipw.telemetry.estimator.ErrorModel.calibration_floor``).
+NVML_SHARED_REL = DEFAULT_ERROR_MODEL.calibration_floor
+
+
+def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, float]:
+    """``(independent, shared)`` 1-sd error (J) of a record's total energy from its readings
+    (``energy_parts``: the JSON a record stores, or the list of reading dicts).
+
+    A reading's ``uncertainty_j`` (±90%) is ``Z90`` sd.  Estimated readings (``quality`` estimated: the CPU
+    model, an API estimate) are shared whole: their error is the model's, the same for every query.  NVML
+    sampled readings share ``NVML_SHARED_REL`` of their energy (the calibration) and the rest is
+    independent; other readings are independent.  Independent parts add in quadrature, shared ones
+    linearly.  Readings without ``uncertainty_j`` (records made before it was stated) add nothing: (0, 0)."""
+    if not energy_parts:
+        return 0.0, 0.0
+    parts = json.loads(energy_parts) if isinstance(energy_parts, str) else energy_parts
+    var = shared = 0.0
+    for p in parts:
+        u, e = p.get("uncertainty_j"), p.get("energy_j")
+        if u is None or e is None or not math.isfinite(u):
+            continue
+        sd = abs(u) / Z90
+        if p.get("quality") == "estimated":
+            shared += sd
+        elif str(p.get("source", "")).startswith("nvml.samples"):
+            s = min(sd, NVML_SHARED_REL * abs(e))
+            shared += s
+            var += sd * sd - s * s
+        else:
+            var += sd * sd
+    return math.sqrt(max(var, 0.0)), shared

@@ -1,0 +1,67 @@
+"""Issue 27: the run-level energy audit (ipw.telemetry.audit): the counter over a run's span against the
+sum of its queries' energies plus the idle between them, on a real NvmlSensor over the autospec'd NVML
+fake (tests/nvml_fakes.py), and the pure balance."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ipw.telemetry.audit import audit, audit_dicts, gaps
+from ipw.telemetry.nvml import NvmlSensor
+from nvml_fakes import drive, finish, make_fake, synthetic, window
+
+
+def test_gaps_are_the_span_outside_every_window():
+    assert gaps([(0.0, 1.0), (1.5, 2.0), (1.8, 3.0), (3.0, 4.0)]) == [(1.0, 1.5)]
+    assert gaps([(2.0, 3.0), (0.0, 1.0)]) == [(1.0, 2.0)]
+
+
+def test_balance_and_its_uncertainty():
+    windows = [(0.0, 1.0), (1.1, 2.0)]
+    a = audit("gpu0", windows, [100.0, 90.0], [(3.0, 0.2), (4.0, 0.2)], 5.0, (0.5, 0.0), 196.0, 1.0)
+    assert a.difference_j == pytest.approx(1.0)
+    # 90%: 1.645 x sqrt(3^2 + 4^2 + 0.5^2 + 1^2 + (0.2 + 0.2)^2)
+    assert a.uncertainty_j == pytest.approx(1.6448536 * math.sqrt(9 + 16 + 0.25 + 1 + 0.16))
+    assert a.agrees and "agrees" in a.line()
+    off = audit("gpu0", windows, [100.0, 90.0], [(0.1, 0.0)] * 2, 5.0, (0.0, 0.0), 220.0, 0.1)
+    assert off.agrees is False and "DISAGREES" in off.line()
+    missing = audit("gpu0", windows, [100.0, None], [(0.1, 0.0)] * 2, 5.0, (0.0, 0.0), 196.0, 0.1)
+    assert missing.missing == 1 and "without gpu0 energy" in missing.note
+    assert audit("gpu0", windows, [1.0, 1.0], [(0.0, 0.0)] * 2, 1.0, (0.0, 0.0), None, 0.0).agrees is None
+
+
+def _records(sensor, clock, spans, scale=1.0):
+    """Windows through the sensor, as the runner records them (energy_parts of each reading)."""
+    pending = [window(sensor, clock, a, b) for a, b in spans]  # in time order, as a run opens them
+    finish(sensor, clock, pending[-1])
+    recs = []
+    for p in pending:
+        (r,) = p.result()
+        part = {**r.__dict__, "energy_j": r.energy_j * scale}
+        recs.append({"backend": "b", "start_s": p.start_s, "end_s": p.end_s, "energy_parts": json.dumps([part])})
+    return recs
+
+
+def test_audit_of_a_sensor_agrees_and_catches_a_lost_share(monkeypatch):
+    """Queries of 50 ms to 2 s with idle between them, over an idle/load/idle GPU: the balance holds
+    within its uncertainty; records that lost 5% of their energy (a capped buffer, say) are caught."""
+    sig, clock = synthetic(60.0, load=(20.0, 40.0))
+    make_fake(monkeypatch, [sig], clock)
+    sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
+    spans = [(18.0 + 0.3 * k, 18.0 + 0.3 * k + 0.05) for k in range(20)] + [(25.0, 27.0), (27.5, 29.5), (38.0, 41.0)]
+    good = _records(sensor, clock, spans)
+    (a,) = audit_dicts([sensor], good, since_s=1000.0)
+    assert a["component"] == "gpu0" and a["queries"] == len(spans) and a["agrees"], a["line"]
+    assert a["counter_j"] == pytest.approx(a["queries_j"] + a["idle_between_j"], abs=a["uncertainty_j"])
+    lost = [{**r, "energy_parts": json.dumps([{**json.loads(r["energy_parts"])[0],
+                                               "energy_j": 0.95 * json.loads(r["energy_parts"])[0]["energy_j"]}])}
+            for r in good]
+    (b,) = audit_dicts([sensor], lost, since_s=1000.0)
+    assert b["agrees"] is False and "DISAGREES" in b["line"]
+    # an earlier session's records (a resumed run) are left out of this sampler's audit
+    (c,) = audit_dicts([sensor], good, since_s=1000.0 + 26.0)
+    assert c["queries"] == 2
+    sensor.close()
