@@ -14,7 +14,10 @@ WORDS = ["apple", "river", "house", "green", "table", "music", "light", "stone",
          "paper", "horse", "smile", "ocean", "train", "plant", "sugar", "glass"]
 
 
-def _run(run_cli, tmp_path: Path, name: str, *, max_tokens: int, dataset: str = "ipw-core", limit: int = 12,
+LIMIT = 12  # queries per run of the compared stories
+
+
+def _run(run_cli, tmp_path: Path, name: str, *, max_tokens: int, dataset: str = "ipw-core", limit: int = LIMIT,
          temperature: float = 0.0, shard: str | None = None) -> Path:
     config = tmp_path / f"{name}.toml"
     config.write_text(f'''dataset = "{dataset}"
@@ -78,11 +81,13 @@ def runs(tmp_path_factory):
         return main([str(a) for a in args]), "", ""
 
     return {
+        # in each turn the baseline's quarter sits next to the two it is compared with most closely (same,
+        # bit_longer), in the reverse order in the next turn: a neighbour's load in one turn weighs on them alike
         **_interleaved(cli, tmp, {
-            "base": dict(max_tokens=12, dataset=stories),
             "same": dict(max_tokens=12, dataset=stories),
-            "longer": dict(max_tokens=36, dataset=stories),  # longer answers: a real energy increase
+            "base": dict(max_tokens=12, dataset=stories),
             "bit_longer": dict(max_tokens=20, dataset=stories),  # 8 more tokens: about +20%
+            "longer": dict(max_tokens=36, dataset=stories),  # longer answers: a real energy increase
         }),
         "easy": _run(cli, tmp, "easy", max_tokens=16, dataset=easy, limit=0),
         # sampling at temperature 5 from the whole vocabulary: the same model answers at random
@@ -99,6 +104,7 @@ def test_identical_configs_pass(runs, run_cli, tmp_path):
     code, out, err = run_cli("check", runs["base"], runs["same"], "--markdown", md, "--junit", junit, "--github")
     assert code == 0, out + err
     assert "PASS" in md.read_text()
+    assert md.read_text().count(f"(0 of {LIMIT} queries differ)") == 3  # the work gate: prompt and output tokens, errors
     assert 'failures="0"' in junit.read_text()
     assert "::error" not in out
 
@@ -126,6 +132,11 @@ def test_twenty_percent_more_energy_fails(runs, run_cli, tmp_path):
     assert code == 1, out + err
     row = next(line for line in md.read_text().splitlines() if "energy_per_query" in line)
     assert "regression" in row
+    # the work gate sees the cause exactly, whatever the machine's load: 8 more tokens on every story
+    tokens = next(line for line in md.read_text().splitlines() if "| output_tokens |" in line)
+    cells = [c.strip() for c in tokens.strip("|").split("|")]
+    assert int(cells[4]) - int(cells[3]) == 8 * LIMIT and "regression" in tokens, tokens
+    assert f"{LIMIT} of {LIMIT} queries differ" in tokens
 
 
 def test_accuracy_drop_fails(runs, run_cli):
