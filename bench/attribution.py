@@ -435,6 +435,9 @@ def markdown(result: dict[str, Any]) -> str:
     if d:
         lines.append(f"- (info) ipw results final {d['median'] * 1000:.0f} ms (median), {d['max'] * 1000:.0f} ms (max) "
                      "after each window's end")
+    for sc, x in result.get("uncertainty_coverage", {}).items():
+        lines.append(f"- (info) {sc}: ipw's stated ±90% covers {x['coverage']:.0%} of {x['n']} windows "
+                     "(reference: the block's counter energy by the window's share of its time)")
     lag = result["lag_summary"]
     lines += ["", f"Driver samples trail the host load: rise {lag['rise_ms_median']:.1f} ms, fall "
               f"{lag['fall_ms_median']:.1f} ms (median half-way crossings over {lag['n']} blocks); best-fit lag on the "
@@ -501,8 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     collector.stop_ev.set()
     collector.join(10)
     ipw_j = {}
+    ipw_unc = {}  # each window's stated ±90% (issue 27), as the live sensor gave it
     for bi, blk in enumerate(blocks):
         ipw_j[bi] = [p.result()[0].energy_j for p in blk.pending]
+        ipw_unc[bi] = [getattr(p.result()[0], "uncertainty_j", None) for p in blk.pending]
     counter_delta = {}
     for bi, blk in enumerate(blocks):
         if blk.pending and blk.pending[0].end_s - blk.pending[0].start_s >= 1.9:
@@ -534,6 +539,14 @@ def main(argv: list[str] | None = None) -> int:
         "edge_t": np.asarray(edge.t), "edge_j": np.asarray(edge.j),
     }
     res = analyse(blocks, arrays, ipw_j, extra)
+    coverage = {}
+    for bi, blk in enumerate(blocks):
+        ref = res["blocks"][bi]["reference_window_j"] / np.mean(res["blocks"][bi]["durations_s"])  # W
+        res["blocks"][bi]["ipw_uncertainty_j"] = ipw_unc[bi]
+        for (a, z), e, u in zip(blk.ipw_windows, ipw_j[bi], ipw_unc[bi]):
+            if e is not None and u is not None:
+                coverage.setdefault(blk.scenario, []).append(abs(e - ref * (z - a)) <= u)
+    res["uncertainty_coverage"] = {sc: {"n": len(v), "coverage": float(np.mean(v))} for sc, v in coverage.items()}
     res["result_delay_s"] = {"median": statistics.median(collector.delays_s), "max": max(collector.delays_s)}
     cd = {}
     for bi, values in counter_delta.items():
