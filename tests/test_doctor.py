@@ -120,3 +120,7 @@ def test_gpu_self_test_with_a_fake_gpu_and_no_torch(monkeypatch):
     buf = io.StringIO()
     doctor_mod._print_self_test(doctor_mod._Out(buf), r)
     assert "idle/load step" in buf.getvalue() and "torch is not importable" in buf.getvalue()
+    # the run-level audit over its one window (idle: nothing between), shown like ipw run's (issue 27)
+    (audit,) = r["energy_audit"]
+    assert audit["component"] == "gpu0" and audit["queries"] == 1 and audit["idle_between_j"] == 0.0
+    assert audit["agrees"] and audit["line"] in buf.getvalue()

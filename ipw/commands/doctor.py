@@ -454,6 +454,13 @@ def gpu_self_test(
         if on is not None:
             step["lag"] = step_lag_s(a["samples_t_s"], a["samples_w"], on, off)
         result["step"] = step
+        # the run-level audit of ipw run (issue 27), over these windows: counter vs windows + the idle between
+        from ipw.telemetry.audit import audit_dicts
+
+        records = [{"start_s": lo, "end_s": hi, "energy_parts": [{
+            "component": "gpu0", "energy_j": e.energy_j, "source": e.source, "quality": e.quality,
+            "uncertainty_j": e.uncertainty_j}]} for (lo, hi), e in zip(phases.values(), ests)]
+        result["energy_audit"] = audit_dicts([sensor], records, since_s=t_start)
         result["sampler_overhead"] = overhead
         frac = overhead["cpu_fraction_of_one_core"]
         result["overhead_pass"] = frac <= OVERHEAD_BUDGET
@@ -495,6 +502,8 @@ def _print_self_test(out: _Out, r: dict[str, Any]) -> None:
         lag = r["step"]["lag"]
         out.line(f"driver samples trail the host: rise {_ms(lag['rise_s'])}, fall {_ms(lag['fall_s'])} "
                  "(half-way crossing)")
+    for a in r.get("energy_audit") or []:
+        out.line(a.get("line") or f"energy audit: could not run ({a.get('error')})")
     o = r["sampler_overhead"]
     out.line(f"sampler overhead: {o['cpu_s']:.3f} CPU s over {o['wall_s']:.1f} s = "
              f"{o['cpu_fraction_of_one_core']:.2%} of one core (budget {OVERHEAD_BUDGET:.0%}): "
