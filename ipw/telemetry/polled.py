@@ -319,11 +319,10 @@ class PolledSensor(SensorBase):
         return out
 
     def energy_windows(self, windows: list[tuple[float, float]], **kwargs: Any) -> dict[str, list[WindowEstimate]]:
-        """Per channel, one estimate per (start_s, end_s) window; a distrusted counter is not used."""
-        out: dict[str, list[WindowEstimate]] = {}
-        for comp, ests in self._estimate(windows).items():
-            out[comp] = [e for e, _ in ests]
-        return out
+        """Per component with readings (rails inside another channel left out), one estimate per
+        (start_s, end_s) window; a distrusted counter is not used."""
+        inside = {c.component for c in self.platform.channels if c.part_of is not None}
+        return {comp: [e for e, _ in ests] for comp, ests in self._estimate(windows).items() if comp not in inside}
 
     def _estimate(self, windows: list[tuple[float, float]]) -> dict[str, list[tuple[WindowEstimate, list[str]]]]:
         newest = self._last_poll_s
