@@ -28,7 +28,7 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import WindowEstimate, estimate_windows
+from ipw.telemetry.estimator import MAX_INSTANT_GAP_S, WindowEstimate, estimate_windows
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1
@@ -348,7 +348,7 @@ class PolledSensor(SensorBase):
                 a["pt"] if c.has_power else None, a["pw"] if c.has_power else None,
                 a["ct"] if use_counter else None, a["cj"] if use_counter else None, windows,
                 short_window_s=max(self.platform.counter_step_s, self.platform.period_s),
-                max_gap_s=max(0.25, 2.5 * self.platform.period_s),
+                max_gap_s=max(MAX_INSTANT_GAP_S, 5 * self.platform.period_s),  # as NVML's instant points
             )
             if c.has_counter and not c.has_power:
                 estimates = [self._unmoved(e, a["ct"], a["cj"]) for e in estimates]
