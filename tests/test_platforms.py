@@ -373,6 +373,7 @@ def test_apple_attribution_and_short_windows(monkeypatch):
     info = sensor.info()
     sensor.close()
     assert set(long) == {"apple-cpu", "apple-gpu", "apple-ane", "apple-dram"}
+    assert info.params["observed_counter_step_s"]["apple-gpu"] == pytest.approx(2.0, abs=0.01)  # the batches
     gpu = long["apple-gpu"]
     assert (gpu.source, gpu.quality, gpu.scope) == ("apple.counter", "measured", "chip_rails")
     assert "not the whole system" in gpu.note and "not the whole system" in info.detail

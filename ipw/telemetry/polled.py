@@ -28,7 +28,7 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import MAX_INSTANT_GAP_S, WindowEstimate, estimate_windows
+from ipw.telemetry.estimator import MAX_INSTANT_GAP_S, WindowEstimate, counter_change_points, estimate_windows
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1
@@ -306,6 +306,18 @@ class PolledSensor(SensorBase):
         cj, wraps, backwards = unwrap_counter(ct, cj, channel.counter_range_j, max_w)
         return {"ct": ct, "cj": cj, "pt": pt, "pw": pw, "wraps": wraps, "backwards": backwards, "channel": channel}
 
+    def observed_step_s(self) -> dict[str, float]:
+        """Per channel with a counter, the median time between changes of its value so far (the counter's
+        update period as seen here, to compare with ``platform.counter_step_s``); left out before three
+        changes."""
+        out = {}
+        for c in self.platform.channels:
+            a = self._arrays(c.component, None)
+            knots, _ = counter_change_points(a["ct"], a["cj"]) if a["ct"].size >= 2 else (np.zeros(0), None)
+            if knots.size >= 3:
+                out[c.component] = round(float(np.median(np.diff(knots))), 3)
+        return out
+
     def check(self, lo_s: float | None = None) -> dict[str, CounterCheck]:
         """:func:`counter_checks` of each channel with a counter over what was recorded since ``lo_s``."""
         out = {}
@@ -412,6 +424,9 @@ class PolledSensor(SensorBase):
         quality = "measured_interpolated"
         startup = {k: list(v.problems) for k, v in self.startup.items() if not v.ok}
         detail = self.platform.describe()
+        observed = self.observed_step_s()
+        if observed:
+            detail += "; counter updates seen every " + ", ".join(f"{k} {v:g} s" for k, v in observed.items())
         if startup:
             detail += "; counter distrusted at start-up: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in startup.items())
         return SensorInfo(
@@ -421,7 +436,7 @@ class PolledSensor(SensorBase):
                     "channels": [{"component": c.component, "scope": c.scope, "counter": c.has_counter,
                                   "power": c.has_power, "counter_range_j": c.counter_range_j,
                                   "tolerance": c.tolerance, "part_of": c.part_of} for c in self.platform.channels],
-                    "startup_check": startup, **self.platform.params()},
+                    "observed_counter_step_s": observed, "startup_check": startup, **self.platform.params()},
         )
 
     def begin(self) -> float:
