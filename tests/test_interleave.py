@@ -191,3 +191,36 @@ def test_rerun_catches_doubled_max_tokens_exactly(tmp_path, run_cli):
     assert int(cells[4]) == 2 * int(cells[3]) == 2 * 8 * len(STORIES), row
     assert "4 of 4 queries differ" in row and "regression" in row
     assert "drift from the first A block to the last: smol: energy" in md.read_text()
+
+
+def _stated(tmp_path: Path, run_id: str, scale: float, rel: float, source: str, quality: str) -> Path:
+    """A run whose readings state a ±90% ``uncertainty_j`` of ``rel`` of their energy (ipw.telemetry.uncertainty)."""
+    from runfolders import create, record
+
+    folder = create(tmp_path, run_id, {"command": ["test"], "config": {"generation": {"temperature": 0.0}},
+                                       "dataset": {"name": "fixture", "n_queries": N, "fingerprint": "sha256:x"}})
+    for i, e in enumerate(ENERGY):
+        part = {"component": "c", "energy_j": e * scale, "source": source, "quality": quality, "scope": "cpu",
+                "duration_s": 0.05, "note": "", "uncertainty_j": rel * e * scale}
+        folder.append(record(run_id=run_id, query_id=f"q{i}", energy_j=e * scale, energy_quality=quality,
+                             energy_source=source, energy_parts=json.dumps([part]), completion_tokens=TOKENS[i]))
+    folder.finish("complete")
+    return folder.path
+
+
+def test_stated_uncertainty_is_a_floor(tmp_path):
+    """Readings with an independent ±30% each: a +12% change is within what the stated uncertainty alone moves
+    the change (its floor), so inconclusive; the same energies stated by the CPU model (one shared error for
+    every query of both runs on one machine) cancel in the change: no floor from them, and a note says so."""
+    base = load_run(_stated(tmp_path / "b", "b", 1.0, 0.30, "rapl", "measured"))
+    cand = load_run(_stated(tmp_path / "c", "c", 1.12, 0.30, "rapl", "measured"))
+    energy = _row(check_runs(*base, *cand, DEFAULT), "energy_per_query")
+    assert energy.change == pytest.approx(12.0)
+    assert energy.floor > 12.0 and energy.floor_source == "the stated measurement uncertainty (95%)"
+    assert energy.status == "inconclusive"
+    base = load_run(_stated(tmp_path / "mb", "mb", 1.0, 0.60, "model.cpu", "estimated"))
+    cand = load_run(_stated(tmp_path / "mc", "mc", 1.12, 0.60, "model.cpu", "estimated"))
+    result = check_runs(*base, *cand, DEFAULT)
+    energy = _row(result, "energy_per_query")
+    assert energy.status == "regression" and energy.floor != energy.floor  # NaN: no floor
+    assert any("shared error (±60% at 90%" in n and "cancels in the change" in n for n in result.notes)

@@ -30,7 +30,7 @@ from ipw.results import RunManifest
 from ipw.telemetry.hardware import HARDWARE_KEYS, hardware_key, machines
 from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
-from ipw.analysis.stats import bootstrap_draws
+from ipw.analysis.stats import MeasurementError, bootstrap_draws
 
 # the metrics and their aliases come from ipw.analysis.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
@@ -224,12 +224,18 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
         nc_ = [k for k, m in cc.items() if not isinstance(m, str)]
         columns = [cb[k]() for k in nb_] + [cc[k]() for k in nc_]
         quantiles = [(x, ps) for v in (vb, vc) for _, x, ps in quantile_inputs(v)]
-        d = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed)  # paired: one set of resample weights
+        errors = _measurement(name, vb, vc, nb_.index("e"), len(nb_) + nc_.index("e"), notes)
+        # paired: one set of resample weights; each query's independent energy error drawn on every resample
+        d = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed, measurement=errors)
         nq = len(quantile_keys())
         point_b = values(_sums(nb_, cb, d.point_sums, np.asarray(d.point_quantiles), 0, 0))
         point_c = values(_sums(nc_, cc, d.point_sums, np.asarray(d.point_quantiles), len(nb_), nq))
         boot_b = values(_sums(nb_, cb, d.sums, d.quantiles, 0, 0))
         boot_c = values(_sums(nc_, cc, d.sums, d.quantiles, len(nb_), nq))
+        if d.measurement:  # the same resamples without measurement error: what the stated uncertainty alone moves
+            d0 = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed)
+            exact_b = values(_sums(nb_, cb, d0.sums, d0.quantiles, 0, 0))
+            exact_c = values(_sums(nc_, cc, d0.sums, d0.quantiles, len(nb_), nq))
         for t in thresholds:
             metric = gated_metric(t.metric)
             bv, cv = float(point_b[metric.name]), float(point_c[metric.name])
@@ -254,6 +260,18 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
             p_value = float((np.sum(~worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
             p_better = float((np.sum(worse) + 1) / (len(stats) + 1)) if len(stats) else 1.0
             floor, source = floors.get((name, t.metric), (float("nan"), ""))
+            if d.measurement:  # a floor at least as wide as the stated uncertainty of the change (95%)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    if t.unit == "%":
+                        exact = 100 * (exact_c[metric.name] / exact_b[metric.name] - 1.0)
+                    else:
+                        exact = 100 * (exact_c[metric.name] - exact_b[metric.name])
+                    moved = np.abs(100 * (boot_c[metric.name] / boot_b[metric.name] - 1.0) - exact if t.unit == "%"
+                                   else 100 * (boot_c[metric.name] - boot_b[metric.name]) - exact)
+                moved = moved[np.isfinite(moved)]
+                stated = float(np.quantile(moved, 0.95)) if len(moved) else float("nan")
+                if stated > 1e-9 and not stated <= floor:
+                    floor, source = stated, "the stated measurement uncertainty (95%)"
             noise = abs(change) <= floor  # False when no floor is known (NaN)
             beyond = change > t.limit if bad_up else change < t.limit
             if beyond and p_value < alpha and not noise:
@@ -273,6 +291,27 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
         if work_gate:
             verdicts += work_verdicts(name, vb, vc, n)
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
+
+
+def _measurement(name: str, vb: dict, vc: dict, col_b: int, col_c: int, notes: list) -> list[MeasurementError]:
+    """The energy columns' measurement errors (ipw.analysis.stats): each query's independent error, drawn for
+    each run apart. The shared part (one calibration, or the estimated model's error, the same for every
+    query) is one error common to both runs: they ran on one machine (``comparability``) with one energy
+    basis, so it scales both alike and cancels in the change; it is noted, not drawn."""
+    out = []
+    shared = []
+    for col, v in ((col_b, vb), (col_c, vc)):
+        e, sd, sh = v["energy_j"], v.get("energy_sd_j"), v.get("energy_shared_sd_j")
+        has = ~np.isnan(e)
+        if sd is not None:
+            out.append(MeasurementError(col, np.where(has, np.nan_to_num(sd), 0.0)))
+        if sh is not None and np.nansum(sh) > 0:
+            shared.append(100 * float(np.nansum(np.where(has, sh, 0.0)) / np.nansum(np.where(has, e, 0.0))))
+    if shared:
+        notes.append(f"{name}: the energy's shared error (±{1.645 * max(shared):.0f}% at 90%, one for every query: the "
+                     "estimate's model or the counter's calibration) is common to both runs on this machine and "
+                     "cancels in the change; each query's independent error is drawn on every resample")
+    return out
 
 
 def _pool(blocks: list) -> tuple[RunManifest, object]:
