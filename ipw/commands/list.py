@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.table import Table
+from rich.text import Text
 
 from ipw.commands.output import stdout
 
@@ -37,6 +38,7 @@ def list_command() -> int:
     for col in ("sensor", "available", "source", "quality", "scope", "detail"):
         t.add_column(col)
     for info in describe_sensors():
-        t.add_row(info.name, "yes" if info.available else "no", info.source, info.quality, info.scope, info.detail)
+        t.add_row(info.name, "yes" if info.available else "no", info.source, info.quality, info.scope,
+                  Text(info.detail))  # plain text: "pip install 'ipw[amd]'" is not rich markup
     console.print(t)
     return 0
