@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                       ("held out: fresh recording 2026-12-01 (bench/attribution.py --repeats 1)",
                        [w for w in held if w.recording.startswith("fresh")]),
                       ("held out: tests/data trace + qtrace", [w for w in held if w.recording.startswith("tests/data")])):
-        for label, m in (("fitted", model), ("defaults", est.DEFAULT_ERROR_MODEL)):
+        models = [("fitted", model)] + ([("defaults", est.DEFAULT_ERROR_MODEL)] if model != est.DEFAULT_ERROR_MODEL else [])
+        for label, m in models:
             ev = evaluate(sel, m)
             res[f"{name} [{label}]"] = ev
             print(table(f"{name}, {label} constants", ev))
