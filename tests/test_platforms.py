@@ -19,6 +19,7 @@ from platform_fakes import (
     PollClock,
     answer_at,
     drive_hwmon,
+    drive_polled,
     fake_amdsmi,
     fake_zeus_apple_silicon,
     nvml_clock,
@@ -653,3 +654,15 @@ def test_a_polled_sensor_in_a_window_on_the_real_clock(tmp_path):
         sensor.close()
     assert board.energy_j == pytest.approx(25.0 * board.duration_s, rel=0.05)
     assert sensor.overhead()["threaded"] and sensor.overhead()["polls"] >= 4
+
+
+def test_polled_trace_columns(monkeypatch):
+    """power.parquet's columns from a polled sensor: every power reading and counter read, by device."""
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry())
+    drive_polled(sensor, clock, _ns(1.0))
+    cols = sensor.trace()
+    sensor.close()
+    kinds = list(cols["kind"])
+    assert kinds.count("power") == kinds.count("counter") == 11  # the first read and ten polls
+    assert set(cols["device"]) == {"amd0"}
+    assert np.nanmax(cols["power_w"]) == 140.0 and np.all(np.isnan(cols["energy_j"][np.array(kinds) == "power"]))

@@ -451,16 +451,16 @@ class PolledSensor(SensorBase):
 
     def trace(self, since_s: float | None = None) -> dict[str, Any]:
         """Columns for ``power.parquet``: t_s, device, power_w, kind (``power`` | ``counter``), energy_j."""
-        cols: dict[str, list[Any]] = {k: [] for k in ("t_s", "device", "power_w", "kind", "energy_j")}
+        parts = []
         for c in self.platform.channels:
             a = self._arrays(c.component, since_s)
-            for t, w in zip(a["pt"], a["pw"]):
-                cols["t_s"].append(t), cols["device"].append(c.component), cols["power_w"].append(w)
-                cols["kind"].append("power"), cols["energy_j"].append(float("nan"))
-            for t, j in zip(a["ct"], a["cj"]):
-                cols["t_s"].append(t), cols["device"].append(c.component), cols["power_w"].append(float("nan"))
-                cols["kind"].append("counter"), cols["energy_j"].append(j)
-        return {k: np.asarray(v, dtype=object if k in ("device", "kind") else np.float64) for k, v in cols.items()}
+            n, m = a["pt"].size, a["ct"].size
+            parts.append((np.concatenate((a["pt"], a["ct"])), np.full(n + m, c.component, dtype=object),
+                          np.concatenate((a["pw"], np.full(m, np.nan))),
+                          np.array(["power"] * n + ["counter"] * m, dtype=object),
+                          np.concatenate((np.full(n, np.nan), a["cj"]))))
+        keys = ("t_s", "device", "power_w", "kind", "energy_j")
+        return {k: (np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)) for i, k in enumerate(keys)}
 
     def overhead(self) -> dict[str, Any]:
         return {"cpu_s": round(self._cpu_s, 6), "polls": self._polls, "period_s": self.platform.period_s,
