@@ -666,3 +666,17 @@ def test_polled_trace_columns(monkeypatch):
     assert kinds.count("power") == kinds.count("counter") == 11  # the first read and ten polls
     assert set(cols["device"]) == {"amd0"}
     assert np.nanmax(cols["power_w"]) == 140.0 and np.all(np.isnan(cols["energy_j"][np.array(kinds) == "power"]))
+
+
+def test_amd_startup_check_like_zeus(monkeypatch):
+    """A counter reporting 20x the power x time is distrusted from its first half second, as Zeus
+    disables amdsmi's counter at start-up (ml-energy/zeus zeus/device/gpu/amd.py)."""
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=lambda t, acc: acc * 20))
+    drive_polled(sensor, clock, _ns(0.6))
+    check = sensor.check(startup=True)["amd0"]
+    sensor.close()
+    assert not check.ok and check.ratio == pytest.approx(20, rel=0.1)
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry())
+    drive_polled(sensor, clock, _ns(0.6))
+    assert sensor.check(startup=True)["amd0"].ok
+    sensor.close()

@@ -135,7 +135,7 @@ def unwrap_counter(t_s: np.ndarray, j: np.ndarray, range_j: float | None, max_po
 
 def counter_checks(counter_t_s: np.ndarray, counter_j: np.ndarray, power_t_s: np.ndarray | None,
                    power_w: np.ndarray | None, *, step_s: float, tolerance: float,
-                   backwards_at_s: list[float] | None = None) -> CounterCheck:
+                   backwards_at_s: list[float] | None = None, min_span_s: float | None = None) -> CounterCheck:
     """Whether a counter can be trusted over the span it was read (``counter_j`` already unwrapped):
 
     - it went backwards (``backwards_at_s``, other than a wrap);
@@ -143,7 +143,7 @@ def counter_checks(counter_t_s: np.ndarray, counter_j: np.ndarray, power_t_s: np
       device was busy (above ``BUSY_FRACTION`` of the highest power seen and ``BUSY_MIN_W``);
     - its energy over the span disagrees with power x time (the power readings integrated) by more
       than ``tolerance`` plus one counter update at each end (``2 step_s / span``); checked over spans of
-      at least 10 update periods only.
+      at least ``min_span_s`` (default 10 update periods).
     """
     problems: list[str] = []
     ct, cj = np.asarray(counter_t_s, dtype=np.float64), np.asarray(counter_j, dtype=np.float64)
@@ -167,7 +167,7 @@ def counter_checks(counter_t_s: np.ndarray, counter_j: np.ndarray, power_t_s: np
                     break
             same_from = i
         lo, hi = max(ct[0], pt[0]), min(ct[-1], pt[-1])
-        if hi - lo >= 10 * step_s:
+        if hi - lo >= (10 * step_s if min_span_s is None else min_span_s):
             grid = np.linspace(lo, hi, 2001)
             y = np.interp(grid, pt, pw)
             power_j = float(np.sum((y[1:] + y[:-1]) / 2.0 * np.diff(grid)))
@@ -252,7 +252,7 @@ class PolledSensor(SensorBase):
             self._thread.start()
             if startup_check_s > 0 and any(c.has_counter and c.has_power for c in platform.channels):
                 time.sleep(startup_check_s)  # Zeus waits 0.5 s for the same check
-                self.startup = self.check(self._clock() / 1e9 - startup_check_s - 1.0)
+                self.startup = self.check(self._clock() / 1e9 - startup_check_s - 1.0, startup=True)
 
     # -- polling -------------------------------------------------------------------------------
 
@@ -318,16 +318,19 @@ class PolledSensor(SensorBase):
                 out[c.component] = round(float(np.median(np.diff(knots))), 3)
         return out
 
-    def check(self, lo_s: float | None = None) -> dict[str, CounterCheck]:
-        """:func:`counter_checks` of each channel with a counter over what was recorded since ``lo_s``."""
+    def check(self, lo_s: float | None = None, *, startup: bool = False) -> dict[str, CounterCheck]:
+        """:func:`counter_checks` of each channel with a counter over what was recorded since ``lo_s``.
+        ``startup``: Zeus's check over its first half second (ml-energy/zeus zeus/device/gpu/amd.py:
+        energy vs power x 0.5 s), loose: a ratio within 0.1-1.9 over any span of 3 updates."""
         out = {}
         for c in self.platform.channels:
             if not c.has_counter:
                 continue
             a = self._arrays(c.component, lo_s)
-            out[c.component] = counter_checks(a["ct"], a["cj"], a["pt"] if c.has_power else None,
-                                              a["pw"] if c.has_power else None, step_s=self.platform.counter_step_s,
-                                              tolerance=c.tolerance, backwards_at_s=a["backwards"])
+            out[c.component] = counter_checks(
+                a["ct"], a["cj"], a["pt"] if c.has_power else None, a["pw"] if c.has_power else None,
+                step_s=self.platform.counter_step_s, tolerance=max(c.tolerance, 0.9) if startup else c.tolerance,
+                backwards_at_s=a["backwards"], min_span_s=3 * self.platform.counter_step_s if startup else None)
         return out
 
     def energy_windows(self, windows: list[tuple[float, float]], **kwargs: Any) -> dict[str, list[WindowEstimate]]:
