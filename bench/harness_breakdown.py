@@ -16,6 +16,8 @@ thread it ran on, so the parts add up:
 - ``progress``: the per-record callback of ``ipw run`` and rich's redraws (``Live.refresh``);
 - ``sleep``: ``time.sleep`` calls.
 
+Only what starts inside the query loop (from the first window's start to the last one's end) is
+counted per query; start-up, warm-up and the end of the run are listed apart (``outside_loop_s``).
 Per query, the "measuring thread" column is what lies on the query's path: with one query in flight,
 whatever that thread does between a query's end and the next one's start, or inside a window but
 outside the engine, is added to every query.  Work on other threads (the NVML sampler, the CPU
@@ -69,8 +71,7 @@ class Prof:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.own: dict[tuple[str, str], float] = collections.defaultdict(float)
-        self.calls: dict[tuple[str, str], int] = collections.defaultdict(int)
+        self.events: list[tuple[str, str, float, float]] = []  # thread, part, monotonic start, own seconds
         self.local = threading.local()
 
     @staticmethod
@@ -81,11 +82,9 @@ class Prof:
         name = t.name.rstrip("0123456789").rstrip("-_ ")
         return name.split(" (")[0] or "thread"
 
-    def add(self, part: str, seconds: float, calls: int = 1) -> None:
+    def add(self, part: str, seconds: float, at_s: float) -> None:
         with self.lock:
-            key = (self.thread(), part)
-            self.own[key] += seconds
-            self.calls[key] += calls
+            self.events.append((self.thread(), part, at_s, seconds))
 
     def wrap(self, owner, attr: str, part: str, moved=None) -> None:
         """Time ``owner.attr``; ``moved(result)`` returns (part, seconds) of its time that belong elsewhere
@@ -106,6 +105,7 @@ class Prof:
             if stack is None:
                 stack = prof.local.stack = []
             stack.append(0.0)
+            at = time.monotonic()
             t0 = time.perf_counter()
             result = None
             try:
@@ -121,9 +121,9 @@ class Prof:
                     other, seconds = moved(result)
                     if seconds:
                         seconds = min(max(seconds, 0.0), own)
-                        prof.add(other, seconds)
+                        prof.add(other, seconds, at)
                         own -= seconds
-                prof.add(part, own)
+                prof.add(part, own, at)
 
         setattr(owner, attr, kind(timed) if kind is not None else timed)
 
@@ -281,7 +281,7 @@ def child(args) -> int:
         "rc": rc, "ipw": str(Path(ipw.__file__).resolve().parent), "process_wall_s": wall,
         "process_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "threads_cpu_s": threads,
-        "own_s": [[t, p, s, prof.calls[(t, p)]] for (t, p), s in sorted(prof.own.items())],
+        "events": prof.events,
         "records": [{k: r[k] for k in ("start_s", "end_s", "latency_s", "completion_tokens", "error", "energy_source",
                                        "energy_quality")} for r in records],
         "sensors": [s["name"] for b in manifest.get("backends", []) for s in b.get("sensors", [])],
@@ -313,15 +313,22 @@ def bare_loop(args, prompts: list[str], level: int) -> dict:
 
 def summarise(res: dict, n: int) -> dict:
     recs = sorted(res["records"], key=lambda r: r["start_s"])
-    loop = max(r["end_s"] for r in recs) - min(r["start_s"] for r in recs)
+    lo, hi = min(r["start_s"] for r in recs), max(r["end_s"] for r in recs)
+    loop = hi - lo
     engine = sum(r["latency_s"] for r in recs)
     parts: dict[str, dict[str, float]] = collections.defaultdict(dict)
-    for thread, part, seconds, calls in res["own_s"]:
-        parts[part][thread] = parts[part].get(thread, 0.0) + seconds
+    outside: dict[str, float] = collections.defaultdict(float)
+    for thread, part, at_s, seconds in res["events"]:
+        # the query loop: from just before the first window (its begin edge) to the end of the last
+        if lo - 0.05 <= at_s <= hi:
+            parts[part][thread] = parts[part].get(thread, 0.0) + seconds
+        else:
+            outside[part] += seconds
     return {
         "n": len(recs), "errors": sum(1 for r in recs if r["error"]), "loop_wall_s": loop, "engine_s": engine,
         "added_ms_per_query": 1000 * (loop - engine) / len(recs) if recs else float("nan"),
         "ms_per_query": {p: {t: 1000 * s / n for t, s in by.items()} for p, by in parts.items()},
+        "outside_loop_s": dict(outside),
         "threads_cpu_ms_per_query": {t: 1000 * s / n for t, s in res["threads_cpu_s"].items()},
         "process_cpu_ms_per_query": 1000 * res["process_cpu_s"] / n,
         "energy_sources": sorted({r["energy_source"] for r in recs}),
@@ -425,8 +432,9 @@ def table(res: dict) -> str:
     lines = []
     for level, e in res["levels"].items():
         w = e["ipw"]
-        head = (f"concurrency {level}: {w['n']} queries, ipw adds **{w['added_ms_per_query']:.2f} ms/query** "
-                f"(loop wall {w['loop_wall_s']:.2f} s - engine {w['engine_s']:.2f} s)")
+        head = (f"concurrency {level}: {w['n']} queries, " + (
+            f"ipw adds **{w['added_ms_per_query']:.2f} ms/query** (loop wall {w['loop_wall_s']:.2f} s - engine "
+            f"{w['engine_s']:.2f} s)" if level == "1" else f"loop wall {w['loop_wall_s']:.2f} s"))
         if "bare" in e:
             head += (f"; bare loop {e['bare']['loop_wall_s']:.2f} s, wall ratio ipw/bare **{e['wall_ratio']:.3f}** "
                      f"(+{e['added_ms_vs_bare']:.2f} ms/query)")
@@ -452,6 +460,37 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def compare_table(old: dict, new: dict) -> str:
+    """Markdown: the parts per query before (``old``) and after (``new``), level by level."""
+    lines = []
+    for level in new["levels"]:
+        if level not in old["levels"]:
+            continue
+        o, n = old["levels"][level], new["levels"][level]
+        ow, nw = o["ipw"], n["ipw"]
+        lines.append(f"concurrency {level}, {nw['n']} queries:")
+        lines.append("")
+        lines += ["| part | before: measuring thread ms/query | after: measuring thread ms/query | "
+                  "after: other threads ms/query |", "|---|---|---|---|"]
+        op, np_ = ow["ms_per_query"], nw["ms_per_query"]
+        for p in ORDER + sorted((set(op) | set(np_)) - set(ORDER) - {"engine"}):
+            if p not in op and p not in np_:
+                continue
+            # other threads' sleeps are idle time, not a cost
+            other = 0.0 if p == "sleep" else sum(v for t, v in np_.get(p, {}).items() if t != "measuring")
+            lines.append(f"| {p} | {op.get(p, {}).get('measuring', 0.0):.3f} | {np_.get(p, {}).get('measuring', 0.0):.3f} "
+                         f"| {other:.3f} |")
+        if level == "1":
+            lines.append(f"| **ipw's added time per query** (loop wall - engine time) / queries | "
+                         f"**{ow['added_ms_per_query']:.2f}** | **{nw['added_ms_per_query']:.2f}** | |")
+        for side, e in (("before", o), ("after", n)):
+            if "wall_ratio" in e:
+                lines.append(f"| loop wall ratio ipw / bare, {side} | {e['wall_ratio']:.3f} "
+                             f"(+{e['added_ms_vs_bare']:.2f} ms/query) | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("fake", "llama"), default="fake")
@@ -468,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pty", dest="pty", action="store_false")
     parser.add_argument("--json", type=Path, help="write the raw result here")
     parser.add_argument("--label", default="", help="a name for this measurement in the output (e.g. old, new)")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("OLD_JSON", "NEW_JSON"),
+                        help="print the before/after table of two saved --json results (no run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--level", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--dataset-file", help=argparse.SUPPRESS)
@@ -478,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
         args.nvml = "real" if shutil.which("nvidia-smi") else "fake"
     if args.child:
         return child(args)
+    if args.compare:
+        old, new = (json.loads(p.read_text(encoding="utf-8")) for p in args.compare)
+        print(compare_table(old, new))
+        return 0
     if args.engine == "llama" and any(c != 1 for c in args.concurrency):
         raise SystemExit("--engine llama: llama-cpp-python answers one query at a time (--concurrency 1)")
     res = measure(args)

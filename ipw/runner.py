@@ -17,11 +17,11 @@ from ipw import __version__
 from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
 from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
-from ipw.datasets import Query, fingerprint, load_queries
+from ipw.datasets import Query, fingerprint, load_queries, resolve_dataset
 from ipw.errors import IpwError
 from ipw.overlap import Segments, Share, Tally, request_of, split_share
 from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_many
-from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
+from ipw.results import QUERIES_FILE, QueryRecord, RunFolder, RunManifest, file_sha256, new_run_id, read_queries, write_queries
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
@@ -89,6 +89,7 @@ def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Comple
 
 
 ProbeFn = Callable[[Backend], list[Sensor]]
+QUERY_CACHE_MIN = 10_000  # a run of this many queries keeps a copy of them (below it, parsing them again is quick)
 
 
 def levels_of(backend: Backend) -> tuple[int, ...]:
@@ -217,6 +218,7 @@ class RecordWriter:
     next ``put`` and at ``close``."""
 
     POLL_S = 0.02  # how often a record whose energy is not final yet is looked at again
+    MAX_QUEUED = 1024  # records handed over and not yet written: beyond this, ``put`` waits
 
     def __init__(self, folder: RunFolder, progress: Callable[[QueryRecord], None],
                  sensors: list[Sensor] | None = None) -> None:
@@ -240,17 +242,19 @@ class RecordWriter:
         self._add((None, None, None, record))
 
     def _add(self, item: tuple[Any, ...]) -> None:
-        if self._error is not None:
-            raise self._error
         with self._cond:
+            while len(self._queue) >= self.MAX_QUEUED and self._error is None:  # memory stays flat
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
             self._queue.append(item)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Write every record handed over (waiting for their energy to be final), then stop."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -276,8 +280,11 @@ class RecordWriter:
                 with self._cond:
                     for _ in batch:
                         self._queue.popleft()
+                    self._cond.notify_all()
         except BaseException as exc:  # raised on the measuring thread
-            self._error = exc
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
 
     def _write(self, batch: list[tuple[Any, ...]]) -> None:
         windows = [item for item in batch if item[0] is not None]
@@ -289,6 +296,7 @@ class RecordWriter:
         self._append(records)
         for record in records:
             self._progress(record)
+
 
 def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurrency: int) -> None:
     """Unmeasured queries before a level: ``warmup`` of them, at least one per request slot, sent
@@ -341,6 +349,7 @@ def run_concurrent(
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
             segs = segments.of(job)
+            _resolve_ready(segments, [seg[2] for seg in segs])
             share = split_share(job, segs, {j: _request_of(futures[j]) for j in set().union(*(seg[3] for seg in segs))})
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
@@ -361,6 +370,17 @@ def run_concurrent(
     return {"concurrency": concurrency, "requests": len(work), "start_s": segments.started_s, "end_s": segments.ended_s,
             "wall_s": round(segments.ended_s - segments.started_s, 6),
             "split_methods": methods, "energy": tally.summary()}
+
+
+def _resolve_ready(segments: Segments, mine: list[Closed], timeout_s: float = 10.0) -> None:
+    """Once a request's windows are final (NVML: the sampler has read past them; at most ``timeout_s``),
+    make every ready window of the span final in one estimate (``window.resolve``), not one each."""
+    deadline = time.monotonic() + timeout_s
+    while not all(c.ready() for c in mine) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with segments.lock:
+        pending = [seg[2] for seg in segments.closed] + list(segments.idle)
+    resolve(pending)
 
 
 def _request_of(future) -> Any:
@@ -413,17 +433,41 @@ def start_run(config: RunConfig, command: list[str] | None = None,
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         backends=[],
     ))
+    if len(queries) >= QUERY_CACHE_MIN:
+        source = resolve_dataset(config.dataset)
+        if source.is_file():
+            folder.write_manifest(dataset={**folder.manifest.dataset, "file_sha256": file_sha256(source),
+                                           "queries_file": QUERIES_FILE,
+                                           "queries_sha256": write_queries(folder.path / QUERIES_FILE, queries)})
     return folder, queries
+
+
+def _cached_queries(folder: RunFolder) -> list[Query] | None:
+    """A large run's queries as it loaded them (``queries.parquet``), when neither the dataset file, nor
+    that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
+    entry, manifest = folder.manifest.dataset or {}, folder.manifest
+    copy = folder.path / QUERIES_FILE
+    if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
+        return None
+    try:
+        source = resolve_dataset(manifest.config["dataset"])
+        if not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
+                or file_sha256(copy) != entry.get("queries_sha256"):
+            return None
+    except (IpwError, OSError, KeyError):
+        return None
+    return read_queries(copy)
 
 
 def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozenset[tuple[str, str, int]]]:
     """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
     folder = RunFolder.reopen(run_dir)
     config = RunConfig.from_dict(folder.manifest.config)
-    queries = _load_full(config)
-    if folder.manifest.shard:
+    cached = _cached_queries(folder)  # a million queries are not parsed and hashed again
+    queries = cached if cached is not None else _load_full(config)
+    if folder.manifest.shard and cached is None:
         queries = shard_items(queries, Shard(folder.manifest.shard["index"], folder.manifest.shard["count"]))
-    if fingerprint(queries) != folder.manifest.dataset["fingerprint"]:
+    if cached is None and fingerprint(queries) != folder.manifest.dataset["fingerprint"]:
         raise IpwError(f"{run_dir}: the dataset {config.dataset} changed since the run started "
                        "(fingerprints differ); start a new run")
     done = frozenset(folder.done_keys())
