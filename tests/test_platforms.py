@@ -680,3 +680,23 @@ def test_amd_startup_check_like_zeus(monkeypatch):
     drive_polled(sensor, clock, _ns(0.6))
     assert sensor.check(startup=True)["amd0"].ok
     sensor.close()
+
+
+def test_apple_counters_that_all_stop_are_a_stall(monkeypatch):
+    """IOReport counters that stop updating (all of them, from 10 s on): the windows after are
+    unavailable, never 0 J; an ANE that never moves beside a moving CPU is 0 J."""
+    entry = apple_entry()
+    t = np.asarray(entry["cumulative"]["t_ns"])
+    frozen = entry["cumulative"]["v"][int(np.searchsorted(t, _ns(10.0)))]
+    entry["cumulative"]["v"] = [v if tn < _ns(10.0) else frozen for v, tn in zip(entry["cumulative"]["v"], t)]
+    sensor, clock = _apple_sensor(monkeypatch, entry)
+    early = {r.component: r for r in polled_window(sensor, clock, _ns(2.5), _ns(4.5))}
+    late = {r.component: r for r in polled_window(sensor, clock, _ns(16.0), _ns(20.0))}
+    (est,) = sensor.energy_windows([(_ns(2.5) / 1e9, _ns(4.5) / 1e9)])["apple-cpu"]
+    sensor.close()
+    assert early["apple-ane"].energy_j == 0.0 and "0 J (idle" in early["apple-ane"].note
+    # the CPU at 5 W for 2 s, within the estimator's bound (one 2 s batch at the window's power)
+    assert early["apple-cpu"].energy_j == pytest.approx(est.energy_j)
+    assert abs(est.energy_j - 5.0 * 2) <= est.uncertainty_j
+    for r in late.values():
+        assert r.energy_j is None and r.quality == "unavailable" and "stalled, not used" in r.note

@@ -38,6 +38,8 @@ LOOKBACK_S = 600.0
 #: ``BUSY_MIN_W``): a counter that does not move then is stalled.
 BUSY_FRACTION = 0.2
 BUSY_MIN_W = 1.0
+#: The note of a counter-only channel whose counter did not move around a window.
+UNMOVED = "counter did not move"
 
 
 class Absent(IpwError):
@@ -368,6 +370,21 @@ class PolledSensor(SensorBase):
             if c.has_counter and not c.has_power:
                 estimates = [self._unmoved(e, a["ct"], a["cj"]) for e in estimates]
             out[c.component] = [(replace(e, source=_relabel(e, c.prefix)), notes) for e in estimates]
+        return self._all_unmoved(out, len(windows))
+
+    def _all_unmoved(self, out: dict[str, list[tuple[WindowEstimate, list[str]]]], n: int) -> dict[str, list[tuple[WindowEstimate, list[str]]]]:
+        """Where every counter-only channel is unmoved around a window (:meth:`_unmoved`), the counters
+        stalled: a running chip's CPU rail is never at 0 J.  Those windows are ``unavailable``, said so."""
+        only = [c.component for c in self.platform.channels if c.has_counter and not c.has_power]
+        if len(only) < 2:
+            return out
+        for k in range(n):
+            if all(out[comp][k][0].note.startswith(UNMOVED) for comp in only):
+                for comp in only:
+                    est, notes = out[comp][k]
+                    out[comp][k] = (replace(est, energy_j=None, coverage=0.0, quality="unavailable",
+                                            note=f"no counter of {self.name} moved around the window: stalled, not used"),
+                                    notes)
         return out
 
     def _unmoved(self, est: WindowEstimate, ct: np.ndarray, cj: np.ndarray) -> WindowEstimate:
@@ -381,8 +398,8 @@ class PolledSensor(SensorBase):
         if ct[0] > est.start_s or ct[-1] < est.end_s + step or around.sum() < 2 or np.ptp(cj[around]) != 0:
             return est
         return replace(est, energy_j=0.0, coverage=1.0, quality="measured_interpolated", source="nvml.counter",
-                       note=f"counter did not move from {step:g} s before to {step:g} s after the window: 0 J "
-                            "(idle, or stalled: no power reading tells them apart)")
+                       note=f"{UNMOVED} from {step:g} s before to {step:g} s after the window: 0 J (idle; the "
+                            "sensor's other counters moved)")
 
     def readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
         """One reading per channel for ``[start_s, end_s]``; never raises."""
