@@ -700,3 +700,20 @@ def test_apple_counters_that_all_stop_are_a_stall(monkeypatch):
     assert abs(est.energy_j - 5.0 * 2) <= est.uncertainty_j
     for r in late.values():
         assert r.energy_j is None and r.quality == "unavailable" and "stalled, not used" in r.note
+
+
+def test_doctor_checks_the_nvml_counter(monkeypatch):
+    """ipw doctor's cross-check on an NVIDIA GPU (the autospec'd pynvml on the real clock): the counter
+    against the driver samples, ok for a counter that follows the power; a stuck one is DISTRUSTED."""
+    from ipw.commands import doctor as doctor_mod
+
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    sig = synthetic(60.0, t0_s=time.monotonic(), idle_w=100.0, load_w=400.0, load=(0.0, 60.0),
+                    offset_ns=real_offset_ns())[0]
+    fake = make_fake(monkeypatch, [sig], RealClock())
+    scoped_fields(fake)
+    (row,) = doctor_mod.counter_check_rows(seconds=2.5)
+    assert row[:3] == ["nvml", "gpu0", "ok"] and float(row[3]) == pytest.approx(1.0, abs=0.1)
+    sig.ctr_mj = np.full_like(sig.ctr_mj, sig.ctr_mj[0])  # the counter stops while the GPU draws 400 W
+    (row,) = doctor_mod.counter_check_rows(seconds=2.5)
+    assert row[2] == "DISTRUSTED" and "did not move" in row[4]
