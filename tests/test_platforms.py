@@ -717,3 +717,10 @@ def test_doctor_checks_the_nvml_counter(monkeypatch):
     sig.ctr_mj = np.full_like(sig.ctr_mj, sig.ctr_mj[0])  # the counter stops while the GPU draws 400 W
     (row,) = doctor_mod.counter_check_rows(seconds=2.5)
     assert row[2] == "DISTRUSTED" and "did not move" in row[4]
+
+
+def test_amd_power_not_supported_uses_the_counter(monkeypatch):
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(power_status=AMDSMI_STATUS_NOT_SUPPORTED))
+    (r,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    sensor.close()
+    assert r.source == "amdsmi.counter" and r.energy_j == pytest.approx(600 * 6, rel=0.01)

@@ -84,7 +84,10 @@ class AmdPlatform(Platform):
             for i, h in enumerate(self.handles):
                 comp = f"amd{i}"
                 self.names.append(str(amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name", "?")))
-                info = amdsmi.amdsmi_get_power_info(h)
+                try:
+                    info = amdsmi.amdsmi_get_power_info(h)
+                except amdsmi.AmdSmiException:
+                    info = {}  # no power readings: the counter alone, noted
                 key = next((k for k in ("current_socket_power", "average_socket_power")
                             if isinstance(info.get(k), int)), "")
                 self.power_key[comp] = key
