@@ -13,8 +13,9 @@ rotating over the cycles:
 
 From the stream:
 
-- **interleaved, false alarms**: every 4 consecutive A runs, as blocks A B B A of one job (A runs sit at times 4k
-  and 4k+1, so each such window is symmetric in time: linear drift cancels as in a real job);
+- **interleaved, false alarms**: 4 A runs as blocks A B B A of one job, whenever the A blocks' mean position equals
+  the B blocks' (linear drift cancels as in a real job) and they span at most SPAN positions; every 4 consecutive
+  A runs are such a job (A runs sit at 4k and 4k+1), and more overlap them (they share runs: not independent);
 - **interleaved, power**: the second A of a cycle, its two R runs, the first A of the next cycle (A R R A);
 - **committed baseline, false alarms**: every pair of A runs at least ``--lag`` runs apart, the earlier one
   as the baseline (a baseline recorded minutes before the candidate, as a committed one is);
@@ -45,6 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("max_tokens_x2", "no_prefix_cache", "threads_x2")
+SPAN = 9  # the longest interleaved identical job, in stream positions (a real job's 4 blocks span 3)
 BACKEND = "smollm2-135m"
 
 
@@ -133,7 +135,7 @@ def load_stream(work: Path) -> list[dict]:
     for folder in sorted((work / "runs").iterdir()):
         run_dir = complete(folder)
         if run_dir is None:
-            break  # the stream's complete prefix
+            continue  # a run stopped on purpose (011: threads_x2, ~9 min per run under the load) or still running
         index, kind = int(folder.name[:3]), folder.name[4:]
         manifest, frame = load_run(run_dir)
         out.append({"index": index, "kind": kind, "dir": run_dir, "manifest": manifest, "frame": frame,
@@ -188,13 +190,33 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
     def committed(base, cand, factor=1.0):
         return check_runs(base["manifest"], base["frame"], *scaled(cand, factor), thresholds)
 
-    # interleaved, identical: 4 consecutive A runs as A B B A (symmetric in time in this stream)
-    for i in range(len(a_runs) - 3):
-        q = a_runs[i:i + 4]
-        row = {"mode": "interleaved", "kind": "identical", "runs": "-".join(str(r["index"]) for r in q),
-               **verdict_row(interleaved(*q))}
+    # interleaved, identical: 4 A runs as A B B A whose A and B mean times are equal (t1 + t4 = t2 + t3), within
+    # SPAN stream positions; 4 consecutive A runs are such a job in this stream (A runs sit at 4k and 4k + 1)
+    from itertools import combinations
+
+    quads = [q for q in combinations(a_runs, 4) if q[0]["index"] + q[3]["index"] == q[1]["index"] + q[2]["index"]
+             and q[3]["index"] - q[0]["index"] <= SPAN]
+    consecutive = {tuple(r["index"] for r in a_runs[i:i + 4]) for i in range(len(a_runs) - 3)}
+    for q in quads:
+        key = tuple(r["index"] for r in q)
+        row = {"mode": "interleaved", "kind": "identical", "runs": "-".join(map(str, key)),
+               "consecutive": key in consecutive, **verdict_row(interleaved(*q))}
         row["smallest_caught_pct"] = smallest_caught(lambda f: next(
             v.status for v in interleaved(*q, factor=1 + f).verdicts if v.metric == "energy_per_query"))
+        rows.append(row)
+    # interleaved with --blocks 8, identical: 8 consecutive A runs as A B B A A B B A (symmetric in this stream)
+    for i in range(len(a_runs) - 7):
+        o = a_runs[i:i + 8]
+        blocks = [(side, r["manifest"], r["frame"]) for side, r in zip("ABBAABBA", o)]
+
+        def judge8(f, o=o):
+            scaled_blocks = [(side, *(scaled(r, 1 + f) if side == "B" else (r["manifest"], r["frame"])))
+                             for side, r in zip("ABBAABBA", o)]
+            return next(v.status for v in check_interleaved(scaled_blocks, thresholds).verdicts
+                        if v.metric == "energy_per_query")
+        row = {"mode": "interleaved8", "kind": "identical", "runs": "-".join(str(r["index"]) for r in o),
+               "consecutive": True, **verdict_row(check_interleaved(blocks, thresholds))}
+        row["smallest_caught_pct"] = smallest_caught(judge8)
         rows.append(row)
     # committed baseline, identical: every pair of A runs >= lag apart, the earlier as baseline
     for i, base in enumerate(a_runs):
@@ -222,7 +244,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
 
     results.mkdir(parents=True, exist_ok=True)
     with (results / "verdicts.csv").open("w", newline="") as f:
-        keys = ["mode", "kind", "runs", "energy_change_pct", "energy_p", "energy_floor_pct", "energy_status", "failing",
+        keys = ["mode", "kind", "runs", "consecutive", "energy_change_pct", "energy_p", "energy_floor_pct", "energy_status", "failing",
                 "exit", "output_tokens_status", "smallest_caught_pct"]
         w = csv.DictWriter(f, keys)
         w.writeheader()
@@ -248,8 +270,11 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
 
     summary = {"runs": len(stream), "a_runs": len(a_runs), "lag": lag, "thresholds": list(DEFAULT_THRESHOLDS),
                "backend": BACKEND, "modes": {}}
-    for mode in ("committed", "interleaved"):
-        ident = [x for x in rows if x["mode"] == mode and x["kind"] == "identical"]
+    subsets = [("committed", lambda x: True), ("interleaved", lambda x: True),
+               ("interleaved_consecutive", lambda x: x.get("consecutive")), ("interleaved8", lambda x: True)]
+    for label, keep in subsets:
+        mode = label.split("_")[0]  # interleaved8: --blocks 8
+        ident = [x for x in rows if x["mode"] == mode and x["kind"] == "identical" and keep(x)]
         caught = sorted(x["smallest_caught_pct"] for x in ident)
         m = {"identical": {"n": len(ident), "false_alarms": sum(x["exit"] != 0 for x in ident),
                            "energy_regressions": sum(x["energy_status"] == "regression" for x in ident),
@@ -257,7 +282,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
                            "largest_change_pct": max((abs(x["energy_change_pct"]) for x in ident), default=None),
                            "smallest_caught_95_pct": float(np.quantile(caught, 0.95, method="higher")) if caught else None,
                            "smallest_caught_50_pct": float(np.quantile(caught, 0.5, method="higher")) if caught else None}}
-        for kind in KINDS:
+        for kind in KINDS if label == mode else ():
             reg = [x for x in rows if x["mode"] == mode and x["kind"] == kind]
             if reg:
                 m[kind] = {"n": len(reg), "caught": sum(x["exit"] == 1 for x in reg),
@@ -266,7 +291,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
                            "energy_change_pct": [min(x["energy_change_pct"] for x in reg),
                                                  float(np.median([x["energy_change_pct"] for x in reg])),
                                                  max(x["energy_change_pct"] for x in reg)]}
-        summary["modes"][mode] = m
+        summary["modes"][label] = m
     loads = [x for r in stream for x in ((r["log"].get("loadavg_before") or [None])[0],
                                           (r["log"].get("loadavg_after") or [None])[0]) if x is not None]
     summary["loadavg_1m"] = {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)} if loads else None
