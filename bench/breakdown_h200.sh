@@ -15,6 +15,11 @@ cd "$(dirname "$0")/.."
 OLD=$(realpath "$1")
 OUT=$(realpath "$2")
 BUDGET=${3:-560}
+Q=${QUERIES:-150}   # queries of each llama breakdown (QUERIES=10 for a dry run)
+QF=${FAKE_QUERIES:-640}
+LAYERS=${LAYERS:--1}
+ROUNDS=${OVERHEAD_ROUNDS:-3}  # 0: no overhead_llama step
+PY=${PY:-python3}
 SITE=${SITE:-/tmp/ipw-site}
 NEW=$PWD
 T0=$(date +%s)
@@ -24,21 +29,26 @@ step() {  # step NAME NEEDED_SECONDS PYTHONPATH_CHECKOUT ARGS...
   local name=$1 need=$2 code=$3; shift 3
   if [ "$(left)" -lt "$need" ]; then echo "skip $name: $(left) s left, needs ~$need s" | tee -a "$OUT/steps.txt"; return; fi
   local t=$(date +%s)
-  PYTHONPATH="$SITE:$code" PYTHONUNBUFFERED=1 timeout "$(left)" python3 "$@" > "$OUT/$name.log" 2>&1
+  PYTHONPATH="$SITE:$code" PYTHONUNBUFFERED=1 timeout "$(left)" "$PY" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t )) s, load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/steps.txt"
   tail -n 25 "$OUT/$name.log"
 }
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 for r in 1 2; do
-  step "breakdown-llama-old-$r" 60 "$OLD" bench/harness_breakdown.py --engine llama --n-gpu-layers -1 --n-threads 4 \
-    --queries 150 --nvml real --label "old $r" --json "$OUT/breakdown-llama-old-$r.json"
-  step "breakdown-llama-new-$r" 60 "$NEW" bench/harness_breakdown.py --engine llama --n-gpu-layers -1 --n-threads 4 \
-    --queries 150 --nvml real --label "new $r" --json "$OUT/breakdown-llama-new-$r.json"
+  step "breakdown-llama-old-$r" 60 "$OLD" bench/harness_breakdown.py --engine llama --n-gpu-layers "$LAYERS" --n-threads 4 \
+    --queries "$Q" --nvml real --label "old $r" --json "$OUT/breakdown-llama-old-$r.json"
+  step "breakdown-llama-new-$r" 60 "$NEW" bench/harness_breakdown.py --engine llama --n-gpu-layers "$LAYERS" --n-threads 4 \
+    --queries "$Q" --nvml real --label "new $r" --json "$OUT/breakdown-llama-new-$r.json"
 done
-step overhead-llama-new 240 "$NEW" bench/overhead_llama.py --n-gpu-layers -1 --n-threads 4 --rounds 3 --queries 60 \
-  --no-write --json "$OUT/overhead-llama-new.json"
-step breakdown-fake-old 60 "$OLD" bench/harness_breakdown.py --engine fake --queries 640 --concurrency 1 64 --nvml real \
+[ "$ROUNDS" -gt 0 ] && step overhead-llama-new 240 "$NEW" bench/overhead_llama.py --n-gpu-layers "$LAYERS" --n-threads 4 \
+  --rounds "$ROUNDS" --queries 60 --no-write --json "$OUT/overhead-llama-new.json"
+step breakdown-fake-old 60 "$OLD" bench/harness_breakdown.py --engine fake --queries "$QF" --concurrency 1 64 --nvml real \
   --label old --json "$OUT/breakdown-fake-old.json"
-step breakdown-fake-new 60 "$NEW" bench/harness_breakdown.py --engine fake --queries 640 --concurrency 1 64 --nvml real \
+step breakdown-fake-new 60 "$NEW" bench/harness_breakdown.py --engine fake --queries "$QF" --concurrency 1 64 --nvml real \
   --label new --json "$OUT/breakdown-fake-new.json"
+for pair in llama-old-1:llama-new-1 llama-old-2:llama-new-2 fake-old:fake-new; do  # the before/after tables
+  o=$OUT/breakdown-${pair%%:*}.json n=$OUT/breakdown-${pair##*:}.json
+  [ -f "$o" ] && [ -f "$n" ] && PYTHONPATH="$NEW" "$PY" bench/harness_breakdown.py --compare "$o" "$n" \
+    | tee "$OUT/compare-${pair%%:*}.md"
+done
 ls -la "$OUT"

@@ -475,7 +475,7 @@ def read_queries(path: Path) -> list[Any]:
 
     from ipw.datasets import Query
 
-    cols = pq.read_table(own_file(path)).to_pydict()
+    cols = pq.ParquetFile(own_file(path)).read().to_pydict()  # (read_table would import pandas)
     return [Query(i, p, a, tuple(c) if c else None, cat, sc) for i, p, a, c, cat, sc in
             zip(cols["id"], cols["prompt"], cols["answer"], cols["choices"], cols["category"], cols["scorer"])]
 
