@@ -5,6 +5,7 @@ run folder is written (tests/runfolders.py) with every query's energy scaled by 
 when that block ran. The command end to end (``ipw check --rerun``) runs real llama.cpp blocks."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,11 +182,18 @@ def test_rerun_catches_doubled_max_tokens_exactly(tmp_path, run_cli):
         configs[-1].write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\n[generation]\nmax_tokens = {max_tokens}\n'
                                'temperature = 0.0\n[[backends]]\nname = "smol"\nkind = "llama-cpp"\n'
                                'model = "smollm2-135m"\nn_threads = 1\n')
+    # the baseline's interpreter, as another checkout's venv would be: a wrapper that notes each block it runs
+    marks = tmp_path / "base-python-ran"
+    base_python = tmp_path / "base-python"
+    base_python.write_text(f'#!/bin/sh\necho block >> "{marks}"\nexec "{sys.executable}" "$@"\n')
+    base_python.chmod(0o755)
     md = tmp_path / "v.md"
-    code, out, err = run_cli("check", "--rerun", *configs, "--out", tmp_path / "jobs", "--markdown", md)
+    code, out, err = run_cli("check", "--rerun", *configs, "--out", tmp_path / "jobs", "--markdown", md,
+                             "--base-python", base_python)
     assert code == 1, out + err
     (job,) = list((tmp_path / "jobs").iterdir())
     assert sorted(p.name for p in job.iterdir()) == ["01-A", "02-B", "03-B", "04-A"]
+    assert marks.read_text().count("block") == 2  # the two A blocks, and only they
     row = next(line for line in md.read_text().splitlines() if "| output_tokens |" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[4]) == 2 * int(cells[3]) == 2 * 8 * len(STORIES), row
