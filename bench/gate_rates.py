@@ -308,8 +308,41 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
     summary["first_started"] = stream[0]["log"].get("started")
     summary["last_started"] = stream[-1]["log"].get("started")
     (results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (results / "summary.md").write_text(markdown(summary, rows, stream))
     print(json.dumps(summary, indent=1))
     return summary
+
+
+def markdown(summary: dict, rows: list[dict], stream: list[dict]) -> str:
+    """The tables of docs/CHECK.md's error-rate section."""
+    names = {"committed": "committed baseline (a pair of runs >= %d positions apart)" % summary["lag"],
+             "interleaved": "interleaved, 4 blocks A B B A (every time-symmetric quad of runs)",
+             "interleaved_consecutive": "interleaved, 4 blocks, consecutive runs only",
+             "interleaved8": "interleaved, 8 blocks A B B A A B B A (consecutive runs)"}
+    lines = ["| mode | identical jobs | false alarms (exit 1) | of them energy | energy inconclusive | largest |change| "
+             "| smallest energy increase caught in 95% (50%) of them |", "|---|---|---|---|---|---|---|"]
+    for label, m in summary["modes"].items():
+        i = m["identical"]
+        if not i["n"]:
+            continue
+        lines.append(f"| {names[label]} | {i['n']} | {i['false_alarms']} ({100 * i['false_alarms'] / i['n']:.0f}%) | "
+                     f"{i['energy_regressions']} | {i['energy_inconclusive']} | {i['largest_change_pct']:.1f}% | "
+                     f"+{i['smallest_caught_95_pct']:.1f}% (+{i['smallest_caught_50_pct']:.1f}%) |")
+    lines += ["", "| mode | real regression | jobs or pairs | caught (exit 1) | by energy | by the work gate | "
+              "energy change min / median / max |", "|---|---|---|---|---|---|---|"]
+    for label, m in summary["modes"].items():
+        for kind in KINDS:
+            if kind in m:
+                k = m[kind]
+                lo, med, hi = k["energy_change_pct"]
+                lines.append(f"| {label} | {kind} | {k['n']} | {k['caught']} | {k['caught_by_energy']} | "
+                             f"{k['caught_by_work_gate']} | {lo:+.1f}% / {med:+.1f}% / {hi:+.1f}% |")
+    walls = [r["log"].get("wall_s") for r in stream if r["kind"] == "A" and r["log"].get("wall_s")]
+    load = summary.get("loadavg_1m") or {}
+    lines += ["", f"{summary['runs']} runs ({summary['a_runs']} of the default), {summary['first_started']} to "
+              f"{summary['last_started']} (UTC); an A run took {min(walls):.0f}-{max(walls):.0f} s; load average "
+              f"(1 min) around the runs {load.get('min')}-{load.get('max')}, median {load.get('median')}."]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
