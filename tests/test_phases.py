@@ -141,7 +141,10 @@ def test_sampled_split_integrates_both_phases():
     (s,) = split_sampled(sensor, part, 22.0)
     # prefill 2 s x 100 W + 2 s x 400 W = 1000 J of the window's 1800 J (one sample step of slack at 20 s)
     assert s.prefill_fraction == pytest.approx(1000 / 1800, abs=0.005)
-    assert 0 < s.uncertainty_fraction < 0.01 and not s.unresolved and s.quality == "measured_interpolated"
+    # the cut's own error (ErrorModel's edge term): none in steady power, some on the 100 -> 400 W step
+    assert 0 <= s.uncertainty_fraction < 0.01 and not s.unresolved and s.quality == "measured_interpolated"
+    (on_step,) = split_sampled(sensor, part, 20.0)
+    assert 0.001 < on_step.uncertainty_fraction < 0.01
     (short,) = split_sampled(sensor, part, 18.05)
     assert short.unresolved and "0.15 s" in short.note
     splits = sensor_splits([sensor], [18.0], [part], 22.0)

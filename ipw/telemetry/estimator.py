@@ -83,6 +83,8 @@ class WindowEstimate:
     uncertainty_j: float | None = None  # ±90% half-width (J): ErrorModel for samples; one step for the counter
     short_window: bool = False
     aliasing: bool = False  # a periodic load near a multiple of the sample period (interval widened)
+    #: ±90% of each edge's own error (J, start and end): where a cut between two windows falls (the phase split)
+    edges_j: tuple[float, float] | None = None
 
     @property
     def duration_s(self) -> float:
@@ -775,9 +777,12 @@ def estimate_windows(
                 if terms.aliasing_period_s is not None:
                     notes.append(f"aliasing: periodic load ({terms.aliasing_period_s * 1000:.0f} ms) near a multiple "
                                  f"of the {si.period_s * 1000:.0f} ms sample period, interval widened")
+                r = ratio or 1.0
+                edges = (error_model.z * error_model.edge * terms.edge_start_j * r,
+                         error_model.z * error_model.edge * terms.edge_end_j * r)
                 est = WindowEstimate(start_s, end_s, energy, cov, "measured_interpolated", "nvml.samples",
                                      uncalibrated_j=raw, calibration_ratio=ratio, uncertainty_j=unc,
-                                     aliasing=terms.aliasing_period_s is not None)
+                                     aliasing=terms.aliasing_period_s is not None, edges_j=edges)
 
         if est is None and ci is not None:
             energy, cov = ci.window(start_s, end_s)
@@ -811,7 +816,7 @@ def estimate_windows(
             start_s=start_s, end_s=end_s, energy_j=est.energy_j, coverage=est.coverage, quality=est.quality,
             source=est.source, note="; ".join(n for n in notes if n), uncalibrated_j=est.uncalibrated_j,
             calibration_ratio=est.calibration_ratio, counter_delta_j=counter_delta,
-            uncertainty_j=est.uncertainty_j, short_window=short, aliasing=est.aliasing,
+            uncertainty_j=est.uncertainty_j, short_window=short, aliasing=est.aliasing, edges_j=est.edges_j,
         ))
     return out
 
