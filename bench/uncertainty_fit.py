@@ -84,10 +84,11 @@ def _live_estimates(st, sw, ct, cj, windows, now_s):
     # the model's calibration term without its floor (the fit chooses the floor)
     cal_sd0 = est.calibration_rel_sd(si, cal, tsd, replace(est.DEFAULT_ERROR_MODEL, calibration_floor=0.0))
     out = []
+    cache: dict = {}  # as estimate_windows does for a batch
     for a, b in windows:
         raw, cov = si.window(a, b)
         energy = raw * cal.ratio
-        out.append((energy, est.error_terms(si, a, b, energy, cov, cal_sd0), cal.ratio))
+        out.append((energy, est.error_terms(si, a, b, energy, cov, cal_sd0, cache), cal.ratio))
     return out
 
 
