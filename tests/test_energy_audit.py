@@ -65,3 +65,67 @@ def test_audit_of_a_sensor_agrees_and_catches_a_lost_share(monkeypatch):
     (c,) = audit_dicts([sensor], good, since_s=1000.0 + 26.0)
     assert c["queries"] == 2
     sensor.close()
+
+
+class _SleepyBackend:
+    """A backend whose queries take ~60 ms of wall time (the GPU's power is the NVML fake's)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def load(self):
+        pass
+
+    def generate(self, prompt, settings):
+        import time
+
+        from ipw.backends.base import Completion
+
+        start = time.monotonic()
+        time.sleep(0.06)
+        end = time.monotonic()
+        return Completion("ok", 3, 2, start, end, end, (end,), "stop")
+
+    def pids(self):
+        import os
+
+        return [os.getpid()]
+
+    def describe(self):
+        return {"engine": "sleepy"}
+
+    def close(self):
+        pass
+
+
+def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path):
+    """ipw run's path (``execute``) with a real NvmlSensor on the NVML fake (real clock, a constant 250 W
+    GPU): the manifest's backend holds one agreeing audit over its queries, and ``ipw run``'s lines about
+    it are empty (it prints only a disagreement)."""
+    import time
+
+    from ipw.backends.base import register_backend, unregister_backend
+    from ipw.commands.run import audit_lines
+    from ipw.config import load_config
+    from ipw.runner import execute, start_run
+    from nvml_fakes import RealClock, real_offset_ns
+
+    sig, _ = synthetic(120.0, idle_w=250.0, load_w=250.0, offset_ns=real_offset_ns(), t0_s=time.monotonic() - 5)
+    make_fake(monkeypatch, [sig], RealClock())
+    register_backend("sleepy", _SleepyBackend, replace=True)
+    try:
+        rows = [{"id": f"q{n}", "prompt": "p", "answer": "ok", "scorer": "exact"} for n in range(12)]
+        data = tmp_path / "d.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 1\nout_dir = "{tmp_path / "runs"}"\n'
+                       '[[backends]]\nname = "s"\nkind = "sleepy"\nmodel = "any"\n')
+        config = load_config(str(cfg))
+        folder, queries = start_run(config, command=["test"])
+        execute(folder, config, queries, lambda r: None, probe=lambda b: [NvmlSensor()])
+    finally:
+        unregister_backend("sleepy")
+    (a,) = folder.manifest.backends[0]["energy_audit"]
+    assert a["component"] == "gpu0" and a["queries"] == 12 and a["counter_j"] is not None, a
+    assert a["agrees"], a["line"]
+    assert audit_lines(folder.path) == []
