@@ -159,6 +159,10 @@ def markdown(rows: list[dict]) -> str:
     add("Σ per-query + gaps (span) vs counter over the span", lambda r: f"{r['span_vs_counter']:+.2%}" if "span_vs_counter" in r else "n/a")
     add("gaps: share of span, ipw power vs windows'", lambda r: f"{r['gap_share_of_span']:.1%}, {r['gap_power_vs_window_power']:+.1%}"
         if "gap_share_of_span" in r else "n/a")
+    add("run's own energy audit (manifest): difference, ±90%", lambda r: "; ".join(
+        f"{a['difference_j']:+.1f} J ({a['difference_j'] / a['counter_j']:+.2%}) ±{a['uncertainty_j']:.1f} J, "
+        f"{'agrees' if a['agrees'] else 'DISAGREES'}" for a in (r.get("energy_audit") or [])
+        if a.get("difference_j") is not None and a.get("counter_j")) or "n/a")
     add("Σ begin/end counter reads", lambda r: f"{r['sum_begin_end_j']:.1f} J ({r['begin_end_vs_counter']:+.1%})")
     add("begin/end windows reading 0 J", lambda r: f"{r['begin_end_zero_windows']} of {r['records_with_gpu_energy']}")
     add("idle GPU power (spread)", lambda r: ", ".join(f"{k} {v:.1f} W (±{r['idle_spread_w'].get(k, 0):.1f})"
