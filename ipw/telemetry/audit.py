@@ -116,8 +116,9 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
              for r in records]
     for sensor in sensors:
         sampler = getattr(sensor, "sampler", None)
-        if sampler is None or not getattr(sensor, "supports_energy_windows", False) or not windows:
-            continue
+        if (sampler is None or not getattr(sensor, "supports_energy_windows", False) or not windows
+                or not all(hasattr(sampler, k) for k in ("arrays", "components", "mark"))):
+            continue  # the NVML sampler's shape: a counter beside the samples
         end_s = max(b for _, b in windows)
         _counter_past(sampler, end_s)
         between = gaps(windows)
