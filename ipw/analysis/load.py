@@ -90,7 +90,8 @@ FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completio
           "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j")
 #: Runs up to this many records have their readings (energy_parts) read for the measurement error of their
 #: energy; above it the parts are not read (hundreds of bytes a record) and CIs say they carry none.
-MEASUREMENT_MAX_RECORDS = 200_000
+#: Parsing them cost 46 µs a record on the 2-core VM at load average 9 (json), so up to ~5 s at this size.
+MEASUREMENT_MAX_RECORDS = 100_000
 
 
 @dataclass
@@ -251,7 +252,11 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     if "energy_parts" in frame:  # measurement error: a mean of k repeats has sqrt(sum sd^2) / k, shared sd / k
         from ipw.analysis.stats import measurement_sd
 
-        sd = np.array([measurement_sd(x) for x in frame["energy_parts"]], dtype=float).reshape(-1, 2)
+        texts = frame["energy_parts"].astype(object)
+        stated = texts.str.contains('"uncertainty_j": [-0-9]', regex=True, na=False).to_numpy()
+        sd = np.zeros((len(texts), 2))
+        if stated.any():  # records made before readings stated it are skipped unparsed
+            sd[stated] = [measurement_sd(x) for x in texts[stated]]
         e_ok = ~np.isnan(_floats(frame["energy_j"]))
         if (sd[e_ok] > 0).any():
             k = np.bincount(key, e_ok, size)
