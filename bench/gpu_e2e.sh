@@ -56,7 +56,8 @@ ipw doctor | tee "$R/doctor.txt" || true  # a sensor it cannot read is reported,
 python3 bench/gpu_counter.py "$R/counter.csv" &
 counter=$!
 sleep 1
-for cfg in gpu-small-models gpu-small-models gpu-long-outputs; do
+# CONFIGS: the three runs (issue 27's short-window check: CONFIGS="gpu-small-models gpu-small-models gpu-small-models")
+for cfg in ${CONFIGS:-gpu-small-models gpu-small-models gpu-long-outputs}; do
   ipw run "configs/$cfg.toml" --out "$R/runs" 2>&1 | tail -n 8
 done
 kill -TERM "$counter"; wait "$counter" || true
