@@ -20,6 +20,12 @@ measurement error are unchanged by it.
     from ipw.analysis.stats import MeasurementError, bootstrap_draws, measurement_sd
     sd, shared = zip(*(measurement_sd(parts) for parts in records["energy_parts"]))
     draws = bootstrap_draws(columns, n_boot=2000, measurement=[MeasurementError(0, np.array(sd), np.array(shared))])
+
+From run folders, ``ipw.analysis.load`` already holds them per backend and query (``PerQuery.energy_sd_j``,
+``energy_shared_sd_j``: repeats averaged; None for runs that state none), and
+``ipw.analysis.compare.measurement_errors(pq, column_index)`` makes the list for every backend's energy
+column (``column_index[(j, "e")]``).  Paired differences stay honest: two backends' errors are drawn apart,
+as two measurements are.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ipw.telemetry.uncertainty import NVML_SHARED_REL, Z90, measurement_sd  # noqa: F401 - part of this API
+
 
 @dataclass(frozen=True)
 class MeasurementError:
@@ -43,8 +50,6 @@ class MeasurementError:
 
     def negligible(self) -> bool:
         return not (np.nansum(self.sd) > 0 or (self.shared_sd is not None and np.nansum(self.shared_sd) > 0))
-
-
 
 
 @dataclass(frozen=True)
