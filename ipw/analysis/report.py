@@ -333,8 +333,14 @@ def _plot_accuracy_energy(p: _Plots, d: dict) -> None:
     ax.legend(fontsize=8, loc="best")
     on = ", ".join(labels[i] for i in front)
     p.add(fig, "pareto", "Accuracy vs energy per query",
-          f"Points with 95% bootstrap CIs on both axes; Pareto frontier (no backend is both cheaper and more "
+          f"Points with {_ci_words(d)} on both axes; Pareto frontier (no backend is both cheaper and more "
           f"accurate): {on}.", any_est)
+
+
+def _ci_words(d: dict) -> str:
+    """How the captions name the CIs: with measurement error where compare drew it (issue 27)."""
+    carried = str((d.get("bootstrap") or {}).get("measurement_error", "")).startswith("energy CIs include")
+    return "95% bootstrap CIs" + (" (energy with each query's measurement error)" if carried else "")
 
 
 def _plot_ipj(p: _Plots, d: dict) -> None:
@@ -349,8 +355,8 @@ def _plot_ipj(p: _Plots, d: dict) -> None:
                   ha="right" if len(bs) > 3 else "center", fontsize=8)
     ax.set_ylabel("IPJ: correct answers per joule")
     ax.set_ylim(bottom=0)
-    p.add(fig, "ipj", "IPJ per backend", "Intelligence per joule (accuracy / mean J per query) with 95% "
-          "bootstrap CIs.", any(p.est.get(b["label"]) for b in bs))
+    p.add(fig, "ipj", "IPJ per backend", f"Intelligence per joule (accuracy / mean J per query) with {_ci_words(d)}.",
+          any(p.est.get(b["label"]) for b in bs))
 
 
 def _plot_energy_tokens(p: _Plots, frame) -> None:
