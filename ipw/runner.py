@@ -193,11 +193,11 @@ def _energy_audit(folder: RunFolder, backend: str, sensors: list[Sensor], since_
     from ipw.results import read_records
     from ipw.telemetry.audit import audit_dicts
 
-    path = getattr(folder, "path", None)
-    if path is None or not any(getattr(s, "supports_energy_windows", False) for s in sensors):
+    log = folder.path / "records.jsonl"  # a Ray task's sink has none: its records stream to the driver
+    if not log.is_file() or not any(s.supports_energy_windows for s in sensors):
         return []
     try:
-        records = [r for r in read_records(path / "records.jsonl") if r.get("backend") == backend]
+        records = [r for r in read_records(log) if r.get("backend") == backend]
     except Exception as exc:  # noqa: BLE001 - the audit never costs a run
         return [{"error": f"{type(exc).__name__}: {exc}"}]
     return audit_dicts(sensors, records, since_s)

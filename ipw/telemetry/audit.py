@@ -114,11 +114,12 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
     windows = [(float(r["start_s"]), float(r["end_s"])) for r in records]
     parts = [json.loads(r["energy_parts"]) if isinstance(r.get("energy_parts"), str) else (r.get("energy_parts") or [])
              for r in records]
+    from ipw.telemetry.nvml import NvmlSensor
+
     for sensor in sensors:
-        sampler = getattr(sensor, "sampler", None)
-        if (sampler is None or not getattr(sensor, "supports_energy_windows", False) or not windows
-                or not all(hasattr(sampler, k) for k in ("arrays", "components", "mark"))):
-            continue  # the NVML sampler's shape: a counter beside the samples
+        if not isinstance(sensor, NvmlSensor) or not windows:
+            continue  # the NVML sampler: a counter beside the samples
+        sampler = sensor.sampler
         end_s = max(b for _, b in windows)
         _counter_past(sampler, end_s)
         between = gaps(windows)
@@ -164,9 +165,9 @@ def _counter_past(sampler: Any, end_s: float, timeout_s: float = 2.0) -> None:
     alone."""
     import time
 
-    if getattr(sampler, "_thread", None) is None:
+    if sampler._thread is None:
         return
-    clock = getattr(sampler, "_clock", time.monotonic_ns)
+    clock = sampler._clock
     target = end_s + COUNTER_PAST_S
     now = clock() / 1e9
     if now < target:
@@ -190,7 +191,7 @@ def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> 
     ct, cj, st, sw = a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"]
     if ct.size < 2:
         return None, 0.0
-    grid = grid_counter_reads(ct, cj, st, sw, sample_shift_s=getattr(sampler, "sample_shift_s", 0.0))
+    grid = grid_counter_reads(ct, cj, st, sw, sample_shift_s=sampler.sample_shift_s)
     t, j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(ct, cj)
     ci = _CounterIntegral(t, j)
     energy, cov = ci.window(start_s, end_s)

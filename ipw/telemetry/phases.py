@@ -133,7 +133,7 @@ def split_sampled_many(sensor: Any, windows: Sequence[tuple[Any, float]]) -> lis
             fraction = a / whole if whole > 0 else ((at - start) / (end - start) if end > start else 0.0)
             # the cut's own error (the prefill window's end edge) where the estimator states it; a whole
             # window's interval also holds its calibration, which moves both phases alike
-            cut_j = pre.edges_j[1] if getattr(pre, "edges_j", None) else 0.5 * (pre.uncertainty_j or 0.0)
+            cut_j = pre.edges_j[1] if pre.edges_j is not None else 0.5 * (pre.uncertainty_j or 0.0)
             bound = min(1.0, cut_j / whole) if whole > 0 else 0.0
             note = f"{pre.source} integrated over both phases (prefill {1000 * (at - start):.0f} ms, ±{bound:.1%})"
             if pre.short_window:

@@ -56,7 +56,11 @@ class Window:
         self.sensors = sensors
 
     def begin(self) -> list[Any]:
-        return [s.begin() for s in self.sensors]
+        """Begin every sensor, the last one first: ``end`` ends them first one first, so the first sensor
+        (NVML's, where it is measured) has the tightest window around the caller's own timestamps on both
+        sides.  Begun first, its window opened ~0.1 ms before the query on the H200 (the CPU model's begin
+        reads /proc in between): 0.19% more energy than the record's window on ~50 ms queries (issue 27)."""
+        return [s.begin() for s in reversed(self.sensors)][::-1]
 
     def end(self, tokens: list[Any]) -> Closed:
         return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
