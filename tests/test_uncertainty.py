@@ -137,3 +137,22 @@ def test_grid_placement_refuses_a_counter_off_the_grid():
     reads = np.arange(0.3, 29.0, 0.61)
     energy = np.interp(reads, t, np.concatenate(([0.0], np.cumsum(np.diff(t) * p[1:]))))
     assert est.grid_counter_reads(reads, energy, t, p) is None
+
+
+def test_grid_placement_refuses_reads_at_few_phases():
+    """Reads every 0.25 s on the dot see a 100 ms grid at two phases only, so any phase between them fits
+    (on the NVML fake this put the ratio 2-3% off): refused; the same counter read with jitter is placed."""
+    t = np.arange(0.0, 30.0, 0.02)
+    p = 200.0 + 150.0 * ((t % 3.0) < 1.3)
+    cum = np.concatenate(([0.0], np.cumsum(np.diff(t) * p[1:])))
+    updates = np.arange(0.037, 30.0, 0.1)  # the counter's grid, its phase 37 ms
+
+    def counter(reads):
+        return np.interp(updates[np.searchsorted(updates, reads, side="right") - 1], t, cum)
+
+    even = np.arange(1.0, 29.0, 0.25)
+    assert est.grid_counter_reads(even, counter(even), t, p) is None
+    jittered = even + np.random.default_rng(5).uniform(0.0, 0.1, even.size)
+    grid = est.grid_counter_reads(jittered, counter(jittered), t, p)
+    assert grid is not None and abs(grid.phase_s - 0.037) <= 0.002
+

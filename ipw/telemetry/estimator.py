@@ -467,6 +467,9 @@ COUNTER_GRID_STEP_S = 0.1
 COUNTER_GRID_MAX_RSS_RATIO = 0.05
 #: At least this many changes of value are needed to find the phase.
 COUNTER_GRID_MIN_READS = 6
+#: ... seen at phases of the grid no further apart than this share of a step (the H200 sampler's reads,
+#: 0.45-0.6 s apart with their jitter, cover it within a few ms; reads every 0.25 s on the dot, two phases).
+COUNTER_GRID_MAX_PHASE_GAP = 0.25
 
 
 def grid_counter_reads(
@@ -496,6 +499,12 @@ def grid_counter_reads(
     inside = changed & (t > si.t[0] + step_s) & (t < si.t[-1])
     tc, ec = t[inside], e[inside]
     if tc.size < COUNTER_GRID_MIN_READS or np.any(np.diff(e) < 0):  # a counter that went back: no grid fit
+        return None
+    # the reads must fall at many phases of the grid: reads at a fixed rate commensurate with it (0.25 s
+    # against 0.1 s) see it at two phases only, and any phase between them fits as well
+    seen = np.sort(np.mod(tc, step_s))
+    widest = max(float(np.max(np.diff(seen))) if seen.size > 1 else step_s, float(seen[0] + step_s - seen[-1]))
+    if widest > COUNTER_GRID_MAX_PHASE_GAP * step_s:
         return None
     phases = np.arange(0.0, step_s, 0.001)
     tau = phases[:, None] + step_s * np.floor((tc[None, :] - phases[:, None]) / step_s)
