@@ -232,3 +232,32 @@ def test_stated_uncertainty_is_a_floor(tmp_path):
     energy = _row(result, "energy_per_query")
     assert energy.status == "regression" and energy.floor != energy.floor  # NaN: no floor
     assert any("shared error (±60% at 90%" in n and "cancels in the change" in n for n in result.notes)
+
+
+def test_work_gate_reports_a_backend_whose_blocks_disagree(tmp_path):
+    """A batching server's answers can change from block to block (the embedded default's llama-server at 4 in
+    flight did, once in 24 queries): when a side's own blocks differ, its token counts cannot fail the gate."""
+    def run_block(index: int, side: str) -> Path:
+        tokens = list(TOKENS)
+        if index == 3:  # the last A block: one answer a token longer than in the first
+            tokens[5] += 1
+        if side == "B":
+            tokens[7] += 2
+        return _greedy(write_run(tmp_path / f"{index:02d}-{side}", f"block{index}",
+                                 {"smol": {"correct": [1] * N, "energy": ENERGY, "tokens": tokens}}))
+
+    blocks = run_blocks(block_order(4), run_block)
+    result = check_interleaved([(b.side, *load_run(b.run_dir)) for b in blocks], DEFAULT)
+    out = _row(result, "output_tokens")
+    assert out.status == "changed" and out.candidate > out.baseline and result.exit_code == 0
+    assert any("A blocks differ among themselves" in n for n in result.notes)
+
+
+def test_work_gate_reports_a_batched_backend(tmp_path):
+    base = _greedy(write_run(tmp_path / "b", "b", {"srv": {"correct": [1] * N, "energy": ENERGY, "tokens": TOKENS,
+                                                            "concurrency": 4}}))
+    cand = _greedy(write_run(tmp_path / "c", "c", {"srv": {"correct": [1] * N, "energy": ENERGY, "concurrency": 4,
+                                                            "tokens": [t + 1 for t in TOKENS]}}))
+    result = check_runs(*load_run(base), *load_run(cand), DEFAULT)
+    assert _row(result, "output_tokens").status == "changed" and result.exit_code == 0
+    assert any("served 4 requests at once" in n for n in result.notes)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -174,13 +174,16 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
 
 def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
-               n_boot: int = 4000, seed: int = 0, floors: dict | None = None, work_gate: bool = True) -> CheckResult:
+               n_boot: int = 4000, seed: int = 0, floors: dict | None = None, work_gate: bool = True,
+               unsteady: dict[str, str] | None = None) -> CheckResult:
     """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others.
 
     ``floors``: {(backend, metric): (floor in the threshold's unit, source)}; a change within its floor is noise.
-    ``work_gate``: compare token counts and errors per query exactly, when both runs decoded greedily."""
+    ``work_gate``: compare token counts and errors per query exactly, when both runs decoded greedily.
+    ``unsteady``: {backend: why its token counts are not deterministic}; its work rows report, never fail. A
+    backend served several requests at once (batched decoding) is unsteady without being named."""
     from ipw.analysis.load import as_manifest
 
     base_manifest, cand_manifest = as_manifest(base_manifest), as_manifest(cand_manifest)
@@ -289,7 +292,14 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
             verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), float(lo), float(hi), p_value,
                                     status, n, float(floor), source))
         if work_gate:
-            verdicts += work_verdicts(name, vb, vc, n)
+            rows = work_verdicts(name, vb, vc, n)
+            level = max(pb.info.concurrency, pc.info.concurrency)
+            why = (unsteady or {}).get(name) or (f"served {level} requests at once: batched decoding need not be "
+                                                  "deterministic" if level > 1 else "")
+            if why and any(v.status == "regression" for v in rows):
+                notes.append(f"{name}: token counts or errors changed, reported and not failed: {why}")
+                rows = [replace(v, status="changed") if v.status == "regression" else v for v in rows]
+            verdicts += rows
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
 
 
@@ -346,17 +356,26 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     b = [(m, f) for side, m, f in blocks if side == "B"]
     if len(a) < 2 or len(a) != len(b):
         raise IpwError(f"an interleaved job needs as many A as B blocks, at least 2 of each (got {''.join(order)})")
-    # the drift: first A block against the last, every metric as the gate computes it
-    seen = check_runs(*a[0], *a[-1], thresholds, alpha=alpha, n_boot=n_boot, seed=seed, work_gate=False)
+    # the drift: first A block against the last, every metric as the gate computes it; and whether the blocks of one
+    # side agree exactly on every query's tokens and errors (a batching server need not)
+    seen = check_runs(*a[0], *a[-1], thresholds, alpha=alpha, n_boot=n_boot, seed=seed, work_gate=work_gate)
+    unsteady = {}
+    for side, runs in (("A", a), ("B", b)):
+        for k in range(1, len(runs)):
+            same = seen if side == "A" and k == len(runs) - 1 else check_runs(*runs[0], *runs[k], [], n_boot=1, seed=seed)
+            for v in same.verdicts:
+                if v.threshold == "exact" and v.status != "pass" and v.backend not in unsteady:
+                    unsteady[v.backend] = (f"its {side} blocks differ among themselves ({v.metric}: {v.detail}), so "
+                                           "it is not deterministic here")
     drift = tuple(Drift(v.backend, v.metric, v.change, "pp" if v.threshold.endswith("pp") else "%")
-                  for v in seen.verdicts)
+                  for v in seen.verdicts if v.threshold != "exact")
     merged = dict(floors or {})
     for d in drift:
         half = abs(d.change) / 2
         if np.isfinite(half) and half > merged.get((d.backend, d.metric), (float("-inf"), ""))[0]:
             merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({d.change:+.2f}{d.unit})")
     result = check_runs(*_pool(a), *_pool(b), thresholds, alpha=alpha, strict=strict, floors=merged,
-                        work_gate=work_gate, n_boot=n_boot, seed=seed)
+                        work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
     return CheckResult(result.verdicts, alpha, strict, result.notes, drift, order)
 
 
