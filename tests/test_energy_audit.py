@@ -129,3 +129,35 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path):
     assert a["component"] == "gpu0" and a["queries"] == 12 and a["counter_j"] is not None, a
     assert a["agrees"], a["line"]
     assert audit_lines(folder.path) == []
+
+
+def test_counter_over_the_span_on_the_h200_runs():
+    """The counter's energy over a run's span from the sampler's own sparse reads (power.parquet of the
+    lead's three fresh 2026-12-01 H200 runs, placed on the update grid) against the back-to-back counter
+    (counter.csv.gz) over the same span: within 0.1% (linear interpolation between the sparse reads put
+    it up to 0.37% low: the run ends at a change of load)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    pd = pytest.importorskip("pandas")
+    from ipw.telemetry import estimator as est
+    from ipw.telemetry.audit import counter_span_j
+
+    root = Path(__file__).resolve().parent.parent / "docs" / "gpu" / "h200-2026-12-01-s5"
+    cnt = pd.read_csv(root / "counter.csv.gz")
+    dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
+    runs = sorted((root / "runs").iterdir())
+    assert len(runs) == 3
+    for run in runs:
+        p = pd.read_parquet(run / "power.parquet")
+        r = pd.read_parquet(run / "records.parquet")
+        s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
+        st, sw = s["t_s"].to_numpy(), s["power_w"].to_numpy()
+        grid = est.grid_counter_reads(c["t_s"].to_numpy(), c["energy_j"].to_numpy(), st, sw, sample_shift_s=0.011)
+        assert grid is not None
+        lo = float(r["start_s"].min())
+        hi = min(float(r["end_s"].max()), float(grid.t_s.max()) - 0.05)  # the trace was saved before the audit's last read
+        e = counter_span_j(grid.t_s, grid.j, st, sw, lo, hi, sample_shift_s=0.011)
+        assert e == pytest.approx(dense.window(lo, hi)[0], rel=0.001)
+
