@@ -88,7 +88,8 @@ def main() -> int:
                 junit = Path(tmp) / "junit.xml"
                 t0 = time.monotonic()
                 proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       f"--junitxml={junit}", *args.tests], cwd=ROOT, capture_output=True, text=True)
+                                       f"--junitxml={junit}", *args.tests], cwd=ROOT, capture_output=True, text=True,
+                                      env={**os.environ, "COLUMNS": "400"})  # keep the failure's assertion text
                 seconds = time.monotonic() - t0
                 got = outcomes(junit) if junit.exists() else {}
             loads.append(os.getloadavg()[0])
