@@ -349,7 +349,7 @@ def run_concurrent(
         for job, (repeat, query) in enumerate(work):
             completion, error, start, end = futures[job].result()
             segs = segments.of(job)
-            _resolve_ready(segments, [seg[2] for seg in segs])
+            _resolve_ready([seg[2] for seg in segs])
             share = split_share(job, segs, {j: _request_of(futures[j]) for j in set().union(*(seg[3] for seg in segs))})
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
@@ -372,15 +372,13 @@ def run_concurrent(
             "split_methods": methods, "energy": tally.summary()}
 
 
-def _resolve_ready(segments: Segments, mine: list[Closed], timeout_s: float = 10.0) -> None:
+def _resolve_ready(mine: list[Closed], timeout_s: float = 10.0) -> None:
     """Once a request's windows are final (NVML: the sampler has read past them; at most ``timeout_s``),
-    make every ready window of the span final in one estimate (``window.resolve``), not one each."""
+    make them final in one estimate (``window.resolve``), not one each."""
     deadline = time.monotonic() + timeout_s
     while not all(c.ready() for c in mine) and time.monotonic() < deadline:
         time.sleep(0.005)
-    with segments.lock:
-        pending = [seg[2] for seg in segments.closed] + list(segments.idle)
-    resolve(pending)
+    resolve(mine)
 
 
 def _request_of(future) -> Any:
