@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,7 +20,7 @@ from typing import Any, Callable
 from ipw import __version__
 from ipw.errors import IpwError
 from ipw.judge import Judge, JudgeSpec, Verdict
-from ipw.results import QueryRecord, RunFolder, RunManifest, load_run, new_run_id
+from ipw.results import JudgeEntry, QueryRecord, RunFolder, RunManifest, load_run, new_run_id
 from ipw.scoring import SCORERS, record_score
 
 MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
@@ -58,32 +55,25 @@ def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
     return answer
 
 
-def judge_line(row: dict[str, Any], judge: Judge, verdict: Verdict | str) -> dict[str, Any]:
-    """One ``judge.jsonl`` line: what the judge cost for one record (a string verdict: not judged, and why)."""
+def judge_entry(row: dict[str, Any], judge: Judge, verdict: Verdict | str) -> JudgeEntry:
+    """One ``judge.jsonl`` entry: what the judge cost for one record (a string verdict: not judged, and why)."""
     judged = isinstance(verdict, Verdict)
     calls = verdict.calls if judged else ()
     energies = [c.energy_j for c in calls]
     p_tok, c_tok = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
-    return {
-        "backend": row["backend"], "query_id": row["query_id"], "repeat": row["repeat"], "category": row["category"],
-        "judge": judge.spec.backend.name, "judge_model": judge.spec.backend.model, "grading": judge.spec.grading,
-        "vs_backend": judge.spec.vs_backend, "prompt_version": judge.prompt.version,
-        "correct": judged and verdict.correct, "verdicts": list(verdict.verdicts) if judged else [verdict],
-        "judge_outputs": [c.output for c in calls], "judge_errors": [c.error for c in calls if c.error],
-        "judge_calls": len(calls), "judge_prompt_tokens": p_tok, "judge_completion_tokens": c_tok,
-        "judge_latency_s": sum(c.latency_s for c in calls),
-        "judge_energy_j": None if not calls or None in energies else sum(energies),
-        "judge_energy_quality": ",".join(sorted({c.energy_quality for c in calls})) or None,
-        "judge_energy_source": ",".join(sorted({c.energy_source for c in calls if c.energy_source})) or None,
-        "judge_cost_usd": judge.cost_usd(p_tok, c_tok) if calls else None,
-    }
-
-
-def _append_jsonl(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps(data, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    return JudgeEntry(
+        backend=row["backend"], query_id=row["query_id"], repeat=int(row["repeat"]), category=row["category"] or "",
+        judge=judge.spec.backend.name, judge_model=judge.spec.backend.model, grading=judge.spec.grading,
+        vs_backend=judge.spec.vs_backend, prompt_version=judge.prompt.version,
+        correct=bool(judged and verdict.correct), verdicts=tuple(verdict.verdicts) if judged else (verdict,),
+        judge_outputs=tuple(c.output for c in calls), judge_errors=tuple(c.error for c in calls if c.error),
+        judge_calls=len(calls), judge_prompt_tokens=p_tok, judge_completion_tokens=c_tok,
+        judge_latency_s=sum(c.latency_s for c in calls),
+        judge_energy_j=None if not calls or None in energies else sum(energies),
+        judge_energy_quality=",".join(sorted({c.energy_quality for c in calls})) or None,
+        judge_energy_source=",".join(sorted({c.energy_source for c in calls if c.energy_source})) or None,
+        judge_cost_usd=judge.cost_usd(p_tok, c_tok) if calls else None,
+    )
 
 
 def judge_spec(manifest: dict[str, Any], *, judge: str | None = None, grading: str | None = None,
@@ -157,15 +147,14 @@ def rescore(
                        **({"vs_backend": vs} if vs else {})},
         rescored_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     ))
-    if (Path(run_dir) / "power.parquet").exists():
-        shutil.copy2(Path(run_dir) / "power.parquet", folder.path / "power.parquet")
+    folder.copy_power(run_dir)
     updates: dict[str, Any] = {}
     try:
         with contextlib.ExitStack() as stack:
             if judge_ctx is not None:
                 judge_ctx.backend.attach(folder.path)  # e.g. a managed server's log
                 stack.enter_context(judge_ctx)
-                (folder.path / "judge.jsonl").touch()
+                folder.start_judge()
                 updates["judge"] = judge_ctx.describe()
             for raw in frame.to_dict(orient="records"):
                 record = _rescore_one(dataclasses.asdict(QueryRecord.from_row(raw)), scorer, judge_ctx, folder,
@@ -177,7 +166,7 @@ def rescore(
         folder.finish("interrupted", reason=f"{type(exc).__name__}: {exc}", **updates)
         raise
     if judge_ctx is not None:
-        updates["judge"]["totals"] = judge_totals(folder.path / "judge.jsonl")
+        updates["judge"]["totals"] = judge_totals(folder.read_judge())
     folder.finish("complete", **updates)
     return folder
 
@@ -222,21 +211,20 @@ def _judge(judge: Judge, row: dict[str, Any], reference: str | None, folder: Run
         verdict = "unscored"
     else:
         verdict = judge.grade(row["prompt"], reference, row["output"])
-    _append_jsonl(folder.path / "judge.jsonl", judge_line(row, judge, verdict))
+    folder.append_judge(judge_entry(row, judge, verdict))
     return verdict
 
 
-def judge_totals(path: Path) -> dict[str, Any]:
-    """Sums over ``judge.jsonl``: calls, tokens, energy (None if any call's is unavailable), cost."""
-    lines = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    judged = [ln for ln in lines if ln["judge_calls"]]
-    energies = [ln["judge_energy_j"] for ln in judged]
-    costs = [ln["judge_cost_usd"] for ln in judged]
+def judge_totals(entries: list[JudgeEntry]) -> dict[str, Any]:
+    """Sums over a run's judge entries: calls, tokens, energy (None if any call's is unavailable), cost."""
+    judged = [e for e in entries if e.judge_calls]
+    energies = [e.judge_energy_j for e in judged]
+    costs = [e.judge_cost_usd for e in judged]
     return {
-        "records": len(lines), "judged": len(judged), "calls": sum(ln["judge_calls"] for ln in lines),
-        "prompt_tokens": sum(ln["judge_prompt_tokens"] for ln in lines),
-        "completion_tokens": sum(ln["judge_completion_tokens"] for ln in lines),
+        "records": len(entries), "judged": len(judged), "calls": sum(e.judge_calls for e in entries),
+        "prompt_tokens": sum(e.judge_prompt_tokens for e in entries),
+        "completion_tokens": sum(e.judge_completion_tokens for e in entries),
         "energy_j": None if None in energies else sum(energies),
         "cost_usd": None if None in costs or not costs else sum(costs),
-        "unparsed": sum("unparsed" in ln["verdicts"] for ln in lines),
+        "unparsed": sum("unparsed" in e.verdicts for e in entries),
     }

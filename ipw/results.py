@@ -117,6 +117,56 @@ class QueryRecord:
 
 RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
 
+JUDGE_SCHEMA_VERSION = 1  # judge.jsonl lines written before the field existed have this layout: read as 1
+
+
+@dataclass(frozen=True)
+class JudgeEntry:
+    """One line of ``judge.jsonl``: what the judge did, and cost, for one record of a rescored run
+    (``ipw.rescore``); written by :meth:`RunFolder.append_judge`, read by :func:`read_judge`.  A record the
+    judge did not grade has no calls and one string verdict saying why (error, empty, unscored)."""
+
+    backend: str
+    query_id: str
+    repeat: int
+    category: str
+    judge: str  # the judge backend's name
+    judge_model: str
+    grading: str  # reference | pairwise | vs-backend
+    vs_backend: str | None
+    prompt_version: str
+    correct: bool
+    verdicts: tuple[str, ...]
+    judge_outputs: tuple[str, ...]
+    judge_errors: tuple[str, ...]
+    judge_calls: int
+    judge_prompt_tokens: int
+    judge_completion_tokens: int
+    judge_latency_s: float
+    judge_energy_j: float | None  # None: no call, or a call's energy unavailable
+    judge_energy_quality: str | None  # the calls' qualities, comma-joined
+    judge_energy_source: str | None
+    judge_cost_usd: float | None
+    schema_version: int = JUDGE_SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "judge.jsonl") -> "JudgeEntry":
+        """An entry from a parsed line (an unversioned line is version 1; a newer one is an IpwError)."""
+        version = data.get("schema_version", 1)
+        if not isinstance(version, int) or version > JUDGE_SCHEMA_VERSION:
+            raise IpwError(f"{where}: field 'schema_version': {version!r}, written by a newer ipw (this one reads "
+                           f"up to {JUDGE_SCHEMA_VERSION}); upgrade ipw")
+        tuples = ("verdicts", "judge_outputs", "judge_errors")
+        out = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        missing = [k for k in ("backend", "query_id", "judge_calls", "verdicts") if out[k] is None]
+        if missing:
+            raise IpwError(f"{where}: field '{missing[0]}': missing")
+        return cls(**{**out, **{k: tuple(out[k] or ()) for k in tuples}, "category": out["category"] or "",
+                      "repeat": int(out["repeat"] or 0), "correct": bool(out["correct"]), "schema_version": version})
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
 
 def new_run_id(now: dt.datetime | None = None) -> str:
     now = now or dt.datetime.now()
@@ -440,6 +490,49 @@ class RunFolder:
                 self.lock.release()
         if problem is not None:
             raise self.write_failure or problem
+
+    def log_frame(self):
+        """The records written so far (records.jsonl) as a frame (``load_records_jsonl``)."""
+        return load_records_jsonl(self.path / "records.jsonl")
+
+    def write_power(self, frame) -> None:
+        """power.parquet as ``frame`` (merge: the shards' traces), replacing any there."""
+        _atomic_write_parquet(frame, self.path / POWER_FILE)
+
+    def copy_power(self, run_dir: str | Path) -> None:
+        """The power.parquet of ``run_dir``, copied as it is (rescore: the same records, the same trace)."""
+        import shutil
+
+        source = own_file(Path(run_dir) / POWER_FILE)
+        if source.exists():
+            shutil.copy2(source, self.path / POWER_FILE)
+
+    def start_judge(self) -> None:
+        """An empty judge.jsonl: the run is judged, even before its first entry."""
+        (self.path / JUDGE_FILE).touch()
+
+    def append_judge(self, entry: JudgeEntry) -> None:
+        """One judge.jsonl line, on disk (fsynced) when this returns."""
+        _append_synced(self.path / JUDGE_FILE, entry.to_json() + "\n")
+
+    def read_judge(self) -> list[JudgeEntry]:
+        return read_judge(self.path)
+
+
+POWER_FILE = "power.parquet"
+JUDGE_FILE = "judge.jsonl"
+
+
+def _append_synced(path: Path, text: str) -> None:
+    """Append ``text`` to ``path`` in one write and fsync it (an OS error: an IpwError naming the file)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        with open(fd, "a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise write_error(path, exc) from None
 
 
 QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that --resume need not parse it again
@@ -775,3 +868,70 @@ def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical:
     if columns is not None:
         frame = frame[columns]
     return manifest, frame.astype({c: "category" for c in categorical if c in frame.columns})
+
+
+# --- the other files of a run folder, read ---------------------------------------------------------------
+
+def read_judge(run_dir: str | Path) -> list[JudgeEntry]:
+    """The entries of a run's judge.jsonl ([] for a run no judge graded); a line that is not an entry is
+    an IpwError naming it."""
+    path = Path(run_dir) / JUDGE_FILE
+    if not own_file(path).is_file():
+        return []
+    entries = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, start=1):
+                if line.strip():
+                    entries.append(JudgeEntry.from_dict(json.loads(line), f"{path}:{number}"))
+    except (OSError, ValueError) as exc:
+        raise IpwError(f"{path}: cannot read the judge's log ({type(exc).__name__}: {exc})") from None
+    return entries
+
+
+def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of a run's records.jsonl (``read_records``: checked, a torn last line left out)."""
+    return read_records(Path(run_dir) / "records.jsonl")
+
+
+def read_power(run_dir: str | Path, columns: list[str] | None = None):
+    """A run's power.parquet (those of ``columns`` it has; all when None), or None when it has none."""
+    import pyarrow.parquet as pq
+
+    path = own_file(Path(run_dir) / POWER_FILE)
+    if not path.exists():
+        return None
+    if columns is None:
+        return read_parquet(path)
+    try:
+        present = set(pq.read_schema(path).names)
+    except Exception as exc:  # a truncated or corrupt file
+        raise IpwError(f"{path}: cannot read Parquet ({type(exc).__name__}); the file is damaged") from None
+    return read_parquet(path, columns=[c for c in columns if c in present],
+                        read_dictionary=[c for c in ("device", "backend") if c in present and c in columns] or None)
+
+
+def parquet_rows(run_dir: str | Path) -> int | None:
+    """How many records a run's records.parquet holds, from its footer; None without a readable one."""
+    import pyarrow.parquet as pq
+
+    path = Path(run_dir) / "records.parquet"
+    try:
+        return pq.ParquetFile(own_file(path)).metadata.num_rows if path.is_file() else None
+    except Exception:  # noqa: BLE001 - load_run names what is wrong with the file when it reads it
+        return None
+
+
+def read_record_fields(run_dir: str | Path, rows: list[int], columns: list[str]) -> dict[str, list[Any]]:
+    """``columns`` of the records at positions ``rows`` (in the order ``load_run`` reads them), read for those
+    rows only: the report's answer texts. A column the run predates is all None."""
+    path = Path(run_dir)
+    parquet = trusted_parquet(path, read_manifest(path))  # the same file load_run reads
+    if parquet is not None:
+        import pyarrow.parquet as pq
+
+        present = set(pq.read_schema(parquet).names)
+        table = pq.read_table(parquet, columns=[c for c in columns if c in present]).take(rows)
+        return {c: (table.column(c).to_pylist() if c in present else [None] * len(rows)) for c in columns}
+    frame = load_records_jsonl(path / "records.jsonl")[columns].iloc[rows]  # an unfinished run: its log
+    return {c: frame[c].tolist() for c in columns}

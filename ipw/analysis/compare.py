@@ -67,23 +67,23 @@ def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeR
     out = []
     for run in runs:
         lines = judge_lines(run)
-        for backend in dict.fromkeys(x["backend"] for x in lines):
+        for backend in dict.fromkeys(x.backend for x in lines):
             if backend not in backends:
                 continue
-            mine = [x for x in lines if x["backend"] == backend]
-            cats = sorted({x.get("category") or "" for x in mine})
+            mine = [x for x in lines if x.backend == backend]
+            cats = sorted({x.category for x in mine})
             for cat in [""] + ([] if cats == [""] else cats):  # all, then each category (when there are any)
-                group = [x for x in mine if not cat or (x.get("category") or "") == cat]
-                judged = [x for x in group if x["judge_calls"]]
-                agree = [a for a in (orders_agree(x["verdicts"]) for x in judged) if a is not None]
-                energies = [x["judge_energy_j"] for x in judged]
+                group = [x for x in mine if not cat or x.category == cat]
+                judged = [x for x in group if x.judge_calls]
+                agree = [a for a in (orders_agree(x.verdicts) for x in judged) if a is not None]
+                energies = [x.judge_energy_j for x in judged]
                 out.append(JudgeRow(
-                    run.run_id, mine[0]["judge"], mine[0]["grading"], mine[0]["prompt_version"], backend, cat,
+                    run.run_id, mine[0].judge, mine[0].grading, mine[0].prompt_version, backend, cat,
                     len(group), len(judged),
                     sum(agree) / len(agree) if agree else None,
-                    sum("unparsed" in x["verdicts"] for x in group), sum(x["judge_calls"] for x in group),
-                    None if not judged or None in energies else float(sum(energies)),
-                    worst_quality([q for x in judged for q in (x["judge_energy_quality"] or "").split(",") if q])))
+                    sum("unparsed" in x.verdicts for x in group), sum(x.judge_calls for x in group),
+                    None if not judged or None in energies else float(sum(e for e in energies if e is not None)),
+                    worst_quality([q for x in judged for q in (x.judge_energy_quality or "").split(",") if q])))
     return tuple(out)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.errors import IpwError
-from ipw.results import RunManifest
+from ipw.results import JudgeEntry, RunManifest
 from ipw.telemetry.hardware import machines
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
@@ -300,18 +300,12 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     return parts
 
 
-def judge_lines(run: RunInfo) -> list[dict]:
-    """A judged run's ``judge.jsonl`` lines (one per record: the judge, its grading and prompt version,
+def judge_lines(run: RunInfo) -> list[JudgeEntry]:
+    """A judged run's ``judge.jsonl`` entries (one per record: the judge, its grading and prompt version,
     verdicts, calls and its own energy); [] for a run no judge graded."""
-    import json
+    from ipw.results import read_judge
 
-    path = Path(run.path) / "judge.jsonl"
-    if not path.is_file():
-        return []
-    try:
-        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    except (OSError, ValueError) as exc:
-        raise IpwError(f"{path}: cannot read the judge's log ({type(exc).__name__}: {exc})") from None
+    return read_judge(run.path)
 
 
 def _query_set_error(parts: list[_Part]) -> str | None:
