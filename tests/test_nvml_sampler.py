@@ -236,23 +236,58 @@ def test_counter_backwards_is_a_gap_never_negative(monkeypatch):
     drop = np.searchsorted(sig.ctr_t_ns, clock.mono_ns + 15_000_000_000)
     sig.ctr_mj = sig.ctr_mj.copy()
     sig.ctr_mj[drop:] -= 3_000_000  # driver reset: the counter restarts lower
-    sig.samples_ok = False  # the counter is all there is
+    sig.samples_ok = sig.instant_ok = False  # the counter is all there is
     make_fake(monkeypatch, [sig], clock)
     sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
     (r,) = finish(sensor, clock, window(sensor, clock, 12.0, 18.0))
     assert r.energy_j is not None and 0 <= r.energy_j < 600.0
     assert "backwards" in r.note and "cover" in r.note
+    assert "counter check: went backwards 1x" in r.note  # nothing else to stand in: used, and said so
     sensor.close()
 
-    # with samples, a counter gap leaves the samples' energy intact (calibration notes the gap)
+
+def _bad_counter_run(monkeypatch, bad):
+    """A 400 W load from 20 s to 30 s on the synthetic GPU, its counter rewritten by ``bad(t_rel_s, mj)``;
+    readings of the load, of idle after it, and one of 50 ms."""
     sig, clock = synthetic()
-    sig.ctr_mj = sig.ctr_mj.copy()
-    sig.ctr_mj[drop:] -= 3_000_000
+    sig.ctr_mj = bad((sig.ctr_t_ns - clock.mono_ns) / 1e9, sig.ctr_mj.copy())
     make_fake(monkeypatch, [sig], clock)
     sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
-    (r,) = finish(sensor, clock, window(sensor, clock, 12.0, 18.0))
-    assert r.source == "nvml.samples" and r.energy_j == pytest.approx(600.0, rel=0.02)
+    spans = [(21.0, 29.0), (32.0, 38.0), (40.0, 40.05)]
+    pend = [window(sensor, clock, a, b) for a, b in spans]
+    out = [finish(sensor, clock, p)[0] for p in pend]
     sensor.close()
+    return out
+
+
+def test_a_counter_that_fails_its_checks_is_not_used(monkeypatch):
+    """A stalled counter (stuck from 22 s, inside the load), one that went backwards (a driver reset at
+    25 s) and one 10% above power x time are dropped from calibration: the samples alone, uncalibrated, said why, with the wider interval
+    of uncalibrated samples (3% of the energy, 1 sd: estimator.calibration_rel_sd)."""
+    good = _bad_counter_run(monkeypatch, lambda t, mj: mj)
+
+    def stall(t, mj):
+        mj[t >= 22.0] = mj[np.searchsorted(t, 22.0)]
+        return mj
+
+    def reset(t, mj):
+        mj[t >= 25.0] -= 3_000_000
+        return mj
+
+    def high(t, mj):  # 10% above power x time: outside the calibration bounds
+        return (mj * 1.1).astype(mj.dtype)
+
+    for bad, why in ((stall, "did not move for"), (reset, "went backwards 1x"), (high, "vs power x time")):
+        got = _bad_counter_run(monkeypatch, bad)
+        for r, ok, expected_j in zip(got, good, (400.0 * 8, 100.0 * 6, 100.0 * 0.05)):
+            assert r.source == "nvml.samples" and r.quality == "measured_interpolated"
+            assert "counter distrusted, not used: " in r.note and why in r.note and "uncalibrated" in r.note
+            assert "calibration ratio" not in r.note and "counter delta" not in r.note
+            assert r.energy_j == pytest.approx(expected_j, rel=0.02)  # the synthetic samples are exact
+            # the band is wider than with the counter: the 3% of the missing calibration
+            assert r.uncertainty_j > ok.uncertainty_j and r.uncertainty_j >= 1.645 * 0.03 * r.energy_j
+    for r in good:
+        assert "distrusted" not in r.note and "counter check" not in r.note and "calibration ratio" in r.note
 
 
 def test_nvml_failure_mid_run_gives_unavailable(monkeypatch):

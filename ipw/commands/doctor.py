@@ -157,17 +157,14 @@ def sensor_rows() -> list[list[str]]:
 
 def counter_check_rows(seconds: float = 3.0) -> list[list[str]]:
     """Each energy counter read beside power readings for ``seconds``, checked
-    (:func:`ipw.telemetry.polled.counter_checks`): one row per component: sensor, component, verdict,
+    (:func:`ipw.telemetry.estimator.counter_checks`; NVML's through :func:`ipw.telemetry.sampler.counter_check`,
+    as a run checks it): one row per component: sensor, component, verdict,
     counter / (power x time), problems (a counter without power readings: backwards only).  A counter
     that fails is what a run labels "counter distrusted, not used".  Empty, without waiting, where no
     sensor here reads a counter."""
     from ipw.errors import IpwError
-    from ipw.telemetry.estimator import CALIBRATION_BOUNDS
-    from ipw.telemetry.polled import counter_checks
     from ipw.telemetry.probe import platform_sensors
-    from ipw.telemetry.sampler import COUNTER_STEP_S, hold_counter_reads
-
-    import numpy as np
+    from ipw.telemetry.sampler import counter_check
 
     sensors: list[Any] = []
     try:
@@ -185,14 +182,10 @@ def counter_check_rows(seconds: float = 3.0) -> list[list[str]]:
             time.sleep(seconds)
         for sensor in sensors:
             if sensor.name == "nvml":
-                lo, hi = CALIBRATION_BOUNDS
                 for comp in sensor.sampler.components():
-                    a = sensor.sampler.arrays(comp)
-                    ct, cj = hold_counter_reads(a["counter_t_s"], a["counter_j"])
-                    c = counter_checks(ct, cj, a["samples_t_s"], a["samples_w"], step_s=COUNTER_STEP_S,
-                                       tolerance=max(1 - lo, hi - 1),
-                                       backwards_at_s=[float(t) for t, d in zip(ct[1:], np.diff(cj)) if d < 0])
-                    rows.append(_check_row("nvml", comp, c))
+                    c = counter_check(sensor.sampler.arrays(comp))
+                    if c is not None:
+                        rows.append(_check_row("nvml", comp, c))
             else:
                 for comp, c in sensor.check().items():
                     rows.append(_check_row(sensor.name, comp, c))

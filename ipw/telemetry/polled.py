@@ -28,16 +28,13 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import MAX_INSTANT_GAP_S, WindowEstimate, counter_change_points, estimate_windows
+from ipw.telemetry.estimator import (MAX_INSTANT_GAP_S, CounterCheck, WindowEstimate, counter_change_points,
+                                     counter_checks, estimate_windows, unwrap_counter)
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1
 #: Calibration and checks use at most this much history before the newest data.
 LOOKBACK_S = 600.0
-#: A channel is busy when its power is above this share of the highest power seen (and above
-#: ``BUSY_MIN_W``): a counter that does not move then is stalled.
-BUSY_FRACTION = 0.2
-BUSY_MIN_W = 1.0
 #: The note of a counter-only channel whose counter did not move around a window.
 UNMOVED = "counter did not move"
 
@@ -99,89 +96,6 @@ class Platform:
 
     def close(self) -> None:
         """Release the library."""
-
-
-# --------------------------------------------------------------------------------------------------
-# counter checks (pure)
-
-
-@dataclass(frozen=True)
-class CounterCheck:
-    ok: bool
-    problems: tuple[str, ...] = ()
-    ratio: float | None = None  # counter energy / power x time over the checked span
-
-
-def unwrap_counter(t_s: np.ndarray, j: np.ndarray, range_j: float | None, max_power_w: float | None) -> tuple[np.ndarray, int, list[float]]:
-    """Counter values with wraps of a known range undone: ``(values, wraps, backwards_at_s)``.
-
-    A drop is a wrap when ``range_j`` is known and the energy it implies (``new + range - old``) is
-    plausible: at most 3x ``max_power_w`` over the time between the reads (any amount when the power is
-    unknown).  Any other drop is left as is: the estimator treats it as a gap, and it is reported."""
-    t = np.asarray(t_s, dtype=np.float64)
-    x = np.asarray(j, dtype=np.float64).copy()
-    offset, wraps, backwards = 0.0, 0, []
-    out = x.copy()
-    for i in range(1, x.size):
-        if x[i] < x[i - 1]:
-            implied = x[i] + (range_j or 0.0) - x[i - 1]
-            plausible = max_power_w is None or implied <= 3.0 * max_power_w * max(t[i] - t[i - 1], 1e-3) + 1.0
-            if range_j and implied >= 0 and plausible:
-                offset += range_j
-                wraps += 1
-            else:
-                backwards.append(float(t[i]))
-        out[i] = x[i] + offset
-    return out, wraps, backwards
-
-
-def counter_checks(counter_t_s: np.ndarray, counter_j: np.ndarray, power_t_s: np.ndarray | None,
-                   power_w: np.ndarray | None, *, step_s: float, tolerance: float,
-                   backwards_at_s: list[float] | None = None, min_span_s: float | None = None) -> CounterCheck:
-    """Whether a counter can be trusted over the span it was read (``counter_j`` already unwrapped):
-
-    - it went backwards (``backwards_at_s``, other than a wrap);
-    - it did not move over a span of at least 3 update periods while the power readings say the
-      device was busy (above ``BUSY_FRACTION`` of the highest power seen and ``BUSY_MIN_W``);
-    - its energy over the span disagrees with power x time (the power readings integrated) by more
-      than ``tolerance`` plus one counter update at each end (``2 step_s / span``); checked over spans of
-      at least ``min_span_s`` (default 10 update periods).
-    """
-    problems: list[str] = []
-    ct, cj = np.asarray(counter_t_s, dtype=np.float64), np.asarray(counter_j, dtype=np.float64)
-    if backwards_at_s:
-        problems.append(f"went backwards {len(backwards_at_s)}x (first at {backwards_at_s[0]:.3f} s)")
-    ratio = None
-    if power_t_s is not None and power_w is not None and len(power_t_s) >= 2 and ct.size >= 2:
-        pt, pw = np.asarray(power_t_s, dtype=np.float64), np.asarray(power_w, dtype=np.float64)
-        peak = float(np.max(pw))
-        busy_w = max(BUSY_MIN_W, BUSY_FRACTION * peak)
-        # stalled: consecutive reads with the same value spanning >= 3 steps while busy
-        same_from = 0
-        for i in range(1, ct.size + 1):
-            if i < ct.size and cj[i] == cj[same_from]:
-                continue
-            span = ct[i - 1] - ct[same_from]
-            if span >= 3 * step_s:
-                sel = (pt >= ct[same_from]) & (pt <= ct[i - 1])
-                if sel.sum() >= 2 and float(np.mean(pw[sel])) >= busy_w:
-                    problems.append(f"did not move for {span:.1f} s while the power read {float(np.mean(pw[sel])):.0f} W")
-                    break
-            same_from = i
-        lo, hi = max(ct[0], pt[0]), min(ct[-1], pt[-1])
-        if hi - lo >= (10 * step_s if min_span_s is None else min_span_s):
-            grid = np.linspace(lo, hi, 2001)
-            y = np.interp(grid, pt, pw)
-            power_j = float(np.sum((y[1:] + y[:-1]) / 2.0 * np.diff(grid)))
-            counter = float(np.interp(hi, ct, cj) - np.interp(lo, ct, cj))
-            if power_j > BUSY_MIN_W * (hi - lo):
-                ratio = counter / power_j
-                # the tolerance, plus one update of the counter at each end of the span
-                allowed = tolerance + 2.0 * step_s / (hi - lo)
-                if abs(ratio - 1.0) > allowed:
-                    problems.append(f"counter {counter:.1f} J vs power x time {power_j:.1f} J over {hi - lo:.1f} s "
-                                    f"(ratio {ratio:.3f}, allowed ±{allowed:.1%})")
-    return CounterCheck(not problems, tuple(problems), ratio)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -41,19 +41,23 @@ import statistics
 import threading
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ipw.telemetry.estimator import (
+    CALIBRATION_BOUNDS,
     COUNTER_DELTA_MIN_S,
     COUNTER_TIME_SD_GRID_S,
     COUNTER_TIME_SD_HELD_S,
+    CounterCheck,
     WindowEstimate,
+    counter_checks,
     estimate_windows,
     grid_counter_reads,
+    unwrap_counter,
     wall_us_to_mono_s,
 )
 
@@ -133,6 +137,24 @@ def hold_counter_reads(t_s: np.ndarray, e_j: np.ndarray, step_s: float = COUNTER
     ee = np.concatenate([e, e[idx - 1]])
     order = np.argsort(tt, kind="stable")
     return tt[order], ee[order]
+
+
+def counter_check(a: dict[str, np.ndarray]) -> CounterCheck | None:
+    """The counter cross-checks of ``ipw doctor`` and of every estimate (:func:`ipw.telemetry.estimator.counter_checks`)
+    on one GPU's recorded signals (:meth:`NvmlSampler.arrays`): the counter's reads against the driver
+    samples (the instant power where there are none), within NVML's calibration bounds.  The counter is
+    read every 0.25-2 s, so one "update" here is the spacing of its reads (at least its 0.1 s step): a
+    value held over three reads' spacing under load is a stall, and each end of the span may be off by
+    one read's energy (over any span of at least ten 0.1 s steps).  None with fewer than two counter reads."""
+    ct, cj = a["counter_t_s"], a["counter_j"]
+    if ct.size < 2:
+        return None
+    pt, pw = (a["samples_t_s"], a["samples_w"]) if a["samples_t_s"].size >= 2 else (a["instant_t_s"], a["instant_w"])
+    _, _, backwards = unwrap_counter(ct, cj, None, None)  # NVML's counter is 64-bit mJ: any drop is a fault
+    lo, hi = CALIBRATION_BOUNDS
+    return counter_checks(ct, cj, pt if pt.size >= 2 else None, pw if pt.size >= 2 else None,
+                          step_s=max(COUNTER_STEP_S, float(np.median(np.diff(ct)))),
+                          tolerance=max(1 - lo, hi - 1), backwards_at_s=backwards, min_span_s=10 * COUNTER_STEP_S)
 
 
 def idle_from_reads(w: np.ndarray, n: int = FOREIGN_IDLE_READS) -> float:
@@ -714,17 +736,29 @@ class NvmlSampler:
             if calibration_window is not None:
                 lo = min(lo, calibration_window[0] - 2.0)
             a = self.arrays(g.gpu.component, lo)
-            # each read on the counter update that produced it when the update grid is found, else held
-            grid = grid_counter_reads(a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"],
-                                      sample_shift_s=shift)
-            counter_t, counter_j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(
-                a["counter_t_s"], a["counter_j"])
-            out[g.gpu.component] = estimate_windows(
+            # a counter that fails the cross-checks (stalled under load, backwards, off power x time) is not
+            # used where a power signal can stand in: the samples are then uncalibrated (a wider interval)
+            check = counter_check(a)
+            bad = check is not None and not check.ok
+            drop = bad and (a["samples_t_s"].size >= 2 or a["instant_t_s"].size >= 2)
+            grid = None
+            if drop:
+                counter_t, counter_j = None, None
+            else:  # each read on the counter update that produced it when the update grid is found, else held
+                grid = grid_counter_reads(a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"],
+                                          sample_shift_s=shift)
+                counter_t, counter_j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(
+                    a["counter_t_s"], a["counter_j"])
+            ests = estimate_windows(
                 a["samples_t_s"], a["samples_w"], counter_t, counter_j, windows,
                 calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
                 instant_w=a["instant_w"], sample_shift_s=shift,
                 counter_time_sd_s=COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S,
             )
+            if bad:
+                why = ("counter distrusted, not used: " if drop else "counter check: ") + "; ".join(check.problems)
+                ests = [replace(e, note="; ".join(filter(None, [why, e.note]))) for e in ests]
+            out[g.gpu.component] = ests
         return out
 
     def watched(self) -> list[dict[str, Any]]:
@@ -826,6 +860,7 @@ __all__ = [
     "DEFAULT_SAMPLES_PERIOD_S",
     "DEFAULT_SAMPLE_SHIFT_S",
     "DEFAULT_WATCH_PERIOD_S",
+    "counter_check",
     "foreign_verdict",
     "idle_from_reads",
     "hold_counter_reads",
