@@ -139,6 +139,41 @@ def first_start_after(log: Path, offset: int) -> float | None:
     return json.loads(line)["start_s"] if line.endswith(b"\n") else None
 
 
+def resume_again(run_dir: Path, work: Path, records: int, times: int) -> list[dict]:
+    """``--resume`` of a copy of a finished run cut back to ``records`` records (as if killed there), timed
+    ``times`` times to its first query and then killed: the resume figure again, at another moment."""
+    import shutil
+
+    out = []
+    for k in range(times):
+        copy = work / f"resume-again-{k}"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(run_dir, copy)
+        log = copy / "records.jsonl"
+        with open(run_dir / "records.jsonl", "rb") as src, open(log, "wb") as dst:
+            for _, line in zip(range(records), src):
+                dst.write(line)
+        (copy / "records.parquet").unlink(missing_ok=True)
+        manifest = json.loads((copy / "manifest.json").read_text(encoding="utf-8"))
+        manifest["status"] = "running"  # what a killed run leaves
+        (copy / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+        size = log.stat().st_size
+        load = os.getloadavg()[0]
+        t0 = time.monotonic()
+        proc = start([*IPW_FAKE, "run", "--resume", str(copy)], work / "resume-again.log")
+        first = None
+        while first is None and proc.poll() is None:
+            if log.stat().st_size > size:
+                first = first_start_after(log, size)
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        out.append({"records": records, "spawn_to_first_query_s": None if first is None else round(first - t0, 2),
+                    "load_before": load})
+        shutil.rmtree(copy, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=1_000_000)
@@ -147,8 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-s", type=float, default=10.0)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--resume-again", type=Path, metavar="RUN_DIR",
+                        help="only time --resume of copies of this finished run cut back to --kill-at records")
+    parser.add_argument("--times", type=int, default=2)
     args = parser.parse_args(argv)
     work = args.work.resolve()
+    if args.resume_again:
+        res = resume_again(args.resume_again.resolve(), work, args.kill_at, args.times)
+        summary = json.loads(args.out.read_text(encoding="utf-8")) if args.out.exists() else {}
+        summary["resume_again"] = summary.get("resume_again", []) + res
+        args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(res))
+        return 0
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     summary: dict = {"machine": f"{os.cpu_count()} logical CPUs, {platform.processor() or platform.machine()}, "
