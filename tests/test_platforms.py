@@ -333,6 +333,53 @@ def test_amd_through_the_registry(monkeypatch):
             s.close()
 
 
+def test_amd_gpus_measured_are_those_hip_sees(monkeypatch):
+    """ROCR_VISIBLE_DEVICES picks among amdsmi's processors, HIP_VISIBLE_DEVICES (or CUDA_VISIBLE_DEVICES)
+    among those, ipw's gpu_indices among those; components are named by HIP ordinal."""
+    from ipw.telemetry import amd
+    from ipw.telemetry.probe import PLATFORMS, platform_sensors
+
+    entry = amd_entry()
+    one = entry["devices"][0]
+    entry["devices"] = [{**one, "index": i, "market_name": f"MI300X #{i}"} for i in range(4)]
+    for var in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+
+    def measured(indices=None):
+        monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(entry, PollClock(T0)))
+        sensor = amd.probe(indices, threaded=False, clock_ns=PollClock(T0))
+        gpus = sensor.info().params["gpus"]
+        sensor.close()
+        return [(g["component"], g["amdsmi_index"], g["name"]) for g in gpus]
+
+    assert [g[1] for g in measured()] == [0, 1, 2, 3]
+    monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "3,1,2")
+    assert measured() == [("amd0", 3, "MI300X #3"), ("amd1", 1, "MI300X #1"), ("amd2", 2, "MI300X #2")]
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,0")  # among ROCR's: its 3rd and 1st
+    assert measured() == [("amd0", 2, "MI300X #2"), ("amd1", 3, "MI300X #3")]
+    assert measured([1]) == [("amd1", 3, "MI300X #3")]  # ipw's own selection: HIP ordinal 1
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # HIP reads it too
+    assert measured() == [("amd0", 1, "MI300X #1")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,7,0")  # parsing stops at an entry naming no device
+    assert [g[1] for g in measured()] == [1]
+    monkeypatch.delenv("ROCR_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-4b2c1a9f")
+    with pytest.raises(IpwError, match="UUID"):
+        measured()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    with pytest.raises(IpwError, match="AMD GPU 1 is not visible: 1 visible of 4 .*CUDA_VISIBLE_DEVICES=2"):
+        measured([1])
+    # through the registry: ipw's GPU selection reaches the AMD sensor
+    monkeypatch.setitem(sys.modules, "amdsmi", fake_amdsmi(entry, PollClock(T0)))
+    monkeypatch.setattr("ipw.telemetry.polled.time.sleep", lambda s: None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    opened, _ = platform_sensors([2], quiet=True, entries=tuple(e for e in PLATFORMS if e.name == "amdsmi"))
+    ((_, sensor),) = opened
+    assert sensor.info().components == ("amd2",)
+    sensor.close()
+
+
 # --------------------------------------------------------------------------------------------------
 # Apple Silicon through zeus-apple-silicon (a faithful fake: the library builds on macOS only).
 # Fields and units from ml-energy/zeus-apple-silicon README.md (AppleEnergyMetrics, mJ, None where the

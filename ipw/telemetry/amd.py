@@ -1,7 +1,13 @@
 """AMD GPU energy through ``amdsmi``, AMD's own library (the ``amd`` extra; it loads ROCm's
 ``libamd_smi.so``): :func:`probe`.
 
-Per GPU (``amd0``, ``amd1``, ... in amdsmi's processor order), polled every 0.1 s:
+Which GPUs: those HIP would see (:func:`visible_amd_indices`): ``ROCR_VISIBLE_DEVICES`` picks among
+amdsmi's processors, then ``HIP_VISIBLE_DEVICES`` (or ``CUDA_VISIBLE_DEVICES``, which HIP also reads)
+among those (ROCm's "GPU isolation techniques"; PyTorch's ``_parse_visible_devices`` applies them in the
+same order), then ipw's own ``gpu_indices`` (HIP ordinals, as NVML's are CUDA ordinals).  amdsmi's
+processor order is taken as HIP's device order, as PyTorch and Ray do.
+
+Per GPU (``amd0``, ``amd1``, ...: the HIP ordinal), polled every 0.1 s:
 
 - the energy counter, ``amdsmi_get_energy_count(h)``: ``energy_accumulator`` x ``counter_resolution``
   µJ (older releases named the accumulator ``power``; ml-energy/zeus zeus/device/gpu/amd.py reads both);
@@ -17,6 +23,7 @@ the range of a 32-bit accumulator is undone as a wrap; any other drop is a gap.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -65,23 +72,69 @@ def import_amdsmi() -> ModuleType:
     return amdsmi
 
 
+def _index_list(name: str, value: str, count: int) -> list[int]:
+    """The indices of one visibility variable, each below ``count``; parsing stops at the first entry that
+    names no device (as CUDA's does).  UUIDs are refused: ipw does not map them (name the GPUs by index)."""
+    out: list[int] = []
+    for entry in (e.strip() for e in value.split(",")):
+        if entry.startswith("GPU-"):
+            raise IpwError(f"{name}={value}: {entry} is a UUID; ipw maps AMD GPUs by index only: name them by index")
+        if not entry.isdigit() or int(entry) >= count or int(entry) in out:
+            break
+        out.append(int(entry))
+    return out
+
+
+def visible_amd_indices(count: int, env: dict[str, str] | None = None) -> list[int]:
+    """amdsmi processor indices of the GPUs HIP would see, in HIP ordinal order: ``ROCR_VISIBLE_DEVICES``
+    first, then ``HIP_VISIBLE_DEVICES`` (else ``CUDA_VISIBLE_DEVICES``) indexing into what it left."""
+    env = dict(os.environ) if env is None else env
+    visible = list(range(count))
+    if "ROCR_VISIBLE_DEVICES" in env:
+        visible = [visible[i] for i in _index_list("ROCR_VISIBLE_DEVICES", env["ROCR_VISIBLE_DEVICES"], len(visible))]
+    hip = next((k for k in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if k in env), None)
+    if hip is not None:
+        visible = [visible[i] for i in _index_list(hip, env[hip], len(visible))]
+    return visible
+
+
+def select_amd_gpus(count: int, indices: list[int] | None) -> list[int]:
+    """The amdsmi indices to measure: HIP ordinals ``indices`` (default: every visible GPU), honoring the
+    visibility variables; IpwError for an ordinal that is not visible."""
+    visible = visible_amd_indices(count)
+    ordinals = list(range(len(visible))) if indices is None else list(indices)
+    for o in ordinals:
+        if not 0 <= o < len(visible):
+            env = ", ".join(f"{k}={os.environ[k]}" for k in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                                              "CUDA_VISIBLE_DEVICES") if k in os.environ)
+            raise IpwError(f"AMD GPU {o} is not visible: {len(visible)} visible of {count} ({env or 'no visibility variable set'})")
+    return [visible[o] for o in ordinals]
+
+
 class AmdPlatform(Platform):
     name = "amdsmi"
     period_s = 0.1
     counter_step_s = 0.1  # not measured on hardware here: the poll period bounds what is resolved
 
-    def __init__(self, amdsmi: ModuleType) -> None:
+    def __init__(self, amdsmi: ModuleType, indices: list[int] | None = None) -> None:
         self.lib = amdsmi
         try:
             amdsmi.amdsmi_init(amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
         except amdsmi.AmdSmiException as exc:
             raise IpwError(f"amdsmi_init: {_status(amdsmi, exc)}") from exc
         try:
-            self.handles = list(amdsmi.amdsmi_get_processor_handles())
+            every = list(amdsmi.amdsmi_get_processor_handles())
+            try:
+                self.amdsmi_indices = select_amd_gpus(len(every), indices)
+            except IpwError:
+                amdsmi.amdsmi_shut_down()
+                raise
+            self.handles = [every[i] for i in self.amdsmi_indices]
+            self.ordinals = list(range(len(self.handles))) if indices is None else list(indices)
             self.names: list[str] = []
             self.power_key: dict[str, str] = {}
             self.channels = []
-            for i, h in enumerate(self.handles):
+            for i, h in zip(self.ordinals, self.handles):
                 comp = f"amd{i}"
                 self.names.append(str(amdsmi.amdsmi_get_gpu_asic_info(h).get("market_name", "?")))
                 try:
@@ -108,7 +161,8 @@ class AmdPlatform(Platform):
         if not any(c.has_counter or c.has_power for c in self.channels):
             amdsmi.amdsmi_shut_down()
             if not self.channels:
-                raise Absent("amdsmi: no AMD GPU found")
+                raise Absent("amdsmi: no AMD GPU found" if not every else
+                             "amdsmi: no AMD GPU visible (ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
             raise IpwError("amdsmi: no GPU reports an energy counter or power")
 
     def _resolution_uj(self, h: Any) -> float | None:
@@ -149,13 +203,16 @@ class AmdPlatform(Platform):
         return "; ".join(parts) + f"; polled every {self.period_s:g} s, power scaled by the counter"
 
     def params(self) -> dict[str, Any]:
-        return {"gpus": [{"component": c.component, "name": n, "power_field": self.power_key[c.component]}
-                         for c, n in zip(self.channels, self.names)]}
+        return {"gpus": [{"component": c.component, "amdsmi_index": i, "name": n, "power_field": self.power_key[c.component]}
+                         for c, n, i in zip(self.channels, self.names, self.amdsmi_indices)],
+                "visible_devices": {k: os.environ.get(k) for k in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                                                                   "CUDA_VISIBLE_DEVICES")}}
 
     def close(self) -> None:
         self.lib.amdsmi_shut_down()
 
 
-def probe(**kwargs: Any) -> PolledSensor:
-    """The AMD sensor; IpwError with the reason when amdsmi or an AMD GPU is missing or unreadable."""
-    return PolledSensor(AmdPlatform(import_amdsmi()), **kwargs)
+def probe(indices: list[int] | None = None, **kwargs: Any) -> PolledSensor:
+    """The AMD sensor of the GPUs at HIP ordinals ``indices`` (default: every visible one); IpwError with
+    the reason when amdsmi or an AMD GPU is missing or unreadable."""
+    return PolledSensor(AmdPlatform(import_amdsmi(), indices), **kwargs)

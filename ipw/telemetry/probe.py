@@ -38,7 +38,7 @@ class PlatformEntry:
 def _open_amd(gpu_indices: list[int] | None) -> Sensor:
     from ipw.telemetry import amd
 
-    return amd.probe()
+    return amd.probe(gpu_indices)
 
 
 def _open_module(gpu_indices: list[int] | None) -> Sensor:
