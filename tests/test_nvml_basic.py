@@ -180,7 +180,7 @@ def test_probe_none_without_devices_or_pynvml(fake, monkeypatch):
 
 def test_probe_sensors_order(monkeypatch, tmp_path):
     """probe_sensors / describe_sensors open the real (threaded) NvmlSensor on the real clock."""
-    from ipw.telemetry.probe import describe_sensors, probe_sensors
+    from ipw.telemetry.probe import PLATFORMS, describe_sensors, probe_sensors
 
     sigs = [synthetic(duration_s=60.0, t0_s=time.monotonic(), idle_w=w, load=(100.0, 101.0),
                       offset_ns=real_offset_ns())[0] for w in IDLE_W[:2]]
@@ -201,6 +201,8 @@ def test_probe_sensors_order(monkeypatch, tmp_path):
 
     core = ("nvml", "rapl", "cpu_model")  # the other platforms' rows: tests/test_platforms.py
     infos = describe_sensors(rapl_root=tmp_path / "none")
+    # the documented order (docs/PLATFORMS.md, probe.py): NVML, the registry's platforms, RAPL, the CPU model
+    assert [i.name for i in infos] == ["nvml", *(e.name for e in PLATFORMS), "rapl", "cpu_model"]
     assert [(i.name, i.available) for i in infos if i.name in core] == [("nvml", True), ("rapl", False), ("cpu_model", True)]
     assert infos[0].source == "nvml.samples"
 
