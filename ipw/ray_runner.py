@@ -203,9 +203,7 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
         remote = ray.remote(shard_task)
         seen = set(done)
         # the machines that measured records (not the driver's, unless it did)
-        from ipw.results import load_records_jsonl
-
-        measured = set(load_records_jsonl(folder.path / "records.jsonl")["hardware_id"].dropna())
+        measured = set(folder.log_frame()["hardware_id"].dropna())
         hardware_by_id = {h: fp for h, fp in (folder.manifest.hardware_by_id or {}).items() if h in measured}
         fingerprints: dict[str, dict] = {}  # hardware_id -> fingerprint, as tasks report their node
         tasks = {(t["backend"], t["shard"]): t for t in previous.get("tasks", [])}

@@ -117,6 +117,33 @@ class QueryRecord:
 
 RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
 
+@dataclass(frozen=True)
+class SamplerOverhead:
+    """A sensor thread's own cost, one entry of a manifest backend's ``sampler_overhead`` (by sensor name):
+    CPU seconds of the thread, the seconds it was measured over, and their ratio.  The keys are the NVML
+    sampler's (``cpu_s``, ``wall_s``, ``cpu_fraction_of_one_core``); the RAPL/CPU-model snapshot thread wrote
+    the same facts as ``active_s`` and ``fraction_of_core`` (the seconds windows were open), read here too."""
+
+    cpu_s: float | None
+    wall_s: float | None
+    cpu_fraction_of_one_core: float | None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplerOverhead":
+        def first(*keys: str) -> float | None:
+            value = next((data[k] for k in keys if data.get(k) is not None), None)
+            return None if value is None else float(value)
+
+        return cls(first("cpu_s"), first("wall_s", "active_s"),
+                   first("cpu_fraction_of_one_core", "fraction_of_core"))
+
+
+def sampler_overheads(backend: dict[str, Any]) -> dict[str, SamplerOverhead]:
+    """A manifest backend entry's ``sampler_overhead``, typed (sensors that reported nothing left out)."""
+    table = backend.get("sampler_overhead") or {}
+    return {name: SamplerOverhead.from_dict(o) for name, o in table.items() if isinstance(o, dict) and o}
+
+
 JUDGE_SCHEMA_VERSION = 1  # judge.jsonl lines written before the field existed have this layout: read as 1
 
 

@@ -31,7 +31,7 @@ from ipw.backends.openai_http import Deadline, choice_text, server_timings
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.overlap import Meter
-from ipw.results import QueryRecord, RunFolder, RunManifest, load_records_jsonl, new_run_id
+from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.sanitize import read_key, redact_url, scrub
 from ipw.telemetry.window import IdleBaseline, Window, measure_idle
 
@@ -141,7 +141,7 @@ class Session:
         self.split_methods: dict[str, int] = {}
         self.energy_j = 0.0
         self.energy_quality: set[str] = set()
-        for row in load_records_jsonl(folder.path / "records.jsonl").to_dict("records"):  # a resumed folder
+        for row in folder.log_frame().to_dict("records"):  # a resumed folder
             self.repeats[row["query_id"]] = max(self.repeats.get(row["query_id"], 0), int(row["repeat"]) + 1)
             self.queries.add(row["query_id"])
 

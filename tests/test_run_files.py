@@ -55,3 +55,16 @@ def test_power_written_copied_and_read_through_the_run_folder(tmp_path):
     other.copy_power(folder.path)
     power = read_power(other.path, columns=["t_s", "power_w", "node"])
     assert list(power.columns) == ["t_s", "power_w"] and list(power["power_w"]) == [100.0, 110.0]
+
+
+def test_sampler_overhead_one_key_and_the_snapshot_threads_old_keys():
+    from ipw.results import sampler_overheads
+
+    backend = {"sampler_overhead": {
+        "nvml": {"cpu_s": 0.5, "wall_s": 10.0, "cpu_fraction_of_one_core": 0.05, "calls": {}},
+        "rapl": {"thread": "ipw-snapshots", "cpu_s": 0.2, "active_s": 4.0, "fraction_of_core": 0.05},
+        "cpu_model": {}}}
+    got = sampler_overheads(backend)
+    assert set(got) == {"nvml", "rapl"}
+    assert (got["rapl"].cpu_s, got["rapl"].wall_s, got["rapl"].cpu_fraction_of_one_core) == (0.2, 4.0, 0.05)
+    assert (got["nvml"].wall_s, got["nvml"].cpu_fraction_of_one_core) == (10.0, 0.05)

@@ -173,15 +173,10 @@ def _read_run(path: Path, prompt_tokens: bool) -> list[_Part]:
 
 def _small(path: Path) -> bool:
     """Whether a run has at most MEASUREMENT_MAX_RECORDS records (a JSONL log, unfinished: assumed so)."""
-    records = Path(path) / "records.parquet"
-    if not records.is_file():
-        return True
-    try:
-        import pyarrow.parquet as pq
+    from ipw.results import parquet_rows
 
-        return pq.ParquetFile(records).metadata.num_rows <= MEASUREMENT_MAX_RECORDS
-    except Exception:  # noqa: BLE001 - load_run names what is wrong with the file
-        return True
+    rows = parquet_rows(path)
+    return rows is None or rows <= MEASUREMENT_MAX_RECORDS
 
 
 def as_manifest(manifest: RunManifest | dict) -> RunManifest:

@@ -102,6 +102,8 @@ def _value(v: Any) -> str:
 
 def _setup_sections(manifests) -> list[dict]:
     """What was run and on what: per run, the manifest's dataset, hardware, software and backends."""
+    from ipw.results import sampler_overheads
+
     out = []
     for run, m in manifests:
         config = m.config or {}
@@ -133,12 +135,8 @@ def _setup_sections(manifests) -> list[dict]:
                                   for c, w in (idle.get("power_w") or {}).items())
             idle_text = (f"{idle_text} over {_fmt(idle.get('duration_s'))} s" if idle_text
                          else "not measured (idle s = 0)")
-            overhead = []
-            for name, o in (b.get("sampler_overhead") or {}).items():
-                if isinstance(o, dict) and o:  # NVML sampler and CPU snapshot thread name their keys apart
-                    share = o.get("cpu_fraction_of_one_core", o.get("fraction_of_core"))
-                    overhead.append(f"{name}: {_fmt(share, '.2%')} of one core ({_fmt(o.get('cpu_s'))} CPU s "
-                                    f"over {_fmt(o.get('wall_s', o.get('active_s')))} s)")
+            overhead = [f"{name}: {_fmt(o.cpu_fraction_of_one_core, '.2%')} of one core ({_fmt(o.cpu_s)} CPU s "
+                        f"over {_fmt(o.wall_s)} s)" for name, o in sampler_overheads(b).items()]
             info = [("kind / model", f"{b.get('kind', '?')} / {b.get('model', '?')}"), ("role", b.get("role", "?")),
                     ("engine", f"{b.get('engine', 'n/a')} {b.get('engine_version') or ''}".strip()),
                     ("mode", _value(b.get("mode"))), ("load s", _fmt(b.get("load_s"))),
@@ -165,23 +163,14 @@ def _marked_tables(c) -> list[dict]:
 
 def _texts(runs, rows) -> dict[tuple[str, int], dict]:
     """Prompt, reference, output and error of the given records (run_id, row), read for those rows only."""
-    import pyarrow.parquet as pq
-
-    from ipw.results import load_run, read_manifest, trusted_parquet
+    from ipw.results import read_record_fields
 
     out = {}
     for run in runs:
         want = sorted({int(r) for rid, r in zip(rows["run_id"], rows["row"]) if rid == run.run_id})
         if not want:
             continue
-        parquet = trusted_parquet(run.path, read_manifest(run.path))  # the same file load_run read
-        if parquet is not None:
-            present = set(pq.read_schema(parquet).names)
-            table = pq.read_table(parquet, columns=[c for c in TEXT_COLUMNS if c in present]).take(want)
-            values = {c: (table.column(c).to_pylist() if c in present else [None] * len(want)) for c in TEXT_COLUMNS}
-        else:  # an unfinished run: its JSONL log
-            frame = load_run(run.path, columns=TEXT_COLUMNS)[1].iloc[want]
-            values = {c: frame[c].tolist() for c in TEXT_COLUMNS}
+        values = read_record_fields(run.path, want, TEXT_COLUMNS)
         for i, r in enumerate(want):
             out[(run.run_id, r)] = {c: values[c][i] for c in TEXT_COLUMNS}
     return out
@@ -452,21 +441,13 @@ def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int):
         return edges, np.where(busy > 0, energy / busy, np.nan)
 
 
-def _read_power(path: Path):
-    """t_s, device and power_w of the points of power.parquet that carry watts (None when none does)."""
-    import pandas as pd
-    import pyarrow.parquet as pq
+def _read_power(run_dir):
+    """t_s, device and power_w of the points of a run's power.parquet that carry watts (None when none does)."""
+    from ipw.results import read_power
 
-    from ipw.results import read_parquet
-
-    try:
-        present = set(pq.read_schema(path).names)
-    except Exception as exc:  # a truncated or corrupt file
-        raise IpwError(f"{path}: cannot read Parquet ({type(exc).__name__}); the file is damaged") from None
-    if not {"t_s", "power_w"} <= present:
+    power = read_power(run_dir, columns=["t_s", "device", "power_w"])
+    if power is None or not {"t_s", "power_w"} <= set(power.columns):
         return None
-    power = read_parquet(path, columns=[c for c in ("t_s", "device", "power_w") if c in present],
-                         read_dictionary=["device"] if "device" in present else None)
     power = power[np.isfinite(power["power_w"].to_numpy(float)) & np.isfinite(power["t_s"].to_numpy(float))]
     if "device" not in power:
         power = power.assign(device="power")
@@ -674,11 +655,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         if serving_shown(c.backends):
             _plot_serving(p, d)
         for run, _ in manifests:
-            power_path = Path(run.path) / "power.parquet"
-            power = None
-            if power_path.exists():
-                power = _read_power(power_path)
-            _plot_power(p, run, frame, power)
+            _plot_power(p, run, frame, _read_power(run.path))
         if r:
             _plot_coverage(p, r, routing_est)
             _plot_savings(p, r, routing_est)

@@ -9,8 +9,6 @@ all machines are in ``hardware_by_id``, and ``merged_from`` lists the shards.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.results import RunFolder, RunManifest, new_run_id, read_parquet, read_records
+from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id, read_log, read_power
 from ipw.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
@@ -37,10 +35,6 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
                 return found
         return None
     return None if a == b else (where or "<root>")
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return read_records(path / "records.jsonl")
 
 
 def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] | None = None) -> RunFolder:
@@ -92,7 +86,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     order = {b["name"]: i for i, b in enumerate(m0.config["backends"])}
     rows, seen, n_records, node_of = [], {}, {}, {}
     for p, m in shards:
-        shard_rows = _records(p)
+        shard_rows = read_log(p)
         n_records[p] = len(shard_rows)
         node_of[p] = (shard_rows[0].get("node") or "") if shard_rows else ""  # for power traces without one
         for row in shard_rows:
@@ -132,15 +126,9 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
                      for p, m in shards],
         merged_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     ))
-    with open(folder.path / "records.jsonl", "a", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    folder.append_many([QueryRecord.from_row(row) for row in rows])
     if power is not None:
-        from ipw.results import _atomic_write_parquet
-
-        _atomic_write_parquet(power, folder.path / "power.parquet")
+        folder.write_power(power)
     folder.finish("complete")
     return folder
 
@@ -151,9 +139,8 @@ def _merged_power(shards: list[tuple[Path, RunManifest]], node_of: dict[Path, st
 
     frames = []
     for p, _ in shards:
-        path = p / "power.parquet"
-        if path.exists():
-            frame = read_parquet(path)
+        frame = read_power(p)
+        if frame is not None:
             if "node" not in frame.columns:
                 frame["node"] = node_of[p]
             frames.append(frame)
