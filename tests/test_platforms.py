@@ -465,12 +465,22 @@ def test_apple_missing_library_not_a_mac_and_ioreport_failure(monkeypatch):
 # and 5 A under load; its rails inside it; a Thor's INA238 reporting µW.
 
 
-def orin_entry(duration_s=20.0, load=(5.0, 15.0)):
+def _jitter(n, lsb):
+    """A working monitor's last-bit jitter from one conversion to the next (mean 0 over each 5)."""
+    return np.resize(np.array([0, 2, -1, 1, -2]) * lsb, n)
+
+
+def orin_entry(duration_s=20.0, load=(5.0, 15.0), frozen_from_s=None):
+    """``frozen_from_s``: the value files stop changing from then on (the monitor froze)."""
     t = np.arange(0.0, duration_s, 0.05)
     on = (t >= load[0]) & (t < load[1])
-    series = {"hwmon1/in1_input": [5000] * t.size, "hwmon1/curr1_input": np.where(on, 5000, 1400).tolist(),
-              "hwmon1/in2_input": [5000] * t.size, "hwmon1/curr2_input": np.where(on, 3000, 400).tolist(),
-              "hwmon1/in3_input": [5000] * t.size, "hwmon1/curr3_input": np.where(on, 800, 500).tolist()}
+    j = _jitter(t.size, 1)
+    series = {"hwmon1/in1_input": [5000] * t.size, "hwmon1/curr1_input": np.where(on, 5000, 1400) + j,
+              "hwmon1/in2_input": [5000] * t.size, "hwmon1/curr2_input": np.where(on, 3000, 400) + j,
+              "hwmon1/in3_input": [5000] * t.size, "hwmon1/curr3_input": np.where(on, 800, 500) + j}
+    if frozen_from_s is not None:
+        k = int(np.searchsorted(t, frozen_from_s))
+        series = {f: np.concatenate((np.asarray(v)[:k], np.full(t.size - k, np.asarray(v)[k]))) for f, v in series.items()}
     files = {"hwmon1/name": "ina3221", "hwmon1/update_interval": "20", "hwmon1/in1_label": "VDD_IN",
              "hwmon1/in2_label": "VDD_CPU_GPU_CV", "hwmon1/in3_label": "VDD_SOC", "hwmon0/name": "pwmfan"}
     t_ns = [T0 + int(x * 1e9) for x in t]
@@ -514,12 +524,27 @@ def test_jetson_thor_ina238(tmp_path):
     t = np.arange(0.0, 10.0, 0.05)
     entry = {"files": {"hwmon3/name": "ina238"},
              "series": {"hwmon3/power1_input": {"t_ns": [T0 + int(x * 1e9) for x in t],
-                                                "v": np.where(t >= 5.0, 90_000_000, 30_000_000).tolist()}}}
+                                                "v": (np.where(t >= 5.0, 90_000_000, 30_000_000)
+                                                      + _jitter(t.size, 1000)).tolist()}}}
     sensor, hw = _jetson_sensor(entry, tmp_path)
     (board,) = _jetson_window(sensor, hw, 6.0, 9.0)
     sensor.close()
     assert board.component == "jetson-board" and "VIN" in board.note
     assert board.energy_j == pytest.approx(90.0 * 3, rel=0.01)
+
+
+def test_jetson_frozen_monitor_is_not_used(tmp_path):
+    """The value files stop changing at 8 s, while the board draws 25 W (the load runs 5-15 s): windows
+    the frozen span reaches are unavailable and say why; a window before it is measured."""
+    sensor, hw = _jetson_sensor(orin_entry(frozen_from_s=8.0), tmp_path)
+    (before,) = _jetson_window(sensor, hw, 5.5, 7.5)
+    (during,) = _jetson_window(sensor, hw, 11.0, 13.0)
+    (after,) = _jetson_window(sensor, hw, 16.0, 18.0)  # still the load's value: the monitor never came back
+    sensor.close()
+    assert before.energy_j == pytest.approx(25.0 * 2, rel=0.01) and "frozen" not in before.note
+    for r in (during, after):
+        assert r.energy_j is None and r.quality == "unavailable" and r.uncertainty_j is None
+        assert "power monitor frozen: 25 W unchanged for" in r.note and "not used" in r.note
 
 
 def test_jetson_absent_and_no_permission(tmp_path, monkeypatch):

@@ -16,7 +16,9 @@ answers), scope ``board``.  The rails (``VDD_CPU_GPU_CV``, ``VDD_SOC``, ...) are
 energies are given in its reading's note, never added.  Without an input channel the rails are
 readings of their own (noted: the board's other consumers are not measured).  Power is polled every
 0.1 s and integrated by the estimator (no counter: the readings say ``uncalibrated``), the monitor's
-own averaging period (``update_interval``) bounding the windows it resolves.
+own averaging period (``update_interval``) bounding the windows it resolves.  With no counter to check
+the power against, a frozen monitor is told by its readings: bit-identical for ``FROZEN_AFTER_S`` (and
+``FROZEN_UPDATES`` updates) while the board is busy, the windows there are ``unavailable``, said so.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ DEFAULT_ROOT = Path("/sys/class/hwmon")
 INPUT_LABELS = ("VDD_IN", "POM_5V_IN", "VIN")
 INA3221 = "ina3221"
 INA2XX = ("ina238", "ina237", "ina228", "ina780", "ina700")
+#: A monitor whose readings stay bit-identical this long (s), and over at least this many of its updates,
+#: while the board draws a busy power has frozen (polled.frozen_spans): its readings are not used.
+FROZEN_AFTER_S = 2.0
+FROZEN_UPDATES = 10
 
 
 def _read(path: Path) -> str:
@@ -109,6 +115,7 @@ class JetsonPlatform(Platform):
             r.watts()  # fail now, with the fix, where the files are not readable
         self.update_interval_s = interval
         self.counter_step_s = max(self.period_s, interval or 0.0)
+        self.frozen_after_s = max(FROZEN_AFTER_S, FROZEN_UPDATES * self.counter_step_s)
         inputs = [r for r in rails if r.label in INPUT_LABELS]
         self.input = inputs[0] if inputs else None
         self.rails = ([self.input] if self.input else []) + [r for r in rails if r is not self.input]

@@ -28,8 +28,8 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import (MAX_INSTANT_GAP_S, CounterCheck, WindowEstimate, counter_change_points,
-                                     counter_checks, estimate_windows, unwrap_counter)
+from ipw.telemetry.estimator import (BUSY_FRACTION, BUSY_MIN_W, MAX_INSTANT_GAP_S, CounterCheck, WindowEstimate,
+                                     counter_change_points, counter_checks, estimate_windows, unwrap_counter)
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1
@@ -82,6 +82,9 @@ class Platform:
     counter_step_s = DEFAULT_PERIOD_S
     #: how often to poll (s)
     period_s = DEFAULT_PERIOD_S
+    #: power readings bit-identical for this long (s) while the device is busy: the monitor froze (None: not
+    #: checked; a platform whose power comes with a counter has the counter checks instead)
+    frozen_after_s: float | None = None
     channels: list[Channel]
 
     def read(self) -> Poll:
@@ -100,6 +103,31 @@ class Platform:
 
 # --------------------------------------------------------------------------------------------------
 # the sensor
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A span over which a power monitor's readings did not change while the device was busy."""
+
+    start_s: float
+    end_s: float
+    power_w: float
+
+
+def frozen_spans(t_s: np.ndarray, w: np.ndarray, min_s: float) -> list[Frozen]:
+    """Runs of bit-identical power readings lasting at least ``min_s`` at a busy power (above
+    ``BUSY_FRACTION`` of the highest reading and ``BUSY_MIN_W``, as for a stalled counter).  A power
+    monitor on a working board jitters by at least its last bit from one conversion to the next; one
+    whose value files stop changing under load has frozen (its driver or bus stalled)."""
+    t, x = np.asarray(t_s, dtype=np.float64), np.asarray(w, dtype=np.float64)
+    if t.size < 2:
+        return []
+    busy_w = max(BUSY_MIN_W, BUSY_FRACTION * float(np.max(x)))
+    changes = np.flatnonzero(np.diff(x) != 0)
+    first = np.concatenate(([0], changes + 1))
+    last = np.concatenate((changes, [t.size - 1]))
+    keep = (t[last] - t[first] >= min_s) & (x[first] >= busy_w)
+    return [Frozen(float(t[a]), float(t[b]), float(x[a])) for a, b in zip(first[keep], last[keep])]
 
 
 class _Series:
@@ -283,8 +311,26 @@ class PolledSensor(SensorBase):
             )
             if c.has_counter and not c.has_power:
                 estimates = [self._unmoved(e, a["ct"], a["cj"]) for e in estimates]
+            if c.has_power and self.platform.frozen_after_s is not None:
+                estimates = self._frozen(estimates, frozen_spans(a["pt"], a["pw"], self.platform.frozen_after_s))
             out[c.component] = [(replace(e, source=_relabel(e, c.prefix)), notes) for e in estimates]
         return self._all_unmoved(out, len(windows))
+
+    def _frozen(self, estimates: list[WindowEstimate], spans: list[Frozen]) -> list[WindowEstimate]:
+        """Windows that a frozen span of the power readings reaches (within one poll) are ``unavailable``,
+        said so: the readings there are one value repeated, not a measurement."""
+        if not spans:
+            return estimates
+        out = []
+        reach = self.platform.period_s
+        for e in estimates:
+            hit = next((f for f in spans if f.start_s - reach <= e.end_s and e.start_s <= f.end_s + reach), None)
+            if hit is not None:
+                e = replace(e, energy_j=None, coverage=0.0, quality="unavailable", uncertainty_j=None,
+                            note=f"power monitor frozen: {hit.power_w:.3g} W unchanged for {hit.end_s - hit.start_s:.1f} s "
+                                 "while busy; not used")
+            out.append(e)
+        return out
 
     def _all_unmoved(self, out: dict[str, list[tuple[WindowEstimate, list[str]]]], n: int) -> dict[str, list[tuple[WindowEstimate, list[str]]]]:
         """Where every counter-only channel is unmoved around a window (:meth:`_unmoved`), the counters
