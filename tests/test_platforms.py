@@ -613,6 +613,58 @@ def test_discrete_gpu_has_gpu_scope_and_a_note(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
+# uncertainty_j of the polled sensors (docs/PLATFORMS.md, "How far to trust a reading")
+
+Z90 = 1.645
+
+
+def test_polled_readings_state_their_uncertainty(monkeypatch, tmp_path):
+    """Every polled reading states a ±90% uncertainty_j that holds the true (synthetic) energy: power
+    calibrated by a counter (AMD) narrow, power alone (Jetson, or a distrusted counter) at least the
+    missing calibration's 3% (1 sd), a counter alone (Apple) one batch at the window's power, an idle
+    counter one count; a ~1 s averaged power (AMD average_socket_power) wider at a step than an instant one."""
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry())
+    (amd,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    # the load ends at 20 s, on a poll: the worst place for a step (linear interpolation off by dP*T/2)
+    (amd_edge,) = polled_window(sensor, clock, _ns(19.5), _ns(21.5))
+    sensor.close()
+    assert 0 < amd.uncertainty_j < Z90 * 0.03 * amd.energy_j and abs(amd.energy_j - 600 * 6) <= amd.uncertainty_j
+    assert abs(amd_edge.energy_j - (600 * 0.5 + 140 * 1.5)) <= amd_edge.uncertainty_j
+
+    averaged = amd_entry()
+    for v in averaged["devices"][0]["power_info"]["v"]:
+        v["current_socket_power"] = "N/A"  # only the ~1 s average
+    sensor, clock = _amd_sensor(monkeypatch, averaged)
+    (avg_edge,) = polled_window(sensor, clock, _ns(19.5), _ns(21.5))
+    sensor.close()
+    assert "average_socket_power" in avg_edge.note and avg_edge.uncertainty_j > amd_edge.uncertainty_j
+
+    def stall(t, acc):
+        out = acc.copy()
+        out[t >= 11.0] = acc[np.searchsorted(t, 11.0)]
+        return out
+
+    sensor, clock = _amd_sensor(monkeypatch, amd_entry(counter=stall))
+    (distrusted,) = polled_window(sensor, clock, _ns(12), _ns(18))
+    sensor.close()
+    assert "counter distrusted" in distrusted.note and distrusted.uncertainty_j >= Z90 * 0.03 * distrusted.energy_j
+
+    sensor, hw = _jetson_sensor(orin_entry(), tmp_path)
+    (board,) = _jetson_window(sensor, hw, 6.0, 14.0)
+    sensor.close()
+    assert "uncalibrated" in board.note and board.uncertainty_j >= Z90 * 0.03 * board.energy_j
+    assert abs(board.energy_j - 25.0 * 8) <= board.uncertainty_j
+
+    sensor, clock = _apple_sensor(monkeypatch, apple_entry())
+    long = {r.component: r for r in polled_window(sensor, clock, _ns(9), _ns(21))}
+    sensor.close()
+    gpu = long["apple-gpu"]
+    assert gpu.uncertainty_j == pytest.approx(2.0 * gpu.energy_j / 12, rel=0.01)  # one 2 s batch at its power
+    assert abs(gpu.energy_j - 30.0 * 12) <= gpu.uncertainty_j
+    assert long["apple-ane"].energy_j == 0.0 and long["apple-ane"].uncertainty_j == 1e-3  # one mJ count
+
+
+# --------------------------------------------------------------------------------------------------
 # ipw doctor on this CPU VM: every platform listed, with why it is unavailable
 
 

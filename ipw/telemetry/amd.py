@@ -43,6 +43,8 @@ _STATUS = {
 #: Counter vs power x time: larger disagreements mean a faulty counter.  Zeus's start-up bound is
 #: loose (0.1x-10x); over a span of >= 1 s the two should agree far better than this.
 TOLERANCE = 0.15
+#: average_socket_power is a ~1 s average (as the note on it says): one reading stands for a second
+AVERAGE_SOCKET_POWER_S = 1.0
 
 
 def _status(lib: ModuleType, exc: BaseException) -> str:
@@ -154,7 +156,9 @@ class AmdPlatform(Platform):
                 self.channels.append(Channel(
                     comp, "gpu", "amdsmi", has_counter=counter, has_power=bool(key),
                     counter_range_j=(2 ** 32) * resolution_uj / 1e6 if resolution_uj else None,
-                    tolerance=TOLERANCE, note=note))
+                    tolerance=TOLERANCE, note=note,
+                    power_average_s=AVERAGE_SOCKET_POWER_S if key == "average_socket_power" else 0.0,
+                    counter_resolution_j=resolution_uj / 1e6 if resolution_uj else None))
         except amdsmi.AmdSmiException as exc:
             amdsmi.amdsmi_shut_down()
             raise IpwError(f"amdsmi device query: {_status(amdsmi, exc)}") from exc

@@ -60,7 +60,8 @@ class ApplePlatform(Platform):
             first = self.monitor.get_cumulative_energy()
         except RuntimeError as exc:  # the library raises RuntimeError when IOReport cannot be subscribed
             raise IpwError(f"zeus-apple-silicon: {exc}") from exc
-        self.channels = [Channel(comp, "chip_rails", "apple", has_counter=True, has_power=False, note=SCOPE_NOTE)
+        self.channels = [Channel(comp, "chip_rails", "apple", has_counter=True, has_power=False, note=SCOPE_NOTE,
+                                 counter_resolution_j=1e-3)  # integer mJ
                          for comp, f in FIELDS.items() if _metric(first, f) is not None]
         if not self.channels:
             raise IpwError("zeus-apple-silicon: IOReport reports none of CPU, GPU, ANE, DRAM energy on this chip")

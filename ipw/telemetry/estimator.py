@@ -829,6 +829,7 @@ def estimate_windows(
     max_gap_s: float = MAX_SAMPLE_GAP_S,
     counter_time_sd_s: float = COUNTER_TIME_SD_HELD_S,
     error_model: ErrorModel = DEFAULT_ERROR_MODEL,
+    reading_period_s: float = 0.0,
 ) -> list[WindowEstimate]:
     """Estimate the energy of each ``(start_s, end_s)`` window.
 
@@ -847,11 +848,15 @@ def estimate_windows(
     are flagged ``short_window``.  A sampled window's ``uncertainty_j`` is its ±90% half-width under
     ``error_model`` (``ErrorTerms``); ``counter_time_sd_s`` says how well the counter's values were
     placed in time (``COUNTER_TIME_SD_GRID_S`` after :func:`grid_counter_reads`, else held).
+    ``reading_period_s``: how long one power reading stands for, where that is longer than their spacing
+    (a reading averaged over a second, polled every 0.1 s): the error terms use the longer period.
     """
     si = None
     if not _empty(samples_t_s) and not _empty(samples_w):
         si = _PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, max_gap_s)
         si = None if si.empty else si
+        if si is not None and reading_period_s > si.period_s:
+            si.period_s = reading_period_s
     ci = None
     if not _empty(counter_t_s) and not _empty(counter_j):
         ci = _CounterIntegral(counter_t_s, counter_j)

@@ -126,7 +126,8 @@ class JetsonPlatform(Platform):
             note = f"board input {r.label}" if is_input else \
                 (r.label if self.input else f"rail {r.label}; no board input channel: the board's other consumers are not measured")
             self.channels.append(Channel(comp, "board", "jetson", has_counter=r.joules() is not None, has_power=True,
-                                         note=note, part_of=None if is_input or not self.input else "jetson-board"))
+                                         note=note, part_of=None if is_input or not self.input else "jetson-board",
+                                         power_average_s=interval or 0.0, counter_resolution_j=1e-6))  # energy1_input: µJ
 
     def read(self) -> Poll:
         p = Poll()

@@ -28,13 +28,22 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import (BUSY_FRACTION, BUSY_MIN_W, MAX_INSTANT_GAP_S, CounterCheck, WindowEstimate,
+from ipw.telemetry.estimator import (BUSY_FRACTION, BUSY_MIN_W, DEFAULT_ERROR_MODEL, MAX_INSTANT_GAP_S, CounterCheck,
+                                     WindowEstimate,
                                      counter_change_points, counter_checks, estimate_windows, unwrap_counter)
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1
 #: Calibration and checks use at most this much history before the newest data.
 LOOKBACK_S = 600.0
+#: The error model of polled power readings: NVML's (estimator.ErrorModel, fitted on 20 ms averaged
+#: samples), with the terms of readings of the power *at* the poll, every T s, interpolated linearly
+#: (docs/PLATFORMS.md, "How far to trust a reading"):
+#: - a window edge at a step of dP, u*T before the next poll (u uniform): the energy beyond the edge is
+#:   off by dP*T*u^2/2, whose 90th percentile is 0.405 dP*T: edge = 0.405 / 1.645;
+#: - a step inside the window: off by dP*T*(u - 1/2), 1 sd dP*T/sqrt(12); the within term of one step is
+#:   within * T * dP / sqrt(2) (its spread is the step over sqrt(2n), times sqrt(n)): within = sqrt(2/12).
+POLLED_ERROR_MODEL = replace(DEFAULT_ERROR_MODEL, edge=0.25, within=0.41)
 #: The note of a counter-only channel whose counter did not move around a window.
 UNMOVED = "counter did not move"
 
@@ -59,6 +68,11 @@ class Channel:
     counter_range_j: float | None = None
     #: the largest relative disagreement between counter and power x time that is not a fault
     tolerance: float = 0.10
+    #: how long one power reading stands for (s) where longer than the poll: its own averaging (AMD's
+    #: average_socket_power ~1 s, an INA monitor's update_interval); the error terms use it
+    power_average_s: float = 0.0
+    #: one count of the counter (J): the uncertainty of "did not move" (0 J)
+    counter_resolution_j: float | None = None
     note: str = ""
     #: a rail inside another channel's measurement (a Jetson rail inside the board input): its energy is
     #: given in that channel's reading's note, never as a reading of its own (it would be counted twice)
@@ -308,9 +322,10 @@ class PolledSensor(SensorBase):
                 a["ct"] if use_counter else None, a["cj"] if use_counter else None, windows,
                 short_window_s=max(self.platform.counter_step_s, self.platform.period_s),
                 max_gap_s=max(MAX_INSTANT_GAP_S, 5 * self.platform.period_s),  # as NVML's instant points
+                reading_period_s=c.power_average_s, error_model=POLLED_ERROR_MODEL,
             )
             if c.has_counter and not c.has_power:
-                estimates = [self._unmoved(e, a["ct"], a["cj"]) for e in estimates]
+                estimates = [self._unmoved(e, a["ct"], a["cj"], c.counter_resolution_j) for e in estimates]
             if c.has_power and self.platform.frozen_after_s is not None:
                 estimates = self._frozen(estimates, frozen_spans(a["pt"], a["pw"], self.platform.frozen_after_s))
             out[c.component] = [(replace(e, source=_relabel(e, c.prefix)), notes) for e in estimates]
@@ -347,7 +362,7 @@ class PolledSensor(SensorBase):
                                     notes)
         return out
 
-    def _unmoved(self, est: WindowEstimate, ct: np.ndarray, cj: np.ndarray) -> WindowEstimate:
+    def _unmoved(self, est: WindowEstimate, ct: np.ndarray, cj: np.ndarray, resolution_j: float | None) -> WindowEstimate:
         """A counter-only channel whose counter did not change from a read before the window to a read
         an update period after it: 0 J, said so (idle, e.g. an unused ANE; no power reading tells a
         stalled counter apart).  The estimator has no change points to interpolate there."""
@@ -358,6 +373,7 @@ class PolledSensor(SensorBase):
         if ct[0] > est.start_s or ct[-1] < est.end_s + step or around.sum() < 2 or np.ptp(cj[around]) != 0:
             return est
         return replace(est, energy_j=0.0, coverage=1.0, quality="measured_interpolated", source="nvml.counter",
+                       uncertainty_j=resolution_j,  # less than one count moved
                        note=f"{UNMOVED} from {step:g} s before to {step:g} s after the window: 0 J (idle; the "
                             "sensor's other counters moved)")
 
@@ -393,7 +409,8 @@ class PolledSensor(SensorBase):
             out.append(EnergyReading(
                 component=c.component, energy_j=max(0.0, float(est.energy_j)) if ok else None,
                 source=est.source or f"{c.prefix}.power", quality=est.quality if ok else "unavailable",  # type: ignore[arg-type]
-                scope=c.scope, duration_s=end_s - start_s, note="; ".join(parts)))
+                scope=c.scope, duration_s=end_s - start_s, note="; ".join(parts),
+                uncertainty_j=est.uncertainty_j if ok else None))
         return out
 
     # -- the sensor contract ---------------------------------------------------------------------
