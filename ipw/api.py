@@ -117,4 +117,4 @@ def load_run(path: str | Path) -> Run:
     from ipw.results import load_run as load
 
     manifest, records = load(path)
-    return Run(manifest, records)
+    return Run(manifest.to_dict(), records)  # the parsed manifest.json, as it always was

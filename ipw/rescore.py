@@ -121,7 +121,7 @@ def rescore(
     if frame.empty:
         raise IpwError(f"{run_dir}: the run has no records to score")
     if scorer == "judge":
-        judge = judge or judge_spec(manifest)
+        judge = judge or judge_spec(manifest.to_dict())
         if judge is None:
             raise IpwError("--scorer judge needs a judge: --judge KIND:MODEL (or a backend name), or a [judge] "
                            "table in --config or in the run's config")
@@ -137,13 +137,13 @@ def rescore(
         references = {(r["query_id"], int(r["repeat"])): dataclasses.asdict(QueryRecord.from_row(r))
                       for r in frame[frame["backend"] == vs].to_dict(orient="records")}
     judge_ctx = Judge(judge, probe=probe) if judge is not None else None  # checks prompt and model first
-    kept = RunManifest.from_dict({k: v for k, v in manifest.items() if k not in _NOT_COPIED}
-                                 | {"run_id": manifest.get("run_id")})
+    kept = RunManifest.from_dict({k: v for k, v in manifest.to_dict().items() if k not in _NOT_COPIED}
+                                 | {"run_id": manifest.run_id})
     run_id = new_run_id()
     folder = RunFolder.create(out_dir or Path(run_dir).parent, run_id, dataclasses.replace(
         kept, run_id=run_id, ipw_version=__version__, command=list(command if command is not None else sys.argv),
-        rescored_from={"run_id": manifest.get("run_id"), "path": str(Path(run_dir).resolve()),
-                       "status": manifest.get("status"), "scorer": scorer or "per-record (as recorded)",
+        rescored_from={"run_id": manifest.run_id, "path": str(Path(run_dir).resolve()),
+                       "status": manifest.status, "scorer": scorer or "per-record (as recorded)",
                        **({"vs_backend": vs} if vs else {})},
         rescored_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
     ))

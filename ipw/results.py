@@ -858,8 +858,8 @@ def read_parquet(path: Path, **options: Any):
 
 def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = (),
              require: tuple[str, ...] = ()):
-    """Manifest and records of a run folder (parquet when complete, else the JSONL log), read whole or
-    an IpwError naming the file and what is wrong.
+    """The typed manifest (:class:`RunManifest`) and the records of a run folder (parquet when complete, else
+    the JSONL log), read whole or an IpwError naming the file and what is wrong.
 
     ``columns`` reads only those record columns (default: all); one missing from the file is all null,
     except the record's key and its ``correct`` and ``energy_j``, which must be there.
@@ -867,8 +867,9 @@ def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical:
     ``require``: manifest fields that must be there (see :func:`read_manifest`).
     """
     path = Path(run_dir)
-    manifest = read_manifest(path, require)
-    parquet = trusted_parquet(path, manifest)
+    data = read_manifest(path, require)
+    manifest = RunManifest.from_dict(data)
+    parquet = trusted_parquet(path, data)
     if parquet is not None:
         import pandas as pd
         import pyarrow.parquet as pq

@@ -180,11 +180,12 @@ def _small(path: Path) -> bool:
 
 
 def as_manifest(manifest: RunManifest | dict) -> RunManifest:
-    """The typed manifest (``load_run`` returns the checked JSON object)."""
+    """The typed manifest of a parsed manifest.json (``load_run`` returns it typed already; this serves
+    ``ipw.analysis.check``, which still accepts either)."""
     return manifest if isinstance(manifest, RunManifest) else RunManifest.from_dict(manifest)
 
 
-def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: bool = True) -> list[_Part]:
+def parts_of(path: Path, manifest: RunManifest, frame, prompt_tokens: bool = True) -> list[_Part]:
     """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
     import pandas as pd
 
@@ -196,7 +197,6 @@ def parts_of(path: Path, manifest: RunManifest | dict, frame, prompt_tokens: boo
     missing = [c for c in LOAD_COLUMNS if c not in frame]  # e.g. phases, in runs made before them: all null
     if missing:
         frame = frame.assign(**{c: None for c in missing})
-    manifest = as_manifest(manifest)
     dataset = manifest.dataset or {}
     run_id = str(manifest.run_id or path.name)
     if len(frame) == 0:

@@ -49,7 +49,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
             raise IpwError(f"{p}: not a shard run (it was not made with --shard K/N); nothing to merge")
         if not (isinstance(info, dict) and isinstance(info.get("index"), int) and isinstance(info.get("count"), int)
                 and isinstance(info.get("dataset"), dict) and "fingerprint" in info["dataset"]):
-            raise IpwError(f"{p / 'manifest.json'}: field 'shard': expected index, count and dataset; the manifest "
+            raise IpwError(f"{p}: manifest field 'shard': expected index, count and dataset; the manifest "
                            "is damaged")
         if m.status != "complete":
             raise IpwError(f"{p}: shard {info['index']}/{info['count']} is {m.status}; finish it first "

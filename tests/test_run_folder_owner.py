@@ -1,0 +1,48 @@
+"""ipw/results.py is the only module that names a run folder's files (issue 31): every other module reads and
+writes them through ``RunFolder`` methods and the readers of results.py (``load_run``, ``read_judge``,
+``read_power``, ``read_log``, ``read_record_fields``, ...).  A grep, like tests/test_capabilities.py's."""
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ipw"
+FILES = ("manifest.json", "records.jsonl", "records.parquet", "power.parquet", "judge.jsonl", "queries.parquet",
+         "records.dropped.jsonl", "ipw.lock")
+# a file's name as a string of its own ("records.jsonl", 'power.parquet'), or results.py's constant for it
+NAMED = re.compile(r"""["'](%s)["']|\b(QUERIES_FILE|JUDGE_FILE|POWER_FILE|LOCK_FILE)\b"""
+                   % "|".join(re.escape(f) for f in FILES))
+
+#: Modules that still name a run-folder file, and why.  Shrink it; never grow it.
+NOT_YET = {
+    # issue 31, left to the owner of these files (issue 29's helper held them): the runner's live-log
+    # audit hook (folder.path / "records.jsonl") and queries.parquet's write and read (QUERIES_FILE);
+    # ipw run --resume --repair (repair_records(run_dir / "records.jsonl")) and the manifest read of
+    # interrupted_note.  Each wants a RunFolder method (RunFolder.log_frame, ... are there to use).
+    "ipw/runner.py",
+    "ipw/commands/run.py",
+}
+
+
+def offenders() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).as_posix()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if NAMED.search(line):
+                out.setdefault(rel, []).append(f"{rel}:{number}: {line.strip()}")
+    return out
+
+
+def test_only_results_names_run_folder_files():
+    found = offenders()
+    assert "ipw/results.py" in found  # the pattern finds the owner's own names
+    outside = {k: v for k, v in found.items() if k != "ipw/results.py" and k not in NOT_YET}
+    assert not outside, "open run-folder files through ipw/results.py (RunFolder, load_run, read_*):\n" + "\n".join(
+        line for lines in outside.values() for line in lines)
+
+
+def test_the_pattern_catches_a_path_built_by_name():
+    assert NAMED.search('frame = read_parquet(Path(run) / "records.parquet")')
+    assert NAMED.search("shutil.copy2(src / 'power.parquet', dst)")
+    assert NAMED.search("folder.path / JUDGE_FILE")
+    assert not NAMED.search('help="drop the damaged lines of the run\'s records.jsonl (torn ...)"')
