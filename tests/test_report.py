@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("jinja2")
 pytest.importorskip("matplotlib")
 
-from ipw.analysis import report  # noqa: E402
+from ipw.analysis import report, report_data, report_plots  # noqa: E402
 from runfolders import create, record  # noqa: E402
 
 XSS_OUTPUT = "<script>window.__xss=1</script>"
@@ -186,14 +186,14 @@ def test_markdown_escapes_pipes(tmp_path):
 
 def test_pareto_frontier():
     pts = [(1.0, 0.5), (2.0, 0.4), (3.0, 0.8), (3.0, 0.9), (5.0, 0.9), (0.5, 0.2)]
-    assert report.pareto_frontier(pts) == [5, 0, 3]
+    assert report_plots.pareto_frontier(pts) == [5, 0, 3]
 
 
 def test_caps_and_downsampling(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "MAX_POINTS", 50)
-    monkeypatch.setattr(report, "MAX_WINDOWS", 30)
-    monkeypatch.setattr(report, "MAX_BOUNDARIES", 20)
-    monkeypatch.setattr(report, "MAX_ROWS", 5)
+    monkeypatch.setattr(report_plots, "MAX_POINTS", 50)
+    monkeypatch.setattr(report_plots, "MAX_WINDOWS", 30)
+    monkeypatch.setattr(report_plots, "MAX_BOUNDARIES", 20)
+    monkeypatch.setattr(report_data, "MAX_ROWS", 5)
     runs = fixture_runs(tmp_path / "runs", n=120)
     ctx = report.build(runs)
     figs = {f["key"]: f for f in ctx["figures"]}
@@ -248,3 +248,21 @@ def test_missing_dependency_is_a_usage_error(monkeypatch, run_cli, tmp_path):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
     code, _, err = run_cli("report", tmp_path, "--out", tmp_path / "x.html")
     assert code == 2 and "matplotlib is missing" in err and "report extra" in err
+
+
+def test_energy_tokens_fit_is_compares(tmp_path, monkeypatch):
+    """The report's energy-against-tokens lines are compare's fit (per query, errored queries left out), as its
+    caption says, not a fit of its own over the records."""
+    from ipw.analysis.compare import compare
+
+    runs = fixture_runs(tmp_path / "runs")
+    seen = {}
+    draw = report_plots.plot_energy_tokens
+    monkeypatch.setattr(report_plots, "plot_energy_tokens",
+                        lambda p, frame, fits: (seen.update(fits), draw(p, frame, fits)))
+    ctx = report.build(runs)
+    expected = {label: fits["energy"] for label, fits in compare(runs).models.items()}
+    assert repr(seen) == repr(expected)  # (repr: a fit that cannot be made is NaN, and NaN != NaN)
+    assert set(seen) == {"cloud-xl", "local-mid", "local-small"}
+    caption = {f["key"]: f for f in ctx["figures"]}["energy_tokens"]["caption"]
+    assert "the same least-squares fit ipw compare reports" in caption

@@ -15,35 +15,22 @@ lines and "(estimated)" in plot labels, a note in every energy plot, and "estima
 Scale: scatter plots draw a seeded sample of at most ``MAX_POINTS`` records per backend, power over
 time is binned to at most ``MAX_WINDOWS`` steps, and the answer tables show at most ``MAX_ROWS`` rows,
 each capped with a note saying how much is shown.
+
+Three modules: :mod:`ipw.analysis.report_data` (what the report reads and tabulates),
+:mod:`ipw.analysis.report_plots` (the figures) and this one (the context of the templates, and the HTML and
+Markdown it renders).
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import io
-import json
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
+from ipw.analysis import report_data as data
+from ipw.analysis import report_plots as plots
 from ipw.errors import IpwError
 from ipw.resources import resource_path
-
-MAX_POINTS = 2000  # records per backend in a scatter plot
-MAX_WINDOWS = 1500  # steps of power over time per backend
-MAX_BOUNDARIES = 200  # query boundaries drawn as lines in power over time
-MAX_TRACE_POINTS = 4000  # points per device of a power.parquet trace
-MAX_ROWS = 20  # rows of the costliest / wrong answer tables
-MAX_CATEGORIES = 30  # categories in the per-category plot
-MAX_TEXT = 1200  # characters of a prompt, reference or output shown
-DPI = 110
-ESTIMATED_NOTE = "hatched bars, hollow markers, dashed lines, '(estimated)': estimated energy (a model, not a sensor)"
-RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
-                  "start_s", "end_s", "energy_j", "concurrency"]
-TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
 
 
 def _imports():
@@ -53,571 +40,6 @@ def _imports():
     except ImportError as exc:
         raise IpwError(f"ipw report needs jinja2 and matplotlib ({exc.name} is missing): install ipw's "
                        "report extra, e.g. pip install jinja2 matplotlib (bash .ci/setup installs it)") from None
-
-
-# --- data ---------------------------------------------------------------------------------------------
-
-def _load_records(runs, labels: dict[tuple[str, str, int], str]):
-    """Every run's records (the report's columns) with the compare label of their backend (and
-    concurrency level: ``labels`` maps (run_id, backend, concurrency) to it)."""
-    import pandas as pd
-
-    from ipw.analysis.load import as_manifest, concurrency_of
-    from ipw.results import load_run
-
-    frames, manifests = [], []
-    for run in runs:
-        manifest, frame = load_run(run.path, columns=RECORD_COLUMNS, categorical=["backend", "category"])
-        level = concurrency_of(frame["concurrency"])
-        label = [labels.get((run.run_id, b, int(c)), b) for b, c in zip(frame["backend"].astype(str), level)]
-        frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)), concurrency=level,
-                             label=pd.Series(label, index=frame.index, dtype=object))
-        frames.append(frame)
-        manifests.append((run, as_manifest(manifest)))
-    frame = pd.concat(frames, ignore_index=True)
-    frame["category"] = frame["category"].astype(str).replace({"None": "", "nan": ""})
-    frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce")  # NaN: unscored (in no mean, never wrong)
-    for col in ("energy_j", "start_s", "end_s", "prompt_tokens", "completion_tokens"):
-        frame[col] = pd.to_numeric(frame[col], errors="coerce")
-    return manifests, frame
-
-
-def _clip(text: Any, limit: int = MAX_TEXT) -> str:
-    text = "" if text is None or (isinstance(text, float) and math.isnan(text)) else str(text)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
-
-
-def _fmt(x: Any, spec: str = ".3g") -> str:
-    try:
-        return "n/a" if x is None or not math.isfinite(float(x)) else f"{float(x):{spec}}"
-    except (TypeError, ValueError):
-        return str(x)
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, (dict, list)):
-        return json.dumps(v, ensure_ascii=False, default=str)
-    return "n/a" if v is None else str(v)
-
-
-def _setup_sections(manifests) -> list[dict]:
-    """What was run and on what: per run, the manifest's dataset, hardware, software and backends."""
-    from ipw.results import sampler_overheads
-
-    out = []
-    for run, m in manifests:
-        config = m.config or {}
-        ds = m.dataset or {}
-        packages = (m.software or {}).get("packages") or {}
-        run_rows = [
-            ("run", run.run_id), ("status", m.status or "unknown"),
-            ("command", " ".join(map(str, m.command or [])) or "n/a"),
-            ("config", config.get("source", "n/a")),
-            ("dataset", f"{ds.get('name', 'n/a')} ({ds.get('n_queries', '?')} queries, "
-                        f"fingerprint {ds.get('fingerprint', 'n/a')})"),
-            ("records", f"{run.n_records:,}"),
-            ("started / finished", f"{m.started_at or 'n/a'} / {m.finished_at or 'n/a'}"),
-            ("generation", _value(config.get("generation", "n/a"))),
-            ("repeats / warm-up / idle s", f"{config.get('repeats', 'n/a')} / {config.get('warmup', 'n/a')} / "
-                                           f"{config.get('idle_s', 'n/a')}"),
-        ]
-        hardware = [(k, _value(v)) for k, v in (m.hardware or {}).items()]
-        software = [(k, _value(v)) for k, v in (m.software or {}).items() if k != "packages"]
-        software.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "n/a"))
-        backends = []
-        for b in m.backends or []:
-            sensors = [{"name": s.get("name", "?"), "source": s.get("source", "?"), "quality": s.get("quality", "?"),
-                        "scope": s.get("scope", "?"), "available": s.get("available", True),
-                        "detail": s.get("detail") or ""} for s in b.get("sensors") or []]
-            idle = b.get("idle_baseline") or {}
-            spread = idle.get("spread_w") or {}
-            idle_text = ", ".join(f"{c}: {_fmt(w)} ± {_fmt(spread.get(c))} W"
-                                  for c, w in (idle.get("power_w") or {}).items())
-            idle_text = (f"{idle_text} over {_fmt(idle.get('duration_s'))} s" if idle_text
-                         else "not measured (idle s = 0)")
-            overhead = [f"{name}: {_fmt(o.cpu_fraction_of_one_core, '.2%')} of one core ({_fmt(o.cpu_s)} CPU s "
-                        f"over {_fmt(o.wall_s)} s)" for name, o in sampler_overheads(b).items()]
-            info = [("kind / model", f"{b.get('kind', '?')} / {b.get('model', '?')}"), ("role", b.get("role", "?")),
-                    ("engine", f"{b.get('engine', 'n/a')} {b.get('engine_version') or ''}".strip()),
-                    ("mode", _value(b.get("mode"))), ("load s", _fmt(b.get("load_s"))),
-                    ("model file", _value(b.get("model_file")))]
-            backends.append({"name": b.get("name", "?"), "info": info, "sensors": sensors, "idle": idle_text,
-                             "estimated_idle": any(s["quality"] == "estimated" for s in sensors),
-                             "overhead": "; ".join(overhead)})
-        out.append({"run_id": run.run_id, "run": run_rows, "hardware": hardware, "software": software,
-                    "backends": backends})
-    return out
-
-
-def _marked_tables(c) -> list[dict]:
-    """compare's tables, each cell with its estimated-energy flag (from ``ipw.analysis.render``)."""
-    from ipw.analysis.render import tables
-
-    out = []
-    for t in tables(c):
-        cells = [[{"text": text, "est": est} for text, est in zip(row, marks)] for row, marks in zip(t.rows, t.est)]
-        out.append({"title": t.title, "headers": t.headers, "rows": cells, "key": t.key, "section": t.section,
-                    "has_est": any(x["est"] for r in cells for x in r)})
-    return out
-
-
-def _texts(runs, rows) -> dict[tuple[str, int], dict]:
-    """Prompt, reference, output and error of the given records (run_id, row), read for those rows only."""
-    from ipw.results import read_record_fields
-
-    out = {}
-    for run in runs:
-        want = sorted({int(r) for rid, r in zip(rows["run_id"], rows["row"]) if rid == run.run_id})
-        if not want:
-            continue
-        values = read_record_fields(run.path, want, TEXT_COLUMNS)
-        for i, r in enumerate(want):
-            out[(run.run_id, r)] = {c: values[c][i] for c in TEXT_COLUMNS}
-    return out
-
-
-def _answer_table(rows, texts, total: int, what: str, est: dict[str, bool]) -> dict:
-    shown = len(rows)
-    return {
-        "note": (f"showing the {shown} costliest of {total:,} {what}" if total > shown
-                 else f"all {total:,} {what}"),
-        "rows": [{
-            "label": r.label, "query_id": str(r.query_id), "category": r.category or "-", "repeat": r.repeat,
-            "correct": _fmt(r.correct, ".2g"), "energy": _fmt(r.energy_j), "est": est.get(r.label, False),
-            "tokens": _fmt(r.completion_tokens, ".0f"), **{k: _clip(v) for k, v in texts[(r.run_id, r.row)].items()},
-        } for r in rows.itertuples()],
-    }
-
-
-def _costliest(runs, frame, est) -> tuple[dict, dict]:
-    """The costliest answers, and the costliest wrong or failed ones, at most ``MAX_ROWS`` each."""
-    import pandas as pd
-
-    top = frame.loc[frame["energy_j"].fillna(-np.inf).nlargest(MAX_ROWS).index]
-    wrong = frame["correct"] < 0.5
-    wtop = frame[wrong].loc[lambda f: f["energy_j"].fillna(-np.inf).nlargest(MAX_ROWS).index]
-    texts = _texts(runs, pd.concat([top, wtop]))
-    return (_answer_table(top, texts, len(frame), "answers (by energy)", est),
-            _answer_table(wtop, texts, int(wrong.sum()), "wrong or failed answers (by energy)", est))
-
-
-# --- plots --------------------------------------------------------------------------------------------
-
-class _Plots:
-    """Figures as PNG data URIs; colors and estimated-energy styles fixed per backend label."""
-
-    def __init__(self, labels: Sequence[str], est: dict[str, bool]):
-        import matplotlib
-
-        self.mpl = matplotlib
-        self.labels = list(labels)
-        self.est = est
-        cycle = matplotlib.colormaps["tab10"]
-        self.color = {x: cycle(i % 10) for i, x in enumerate(self.labels)}
-        self.out: list[dict] = []
-
-    def name(self, label: str) -> str:
-        return _t(label) + (" (estimated)" if self.est.get(label) else "")
-
-    def figure(self, w: float = 7.5, h: float = 4.0, ncols: int = 1):
-        from matplotlib.figure import Figure
-
-        fig = Figure(figsize=(w, h), layout="constrained")
-        axes = fig.subplots(1, ncols, squeeze=False)[0]
-        for ax in axes:
-            ax.grid(True, alpha=0.3)
-        return fig, axes
-
-    def add(self, fig, key: str, title: str, caption: str, estimated: bool = False) -> None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        if estimated:
-            fig.text(0.0, -0.01, ESTIMATED_NOTE, fontsize=8, style="italic", color="#7a4b00", va="top")
-        FigureCanvasAgg(fig)
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
-        src = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-        self.out.append({"key": key, "title": title, "caption": caption, "src": src, "estimated": estimated})
-
-    def bar_style(self, label: str) -> dict:
-        if self.est.get(label):
-            return {"facecolor": "white", "edgecolor": self.color[label], "hatch": "///", "linewidth": 1.2}
-        return {"color": self.color[label]}
-
-    def marker_style(self, label: str) -> dict:
-        if self.est.get(label):
-            return {"facecolors": "none", "edgecolors": self.color[label]}
-        return {"color": self.color[label]}
-
-
-def _log_x(ax) -> None:
-    """A log x axis (call it after plotting) labeled in plain numbers: 1, 2, 5, 10, 20, 50, ... over up to
-    two decades, the powers of ten only above (where the labels between would overlap)."""
-    import matplotlib.ticker as mt
-
-    ax.set_xscale("log")
-    plain = mt.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(plain)
-    lo, hi = ax.get_xlim()
-    if hi / lo <= 300:
-        ax.xaxis.set_minor_locator(mt.LogLocator(subs=(2.0, 5.0)))
-        ax.xaxis.set_minor_formatter(plain)
-    else:
-        ax.xaxis.set_minor_formatter(mt.NullFormatter())
-
-
-def _t(text: str) -> str:
-    """Dataset or run text as a plot label: literal dollars (matplotlib would read $...$ as math)."""
-    return str(text).replace("$", r"\$")
-
-
-def _ci(est: dict | None) -> tuple[float, float, float]:
-    if not est or est.get("value") is None:
-        return (math.nan,) * 3
-    v = est["value"]
-    lo = est["lo"] if est.get("lo") is not None else v
-    hi = est["hi"] if est.get("hi") is not None else v
-    return v, max(v - lo, 0.0), max(hi - v, 0.0)
-
-
-def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the (energy, accuracy) points no other point beats (less energy and at least the
-    accuracy, or the same energy and more accuracy), in order of energy."""
-    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
-    best, out = -math.inf, []
-    for i in order:
-        if points[i][1] > best:
-            out.append(i)
-            best = points[i][1]
-    return out
-
-
-def _plot_accuracy_energy(p: _Plots, d: dict) -> None:
-    fig, (ax,) = p.figure()
-    pts, labels = [], []
-    for b in d["backends"]:
-        x, xlo, xhi = _ci(b["metrics"]["energy_per_query_j"])
-        y, ylo, yhi = _ci(b["metrics"]["accuracy"])
-        if not (math.isfinite(x) and math.isfinite(y)):
-            continue
-        label = b["label"]
-        ax.errorbar([x], [y], xerr=[[xlo], [xhi]], yerr=[[ylo], [yhi]], fmt="none", ecolor=p.color[label],
-                    alpha=0.6, linestyle="--" if p.est.get(label) else "-")
-        ax.scatter([x], [y], s=70, zorder=3, label=p.name(label), **p.marker_style(label))
-        pts.append((x, y))
-        labels.append(label)
-    if not pts:
-        return
-    front = pareto_frontier(pts)
-    ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], drawstyle="steps-post", color="gray",
-            linestyle=":", zorder=1, label="Pareto frontier")
-    xs = [x for x, _ in pts]
-    if min(xs) > 0 and max(xs) / min(xs) > 20:
-        _log_x(ax)
-    any_est = any(p.est.get(x) for x in labels)
-    ax.set_xlabel("J/query" + (" (estimated where marked)" if any_est else ""))
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(-0.03, 1.03)
-    ax.yaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
-    ax.legend(fontsize=8, loc="best")
-    on = ", ".join(labels[i] for i in front)
-    p.add(fig, "pareto", "Accuracy vs energy per query",
-          f"Points with {_ci_words(d)} on both axes; Pareto frontier (no backend is both cheaper and more "
-          f"accurate): {on}.", any_est)
-
-
-def _ci_words(d: dict) -> str:
-    """How the captions name the CIs: with measurement error where compare drew it (issue 27)."""
-    carried = str((d.get("bootstrap") or {}).get("measurement_error", "")).startswith("energy CIs include")
-    return "95% bootstrap CIs" + (" (energy with each query's measurement error)" if carried else "")
-
-
-def _plot_ipj(p: _Plots, d: dict) -> None:
-    bs = [b for b in d["backends"] if math.isfinite(_ci(b["metrics"]["ipj"])[0])]
-    if not bs:
-        return
-    fig, (ax,) = p.figure(h=3.6)
-    for i, b in enumerate(bs):
-        v, lo, hi = _ci(b["metrics"]["ipj"])
-        ax.bar([i], [v], yerr=[[lo], [hi]], capsize=6, ecolor="black", **p.bar_style(b["label"]))
-    ax.set_xticks(range(len(bs)), [p.name(b["label"]) for b in bs], rotation=15 if len(bs) > 3 else 0,
-                  ha="right" if len(bs) > 3 else "center", fontsize=8)
-    ax.set_ylabel("IPJ: correct answers per joule")
-    ax.set_ylim(bottom=0)
-    p.add(fig, "ipj", "IPJ per backend", f"Intelligence per joule (accuracy / mean J per query) with {_ci_words(d)}.",
-          any(p.est.get(b["label"]) for b in bs))
-
-
-def _plot_energy_tokens(p: _Plots, frame) -> None:
-    """Energy per query against prompt tokens and against output tokens, with each backend's fitted
-    model E = a + b*prompt + c*output (ipw.analysis.fit.fit_linear, the fit ipw compare reports) drawn with
-    the other token count held at its mean."""
-    from ipw.analysis.fit import fit_linear
-
-    fig, (ax_p, ax_k) = p.figure(w=10.0, ncols=2)
-    rng = np.random.default_rng(0)
-    notes, drawn = [], []
-    for label, g in frame.groupby("label", sort=False):
-        g = g[g["energy_j"].notna() & g["completion_tokens"].notna()]
-        if g.empty:
-            continue
-        fit = fit_linear(g["prompt_tokens"], g["completion_tokens"], g["energy_j"])
-        shown = g
-        if len(g) > MAX_POINTS:
-            shown = g.iloc[np.sort(rng.choice(len(g), MAX_POINTS, replace=False))]
-            notes.append(f"{label}: {MAX_POINTS:,} of {int((frame['label'] == label).sum()):,} records")
-        style = p.marker_style(label)
-        for ax, col in ((ax_p, "prompt_tokens"), (ax_k, "completion_tokens")):
-            ax.scatter(shown[col], shown["energy_j"], s=14, alpha=0.55, label=p.name(label), **style)
-        if np.isfinite(fit.per_prompt_token.value):
-            a, b, c = fit.intercept.value, fit.per_prompt_token.value, fit.per_completion_token.value
-            xs = np.linspace(g["prompt_tokens"].min(), g["prompt_tokens"].max(), 50)
-            ax_p.plot(xs, a + b * xs + c * g["completion_tokens"].mean(), lw=1.2, ls="--",
-                      label=f"fit {p.name(label)}: {b:.3g} J/prompt tok (R² {fit.r2:.2f})")
-            xs = np.linspace(g["completion_tokens"].min(), g["completion_tokens"].max(), 50)
-            ax_k.plot(xs, a + b * g["prompt_tokens"].mean() + c * xs, lw=1.2, ls="--",
-                      label=f"fit {p.name(label)}: {c:.3g} J/output tok")
-        drawn.append(label)
-    if not drawn:
-        return
-    unit = "J/query" + (" (estimated where marked)" if any(p.est.get(x) for x in drawn) else "")
-    for ax, xlabel in ((ax_p, "prompt tokens"), (ax_k, "output tokens")):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(unit)
-        ax.legend(fontsize=7)
-    sample = f" Seeded random sample shown ({'; '.join(notes)})." if notes else ""
-    p.add(fig, "energy_tokens", "Energy per query vs prompt and output tokens",
-          "One point per record; dashed: the fitted model E = a + b·prompt + c·output per backend (other "
-          "token count at its mean), the same least-squares fit ipw compare reports." + sample,
-          any(p.est.get(x) for x in drawn))
-
-
-def _plot_serving(p: _Plots, d: dict) -> None:
-    """J per output token against output tokens/s, one line per backend through its concurrency levels
-    (each point labeled c=N): where batching stops paying."""
-    lines: dict[tuple[str, str], list[dict]] = {}
-    for x in d["serving"]:
-        lines.setdefault((x["run_id"], x["backend"]), []).append(x)
-    fig, (ax,) = p.figure()
-    drawn, xs = [], []
-    for levels in lines.values():
-        pts = [(x["metrics"]["output_tokens_per_s"]["value"], x["metrics"]["j_per_output_token"]["value"],
-                x["concurrency"]) for x in sorted(levels, key=lambda x: x["concurrency"])]
-        pts = [(x, y, k) for x, y, k in pts if x is not None and y is not None]
-        if not pts:
-            continue
-        top = max(levels, key=lambda x: x["concurrency"])  # its color and estimated style: its highest level's
-        label = top["label"]
-        name = p.name(label).replace(f"@c{top['concurrency']}", "", 1)  # run_id/NAME where names clash
-        ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], color=p.color[label], zorder=2,
-                linestyle="--" if p.est.get(label) else "-")
-        ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], s=40, zorder=3, label=name,
-                   **p.marker_style(label))
-        for x, y, k in pts:
-            ax.annotate(f"c={k}", (x, y), fontsize=8, textcoords="offset points", xytext=(5, 4))
-        drawn.append(label)
-        xs += [x for x, _, _ in pts]
-    if not drawn:
-        return
-    if min(xs) > 0 and max(xs) / min(xs) > 20:
-        _log_x(ax)
-    any_est = any(p.est.get(x) for x in drawn)
-    ax.set_xlabel("output tokens/s (output tokens over the level's wall span)")
-    ax.set_ylabel("J per output token" + (" (estimated where marked)" if any_est else ""))
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="best")
-    p.add(fig, "serving", "Energy per output token vs throughput, per concurrency level",
-          "One line per backend through the concurrency levels it was measured at (c = requests in flight); "
-          "down and to the right is cheaper and faster.", any_est)
-
-
-def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int):
-    """Energy-weighted average power in ``n_bins`` equal time bins (query windows by their midpoint)."""
-    edges = np.linspace(t0.min(), t1.max(), n_bins + 1)
-    idx = np.clip(np.searchsorted(edges, (t0 + t1) / 2, side="right") - 1, 0, n_bins - 1)
-    energy = np.bincount(idx, e, n_bins)
-    busy = np.bincount(idx, t1 - t0, n_bins)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return edges, np.where(busy > 0, energy / busy, np.nan)
-
-
-def _read_power(run_dir):
-    """t_s, device and power_w of the points of a run's power.parquet that carry watts (None when none does)."""
-    from ipw.results import read_power
-
-    power = read_power(run_dir, columns=["t_s", "device", "power_w"])
-    if power is None or not {"t_s", "power_w"} <= set(power.columns):
-        return None
-    power = power[np.isfinite(power["power_w"].to_numpy(float)) & np.isfinite(power["t_s"].to_numpy(float))]
-    if "device" not in power:
-        power = power.assign(device="power")
-    return None if power.empty else power
-
-
-def _plot_power(p: _Plots, run, frame, power) -> None:
-    """Power over time of one run: the power.parquet trace when present, else each query window's average
-    power (its energy / its duration); query boundaries as lines (or backend spans when there are many)."""
-    recs = frame[frame["run_id"] == run.run_id]
-    recs = recs[recs["start_s"].notna() & recs["end_s"].notna()]
-    if recs.empty:
-        return
-    origin = float(recs["start_s"].min())
-    fig, (ax,) = p.figure(h=3.8)
-    any_est, drawn = False, power is not None
-    if power is not None:
-        for device, g in power.groupby("device", sort=False, observed=True):
-            g = g.sort_values("t_s")
-            t, w = g["t_s"].to_numpy(float) - origin, g["power_w"].to_numpy(float)
-            if len(t) > MAX_TRACE_POINTS:  # mean per time bin
-                edges = np.linspace(t[0], t[-1], MAX_TRACE_POINTS + 1)
-                idx = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, MAX_TRACE_POINTS - 1)
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    w = np.bincount(idx, w, MAX_TRACE_POINTS) / np.bincount(idx, minlength=MAX_TRACE_POINTS)
-                t = (edges[:-1] + edges[1:]) / 2
-            ax.plot(t, w, linewidth=0.9, label=f"{_t(device)} (sampled)")
-        what = "sampled power from power.parquet (measured)"
-        ylabel = "power (W)"
-    else:
-        for label, g in recs.groupby("label", sort=False):
-            g = g[g["energy_j"].notna() & (g["end_s"] > g["start_s"])]
-            if g.empty:
-                continue
-            t0, t1 = g["start_s"].to_numpy(float) - origin, g["end_s"].to_numpy(float) - origin
-            e = g["energy_j"].to_numpy(float)
-            kw = {"color": p.color[label], "linestyle": "--" if p.est.get(label) else "-"}
-            if len(g) > MAX_WINDOWS:
-                edges, w = _binned_power(t0, t1, e, MAX_WINDOWS)
-                ax.stairs(w, edges, baseline=None, label=p.name(label), **kw)
-            else:
-                ax.hlines(e / (t1 - t0), t0, t1, label=p.name(label), linewidth=2, **kw)
-            any_est = any_est or bool(p.est.get(label))
-            drawn = True
-        what = "average power per query window (its energy / its duration; not a sampled trace)"
-        ylabel = "average power per query window (W)" + (" (estimated)" if any_est else "")
-    if not drawn:
-        return  # no energy and no trace: nothing to show
-    starts = recs["start_s"].to_numpy(float) - origin
-    if len(starts) <= MAX_BOUNDARIES:
-        ax.vlines(starts, 0, 1, transform=ax.get_xaxis_transform(), color="gray", alpha=0.35, linewidth=0.6)
-        bounds = "thin gray lines mark where each query starts"
-    else:
-        for label, g in recs.groupby("label", sort=False):
-            ax.axvspan(g["start_s"].min() - origin, g["end_s"].max() - origin, color=p.color[label], alpha=0.08)
-        bounds = (f"{len(starts):,} queries: boundaries not drawn one by one; shaded spans mark each backend's "
-                  f"queries{f', power binned into {MAX_WINDOWS:,} steps' if power is None else ''}")
-    ax.set_xlabel("seconds since the run's first query")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8, loc="best")
-    p.add(fig, f"power_{run.run_id}", f"Power over time: run {run.run_id}", f"{what.capitalize()}; {bounds}.",
-          any_est)
-
-
-def _plot_coverage(p: _Plots, r: dict, est_routing: bool) -> None:
-    if not r["power_envelope"] and not r["energy_budget"]:
-        return
-    fig, axes = p.figure(w=9.0, h=3.8, ncols=2)
-    style = {"linestyle": "--" if est_routing else "-", "marker": "o", "drawstyle": "steps-post"}
-    suffix = " (estimated)" if est_routing else ""
-    env = r["power_envelope"]
-    if env:
-        axes[0].plot([x["power_w"] for x in env], [x["coverage"] for x in env], **style)
-        for x in env:
-            axes[0].annotate(_t("+".join(x["backends"])[:40]), (x["power_w"], x["coverage"]), fontsize=7,
-                             textcoords="offset points", xytext=(4, -10))
-    axes[0].set_xlabel("power envelope: mean W of a local backend" + suffix)
-    axes[0].set_title("coverage within a power envelope", fontsize=10)
-    bud = r["energy_budget"]
-    if bud:
-        axes[1].plot([x["energy_j"] for x in bud], [x["coverage"] for x in bud], **style)
-        if bud[0]["energy_j"] > 0 and bud[-1]["energy_j"] / bud[0]["energy_j"] > 20:
-            _log_x(axes[1])
-    axes[1].set_xlabel("energy budget per query (J)" + suffix)
-    axes[1].set_title("coverage within an energy budget", fontsize=10)
-    for ax in axes:
-        ax.set_ylabel("local coverage")
-        ax.set_ylim(0, 1.02)
-        ax.yaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
-    p.add(fig, "coverage", "Coverage vs power envelope and energy budget",
-          f"Share of the {r['coverage']['n_scored']:,} scored queries (of {r['n_queries']:,}) some local backend "
-          f"({', '.join(r['local'])}) answers correctly, "
-          f"using only local backends whose mean power fits (left), or within a per-query energy budget (right).",
-          est_routing)
-
-
-def _plot_savings(p: _Plots, r: dict, est_routing: bool) -> None:
-    curve = r["router_curve"]
-    if not curve:
-        return
-    fig, axes = p.figure(w=9.0, h=3.8, ncols=2)
-    alphas = [x["alpha"] for x in curve]
-    energy = ("energy saved (estimated)", "--") if est_routing else ("energy saved", "-")
-    for key, name, ls in (("energy", *energy), ("latency", "latency saved", "-"), ("cost", "cost saved", "-")):
-        ys = [x[f"{key}_saved_fraction"] for x in curve]
-        if any(y is not None for y in ys):
-            axes[0].plot(alphas, [math.nan if y is None else y for y in ys], marker="o", markersize=3, linestyle=ls,
-                         label=name)
-    a = r["router"]["alpha"]
-    axes[0].axvline(a, color="gray", linestyle=":", label=f"α = {a:g}")
-    axes[0].set_xlabel("α: share of queries routed as the oracle would (1 = oracle)")
-    axes[0].set_ylabel("saved vs cloud only")
-    axes[0].yaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
-    axes[0].legend(fontsize=8)
-    axes[0].set_title("oracle and α-router savings", fontsize=10)
-    axes[1].plot(alphas, [math.nan if x["accuracy"] is None else x["accuracy"] for x in curve], marker="o",
-                 markersize=3, color="black")
-    axes[1].axvline(a, color="gray", linestyle=":")
-    axes[1].set_xlabel("α")
-    axes[1].set_ylabel("routed accuracy")
-    axes[1].yaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
-    axes[1].set_title("routed accuracy", fontsize=10)
-    o = r["oracle"]
-    saved = o["energy"]["saved_fraction"]["value"] if o["energy"] else None
-    p.add(fig, "savings", "Oracle and α-router savings",
-          f"Against sending every query to {r['cloud']}; the oracle (α = 1) routes "
-          f"{', '.join(f'{k}: {v:,}' for k, v in o['routed_to'].items())} and saves "
-          f"{'n/a' if saved is None else f'{saved:.1%}'} of the energy.", est_routing)
-
-
-def _plot_categories(p: _Plots, frame) -> str:
-    per_query = frame.groupby(["label", "category", "query_id"], sort=False, observed=True)[
-        ["correct", "energy_j"]].mean()
-    per_cat = per_query.groupby(level=["label", "category"], sort=False).mean()
-    counts = frame.groupby("category", observed=True)["query_id"].nunique().sort_values(ascending=False)
-    cats = sorted(counts.index[:MAX_CATEGORIES].tolist())
-    if not cats:
-        return ""
-    labels = [x for x in p.labels if x in per_cat.index.get_level_values(0)]
-    n = len(labels)
-    height = min(2.0 + 0.22 * len(cats) * max(n, 1), 16.0)
-    fig, axes = p.figure(w=9.0, h=height, ncols=2)
-    y = np.arange(len(cats))
-    bar_h = 0.8 / max(n, 1)
-    any_est = False
-    for k, label in enumerate(labels):
-        sub = per_cat.loc[label].reindex(cats)
-        pos = y - 0.4 + bar_h * (k + 0.5)
-        axes[0].barh(pos, sub["correct"].to_numpy(float), height=bar_h, label=p.name(label), color=p.color[label])
-        axes[1].barh(pos, sub["energy_j"].to_numpy(float), height=bar_h, label=p.name(label),
-                     **p.bar_style(label))
-        any_est = any_est or bool(p.est.get(label))
-    for ax in axes:
-        ax.set_yticks(y, [_t(c) or "-" for c in cats], fontsize=8)
-        ax.invert_yaxis()
-    axes[0].set_xlabel("accuracy")
-    axes[0].set_xlim(0, 1.0)
-    axes[0].xaxis.set_major_formatter(p.mpl.ticker.PercentFormatter(1.0))
-    energy = per_cat["energy_j"].to_numpy(float)
-    energy = energy[np.isfinite(energy) & (energy > 0)]
-    if len(energy) and energy.max() / energy.min() > 50:
-        _log_x(axes[1])
-    axes[1].set_xlabel("J/query" + (" (estimated where marked)" if any_est else ""))
-    axes[0].legend(fontsize=8, loc="lower right")
-    note = (f"; the {MAX_CATEGORIES} largest of {len(counts)} categories shown" if len(counts) > MAX_CATEGORIES
-            else "")
-    p.add(fig, "categories", "Accuracy and energy per category",
-          f"Means over each category's queries (repeats averaged first){note}.", any_est)
-    return note
 
 
 # --- the report ---------------------------------------------------------------------------------------
@@ -639,34 +61,34 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     d = to_dict(c)
     labels = {(b.run_id, b.backend, b.concurrency): b.label for b in c.backends}
     est = {b.label: c.estimated(b.label) for b in c.backends}
-    manifests, frame = _load_records(c.runs, labels)
+    manifests, frame = data.load_records(c.runs, labels)
     if common_queries:  # the queries every backend has, as compare used
         per_q = frame.groupby("query_id")["label"].nunique()
         frame = frame[frame["query_id"].isin(per_q.index[per_q == len(c.backends)])]
     r = d["routing"]
     routing_est = c.routing_estimated
-    tables = _marked_tables(c)
-    costliest, wrong = _costliest(c.runs, frame, est)
-    p = _Plots([b.label for b in c.backends], est)
+    tables = data.marked_tables(c)
+    costliest, wrong = data.costliest(c.runs, frame, est)
+    p = plots.Plots([b.label for b in c.backends], est)
     with matplotlib.rc_context({"font.size": 9, "hatch.linewidth": 0.8}):
-        _plot_accuracy_energy(p, d)
-        _plot_ipj(p, d)
-        _plot_energy_tokens(p, frame)
+        plots.plot_accuracy_energy(p, d)
+        plots.plot_ipj(p, d)
+        plots.plot_energy_tokens(p, frame, {label: fits["energy"] for label, fits in c.models.items()})
         if serving_shown(c.backends):
-            _plot_serving(p, d)
+            plots.plot_serving(p, d)
         for run, _ in manifests:
-            _plot_power(p, run, frame, _read_power(run.path))
+            plots.plot_power(p, run, frame, data.read_power_trace(run.path))
         if r:
-            _plot_coverage(p, r, routing_est)
-            _plot_savings(p, r, routing_est)
-        category_note = _plot_categories(p, frame)
+            plots.plot_coverage(p, r, routing_est)
+            plots.plot_savings(p, r, routing_est)
+        category_note = plots.plot_categories(p, frame)
     backends = [{**b, "est": est[b["label"]]} for b in d["backends"]]
     return {
         "title": "ipw report: " + ", ".join(run.run_id for run in c.runs),
         "generated": dt.datetime.now().isoformat(timespec="seconds"),
         "ipw_version": __version__,
         "runs": [run.__dict__ for run in c.runs],
-        "setup": _setup_sections(manifests),
+        "setup": data.setup_sections(manifests),
         "hardware_banner": c.hardware_note,
         "backends": backends,
         "any_est": any(est.values()),
@@ -682,7 +104,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
         "n_queries": c.n_queries,
         "n_records": int(len(frame)),
         "reference": c.reference,
-        "max_rows": MAX_ROWS,
+        "max_rows": data.MAX_ROWS,
     }
 
 

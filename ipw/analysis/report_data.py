@@ -1,0 +1,176 @@
+"""``ipw report``'s data: the records of the compared runs (with compare's labels), what was run and on
+what (from the manifests), compare's tables with their estimated-energy marks, the costliest and wrong
+answers, and a run's power trace.  Read through :mod:`ipw.results` only; numbers come from
+:mod:`ipw.analysis.compare`.  Plots are in :mod:`ipw.analysis.report_plots`, the page in
+:mod:`ipw.analysis.report`."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+MAX_ROWS = 20  # rows of the costliest / wrong answer tables
+MAX_TEXT = 1200  # characters of a prompt, reference or output shown
+RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
+                  "start_s", "end_s", "energy_j", "concurrency"]
+TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
+
+
+def load_records(runs, labels: dict[tuple[str, str, int], str]):
+    """Every run's records (the report's columns) with the compare label of their backend (and
+    concurrency level: ``labels`` maps (run_id, backend, concurrency) to it)."""
+    import pandas as pd
+
+    from ipw.analysis.load import concurrency_of
+    from ipw.results import load_run
+
+    frames, manifests = [], []
+    for run in runs:
+        manifest, frame = load_run(run.path, columns=RECORD_COLUMNS, categorical=["backend", "category"])
+        level = concurrency_of(frame["concurrency"])
+        label = [labels.get((run.run_id, b, int(c)), b) for b, c in zip(frame["backend"].astype(str), level)]
+        frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)), concurrency=level,
+                             label=pd.Series(label, index=frame.index, dtype=object))
+        frames.append(frame)
+        manifests.append((run, manifest))
+    frame = pd.concat(frames, ignore_index=True)
+    frame["category"] = frame["category"].astype(str).replace({"None": "", "nan": ""})
+    frame["correct"] = pd.to_numeric(frame["correct"], errors="coerce")  # NaN: unscored (in no mean, never wrong)
+    for col in ("energy_j", "start_s", "end_s", "prompt_tokens", "completion_tokens"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce")
+    return manifests, frame
+
+
+def _clip(text: Any, limit: int = MAX_TEXT) -> str:
+    text = "" if text is None or (isinstance(text, float) and math.isnan(text)) else str(text)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    try:
+        return "n/a" if x is None or not math.isfinite(float(x)) else f"{float(x):{spec}}"
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, ensure_ascii=False, default=str)
+    return "n/a" if v is None else str(v)
+
+
+def setup_sections(manifests) -> list[dict]:
+    """What was run and on what: per run, the manifest's dataset, hardware, software and backends."""
+    from ipw.results import sampler_overheads
+
+    out = []
+    for run, m in manifests:
+        config = m.config or {}
+        ds = m.dataset or {}
+        packages = (m.software or {}).get("packages") or {}
+        run_rows = [
+            ("run", run.run_id), ("status", m.status or "unknown"),
+            ("command", " ".join(map(str, m.command or [])) or "n/a"),
+            ("config", config.get("source", "n/a")),
+            ("dataset", f"{ds.get('name', 'n/a')} ({ds.get('n_queries', '?')} queries, "
+                        f"fingerprint {ds.get('fingerprint', 'n/a')})"),
+            ("records", f"{run.n_records:,}"),
+            ("started / finished", f"{m.started_at or 'n/a'} / {m.finished_at or 'n/a'}"),
+            ("generation", _value(config.get("generation", "n/a"))),
+            ("repeats / warm-up / idle s", f"{config.get('repeats', 'n/a')} / {config.get('warmup', 'n/a')} / "
+                                           f"{config.get('idle_s', 'n/a')}"),
+        ]
+        hardware = [(k, _value(v)) for k, v in (m.hardware or {}).items()]
+        software = [(k, _value(v)) for k, v in (m.software or {}).items() if k != "packages"]
+        software.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "n/a"))
+        backends = []
+        for b in m.backends or []:
+            sensors = [{"name": s.get("name", "?"), "source": s.get("source", "?"), "quality": s.get("quality", "?"),
+                        "scope": s.get("scope", "?"), "available": s.get("available", True),
+                        "detail": s.get("detail") or ""} for s in b.get("sensors") or []]
+            idle = b.get("idle_baseline") or {}
+            spread = idle.get("spread_w") or {}
+            idle_text = ", ".join(f"{c}: {_fmt(w)} ± {_fmt(spread.get(c))} W"
+                                  for c, w in (idle.get("power_w") or {}).items())
+            idle_text = (f"{idle_text} over {_fmt(idle.get('duration_s'))} s" if idle_text
+                         else "not measured (idle s = 0)")
+            overhead = [f"{name}: {_fmt(o.cpu_fraction_of_one_core, '.2%')} of one core ({_fmt(o.cpu_s)} CPU s "
+                        f"over {_fmt(o.wall_s)} s)" for name, o in sampler_overheads(b).items()]
+            info = [("kind / model", f"{b.get('kind', '?')} / {b.get('model', '?')}"), ("role", b.get("role", "?")),
+                    ("engine", f"{b.get('engine', 'n/a')} {b.get('engine_version') or ''}".strip()),
+                    ("mode", _value(b.get("mode"))), ("load s", _fmt(b.get("load_s"))),
+                    ("model file", _value(b.get("model_file")))]
+            backends.append({"name": b.get("name", "?"), "info": info, "sensors": sensors, "idle": idle_text,
+                             "estimated_idle": any(s["quality"] == "estimated" for s in sensors),
+                             "overhead": "; ".join(overhead)})
+        out.append({"run_id": run.run_id, "run": run_rows, "hardware": hardware, "software": software,
+                    "backends": backends})
+    return out
+
+
+def marked_tables(c) -> list[dict]:
+    """compare's tables, each cell with its estimated-energy flag (from ``ipw.analysis.render``)."""
+    from ipw.analysis.render import tables
+
+    out = []
+    for t in tables(c):
+        cells = [[{"text": text, "est": est} for text, est in zip(row, marks)] for row, marks in zip(t.rows, t.est)]
+        out.append({"title": t.title, "headers": t.headers, "rows": cells, "key": t.key, "section": t.section,
+                    "has_est": any(x["est"] for r in cells for x in r)})
+    return out
+
+
+def _texts(runs, rows) -> dict[tuple[str, int], dict]:
+    """Prompt, reference, output and error of the given records (run_id, row), read for those rows only."""
+    from ipw.results import read_record_fields
+
+    out = {}
+    for run in runs:
+        want = sorted({int(r) for rid, r in zip(rows["run_id"], rows["row"]) if rid == run.run_id})
+        if not want:
+            continue
+        values = read_record_fields(run.path, want, TEXT_COLUMNS)
+        for i, r in enumerate(want):
+            out[(run.run_id, r)] = {c: values[c][i] for c in TEXT_COLUMNS}
+    return out
+
+
+def _answer_table(rows, texts, total: int, what: str, est: dict[str, bool]) -> dict:
+    shown = len(rows)
+    return {
+        "note": (f"showing the {shown} costliest of {total:,} {what}" if total > shown
+                 else f"all {total:,} {what}"),
+        "rows": [{
+            "label": r.label, "query_id": str(r.query_id), "category": r.category or "-", "repeat": r.repeat,
+            "correct": _fmt(r.correct, ".2g"), "energy": _fmt(r.energy_j), "est": est.get(r.label, False),
+            "tokens": _fmt(r.completion_tokens, ".0f"), **{k: _clip(v) for k, v in texts[(r.run_id, r.row)].items()},
+        } for r in rows.itertuples()],
+    }
+
+
+def costliest(runs, frame, est) -> tuple[dict, dict]:
+    """The costliest answers, and the costliest wrong or failed ones, at most ``MAX_ROWS`` each."""
+    import pandas as pd
+
+    top = frame.loc[frame["energy_j"].fillna(-np.inf).nlargest(MAX_ROWS).index]
+    wrong = frame["correct"] < 0.5
+    wtop = frame[wrong].loc[lambda f: f["energy_j"].fillna(-np.inf).nlargest(MAX_ROWS).index]
+    texts = _texts(runs, pd.concat([top, wtop]))
+    return (_answer_table(top, texts, len(frame), "answers (by energy)", est),
+            _answer_table(wtop, texts, int(wrong.sum()), "wrong or failed answers (by energy)", est))
+
+
+def read_power_trace(run_dir):
+    """t_s, device and power_w of the points of a run's power.parquet that carry watts (None when none does)."""
+    from ipw.results import read_power
+
+    power = read_power(run_dir, columns=["t_s", "device", "power_w"])
+    if power is None or not {"t_s", "power_w"} <= set(power.columns):
+        return None
+    power = power[np.isfinite(power["power_w"].to_numpy(float)) & np.isfinite(power["t_s"].to_numpy(float))]
+    if "device" not in power:
+        power = power.assign(device="power")
+    return None if power.empty else power
