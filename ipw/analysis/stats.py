@@ -31,7 +31,7 @@ as two measurements are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -67,43 +67,6 @@ class Estimate:
 
 
 NAN = Estimate(float("nan"), float("nan"), float("nan"))
-
-
-def resample(
-    statistic: Callable[..., np.ndarray], *columns: np.ndarray, n_boot: int = 2000, seed: int = 0,
-) -> tuple[float, np.ndarray]:
-    """The statistic on the data and on ``n_boot`` bootstrap resamples of its rows (finite ones only).
-
-    ``statistic`` maps arrays of shape (..., n) to shape (...,). Columns are resampled together (the
-    same row indices), so ratios such as accuracy / energy, or paired differences, keep their pairing.
-    """
-    cols = [np.asarray(c, dtype=float) for c in columns]
-    n = len(cols[0])
-    if n == 0:
-        return float("nan"), np.empty(0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        value = float(statistic(*cols))
-        if n == 1:
-            return value, np.full(1, value)
-        idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-        stats = statistic(*(c[idx] for c in cols))
-    return value, stats[np.isfinite(stats)]
-
-
-def bootstrap(
-    statistic: Callable[..., np.ndarray],
-    *columns: np.ndarray,
-    n_boot: int = 2000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> Estimate:
-    """Percentile bootstrap confidence interval of ``statistic`` (see ``resample``)."""
-    value, stats = resample(statistic, *columns, n_boot=n_boot, seed=seed)
-    if len(stats) == 0:
-        return Estimate(value, float("nan"), float("nan"))
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(stats, [alpha, 1 - alpha])
-    return Estimate(value, float(lo), float(hi))
 
 
 # --- paired bootstrap of column sums and quantiles (ipw compare) ------------------------------------
