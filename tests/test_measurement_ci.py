@@ -67,6 +67,12 @@ def test_measurement_sd_of_a_records_parts():
     assert indep == pytest.approx(np.sqrt(sd_gpu ** 2 - (0.0022 * 10.0) ** 2))
     old = [{k: v for k, v in p.items() if k != "uncertainty_j"} for p in parts]  # a record made before it
     assert measurement_sd(json.dumps(old)) == (0.0, 0.0) and measurement_sd(None) == (0.0, 0.0)
+    # power no counter calibrated (a Jetson board, a distrusted NVML counter): its 3% is every window's
+    for source in ("jetson.power", "nvml.samples"):
+        alone = [{**parts[0], "source": source, "note": "counter distrusted, not used: ...; uncalibrated",
+                  "uncertainty_j": 0.9}]
+        indep, shared = measurement_sd(alone)
+        assert shared == pytest.approx(0.03 * 10.0) and indep == pytest.approx(np.sqrt((0.9 / Z90) ** 2 - 0.3 ** 2))
 
 
 def _run(tmp_path, run_id, energies, uncertainty_rel, source="nvml.samples", quality="measured_interpolated"):

@@ -793,13 +793,18 @@ def _aliasing_between(si: _PowerIntegral, lo_s: float, hi_s: float) -> float | N
     return aliasing_period_s(si.t[lo:hi], si.p[lo:hi], si.period_s)
 
 
+#: 1-sd relative error of power readings that no counter calibrated: the bounds within which NVML's
+#: calibration ratios fall (DESIGN.md §3).  Every window of such a channel shares it.
+UNCALIBRATED_REL_SD = 0.03
+
+
 def calibration_rel_sd(si: _PowerIntegral, cal: Calibration | None, counter_time_sd_s: float,
                        model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
     """1-sd relative error of a calibration ratio: its two ends' placement in time, at the power there,
     over the span's counter energy, plus the model's floor.  Uncalibrated samples: 3% (the bounds
     within which H200 and other ratios fall, DESIGN.md §3)."""
     if cal is None or cal.ratio is None or not cal.counter_j:
-        return 0.03
+        return UNCALIBRATED_REL_SD
     p_lo, p_hi = np.interp([cal.start_s, cal.end_s], si.t, si.p) * cal.ratio
     placement = counter_time_sd_s * math.hypot(p_lo, p_hi) / cal.counter_j
     return math.hypot(placement, model.calibration_floor)

@@ -13,7 +13,7 @@ import json
 import math
 from typing import Sequence
 
-from ipw.telemetry.estimator import DEFAULT_ERROR_MODEL
+from ipw.telemetry.estimator import DEFAULT_ERROR_MODEL, UNCALIBRATED_REL_SD
 
 #: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
 Z90 = 1.6448536269514722
@@ -27,9 +27,10 @@ def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, fl
     (``energy_parts``: the JSON a record stores, or the list of reading dicts).
 
     A reading's ``uncertainty_j`` (±90%) is ``Z90`` sd.  Estimated readings (``quality`` estimated: the CPU
-    model, an API estimate) are shared whole: their error is the model's, the same for every query.  NVML
-    sampled readings share ``NVML_SHARED_REL`` of their energy (the calibration) and the rest is
-    independent; other readings are independent.  Independent parts add in quadrature, shared ones
+    model, an API estimate) are shared whole: their error is the model's, the same for every query.  Power
+    readings that no counter calibrated (the note says ``uncalibrated``: a platform without a counter, a
+    counter distrusted) share ``UNCALIBRATED_REL_SD`` of their energy; NVML sampled readings share
+    ``NVML_SHARED_REL`` (the calibration); the rest of each is independent.  Other readings are independent.  Independent parts add in quadrature, shared ones
     linearly.  Readings without ``uncertainty_j`` (records made before it was stated) add nothing: (0, 0)."""
     if not energy_parts:
         return 0.0, 0.0
@@ -42,8 +43,9 @@ def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, fl
         sd = abs(u) / Z90
         if p.get("quality") == "estimated":
             shared += sd
-        elif str(p.get("source", "")).startswith("nvml.samples"):
-            s = min(sd, NVML_SHARED_REL * abs(e))
+        elif "uncalibrated" in str(p.get("note", "")) or str(p.get("source", "")).startswith("nvml.samples"):
+            rel = UNCALIBRATED_REL_SD if "uncalibrated" in str(p.get("note", "")) else NVML_SHARED_REL
+            s = min(sd, rel * abs(e))
             shared += s
             var += sd * sd - s * s
         else:
