@@ -40,16 +40,16 @@ COMMANDS = ("compare", "report", "check")
 
 def generate_check(out_dir: Path, n_queries: int) -> list[Path]:
     """A baseline and a candidate run: the same 5 backends over the same queries, different noise."""
-    from ipw.results import RunFolder
+    from ipw.results import RunFolder, RunManifest
 
     paths = []
     for i, run_id in enumerate(("baseline", "candidate")):
-        folder = RunFolder.create(out_dir, run_id, {
+        folder = RunFolder.create(out_dir, run_id, RunManifest.from_dict({"run_id": run_id,
             "command": ["bench/analysis_scale.py"],
             "config": {"backends": [{"name": b[0], "role": b[1]} for b in compare_scale.BACKENDS]},
             "dataset": {"name": "synthetic", "n_queries": n_queries, "fingerprint": f"synthetic:{n_queries}"},
             "backends": [{"name": b[0], "role": b[1]} for b in compare_scale.BACKENDS],
-        })
+        }))
         frame = compare_scale.synthetic_frame(run_id, compare_scale.BACKENDS, n_queries, seed=20 + i)
         frame.to_parquet(folder.path / "records.parquet", index=False)
         folder.write_manifest(status="complete")

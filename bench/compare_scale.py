@@ -71,16 +71,16 @@ def synthetic_frame(run_id: str, backends, n_queries: int, seed: int):
 
 def generate(out_dir: Path, n_queries: int) -> list[Path]:
     """Write the synthetic run folders under ``out_dir``; returns their paths."""
-    from ipw.results import RunFolder
+    from ipw.results import RunFolder, RunManifest
 
     paths = []
     for i, (run_id, backends) in enumerate(RUNS):
-        folder = RunFolder.create(out_dir, run_id, {
+        folder = RunFolder.create(out_dir, run_id, RunManifest.from_dict({"run_id": run_id,
             "command": ["bench/compare_scale.py"],
             "config": {"backends": [{"name": b[0], "role": b[1]} for b in backends]},
             "dataset": {"name": "synthetic", "n_queries": n_queries, "fingerprint": f"synthetic:{n_queries}"},
             "backends": [{"name": b[0], "role": b[1]} for b in backends],
-        })
+        }))
         synthetic_frame(run_id, backends, n_queries, seed=10 + i).to_parquet(folder.path / "records.parquet",
                                                                              index=False)
         folder.write_manifest(status="complete")

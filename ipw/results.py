@@ -1,4 +1,6 @@
-"""Run folders: ``results/<run_id>/`` with manifest.json, records.jsonl, records.parquet, power.parquet.
+"""Run folders: ``results/<run_id>/`` with manifest.json (:class:`RunManifest`), records.jsonl and
+records.parquet (:class:`QueryRecord`), power.parquet, judge.jsonl (:class:`JudgeEntry`), queries.parquet
+and ipw.lock; docs/ARCHITECTURE.md tabulates each file with the methods that write and read it.
 
 ``records.jsonl`` is appended and fsynced as records become final (several at once when they are ready
 together), before ``ipw run`` reports them: a crash loses no reported record.
@@ -392,15 +394,13 @@ class RunFolder:
     _keys: list[tuple[str, str, int, int]] | None = field(default=None, repr=False)  # read by reopen
 
     @classmethod
-    def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest | dict[str, Any]) -> "RunFolder":
+    def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest) -> "RunFolder":
         """A new folder ``out_dir/run_id`` with ``manifest`` (status running)."""
         path = Path(out_dir) / run_id
         try:
             path.mkdir(parents=True, exist_ok=False)
         except OSError as exc:
             raise IpwError(f"{path}: cannot create the run folder ({exc.strerror})") from None
-        if isinstance(manifest, dict):
-            manifest = RunManifest.from_dict({**manifest, "run_id": run_id})
         folder = cls(path, dataclasses.replace(manifest, run_id=run_id, status="running", schema_version=SCHEMA_VERSION),
                      lock=FolderLock(path))
         folder.write_manifest()

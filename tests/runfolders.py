@@ -4,7 +4,7 @@ Tests that damage a folder on purpose write those files by hand."""
 
 from pathlib import Path
 
-from ipw.results import QueryRecord, RunFolder
+from ipw.results import QueryRecord, RunFolder, RunManifest
 
 
 def record(**fields) -> QueryRecord:
@@ -23,7 +23,8 @@ def record(**fields) -> QueryRecord:
 
 def create(out: Path, run_id: str, manifest: dict | None = None) -> RunFolder:
     """An open run folder (status running) with a minimal manifest, or ``manifest``."""
-    return RunFolder.create(out, run_id, manifest if manifest is not None else {"command": ["test"], "config": {}})
+    manifest = manifest if manifest is not None else {"command": ["test"], "config": {}}
+    return RunFolder.create(out, run_id, RunManifest.from_dict({**manifest, "run_id": run_id}))
 
 
 def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categories=None,
