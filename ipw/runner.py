@@ -89,6 +89,10 @@ def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Comple
 
 
 ProbeFn = Callable[[Backend], list[Sensor]]
+#: the interpreter's switch interval while a backend is measured (CPython's default is 5 ms): a thread
+#: woken by the engine's answer waits up to this long for the lock held by another thread (the NVML
+#: sampler, the snapshots, the record writer); bench/harness_breakdown.py, docs/PERFORMANCE.md
+SWITCH_INTERVAL_S = 0.0005
 QUERY_CACHE_MIN = 10_000  # a run of this many queries keeps a copy of them (below it, parsing them again is quick)
 
 
@@ -136,6 +140,8 @@ def run_backend(
     level_lines: list[dict[str, Any]] = []
     idle = IdleBaseline({}, {}, 0.0)
     recorder = RecordWriter(folder, progress, sensors)
+    switch_interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         try:
             for level in levels:
@@ -154,6 +160,7 @@ def run_backend(
                 for repeat, query in work:
                     tokens = window.begin()
                     start = time.monotonic()
+                    recorder.started()
                     completion, error = _generate(backend, query, config)
                     end = time.monotonic()
                     closed = window.end(tokens)
@@ -165,6 +172,7 @@ def run_backend(
         except EngineStopped as exc:
             stopped = str(exc)
         finally:  # on Ctrl-C too: every finished query gets its record
+            sys.setswitchinterval(switch_interval_s)
             recorder.close()
         for sensor in sensors:
             if sensor.supports_trace:
@@ -215,19 +223,27 @@ class RecordWriter:
     only then reports each to ``progress``.  So a kill -9 loses nothing that was reported, and the
     fsync, the estimates, the record's scoring and serialisation and the progress display cost the
     measuring thread nothing.  An error here (a full disk) is raised on the measuring thread at its
-    next ``put`` and at ``close``."""
+    next ``put`` and at ``close``.
 
-    POLL_S = 0.02  # how often a record whose energy is not final yet is looked at again
+    It works while a query is in flight: the measuring thread calls ``started`` once it has sent a
+    query, and this thread looks at the queue ``AFTER_START_S`` later, when the measuring thread waits
+    on the engine and needs no interpreter lock; so the lock is not held here when the answer comes
+    back (each hand-over of it can cost up to the switch interval).  Without a ``started`` (requests in
+    flight together) it looks every ``PACE_S``, or as soon as half the queue is full."""
+
+    PACE_S = 0.25  # with no query started for this long, the queue is looked at anyway
+    AFTER_START_S = 0.002  # from ``started`` to the work here: the measuring thread is waiting by then
     MAX_QUEUED = 1024  # records handed over and not yet written: beyond this, ``put`` waits
 
     def __init__(self, folder: RunFolder, progress: Callable[[QueryRecord], None],
                  sensors: list[Sensor] | None = None) -> None:
         self._folder, self._progress, self._sensors = folder, progress, list(sensors or [])
-        append_many = getattr(folder, "append_many", None)  # a Ray task's sink takes one record at a time
-        self._append = append_many or (lambda records: [folder.append(r) for r in records])
+        self._append = (folder.append_many if isinstance(folder, RunFolder)  # one write and one fsync
+                        else lambda records: [folder.append(r) for r in records])  # a Ray task's sink
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
+        self._started = 0  # queries sent (``started``)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ipw-record-writer", daemon=True)
         self._thread.start()
@@ -237,6 +253,12 @@ class RecordWriter:
         """A query's closed window, its sensors' tokens, its first token (where its phases split; None:
         none) and ``build(readings, splits=...)``, its record once the readings are final."""
         self._add((closed, tokens, first_token_s, build))
+
+    def started(self) -> None:
+        """A query was sent: the measuring thread now waits on the engine (see the class's docstring)."""
+        with self._cond:
+            self._started += 1
+            self._cond.notify_all()
 
     def put_record(self, record: QueryRecord) -> None:
         self._add((None, None, None, record))
@@ -259,14 +281,24 @@ class RecordWriter:
         if self._error is not None:
             raise self._error
 
+    def _due(self, seen: int) -> bool:
+        return self._closing or self._started > seen or len(self._queue) >= self.MAX_QUEUED // 2
+
     def _run(self) -> None:
         try:
+            seen = 0
             while True:
                 with self._cond:
                     while not self._queue and not self._closing:
                         self._cond.wait()
+                    if not self._due(seen):
+                        self._cond.wait_for(lambda: self._due(seen), timeout=self.PACE_S)
                     if not self._queue:
                         return
+                    closing, paced, seen = self._closing, self._started > seen, self._started
+                if paced and not closing:
+                    time.sleep(self.AFTER_START_S)
+                with self._cond:
                     closing = self._closing
                     batch = []
                     for item in self._queue:  # the longest ready prefix, in query order
@@ -274,7 +306,6 @@ class RecordWriter:
                             break
                         batch.append(item)
                 if not batch:
-                    time.sleep(self.POLL_S)
                     continue
                 self._write(batch)
                 with self._cond:
