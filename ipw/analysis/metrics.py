@@ -10,13 +10,15 @@ Every metric is then a ratio of per-query column sums, or a lower quantile (the 
 of the per-query values), so the same definition serves a point value and every bootstrap resample
 (``ipw.analysis.stats.bootstrap_draws``) and paired differences between runs.
 
-Columns (per backend, one value per query; ``query_columns``):
-  n  1                     c   correct or 0           sc  1 if it is scored    u   1 if it is unscored
-  er error share           err error records          w   win/tie or 0         hw  1 if it is judged
-  h  1 if it has energy    e   energy (J) or 0        th  window (s) if energy kh   output tokens if energy
-  pe, de: prefill/decode J where both are known; ph, dk: prompt/output tokens there
-  cost, hc: USD and 1 where a cost is known
-  kw, ws: output tokens and the query's share of its level's wall span (s) where the span is known
+Columns (per backend, one value per query; ``query_columns``), each summed over the queries:
+  n: 1; correct: correct or 0; scored / unscored: 1 if it is; error_share: its errored records' share;
+  error_records: its errored records; win_tie: win/tie or 0; judged: 1 if a judge compared it;
+  with_energy: 1 if it has energy; e: energy (J) or 0; window_s_with_energy, output_tokens_with_energy:
+  its window (s) and output tokens where it has energy; prefill_j, decode_j: its phases' J where both are
+  known, prompt_tokens_with_phases, output_tokens_with_phases: its tokens there; cost, with_cost: USD and 1
+  where a cost is known; output_tokens_with_span, wall_share_s: output tokens and the query's share of its
+  level's wall span (s) where the span is known.  (``n``, ``e`` and ``cost`` keep their short names:
+  ipw.analysis.compare and ipw.analysis.check index them.)
 Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the per-query means.
 """
 
@@ -53,37 +55,44 @@ ALL = "every query"
 SCORED = "scored queries (an errored one counts incorrect; an unscored one is left out)"
 WITH_ENERGY = "queries with energy (the others are listed as missing)"
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["c"], g["sc"]), "pp", needs="correct"),
-    Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["er"], g["n"]), "pp", ("errors",)),
-    Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["h"]),
+    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["correct"], g["scored"]), "pp",
+           needs="correct"),
+    Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["error_share"], g["n"]), "pp",
+           ("errors",)),
+    Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["with_energy"]),
            aliases=("energy_per_query",), energy=True),
     Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over the scored queries / J per query",
-           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["h"])), energy=True, needs="correct"),
+           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["e"], g["with_energy"])), energy=True,
+           needs="correct"),
     Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over the scored queries / mean power",
-           lambda g: _ratio(_ratio(g["c"], g["sc"]), _ratio(g["e"], g["th"])), energy=True, needs="correct"),
-    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["th"]), energy=True),
-    Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["kh"]),
-           aliases=("j_per_token",), energy=True),
+           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["e"], g["window_s_with_energy"])),
+           energy=True, needs="correct"),
+    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["window_s_with_energy"]),
+           energy=True),
+    Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY,
+           lambda g: _ratio(g["e"], g["output_tokens_with_energy"]), aliases=("j_per_token",), energy=True),
     Metric("j_per_prefill_token", "J/prefill token", "J/token", "lower", "queries with phases",
-           lambda g: _ratio(g["pe"], g["ph"]), energy=True),
+           lambda g: _ratio(g["prefill_j"], g["prompt_tokens_with_phases"]), energy=True),
     Metric("j_per_decode_token", "J/decode token", "J/token", "lower", "queries with phases",
-           lambda g: _ratio(g["de"], g["dk"]), energy=True),
+           lambda g: _ratio(g["decode_j"], g["output_tokens_with_phases"]), energy=True),
     Metric("prefill_energy_share", "prefill share of J", "", "", "queries with phases",
-           lambda g: _ratio(g["pe"], g["pe"] + g["de"]), energy=True),
+           lambda g: _ratio(g["prefill_j"], g["prefill_j"] + g["decode_j"]), energy=True),
     Metric("output_tokens_per_s", "output tok/s", "tokens/s", "higher",
            "queries with a time window: output tokens over the wall span of the backend's (level's) records, "
-           "first start to last end, on one machine's clock", lambda g: _ratio(g["kw"], g["ws"])),
+           "first start to last end, on one machine's clock",
+           lambda g: _ratio(g["output_tokens_with_span"], g["wall_share_s"])),
     Metric("ttft_p50_s", "TTFT p50 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p50"],
            aliases=("ttft_p50",)),
     Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
     Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"]),
     Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"]),
-    Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["err"]),
+    Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["error_records"]),
     Metric("unscored", "unscored", "queries", "", "queries without a score (a judge item no judge graded)",
-           lambda g: g["u"]),
+           lambda g: g["unscored"]),
     Metric("win_tie_rate", "win/tie vs reference", "", "higher", "queries a judge compared with the reference "
-           "backend's answer", lambda g: _ratio(g["w"], g["hw"]), "pp", needs="win_tie"),
-    Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost", lambda g: _ratio(g["cost"], g["hc"])),
+           "backend's answer", lambda g: _ratio(g["win_tie"], g["judged"]), "pp", needs="win_tie"),
+    Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost",
+           lambda g: _ratio(g["cost"], g["with_cost"])),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -122,38 +131,38 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
     scored = ~np.isnan(v["correct"])
     cols: dict[str, Callable[[], np.ndarray] | str] = {
         "n": lambda: np.ones(n),
-        "c": lambda: np.nan_to_num(v["correct"]),
-        "sc": "n" if scored.all() else (lambda: scored.astype(float)),
-        "u": lambda: (~scored).astype(float),
-        "er": lambda: v["error_share"],
-        "err": lambda: v["errors"],
-        "h": "n" if full else (lambda: h.astype(float)),
+        "correct": lambda: np.nan_to_num(v["correct"]),
+        "scored": "n" if scored.all() else (lambda: scored.astype(float)),
+        "unscored": lambda: (~scored).astype(float),
+        "error_share": lambda: v["error_share"],
+        "error_records": lambda: v["errors"],
+        "with_energy": "n" if full else (lambda: h.astype(float)),
         "e": lambda: np.where(h, v["energy_j"], 0.0),
-        "th": lambda: np.where(h, np.nan_to_num(v["duration_s"]), 0.0),
-        "kh": lambda: np.where(h, np.nan_to_num(v["completion_tokens"]), 0.0),
+        "window_s_with_energy": lambda: np.where(h, np.nan_to_num(v["duration_s"]), 0.0),
+        "output_tokens_with_energy": lambda: np.where(h, np.nan_to_num(v["completion_tokens"]), 0.0),
     }
     pre, dec = v.get("prefill_energy_j"), v.get("decode_energy_j")
     if pre is not None and dec is not None:
         hp = ~np.isnan(pre) & ~np.isnan(dec)
         if hp.any():  # phases: sums over the queries that have them
-            cols["pe"] = lambda: np.where(hp, pre, 0.0)
-            cols["de"] = lambda: np.where(hp, dec, 0.0)
-            cols["ph"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
-            cols["dk"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
+            cols["prefill_j"] = lambda: np.where(hp, pre, 0.0)
+            cols["decode_j"] = lambda: np.where(hp, dec, 0.0)
+            cols["prompt_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
+            cols["output_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
     wall = v.get("wall_share_s")
     if wall is not None:  # throughput: output tokens over the level's wall span, shared per record
         hs = ~np.isnan(wall)
-        cols["kw"] = lambda: np.where(hs, np.nan_to_num(v["completion_tokens"]), 0.0)
-        cols["ws"] = lambda: np.where(hs, wall, 0.0)
+        cols["output_tokens_with_span"] = lambda: np.where(hs, np.nan_to_num(v["completion_tokens"]), 0.0)
+        cols["wall_share_s"] = lambda: np.where(hs, wall, 0.0)
     win = v.get("win_tie")
     if win is not None:
-        cols["w"] = lambda: np.nan_to_num(win)
-        cols["hw"] = lambda: (~np.isnan(win)).astype(float)
+        cols["win_tie"] = lambda: np.nan_to_num(win)
+        cols["judged"] = lambda: (~np.isnan(win)).astype(float)
     cost = v.get("cost_usd")
     if cost is not None:
         hc = ~np.isnan(cost)
         cols["cost"] = lambda: np.nan_to_num(cost)
-        cols["hc"] = "n" if hc.all() else (lambda: hc.astype(float))
+        cols["with_cost"] = "n" if hc.all() else (lambda: hc.astype(float))
     return cols
 
 
