@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -471,11 +472,11 @@ def start_run(config: RunConfig, command: list[str] | None = None,
     return folder, queries
 
 
-def _cached_queries(folder: RunFolder) -> list[Query] | None:
+def _cached_queries(path: Path, manifest: RunManifest) -> list[Query] | None:
     """A large run's queries as it loaded them (``queries.parquet``), when neither the dataset file, nor
     that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
-    entry, manifest = folder.manifest.dataset or {}, folder.manifest
-    copy = folder.path / QUERIES_FILE
+    entry = manifest.dataset or {}
+    copy = path / QUERIES_FILE
     if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
         return None
     try:
@@ -489,10 +490,21 @@ def _cached_queries(folder: RunFolder) -> list[Query] | None:
 
 
 def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozenset[tuple[str, str, int]]]:
-    """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done."""
-    folder = RunFolder.reopen(run_dir)
+    """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done.  A large
+    run's copy of its queries is read while ``reopen`` checks the record log (Arrow parses it outside the
+    interpreter lock): for a million queries, the two take about as long each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ipw-resume") as pool:
+        try:
+            early = RunManifest.read(run_dir)
+        except IpwError:
+            early = None  # reopen says what is wrong
+        pending = pool.submit(_cached_queries, Path(run_dir), early) if early is not None else None
+        folder = RunFolder.reopen(run_dir)
+        same = early is not None and early.dataset == folder.manifest.dataset
+        cached = pending.result() if pending is not None and same else None
     config = RunConfig.from_dict(folder.manifest.config)
-    cached = _cached_queries(folder)  # a million queries are not parsed and hashed again
     queries = cached if cached is not None else _load_full(config)
     if folder.manifest.shard and cached is None:
         queries = shard_items(queries, Shard(folder.manifest.shard["index"], folder.manifest.shard["count"]))

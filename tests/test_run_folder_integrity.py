@@ -233,3 +233,28 @@ def test_compare_and_report_note_unfinished_runs(command, stub, tmp_path, run_cl
     text = out if command == "compare" else (tmp_path / "r.md").read_text()
     run_id = _manifest(run)["run_id"]
     assert f"run {run_id} is unfinished (interrupted): its numbers cover the 3 records written so far" in text
+
+
+def test_a_large_run_resumes_from_its_copy_of_the_queries(stub, tmp_path):
+    """A run of >= QUERY_CACHE_MIN queries keeps them in queries.parquet; --resume reads that copy (the same
+    queries, the same fingerprint) while the dataset file is unchanged, and parses the file again (and
+    refuses it) once it changed."""
+    from ipw.config import load_config
+    from ipw.datasets import fingerprint, load_queries
+    from ipw.errors import IpwError
+    from ipw.runner import QUERY_CACHE_MIN, resume_run, start_run
+
+    data = _dataset(tmp_path, QUERY_CACHE_MIN)
+    config = load_config(str(stub_config(tmp_path / "run.toml", data, stub.base_url, out_dir=tmp_path / "res")))
+    folder, queries = start_run(config)
+    folder.lock.release()  # as if the run had been killed: nothing recorded yet
+    entry = _manifest(folder.path)["dataset"]
+    assert (folder.path / entry["queries_file"]).is_file() and entry["file_sha256"].startswith("sha256:")
+    again, _, resumed, done = resume_run(str(folder.path))
+    assert resumed == queries == load_queries(str(data)) and not done
+    assert fingerprint(resumed) == entry["fingerprint"]
+    again.lock.release()
+    with open(data, "a") as fh:  # the dataset changed: the copy is not used, and the run is refused
+        fh.write(json.dumps({"id": "new", "prompt": "Say new", "answer": "42"}) + "\n")
+    with pytest.raises(IpwError, match="fingerprints differ"):
+        resume_run(str(folder.path))
