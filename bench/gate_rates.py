@@ -127,6 +127,7 @@ def make_runs(work: Path, cycles: int) -> None:
 
 def load_stream(work: Path) -> list[dict]:
     """The complete runs of the stream, in order, with their log entries (a run made again: its last entry)."""
+    from ipw.analysis.load import as_manifest
     from ipw.results import load_run
 
     log = {}
@@ -141,12 +142,13 @@ def load_stream(work: Path) -> list[dict]:
             continue  # a run stopped on purpose (011: threads_x2, ~9 min per run under the load) or still running
         index, kind = int(folder.name[:3]), folder.name[4:]
         manifest, frame = load_run(run_dir)
+        manifest = as_manifest(manifest)
         entry = log.get(index)
         if entry is None:  # the bench was restarted while this run went on (its parent, which logs, had stopped)
             import datetime as dt_
 
-            t0, t1 = (dt_.datetime.fromisoformat(manifest[k]) for k in ("started_at", "finished_at"))
-            entry = {"started": manifest["started_at"], "wall_s": round((t1 - t0).total_seconds(), 1),
+            t0, t1 = (dt_.datetime.fromisoformat(x) for x in (manifest.started_at, manifest.finished_at))
+            entry = {"started": manifest.started_at, "wall_s": round((t1 - t0).total_seconds(), 1),
                      "note": "from the manifest; no load average"}
         out.append({"index": index, "kind": kind, "dir": run_dir, "manifest": manifest, "frame": frame,
                     "log": entry})
@@ -166,7 +168,10 @@ def verdict_row(result) -> dict:
             "output_tokens_status": next((v.status for v in result.verdicts if v.metric == "output_tokens"), "")}
 
 
-def smallest_caught(judge, hi: float = 100.0, step: float = 0.1) -> float:
+N_BOOT_SEARCH = 1000  # resamples per step of the search (the verdicts themselves use ipw check's 4000)
+
+
+def smallest_caught(judge, hi: float = 60.0, step: float = 0.25) -> float:
     """The smallest energy increase (%, of every candidate query) that the energy row calls a regression: found by
     bisection (the change, the p-value and the floor move monotonically with the factor)."""
     lo_pct, hi_pct = 0.0, hi
@@ -193,12 +198,13 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
     a_runs = [r for r in stream if r["kind"] == "A"]
     rows = []
 
-    def interleaved(a1, b1, b2, a2, factor=1.0):
+    def interleaved(a1, b1, b2, a2, factor=1.0, n_boot=4000):
         return check_interleaved([("A", a1["manifest"], a1["frame"]), ("B", *scaled(b1, factor)),
-                                  ("B", *scaled(b2, factor)), ("A", a2["manifest"], a2["frame"])], thresholds)
+                                  ("B", *scaled(b2, factor)), ("A", a2["manifest"], a2["frame"])], thresholds,
+                                 n_boot=n_boot)
 
-    def committed(base, cand, factor=1.0):
-        return check_runs(base["manifest"], base["frame"], *scaled(cand, factor), thresholds)
+    def committed(base, cand, factor=1.0, n_boot=4000):
+        return check_runs(base["manifest"], base["frame"], *scaled(cand, factor), thresholds, n_boot=n_boot)
 
     # interleaved, identical: 4 A runs as A B B A whose A and B mean times are equal (t1 + t4 = t2 + t3), within
     # SPAN stream positions; 4 consecutive A runs are such a job in this stream (A runs sit at 4k and 4k + 1)
@@ -212,7 +218,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
         row = {"mode": "interleaved", "kind": "identical", "runs": "-".join(map(str, key)),
                "consecutive": key in consecutive, **verdict_row(interleaved(*q))}
         row["smallest_caught_pct"] = smallest_caught(lambda f: next(
-            v.status for v in interleaved(*q, factor=1 + f).verdicts if v.metric == "energy_per_query"))
+            v.status for v in interleaved(*q, factor=1 + f, n_boot=N_BOOT_SEARCH).verdicts if v.metric == "energy_per_query"))
         rows.append(row)
     # interleaved with --blocks 8, identical: 8 consecutive A runs as A B B A A B B A (symmetric in this stream)
     for i in range(len(a_runs) - 7):
@@ -222,7 +228,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
         def judge8(f, o=o):
             scaled_blocks = [(side, *(scaled(r, 1 + f) if side == "B" else (r["manifest"], r["frame"])))
                              for side, r in zip("ABBAABBA", o)]
-            return next(v.status for v in check_interleaved(scaled_blocks, thresholds).verdicts
+            return next(v.status for v in check_interleaved(scaled_blocks, thresholds, n_boot=N_BOOT_SEARCH).verdicts
                         if v.metric == "energy_per_query")
         row = {"mode": "interleaved8", "kind": "identical", "runs": "-".join(str(r["index"]) for r in o),
                "consecutive": True, **verdict_row(check_interleaved(blocks, thresholds))}
@@ -236,7 +242,8 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
             row = {"mode": "committed", "kind": "identical", "runs": f"{base['index']}-{cand['index']}",
                    **verdict_row(committed(base, cand))}
             row["smallest_caught_pct"] = smallest_caught(lambda f: next(
-                v.status for v in committed(base, cand, factor=1 + f).verdicts if v.metric == "energy_per_query"))
+                v.status for v in committed(base, cand, factor=1 + f, n_boot=N_BOOT_SEARCH).verdicts
+                if v.metric == "energy_per_query"))
             rows.append(row)
     # real regressions: A R R A around each pair of R runs; and each R run against the earlier A runs
     by_index = {r["index"]: r for r in stream}
@@ -268,7 +275,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
             w.writerow([r["index"], r["kind"], r["log"].get("started"), r["log"].get("wall_s"),
                         (r["log"].get("loadavg_before") or [None])[0], (r["log"].get("loadavg_after") or [None])[0],
                         round(float(e.mean()), 4), int(r["frame"]["completion_tokens"].sum()),
-                        (r["manifest"].get("hardware") or {}).get("cpu_model")])
+                        (r["manifest"].hardware or {}).get("cpu_model")])
     with (results / "per_query.csv").open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["index", "kind", "query_id", "energy_j", "prompt_tokens", "completion_tokens", "latency_s"])
@@ -276,7 +283,8 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
             for _, q in r["frame"].iterrows():
                 w.writerow([r["index"], r["kind"], q["query_id"], round(float(q["energy_j"]), 5), q["prompt_tokens"],
                             q["completion_tokens"], round(float(q["latency_s"]), 4)])
-    (results / "manifest-first-run.json").write_text(json.dumps(stream[0]["manifest"], indent=1) + "\n")
+    shutil.copy(stream[0]["dir"] / "manifest.json", results / "manifest-first-run.json")
+    shutil.copy(work / "runs.jsonl", results / "runs-log.jsonl")
 
     summary = {"runs": len(stream), "a_runs": len(a_runs), "lag": lag, "thresholds": list(DEFAULT_THRESHOLDS),
                "backend": BACKEND, "modes": {}}
