@@ -107,6 +107,15 @@ def _part_sd(part: dict[str, Any]) -> tuple[float, float]:
     return measurement_sd([part])
 
 
+def _to_record(part: dict[str, Any] | None, record_s: float) -> float:
+    """The factor that puts a reading on its record's window: record duration over the reading's own
+    (1 when either is unknown or not positive)."""
+    own = None if part is None else part.get("duration_s")
+    if own is None or not math.isfinite(own) or own <= 0 or not math.isfinite(record_s) or record_s <= 0:
+        return 1.0
+    return record_s / own
+
+
 def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
     """The audit of every GPU an NVML sensor measured, over ``records`` (dicts with start_s, end_s and
     energy_parts, as records.jsonl holds them).  Sensors without a counter are skipped."""
@@ -126,8 +135,12 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
         gap_est = sensor.energy_windows(between) if between else {}
         for component in sampler.components():
             mine = [next((p for p in ps if p.get("component") == component), None) for ps in parts]
-            energy = [None if p is None else p.get("energy_j") for p in mine]
-            sds = [(0.0, 0.0) if p is None else _part_sd(p) for p in mine]
+            # each reading over its record's window: the sensor's own window (``duration_s``) can be longer,
+            # by the time between the sensor's begin and the runner's timestamp (a preempted thread on a
+            # loaded machine: 10 ms on a 60 ms query), and the span and gaps are the records' windows
+            scale = [_to_record(p, b - a) for p, (a, b) in zip(mine, windows)]
+            energy = [None if p is None or p.get("energy_j") is None else p["energy_j"] * k for p, k in zip(mine, scale)]
+            sds = [(0.0, 0.0) if p is None else tuple(x * k for x in _part_sd(p)) for p, k in zip(mine, scale)]
             ests = gap_est.get(component, [])
             idle = None
             idle_sd = (0.0, 0.0)
@@ -136,7 +149,7 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
             elif ests and all(e.energy_j is not None for e in ests):
                 idle = float(sum(e.energy_j for e in ests))
                 per = [measurement_sd([{"energy_j": e.energy_j, "uncertainty_j": e.uncertainty_j, "source": e.source,
-                                        "quality": e.quality}]) for e in ests]
+                                        "quality": e.quality, "calibration_sd_j": e.calibration_sd_j}]) for e in ests]
                 idle_sd = (math.sqrt(sum(a * a for a, _ in per)), sum(b for _, b in per))
             counter_j, counter_sd = counter_over(sampler, component, min(a for a, _ in windows), max(b for _, b in windows))
             out.append(audit(component, windows, energy, sds, idle, idle_sd, counter_j, counter_sd))

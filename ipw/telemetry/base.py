@@ -33,6 +33,9 @@ class EnergyReading:
     #: ±90% half-width of ``energy_j`` (J): fitted for NVML samples, a stated band for estimates (docs/ENERGY.md,
     #: "How far to trust a reading"); None when the sensor states none.
     uncertainty_j: float | None = None
+    #: the part of that error (1 sd, J) that comes from a calibration ratio, which every window it scales
+    #: shares (``ipw.telemetry.uncertainty.measurement_sd``); None when the sensor states none.
+    calibration_sd_j: float | None = None
 
 
 @dataclass(frozen=True)

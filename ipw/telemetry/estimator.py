@@ -85,6 +85,9 @@ class WindowEstimate:
     aliasing: bool = False  # a periodic load near a multiple of the sample period (interval widened)
     #: ±90% of each edge's own error (J, start and end): where a cut between two windows falls (the phase split)
     edges_j: tuple[float, float] | None = None
+    #: 1 sd (J) of ``energy_j``'s error from its calibration ratio (sampled power): part of ``uncertainty_j``,
+    #: but shared by every window the same ratio scales, so a sum over windows adds it linearly
+    calibration_sd_j: float | None = None
 
     @property
     def duration_s(self) -> float:
@@ -910,7 +913,8 @@ def estimate_windows(
                          error_model.z * error_model.edge * terms.edge_end_j * r)
                 est = WindowEstimate(start_s, end_s, energy, cov, "measured_interpolated", "nvml.samples",
                                      uncalibrated_j=raw, calibration_ratio=ratio, uncertainty_j=unc,
-                                     aliasing=terms.aliasing_period_s is not None, edges_j=edges)
+                                     aliasing=terms.aliasing_period_s is not None, edges_j=edges,
+                                     calibration_sd_j=terms.calibration_j * r)
 
         if est is None and ci is not None:
             energy, cov = ci.window(start_s, end_s)
@@ -945,6 +949,7 @@ def estimate_windows(
             source=est.source, note="; ".join(n for n in notes if n), uncalibrated_j=est.uncalibrated_j,
             calibration_ratio=est.calibration_ratio, counter_delta_j=counter_delta,
             uncertainty_j=est.uncertainty_j, short_window=short, aliasing=est.aliasing, edges_j=est.edges_j,
+            calibration_sd_j=est.calibration_sd_j,
         ))
     return out
 

@@ -290,6 +290,7 @@ def reading_from_estimate(
         duration_s=duration_s,
         note="; ".join(notes),
         uncertainty_j=est.uncertainty_j,
+        calibration_sd_j=est.calibration_sd_j,
     )
 
 

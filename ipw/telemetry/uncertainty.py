@@ -27,7 +27,11 @@ def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, fl
     (``energy_parts``: the JSON a record stores, or the list of reading dicts).
 
     A reading's ``uncertainty_j`` (±90%) is ``Z90`` sd.  Estimated readings (``quality`` estimated: the CPU
-    model, an API estimate) are shared whole: their error is the model's, the same for every query.  Power
+    model, an API estimate) are shared whole: their error is the model's, the same for every query.  A
+    reading that states its calibration's part (``calibration_sd_j``: NVML's sampled power) shares that
+    part: the ratio's error over a short calibration span (sparse counter reads early in a run: ~4% over
+    1 s) is the same for every window it scales, and counted as independent it shrank in a run's sum
+    (the energy audit then saw a disagreement that the readings' own intervals explain).  Older power
     readings that no counter calibrated (the note says ``uncalibrated``: a platform without a counter, a
     counter distrusted) share ``UNCALIBRATED_REL_SD`` of their energy; NVML sampled readings share
     ``NVML_SHARED_REL`` (the calibration); the rest of each is independent.  Other readings are independent.  Independent parts add in quadrature, shared ones
@@ -43,6 +47,10 @@ def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, fl
         sd = abs(u) / Z90
         if p.get("quality") == "estimated":
             shared += sd
+        elif p.get("calibration_sd_j") is not None and math.isfinite(p["calibration_sd_j"]):
+            s = min(sd, abs(p["calibration_sd_j"]))
+            shared += s
+            var += sd * sd - s * s
         elif "uncalibrated" in str(p.get("note", "")) or str(p.get("source", "")).startswith("nvml.samples"):
             rel = UNCALIBRATED_REL_SD if "uncalibrated" in str(p.get("note", "")) else NVML_SHARED_REL
             s = min(sd, rel * abs(e))
