@@ -42,6 +42,9 @@ TESTS = [
     "tests/test_api.py::test_pids_names_other_processes",
     "tests/test_bad_input.py::test_dev_zero_as_a_dataset_exits_2_at_once",
     "tests/test_bad_input.py::test_config_validation_is_linear",
+    # like them: a real NVML sampler thread on the fake's real clock (read times move with the load)
+    "tests/test_energy_audit.py::test_the_runner_records_the_audit_in_the_manifest",
+    "tests/test_api.py::test_gpu_is_measured_and_the_estimate_kept_apart",
 ]
 
 HOG = "while True: pass"

@@ -92,19 +92,35 @@ def test_result_is_set_when_the_block_raises():
 
 def test_gpu_is_measured_and_the_estimate_kept_apart(monkeypatch):
     """An autospec'd NVML (tests/nvml_fakes.py) on the real clock: 400 W during the block, 100 W
-    around it.  The total is the measured GPU part; the CPU model's estimate is only best effort."""
+    around it.  The total is the measured GPU part; the CPU model's estimate is only best effort.
+
+    The load is switched by the block itself (its first statement turns it on, its last one off), not
+    timed by sleeps against a schedule fixed in advance: on a loaded machine ``ipw.measure``'s set-up
+    (probing, starting the sampler) can outlast any such schedule, and the block then measured the idle
+    after the load.  Each switch rewrites only the fake's future (samples and counter steps not yet
+    due), so what the sampler has read stays as it was."""
     from nvml_fakes import RealClock, make_fake, synthetic
 
-    now = time.monotonic()
-    sig, _ = synthetic(duration_s=30.0, t0_s=now, load=(0.5, 1.5), offset_ns=time.monotonic_ns() - time.time_ns())
+    t0 = time.monotonic()
+    offset = time.monotonic_ns() - time.time_ns()
+    sig, _ = synthetic(duration_s=60.0, t0_s=t0, load=(1e6, 1e6 + 1), offset_ns=offset)  # idle until the block
     make_fake(monkeypatch, [sig], RealClock())
-    time.sleep(max(0.0, now + 0.5 - time.monotonic()))
+
+    def load(a_s, b_s):  # 400 W over [a_s, b_s] (monotonic s), 100 W elsewhere, from now on
+        new, _ = synthetic(duration_s=60.0, t0_s=t0, load=(a_s - t0, b_s - t0), offset_ns=offset)
+        sig.samp_mw, sig.ctr_mj, sig.inst_mw = new.samp_mw, new.ctr_mj, new.inst_mw  # same time grids
+
+    time.sleep(0.5)  # idle history before the block
     with ipw.measure(gpus=[0], rapl=False) as m:
-        time.sleep(max(0.0, now + 1.5 - time.monotonic()))
+        on = time.monotonic()
+        load(on, on + 1e6)
+        time.sleep(1.0)
+        load(on, time.monotonic())
     r = m.result
     gpu, cpu = r.parts
     assert (gpu.component, gpu.source, gpu.quality, gpu.scope) == ("gpu0", "nvml.samples", "measured_interpolated",
                                                                    "gpu")
+    assert r.duration_s >= 1.0
     assert gpu.energy_j == pytest.approx(400 * r.duration_s, rel=0.1)
     assert (r.energy_j, r.quality, r.source, r.scope) == (gpu.energy_j, "measured_interpolated", "nvml.samples", "gpu")
     assert cpu.quality == "estimated" and r.best_effort_energy_j == pytest.approx(gpu.energy_j + cpu.energy_j)
