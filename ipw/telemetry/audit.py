@@ -174,7 +174,9 @@ COUNTER_PAST_S = 0.15
 
 def _counter_past(sampler: Any, end_s: float, timeout_s: float = 2.0) -> None:
     """Have a threaded sampler read the counter ``COUNTER_PAST_S`` after ``end_s`` (it reads it only every
-    0.25-0.6 s otherwise); waits at most ``timeout_s``.  An unthreaded sampler (tests drive it) is left
+    0.25-0.6 s otherwise), and wait until its samples reach that read too (``counter_span_j`` needs both:
+    on the H200, 2 of 3 runs said "no counter over the span" when only the read was waited for); waits
+    at most ``timeout_s``.  An unthreaded sampler (tests drive it) is left
     alone."""
     import time
 
@@ -187,8 +189,9 @@ def _counter_past(sampler: Any, end_s: float, timeout_s: float = 2.0) -> None:
         time.sleep(target - now)
     sampler.mark(max(target, clock() / 1e9), counter=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(sampler.arrays(c, target)["counter_t_s"].size for c in sampler.components()):
+    while time.monotonic() < deadline:  # a counter read past the span, and the samples up to it (both needed)
+        if (any(sampler.arrays(c, target)["counter_t_s"].size for c in sampler.components())
+                and sampler.settled_until() >= target):
             return
         time.sleep(0.02)
 
