@@ -98,10 +98,10 @@ class _SleepyBackend:
         pass
 
 
-def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path):
+def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run_cli):
     """ipw run's path (``execute``) with a real NvmlSensor on the NVML fake (real clock, a constant 250 W
-    GPU): the manifest's backend holds one agreeing audit over its queries, and ``ipw run``'s lines about
-    it are empty (it prints only a disagreement)."""
+    GPU): the manifest's backend holds one agreeing audit over its queries, ``ipw run``'s lines about
+    it are empty (it prints only a disagreement), and ``ipw compare`` and ``ipw report`` show it."""
     import time
 
     from ipw.backends.base import register_backend, unregister_backend
@@ -129,6 +129,11 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path):
     assert a["component"] == "gpu0" and a["queries"] == 12 and a["counter_j"] is not None, a
     assert a["agrees"], a["line"]
     assert audit_lines(folder.path) == []
+    shown = f"run {folder.manifest.run_id}, s: {a['line']}"
+    code, out, err = run_cli("compare", folder.path)
+    assert code == 0 and shown in " ".join(out.split()), err  # rich may wrap the note
+    code, _, err = run_cli("report", folder.path, "--out", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    assert code == 0 and shown in (tmp_path / "r.md").read_text(), err
 
 
 def test_counter_over_the_span_on_the_h200_runs():

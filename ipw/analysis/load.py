@@ -36,6 +36,7 @@ class RunInfo:
     n_queries: int
     n_records: int
     machines: tuple[dict, ...] = ()  # the kinds of machine that measured it (telemetry.hardware.machines)
+    energy_audits: tuple[str, ...] = ()  # "backend: line" of each run-level energy audit (telemetry.audit)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,13 @@ def as_manifest(manifest: RunManifest | dict) -> RunManifest:
     return manifest if isinstance(manifest, RunManifest) else RunManifest.from_dict(manifest)
 
 
+def energy_audits(manifest: RunManifest) -> tuple[str, ...]:
+    """Each backend's run-level energy audit as the manifest keeps it (``backends[].energy_audit``), one
+    ``"backend: line"`` each; runs made before the audit have none."""
+    return tuple(f"{b.get('name')}: {a.get('line') or a.get('error')}" for b in manifest.backends or []
+                 for a in b.get("energy_audit") or [] if a.get("line") or a.get("error"))
+
+
 def parts_of(path: Path, manifest: RunManifest, frame, prompt_tokens: bool = True) -> list[_Part]:
     """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
     import pandas as pd
@@ -207,7 +215,8 @@ def parts_of(path: Path, manifest: RunManifest, frame, prompt_tokens: bool = Tru
     gcode, gbackend, glevel = _levels(bcode, concurrency_of(frame["concurrency"]))
     several = np.bincount(gbackend, minlength=len(bnames)) > 1
     run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
-                  dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)))
+                  dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)),
+                  energy_audits(manifest))
     nq, nb = len(qids), len(gbackend)
     key = gcode * nq + qcode
     size = nb * nq
@@ -344,6 +353,7 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
         if run.status != "complete":
             notes.append(f"run {run.run_id} is unfinished ({run.status}): its numbers cover the {run.n_records} "
                          f"records written so far; ipw run --resume {run.path} completes it")
+        notes += [f"run {run.run_id}, {line}" for line in run.energy_audits]
     problem = _query_set_error(parts)
     if problem and not common_queries:
         raise IpwError(f"{problem}; compare them on the queries they share with --common-queries")
