@@ -100,7 +100,7 @@ class _SleepyBackend:
 
 def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run_cli):
     """ipw run's path (``execute``) with a real NvmlSensor on the NVML fake (real clock, a constant 250 W
-    GPU): the manifest's backend holds one agreeing audit over its queries, ``ipw run``'s lines about
+    GPU): the manifest's backend holds one audit over its queries (within twice its ±90%), ``ipw run``'s lines about
     it are empty (it prints only a disagreement), and ``ipw compare`` and ``ipw report`` show it."""
     import time
 
@@ -127,8 +127,10 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
         unregister_backend("sleepy")
     (a,) = folder.manifest.backends[0]["energy_audit"]
     assert a["component"] == "gpu0" and a["queries"] == 12 and a["counter_j"] is not None, a
-    assert a["agrees"], a["line"]
-    assert audit_lines(folder.path) == []
+    # the stated ±90% is honest, so a single run falls outside it one time in ten by design (held counter
+    # reads on a loaded machine: docs/RELIABILITY.md); the test asks for 2x it (3.3 sd: 1 in 1,000)
+    assert abs(a["difference_j"]) <= 2 * a["uncertainty_j"], a["line"]
+    assert audit_lines(folder.path) == ([] if a["agrees"] else [f"s: {a['line']}"])  # only a disagreement
     shown = f"run {folder.manifest.run_id}, s: {a['line']}"
     code, out, err = run_cli("compare", folder.path)
     assert code == 0 and shown in " ".join(out.split()), err  # rich may wrap the note
