@@ -473,15 +473,10 @@ class RunFolder:
         log = self.path / "records.jsonl"
         if not records:
             return
-        text = "".join(record.to_json() + "\n" for record in records)
         try:
-            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            with open(fd, "a", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except OSError as exc:  # a part of the line may be there: a torn last line, which resume drops
-            self.write_failure = self.write_failure or write_error(log, exc)
+            _append_synced(log, "".join(record.to_json() + "\n" for record in records))
+        except IpwError as exc:  # a part of the line may be there: a torn last line, which resume drops
+            self.write_failure = self.write_failure or exc
             raise self.write_failure from None
 
     def add_power(self, backend: str, columns: dict[str, Any]) -> None:
