@@ -231,9 +231,13 @@ def check(
     github: bool = typer.Option(False, "--github", help="Print GitHub Actions annotations for failing metrics."),
     junit: Optional[Path] = typer.Option(None, "--junit", help="Write JUnit XML (one test case per metric)."),
     rerun: bool = typer.Option(False, "--rerun", help="Interleaved A/B in this job: run BASELINE.toml and "
-                               "CANDIDATE.toml in blocks A B B A ... over the same queries, then judge them paired "
-                               "within the job (a drift of the machine's speed cancels; the drift seen is reported)."),
-    blocks: int = typer.Option(4, "--blocks", help="With --rerun: blocks in all, a multiple of 4 (A B B A ...)."),
+                               "CANDIDATE.toml in short blocks, pairs A B then B A over shards of the same queries, "
+                               "then judge energy and time over the pairs (a drift of the machine's speed cancels; "
+                               "the drift seen is reported)."),
+    blocks: int = typer.Option(16, "--blocks", help="With --rerun: blocks in all, a multiple of 4 and of 2 x --shards "
+                               "(each shard runs once a side per round; two rounds measure the drift)."),
+    shards: int = typer.Option(4, "--shards", help="With --rerun: split the query set into N shards, one block pair "
+                               "each per round (1: every block runs every query)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="With --rerun: folder that receives the job's "
                                        "blocks (default results/)."),
     base_python: Optional[str] = typer.Option(None, "--base-python", help="With --rerun: the interpreter (of another "
@@ -261,7 +265,7 @@ def check(
                  f"Got unexpected extra argument ({' '.join(map(str, paths[2:]))})")
     raise typer.Exit(check_command(paths, fail_if=fail_if, alpha=alpha, strict=strict,
                                    allow_hardware_mismatch=allow_hardware_mismatch, markdown_path=markdown,
-                                   github=github, junit_path=junit, rerun=rerun, blocks=blocks, out=out,
+                                   github=github, junit_path=junit, rerun=rerun, blocks=blocks, shards=shards, out=out,
                                    base_python=base_python, cand_python=cand_python, backends=backend or [],
                                    limit=limit, calibrate=calibrate, floor_path=floor, work_gate=work_gate))
 

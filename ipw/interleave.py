@@ -1,11 +1,14 @@
-"""Interleaved A/B blocks in one job (``ipw check --rerun``): the baseline (A) and the candidate (B) each run
-the whole query set several times, in the order A B B A, A B B A, ... so that a machine whose speed drifts
-during the job weighs on both alike (a linear drift cancels exactly). Each block is one ``ipw run`` in a
-process of its own, with the side's own interpreter: two configurations (a model or setting change) or two
-checkouts/virtual environments of ipw and its engines (a code change) compare the same way.
+"""Interleaved A/B blocks in one job (``ipw check --rerun``): the baseline (A) and the candidate (B) run the
+same queries in short alternating blocks, so that a machine whose speed drifts during the job weighs on both
+alike. The query set is split into shards (``ipw run --shard K/N``); each shard runs as a *pair* of blocks, A
+then B or B then A, every pair reversed from the one before (a linear drift cancels), and the job goes over
+the shards in rounds (round 2 repeats round 1's shards, so the A blocks of the first and last rounds give the
+drift the job saw). Each block is one ``ipw run`` in a process of its own, with the side's own interpreter:
+two configurations (a model or setting change) or two checkouts/virtual environments of ipw and its engines
+(a code change) compare the same way.
 
-The pairing and the verdict are ``ipw.analysis.check.check_interleaved``; this module only decides the order
-and runs the blocks.
+The verdict is ``ipw.analysis.check.check_interleaved``: energy and time are tested over the pairs, whose
+two blocks ran minutes apart at most; this module only plans the order and runs the blocks.
 """
 
 from __future__ import annotations
@@ -23,42 +26,50 @@ from ipw.errors import IpwError
 _MAIN = "import sys; from ipw.cli import main; raise SystemExit(main(sys.argv[1:]))"
 
 
-def block_order(n_blocks: int) -> tuple[str, ...]:
-    """A B, B A, A B, B A, ...: every pair of blocks reversed from the one before; a multiple of 4 so that
-    the A blocks' mean time equals the B blocks' (what makes a linear drift cancel)."""
+def job_plan(n_blocks: int, n_shards: int = 1) -> tuple[tuple[str, int], ...]:
+    """(side, shard) of every block in order: pair k runs shard ``k % n_shards + 1`` (1-based), A then B when k is
+    even and B then A when odd. ``n_blocks`` is a multiple of 4 (as many A B as B A pairs: the A blocks' mean
+    time equals the B blocks', which makes a linear drift cancel) and of ``2 * n_shards`` (whole rounds)."""
     if n_blocks < 4 or n_blocks % 4:
         raise IpwError(f"--blocks {n_blocks}: give a multiple of 4 (A B B A ...), at least 4")
-    return tuple(side for k in range(n_blocks // 2) for side in (("A", "B") if k % 2 == 0 else ("B", "A")))
+    if n_shards < 1 or n_blocks % (2 * n_shards):
+        raise IpwError(f"--shards {n_shards}: --blocks {n_blocks} must be a whole number of rounds of 2 blocks a "
+                       "shard (a multiple of 2 x --shards)")
+    return tuple((side, k % n_shards + 1) for k in range(n_blocks // 2)
+                 for side in (("A", "B") if k % 2 == 0 else ("B", "A")))
 
 
 @dataclass(frozen=True)
 class Block:
     index: int  # 0-based position in the job
     side: str  # "A" (baseline) or "B" (candidate)
+    shard: int  # 1-based shard of the query set it ran
     run_dir: Path
     wall_s: float
 
 
-def run_blocks(order: tuple[str, ...], run_block: Callable[[int, str], Path],
+def run_blocks(plan: tuple[tuple[str, int], ...], run_block: Callable[[int, str, int], Path],
                progress: Callable[[str], None] = lambda line: None) -> tuple[Block, ...]:
-    """Run every block in ``order`` with ``run_block(index, side) -> run folder``, one after the other."""
+    """Run every block of ``plan`` (``job_plan``) with ``run_block(index, side, shard) -> run folder``, one after
+    the other."""
     blocks = []
-    for i, side in enumerate(order):
+    for i, (side, shard) in enumerate(plan):
         t0 = time.monotonic()
-        run_dir = run_block(i, side)
-        blocks.append(Block(i, side, Path(run_dir), time.monotonic() - t0))
-        progress(f"block {i + 1}/{len(order)} ({side}): {blocks[-1].wall_s:.0f} s, {run_dir}")
+        run_dir = run_block(i, side, shard)
+        blocks.append(Block(i, side, shard, Path(run_dir), time.monotonic() - t0))
+        progress(f"block {i + 1}/{len(plan)} ({side}, shard {shard}): {blocks[-1].wall_s:.0f} s, {run_dir}")
     return tuple(blocks)
 
 
-def subprocess_runner(configs: dict[str, Path], pythons: dict[str, str], out: Path,
-                      run_args: list[str]) -> Callable[[int, str], Path]:
-    """A block runner that makes each block with ``PYTHON -c 'ipw.cli.main' run CONFIG --out OUT/NN-SIDE ...``
-    (the side's interpreter: its ipw, its llama.cpp)."""
+def subprocess_runner(configs: dict[str, Path], pythons: dict[str, str], out: Path, run_args: list[str],
+                      n_shards: int = 1) -> Callable[[int, str, int], Path]:
+    """A block runner that makes each block with ``PYTHON -c 'ipw.cli.main' run CONFIG --out OUT/NN-SIDE
+    [--shard K/N] ...`` (the side's interpreter: its ipw, its llama.cpp)."""
 
-    def run_block(index: int, side: str) -> Path:
+    def run_block(index: int, side: str, shard: int) -> Path:
         folder = out / f"{index + 1:02d}-{side}"
-        cmd = [pythons[side], "-c", _MAIN, "run", str(configs[side]), "--out", str(folder), *run_args]
+        sharding = ["--shard", f"{shard}/{n_shards}"] if n_shards > 1 else []
+        cmd = [pythons[side], "-c", _MAIN, "run", str(configs[side]), "--out", str(folder), *sharding, *run_args]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]

@@ -28,20 +28,23 @@ def create(out: Path, run_id: str, manifest: dict | None = None) -> RunFolder:
 
 
 def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categories=None,
-              fingerprint="sha256:same", status="complete", repeats=1) -> Path:
+              fingerprint="sha256:same", status="complete", repeats=1, shard=None) -> Path:
     """A run folder with one record per (backend, query, repeat). ``backends`` maps a name to lists of
     per-query values: correct, energy (None: unavailable), duration, latency, ttft, tokens, error, and
     the backend's role and energy quality. A serving sweep: ``backend`` (the records' backend name, default
     the key, so one backend can have several entries), ``concurrency`` (default 1), ``split_method``
     (default ""), and ``start``: per-query window starts (s) relative to the entry's own beginning, so
-    windows may overlap (default: one after the other; every repeat gets the same windows)."""
+    windows may overlap (default: one after the other; every repeat gets the same windows). ``shard``: (K, N),
+    a ``--shard K/N`` run of a full set whose fingerprint is ``fingerprint`` (the queries given are the shard's)."""
     n = len(next(iter(backends.values()))["correct"])
     query_ids = query_ids or [f"q{i}" for i in range(n)]
     categories = categories or ["cat"] * n
-    folder = create(out, run_id, {
-        "command": ["test"], "config": {},
-        "dataset": {"name": "fixture", "n_queries": n, "fingerprint": fingerprint},
-    })
+    dataset = {"name": "fixture", "n_queries": n, "fingerprint": fingerprint}
+    manifest = {"command": ["test"], "config": {}, "dataset": dataset}
+    if shard is not None:
+        manifest["dataset"] = {**dataset, "fingerprint": f"{fingerprint}/shard-{shard[0]}-of-{shard[1]}"}
+        manifest["shard"] = {"index": shard[0], "count": shard[1], "dataset": dataset}
+    folder = create(out, run_id, manifest)
     t = 0.0
     for name, b in backends.items():
         begin = t

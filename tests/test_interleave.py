@@ -5,6 +5,7 @@ run folder is written (tests/runfolders.py) with every query's energy scaled by 
 when that block ran. The command end to end (``ipw check --rerun``) runs real llama.cpp blocks."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from ipw.analysis.check import check_interleaved, check_runs, parse_threshold
 from ipw.errors import IpwError
-from ipw.interleave import block_order, run_blocks
+from ipw.interleave import job_plan, run_blocks
 from ipw.results import load_run
 from runfolders import write_run
 
@@ -30,23 +31,30 @@ def _greedy(run_dir: Path, temperature: float = 0.0) -> Path:
     return run_dir
 
 
-def fake_engine(tmp_path: Path, *, drift_per_block: float, effect: float = 0.0, tokens_b=TOKENS):
-    """A block runner whose machine gets slower by ``drift_per_block`` with every block (energy follows speed
-    on the CPU model); the candidate (B) costs ``1 + effect`` times as much and answers with ``tokens_b``."""
+def fake_engine(tmp_path: Path, *, n_shards: int = 1, drift_per_block: float = 0.0, effect: float = 0.0,
+                tokens_b=TOKENS, burst: dict | None = None):
+    """A block runner whose machine gets slower by a factor ``1 + drift_per_block`` with every block (energy follows
+    speed on the CPU model), and ``burst[index]`` times slower in the blocks it names (another tenant's load); the
+    candidate (B) costs ``1 + effect`` times as much and answers with ``tokens_b``. Query i is in shard
+    ``i % n_shards + 1``, as ``ipw run --shard`` splits it."""
 
-    def run_block(index: int, side: str) -> Path:
-        slow = 1.0 + drift_per_block * index
+    def run_block(index: int, side: str, shard: int) -> Path:
+        slow = (1.0 + drift_per_block) ** index * (burst or {}).get(index, 1.0)
         scale = slow * (1.0 + effect if side == "B" else 1.0)
         tokens = tokens_b if side == "B" else TOKENS
+        mine = [i for i in range(N) if i % n_shards + 1 == shard]
         run = write_run(tmp_path / f"{index:02d}-{side}", f"block{index}",
-                        {"smol": {"correct": [1] * N, "energy": [e * scale for e in ENERGY], "tokens": tokens}})
+                        {"smol": {"correct": [1] * len(mine), "energy": [ENERGY[i] * scale for i in mine],
+                                  "tokens": [tokens[i] for i in mine]}},
+                        query_ids=[f"q{i}" for i in mine], shard=(shard, n_shards) if n_shards > 1 else None)
         return _greedy(run)
 
     return run_block
 
 
-def _job(tmp_path, order=("A", "B", "B", "A"), **engine):
-    blocks = run_blocks(order, fake_engine(tmp_path, **engine))
+def _job(tmp_path, plan=job_plan(16, 4), **engine):
+    n_shards = max(shard for _, shard in plan)
+    blocks = run_blocks(plan, fake_engine(tmp_path, n_shards=n_shards, **engine))
     return blocks, [(b.side, *load_run(b.run_dir)) for b in blocks]
 
 
@@ -54,59 +62,89 @@ def _row(result, metric):
     return next(v for v in result.verdicts if v.metric == metric)
 
 
-def test_block_order():
-    assert block_order(4) == ("A", "B", "B", "A")
-    assert block_order(8) == ("A", "B", "B", "A", "A", "B", "B", "A")
+def test_job_plan():
+    assert job_plan(4) == (("A", 1), ("B", 1), ("B", 1), ("A", 1))
+    plan = job_plan(16, 4)
+    assert "".join(side for side, _ in plan) == "ABBAABBAABBAABBA"
+    assert [shard for _, shard in plan] == [1, 1, 2, 2, 3, 3, 4, 4] * 2  # two rounds of four shards, a pair each
+    assert job_plan(8, 4) == tuple((side, k + 1) for k in range(4) for side in ("AB" if k % 2 == 0 else "BA"))
     for bad in (2, 6, 0):
         with pytest.raises(IpwError, match="multiple of 4"):
-            block_order(bad)
+            job_plan(bad)
+    with pytest.raises(IpwError, match="whole number of rounds"):
+        job_plan(12, 4)
 
 
 def test_linear_drift_cancels_in_the_verdict(tmp_path):
-    """The machine slows by 3% per block, A and B are the same: the A B B A verdict sees no change at all,
-    while the same blocks compared one after the other (what a baseline recorded earlier sees) would fail."""
-    blocks, loaded = _job(tmp_path, drift_per_block=0.03)
-    assert [b.side for b in blocks] == ["A", "B", "B", "A"] and [b.index for b in blocks] == [0, 1, 2, 3]
+    """The machine slows by 1% per block, A and B are the same: the verdict over the pairs (A B, B A, ...) sees no
+    change at all, while two of the same blocks compared one after the other (what a baseline recorded earlier
+    sees) would fail."""
+    blocks, loaded = _job(tmp_path, drift_per_block=0.01)
+    assert [(b.side, b.shard) for b in blocks] == list(job_plan(16, 4)) and [b.index for b in blocks] == list(range(16))
     result = check_interleaved(loaded, DEFAULT)
     energy = _row(result, "energy_per_query")
     assert energy.change == pytest.approx(0.0, abs=1e-9) and energy.status == "pass"
-    assert result.blocks == ("A", "B", "B", "A") and result.exit_code == 0
+    assert result.blocks == tuple("ABBAABBAABBAABBA") and result.exit_code == 0
     drift = next(d for d in result.drift if d.metric == "energy_per_query")
-    assert drift.change == pytest.approx(9.0)  # first A block (slowness 1.00) to the last (1.09)
-    assert energy.floor == pytest.approx(4.5) and "half the drift" in energy.floor_source
-    # pairing: each query's A value is the mean of its two A blocks (slowness 1.00 and 1.09)
-    assert energy.baseline == pytest.approx(sum(ENERGY) / N * (1.00 + 1.09) / 2)
+    assert drift.change == pytest.approx(100 * (1.01 ** 8 - 1))  # each shard's A block of round 2, 8 blocks on
+    assert energy.floor == pytest.approx(drift.change / 2) and "half the drift" in energy.floor_source
+    # the baseline and candidate columns pool each side's blocks: every query's mean over its two A blocks
     assert energy.n_queries == N
-    sequential = check_runs(*loaded[0][1:], *loaded[2][1:], DEFAULT)  # A then B, 2 blocks apart: +6% drift
+    assert any("mean of the 8 block pairs' changes" in n for n in result.notes)
+    sequential = check_runs(*loaded[0][1:], *loaded[9][1:], DEFAULT)  # shard 1: its first A, its last B (+9.4%)
     assert _row(sequential, "energy_per_query").status == "regression"
 
 
 def test_a_real_change_is_measured_through_the_drift(tmp_path):
-    _, loaded = _job(tmp_path, drift_per_block=0.03, effect=0.12)
+    _, loaded = _job(tmp_path, drift_per_block=0.01, effect=0.12)
     energy = _row(check_interleaved(loaded, DEFAULT), "energy_per_query")
     assert energy.change == pytest.approx(12.0) and energy.status == "regression"
-    # a change within half the drift is not called: +4% under a drift of +9% (floor 4.5%)
-    _, loaded = _job(tmp_path / "small", drift_per_block=0.03, effect=0.04)
+    assert energy.ci_lo < 12.0 < energy.ci_hi and energy.p_value < 1e-4
+    # a change within half the drift is not called: +4% under a drift of +8.3% (floor 4.1%)
+    _, loaded = _job(tmp_path / "small", drift_per_block=0.01, effect=0.04)
     energy = _row(check_interleaved(loaded, DEFAULT), "energy_per_query")
     assert energy.change == pytest.approx(4.0) and energy.status == "pass"
 
 
-def test_eight_blocks_pool_four_per_side(tmp_path):
-    _, loaded = _job(tmp_path, order=block_order(8), drift_per_block=0.01, effect=0.10)
+def test_a_burst_over_whole_blocks_is_noise_not_a_regression(tmp_path):
+    """Another tenant's load makes blocks 1-2 and 5-6 (B B in the middle of A B B A, twice) 25% slower; the code is
+    the same. Pooled over queries, every B query is dearer and the bootstrap calls it a regression; over the 8 block
+    pairs the change (+11.8%) is no more than 2.6 standard errors from 0: not significant, so not a failure."""
+    burst = {1: 1.25, 2: 1.25, 5: 1.25, 6: 1.25}
+    _, loaded = _job(tmp_path, burst=burst)
     result = check_interleaved(loaded, DEFAULT)
-    assert _row(result, "energy_per_query").change == pytest.approx(10.0)  # A at 0,3,4,7 and B at 1,2,5,6
-    assert next(d for d in result.drift if d.metric == "energy_per_query").change == pytest.approx(7.0)
+    energy = _row(result, "energy_per_query")
+    assert energy.change == pytest.approx(100 * (math.sqrt(1.25) - 1))
+    assert energy.status == "inconclusive" and 0.01 < energy.p_value < 0.05 and result.exit_code == 0
+    pooled_a = [(m, f) for side, m, f in loaded if side == "A"]
+    pooled_b = [(m, f) for side, m, f in loaded if side == "B"]
+    from ipw.analysis.check import _pool
+
+    by_queries = _row(check_runs(*_pool(pooled_a), *_pool(pooled_b), DEFAULT), "energy_per_query")
+    assert by_queries.change == pytest.approx(12.5) and by_queries.status == "regression"
+
+
+def test_four_whole_blocks_still_work(tmp_path):
+    """--blocks 4 --shards 1 is the plain A B B A of whole runs: two pairs, one degree of freedom."""
+    _, loaded = _job(tmp_path, plan=job_plan(4), effect=0.10)
+    result = check_interleaved(loaded, DEFAULT)
+    energy = _row(result, "energy_per_query")
+    assert energy.change == pytest.approx(10.0) and energy.status == "regression"  # both pairs agree exactly
+    assert any("2 block pairs" in n and "1 degrees of freedom" in n for n in result.notes)
 
 
 def test_an_unbalanced_job_is_refused(tmp_path):
-    _, loaded = _job(tmp_path, order=("A", "B", "B"), drift_per_block=0.0)
-    with pytest.raises(IpwError, match="as many A as B"):
+    _, loaded = _job(tmp_path, plan=(("A", 1), ("B", 1), ("B", 1)))
+    with pytest.raises(IpwError, match="pairs of blocks, one A and one B"):
+        check_interleaved(loaded, DEFAULT)
+    _, loaded = _job(tmp_path / "aa", plan=(("A", 1), ("A", 1), ("B", 1), ("B", 1)))
+    with pytest.raises(IpwError, match="pairs of blocks, one A and one B"):
         check_interleaved(loaded, DEFAULT)
 
 
 def test_work_gate_counts_tokens_exactly(tmp_path):
     """Answers 2x as long on the same queries: a regression of the work gate, whatever the energy did."""
-    _, loaded = _job(tmp_path, drift_per_block=0.0, tokens_b=[2 * t for t in TOKENS])
+    _, loaded = _job(tmp_path, tokens_b=[2 * t for t in TOKENS])
     result = check_interleaved(loaded, DEFAULT)
     out = _row(result, "output_tokens")
     assert (out.baseline, out.candidate, out.status) == (sum(TOKENS), 2 * sum(TOKENS), "regression")
@@ -115,7 +153,7 @@ def test_work_gate_counts_tokens_exactly(tmp_path):
     # one query one token shorter: reported as changed, not a failure unless --strict
     fewer = list(TOKENS)
     fewer[3] -= 1
-    _, loaded = _job(tmp_path / "fewer", drift_per_block=0.0, tokens_b=fewer)
+    _, loaded = _job(tmp_path / "fewer", tokens_b=fewer)
     out = _row(check_interleaved(loaded, DEFAULT), "output_tokens")
     assert (out.status, out.detail) == ("changed", f"1 of {N} queries differ")
 
@@ -189,16 +227,18 @@ def test_rerun_catches_doubled_max_tokens_exactly(tmp_path, run_cli):
     base_python.chmod(0o755)
     md = tmp_path / "v.md"
     code, out, err = run_cli("check", "--rerun", *configs, "--out", tmp_path / "jobs", "--markdown", md,
-                             "--base-python", base_python)
+                             "--base-python", base_python, "--blocks", "8", "--shards", "2")
     assert code == 1, out + err
     (job,) = list((tmp_path / "jobs").iterdir())
-    assert sorted(p.name for p in job.iterdir()) == ["01-A", "02-B", "03-B", "04-A"]
-    assert marks.read_text().count("block") == 2  # the two A blocks, and only they
+    assert sorted(p.name for p in job.iterdir()) == ["01-A", "02-B", "03-B", "04-A", "05-A", "06-B", "07-B", "08-A"]
+    assert marks.read_text().count("block") == 4  # the four A blocks, and only they
+    shards = [load_run(next(d for d in (job / name).iterdir() if d.is_dir()))[0].shard for name in ("01-A", "04-A")]
+    assert [(s["index"], s["count"]) for s in shards] == [(1, 2), (2, 2)]  # each pair runs its shard
     row = next(line for line in md.read_text().splitlines() if "| output_tokens |" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[4]) == 2 * int(cells[3]) == 2 * 8 * len(STORIES), row
     assert "4 of 4 queries differ" in row and "regression" in row
-    assert "drift from the first A block to the last: smol: energy" in md.read_text()
+    assert "drift of the A blocks from the first round to the last: smol: energy" in md.read_text()
 
 
 def _stated(tmp_path: Path, run_id: str, scale: float, rel: float, source: str, quality: str) -> Path:
@@ -237,7 +277,7 @@ def test_stated_uncertainty_is_a_floor(tmp_path):
 def test_work_gate_reports_a_backend_whose_blocks_disagree(tmp_path):
     """A batching server's answers can change from block to block (the embedded default's llama-server at 4 in
     flight did, once in 24 queries): when a side's own blocks differ, its token counts cannot fail the gate."""
-    def run_block(index: int, side: str) -> Path:
+    def run_block(index: int, side: str, shard: int) -> Path:
         tokens = list(TOKENS)
         if index == 3:  # the last A block: one answer a token longer than in the first
             tokens[5] += 1
@@ -246,7 +286,7 @@ def test_work_gate_reports_a_backend_whose_blocks_disagree(tmp_path):
         return _greedy(write_run(tmp_path / f"{index:02d}-{side}", f"block{index}",
                                  {"smol": {"correct": [1] * N, "energy": ENERGY, "tokens": tokens}}))
 
-    blocks = run_blocks(block_order(4), run_block)
+    blocks = run_blocks(job_plan(4), run_block)
     result = check_interleaved([(b.side, *load_run(b.run_dir)) for b in blocks], DEFAULT)
     out = _row(result, "output_tokens")
     assert out.status == "changed" and out.candidate > out.baseline and result.exit_code == 0

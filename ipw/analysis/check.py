@@ -11,10 +11,10 @@ Beside the energy gate, the **work gate** compares each query's prompt tokens, o
 errors exactly (greedy decoding makes them deterministic): more output tokens on the same queries is a
 regression with no noise at all, whatever the energy could resolve.
 
-``check_interleaved`` judges one job of blocks run in the order A B B A (A B B A ...) over the same queries
-(``ipw.interleave``): each side's blocks are pooled as repeats, so every query pairs the mean of its A
-blocks with the mean of its B blocks, and a drift that is linear in time cancels; the first and last A
-blocks give the drift the job saw. Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
+``check_interleaved`` judges one job of short blocks in pairs, A B then B A, over shards of the queries
+(``ipw.interleave``): energy and time over the pairs (Student's t; a block's shift is shared by all of its
+queries), answers and tokens over the queries of each side's pooled blocks; the A blocks of the first and
+last rounds give the drift the job saw. Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
 """
 
 from __future__ import annotations
@@ -275,16 +275,7 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
                 stated = float(np.quantile(moved, 0.95)) if len(moved) else float("nan")
                 if stated > 1e-9 and not stated <= floor:
                     floor, source = stated, "the stated measurement uncertainty (95%)"
-            noise = abs(change) <= floor  # False when no floor is known (NaN)
-            beyond = change > t.limit if bad_up else change < t.limit
-            if beyond and p_value < alpha and not noise:
-                status = "regression"
-            elif beyond:
-                status = "inconclusive"
-            elif (change < -abs(t.limit) if bad_up else change > abs(t.limit)) and p_better < alpha and not noise:
-                status = "improvement"
-            else:
-                status = "pass"
+            status = _status(t, float(change), p_value, p_better, alpha, floor)
             if floor > abs(t.limit):
                 notes.append(f"{name}: {t.metric}'s noise floor ({floor:.2f}{t.unit}, {source}) is above the threshold "
                              f"{t.text}: a change between them is inconclusive, not a regression")
@@ -301,6 +292,19 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
                 rows = [replace(v, status="changed") if v.status == "regression" else v for v in rows]
             verdicts += rows
     return CheckResult(tuple(verdicts), alpha, strict, tuple(notes))
+
+
+def _status(t: Threshold, change: float, p_worse: float, p_better: float, alpha: float, floor: float) -> str:
+    """A change beyond its threshold in the bad direction is a regression when it is significant (one-sided
+    p below α) and beyond its noise floor, else inconclusive; one as far in the good direction, with the same
+    evidence, is an improvement; anything else passes."""
+    bad_up = t.limit > 0
+    noise = abs(change) <= floor  # False when no floor is known (NaN)
+    if change > t.limit if bad_up else change < t.limit:
+        return "regression" if p_worse < alpha and not noise else "inconclusive"
+    if (change < -abs(t.limit) if bad_up else change > abs(t.limit)) and p_better < alpha and not noise:
+        return "improvement"
+    return "pass"
 
 
 def _measurement(name: str, vb: dict, vc: dict, col_b: int, col_c: int, notes: list) -> list[MeasurementError]:
@@ -324,59 +328,139 @@ def _measurement(name: str, vb: dict, vc: dict, col_b: int, col_c: int, notes: l
     return out
 
 
+def _shard_of(manifest: RunManifest) -> tuple[int, int]:
+    """(index, count) of a ``--shard`` run; (1, 1) for a run of the whole query set."""
+    return (int(manifest.shard["index"]), int(manifest.shard["count"])) if manifest.shard else (1, 1)
+
+
 def _pool(blocks: list) -> tuple[RunManifest, object]:
-    """One side's blocks as one run whose blocks are repeats: each query's value is the mean over the blocks."""
+    """Blocks as one run whose blocks are repeats: each query's value is the mean over the blocks that ran it.
+    Blocks of shards pool into one run of the whole query set (every shard must be there)."""
     import pandas as pd
 
-    from ipw.analysis.load import as_manifest
-
-    manifests = [as_manifest(m) for m, _ in blocks]
-    fingerprints = {(m.dataset or {}).get("fingerprint") for m in manifests}
-    if len(fingerprints) != 1:
-        raise IpwError(f"not comparable: the blocks of one side ran different query sets ({sorted(map(str, fingerprints))})")
+    manifests = [m for m, _ in blocks]
     for m in manifests:
         if m.status != "complete":
             raise IpwError(f"not comparable: block {m.run_id} is {m.status}, not complete")
+    full = {((m.shard or {}).get("dataset") or m.dataset or {}).get("fingerprint") for m in manifests}
+    if len(full) != 1:
+        raise IpwError(f"not comparable: the blocks ran different query sets ({sorted(map(str, full))})")
+    shards = {_shard_of(m) for m in manifests}
+    counts = {count for _, count in shards}
+    if len(counts) != 1 or {index for index, _ in shards} != set(range(1, max(counts) + 1)):
+        raise IpwError(f"not comparable: the blocks do not cover every shard of the query set once ({sorted(shards)})")
+    first = manifests[0]
+    if first.shard:
+        first = replace(first, dataset=first.shard["dataset"], shard=None)
     frame = pd.concat([f.assign(repeat=i) for i, (_, f) in enumerate(blocks)], ignore_index=True)
-    return manifests[0], frame
+    return first, frame
+
+
+def _machine_bound(metric) -> bool:
+    """Energy, power and time follow the machine's speed and load, which drift during a job and shift a whole
+    block at once; answers, errors, tokens and costs are each query's own."""
+    return bool(metric and (metric.energy or metric.unit in ("s", "tokens/s")))
+
+
+def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float, float, float]:
+    """A change, its 95% CI and its one-sided p-values (worse, better) from each block pair's change: Student's
+    t over the pairs, on log ratios for a relative (%) change."""
+    from ipw.analysis.fit import t_cdf, t_quantile
+
+    x = np.asarray(changes, dtype=float)
+    x = x[np.isfinite(x)]
+    relative = t.unit == "%"
+    if relative:
+        x = np.log1p(x / 100)
+
+    def back(y: float) -> float:
+        return float(100 * np.expm1(y)) if relative else float(y)
+
+    n = len(x)
+    if n < 2:
+        return (back(x.mean()) if n else float("nan")), float("nan"), float("nan"), 1.0, 1.0
+    mean, se = float(x.mean()), float(x.std(ddof=1) / np.sqrt(n))
+    if se == 0:  # every pair moved alike: no spread to weigh the change against
+        up, down, lo, hi = float(mean <= 0), float(mean >= 0), mean, mean
+    else:
+        up, down = 1.0 - t_cdf(mean / se, n - 1), t_cdf(mean / se, n - 1)
+        half = t_quantile(0.975, n - 1) * se
+        lo, hi = mean - half, mean + half
+    worse, better = (up, down) if t.limit > 0 else (down, up)
+    return back(mean), back(lo), back(hi), worse, better
 
 
 def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list[Threshold], *, alpha: float = 0.01,
                       strict: bool = False, floors: dict | None = None, work_gate: bool = True, n_boot: int = 4000,
                       seed: int = 0) -> CheckResult:
-    """One interleaved job: ``blocks`` are (side "A" or "B", manifest, frame) in the order they ran.
+    """One interleaved job (``ipw.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
+    order they ran; each two consecutive blocks are a pair, one A and one B over the same shard of the queries.
 
-    The verdict pairs each query's mean over the A blocks with its mean over the B blocks. The drift is
-    each metric's change from the first A block to the last; a monotone drift moves the A-B difference
-    by at most half of it (A B B A: (b1 + b2 - a1 - a2) / 2 lies between -(a2 - a1)/2 and +(a2 - a1)/2; a
-    linear drift cancels), so half the drift is a floor below which the job cannot call a change; the
-    larger of it and a given (calibrated) floor is used."""
+    Energy, power and time (``_machine_bound``) are judged over the pairs: each pair's change, then Student's
+    t over the pairs. Another tenant's burst or a slower minute shifts a whole block, every query of it alike:
+    a bootstrap over queries reads that as a change, while the pairs see it as the noise it is, and the two
+    blocks of a pair ran back to back. Answers, errors and tokens are each query's own, so they are judged over
+    the queries of each side's pooled blocks (``check_runs``; the work gate). The drift is each metric's change
+    from the A blocks of the first round to those of the last (the same queries, ``job_plan``'s rounds); half
+    of it is a floor below which the job does not call a change; the larger of it and a given (calibrated)
+    floor is used."""
     order = tuple(side for side, _, _ in blocks)
-    a = [(m, f) for side, m, f in blocks if side == "A"]
-    b = [(m, f) for side, m, f in blocks if side == "B"]
-    if len(a) < 2 or len(a) != len(b):
-        raise IpwError(f"an interleaved job needs as many A as B blocks, at least 2 of each (got {''.join(order)})")
-    # the drift: first A block against the last, every metric as the gate computes it; and whether the blocks of one
-    # side agree exactly on every query's tokens and errors (a batching server need not)
-    seen = check_runs(*a[0], *a[-1], thresholds, alpha=alpha, n_boot=n_boot, seed=seed, work_gate=work_gate)
-    unsteady = {}
-    for side, runs in (("A", a), ("B", b)):
-        for k in range(1, len(runs)):
-            same = seen if side == "A" and k == len(runs) - 1 else check_runs(*runs[0], *runs[k], [], n_boot=1, seed=seed)
-            for v in same.verdicts:
+    pairs = [blocks[i:i + 2] for i in range(0, len(blocks), 2)]
+    if len(pairs) < 2 or any(sorted(side for side, _, _ in pair) != ["A", "B"] for pair in pairs):
+        raise IpwError(f"an interleaved job is pairs of blocks, one A and one B each, at least 2 pairs "
+                       f"(got {' '.join(order)})")
+    pairs = [sorted(pair, key=lambda block: block[0]) for pair in pairs]  # (A, B)
+    for a, b in pairs:
+        if _shard_of(a[1]) != _shard_of(b[1]):
+            raise IpwError(f"not comparable: a pair of blocks ran different shards ({a[1].run_id}, {b[1].run_id})")
+    runs: dict[tuple[str, tuple[int, int]], list] = {}  # (side, shard) -> its blocks in time order
+    for side, m, f in blocks:
+        runs.setdefault((side, _shard_of(m)), []).append((m, f))
+    # whether the blocks of one side agree exactly on every query's tokens and errors (a batching server need not)
+    unsteady: dict[str, str] = {}
+    for (side, _), same in runs.items():
+        for k in range(1, len(same)):
+            for v in check_runs(*same[0], *same[k], [], n_boot=1, seed=seed).verdicts:
                 if v.threshold == "exact" and v.status != "pass" and v.backend not in unsteady:
                     unsteady[v.backend] = (f"its {side} blocks differ among themselves ({v.metric}: {v.detail}), so "
                                            "it is not deterministic here")
-    drift = tuple(Drift(v.backend, v.metric, v.change, "pp" if v.threshold.endswith("pp") else "%")
-                  for v in seen.verdicts if v.threshold != "exact")
+    notes = []
+    a_runs = [same for (side, _), same in runs.items() if side == "A"]
+    drift: tuple[Drift, ...] = ()
+    if all(len(same) > 1 for same in a_runs):  # the first round's A blocks against the last round's
+        seen = check_runs(*_pool([same[0] for same in a_runs]), *_pool([same[-1] for same in a_runs]), thresholds,
+                          n_boot=1, seed=seed, work_gate=False)
+        drift = tuple(Drift(v.backend, v.metric, v.change, "pp" if v.threshold.endswith("pp") else "%")
+                      for v in seen.verdicts)
+    else:
+        notes.append("no drift measured: each shard ran once a side (one round); give --blocks a multiple of "
+                     "4 x --shards for two rounds")
     merged = dict(floors or {})
     for d in drift:
         half = abs(d.change) / 2
         if np.isfinite(half) and half > merged.get((d.backend, d.metric), (float("-inf"), ""))[0]:
             merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({d.change:+.2f}{d.unit})")
-    result = check_runs(*_pool(a), *_pool(b), thresholds, alpha=alpha, strict=strict, floors=merged,
-                        work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
-    return CheckResult(result.verdicts, alpha, strict, result.notes, drift, order)
+    pooled = check_runs(*_pool([(m, f) for side, m, f in blocks if side == "A"]),
+                        *_pool([(m, f) for side, m, f in blocks if side == "B"]), thresholds, alpha=alpha,
+                        strict=strict, floors=merged, work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
+    by_pairs = {t.text: t for t in thresholds if _machine_bound(gated_metric(t.metric))}
+    changes: dict[tuple[str, str], list[float]] = {}
+    for a, b in pairs:
+        for v in check_runs(*a[1:], *b[1:], list(by_pairs.values()), n_boot=1, seed=seed, work_gate=False).verdicts:
+            changes.setdefault((v.backend, v.threshold), []).append(v.change)
+    verdicts = []
+    for v in pooled.verdicts:
+        t = by_pairs.get(v.threshold)
+        if t is not None and v.metric == t.metric:
+            change, lo, hi, worse, better = _over_pairs(changes[(v.backend, v.threshold)], t)
+            v = replace(v, change=change, ci_lo=lo, ci_hi=hi, p_value=worse,
+                        status=_status(t, change, worse, better, alpha, v.floor))
+        verdicts.append(v)
+    if by_pairs:
+        notes.append(f"{', '.join(t.metric for t in by_pairs.values())}: the change is the mean of the {len(pairs)} "
+                     f"block pairs' changes, judged by Student's t over the pairs ({len(pairs) - 1} degrees of "
+                     "freedom): a block's shift is shared by all of its queries, so queries cannot judge it")
+    return CheckResult(tuple(verdicts), alpha, strict, pooled.notes + tuple(notes), drift, order)
 
 
 def calibrate(runs: list[tuple[object, object]], thresholds: list[Threshold], *, n_boot: int = 1000) -> dict:
@@ -438,9 +522,9 @@ def drift_lines(result: CheckResult) -> list[str]:
     by: dict[str, list[str]] = {}
     for d in result.drift:
         by.setdefault(d.backend, []).append(f"{d.metric} {d.change:+.2f}{d.unit}")
-    return [f"interleaved blocks {' '.join(result.blocks)}: drift from the first A block to the last: "
-            f"{backend}: {', '.join(parts)} (the A B B A order cancels a linear drift; half of it is the floor)"
-            for backend, parts in by.items()]
+    return [f"interleaved blocks {' '.join(result.blocks)}: drift of the A blocks from the first round to the "
+            f"last: {backend}: {', '.join(parts)} (pairs alternate A B, B A, which cancels a linear drift; half of "
+            "it is the floor)" for backend, parts in by.items()]
 
 
 def markdown(result: CheckResult) -> str:

@@ -14,27 +14,31 @@ import numpy as np
 from ipw.analysis.stats import Estimate
 
 
+def t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with ``df`` degrees of freedom (Simpson's rule on its density; no scipy)."""
+    if df <= 0 or not math.isfinite(x):
+        return float("nan") if df <= 0 or math.isnan(x) else float(x > 0)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    grid = np.linspace(0.0, abs(x), 4001)
+    f = np.exp(log_c - (df + 1) / 2 * np.log1p(grid ** 2 / df))
+    h = abs(x) / 4000
+    half = h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+    return float(0.5 + half if x >= 0 else 0.5 - half)
+
+
 def t_quantile(p: float, df: int) -> float:
-    """Quantile of Student's t (numeric integration of its density and bisection; no scipy)."""
+    """Quantile of Student's t (bisection on ``t_cdf``; no scipy)."""
     if df <= 0:
         return float("nan")
     if p == 0.5:
         return 0.0
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x: float) -> float:  # for x > 0: 0.5 + integral of the density from 0 to x (Simpson)
-        grid = np.linspace(0.0, x, 4001)
-        f = np.exp(log_c - (df + 1) / 2 * np.log1p(grid ** 2 / df))
-        h = x / 4000
-        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-
     q = max(p, 1 - p)
     lo, hi = 0.0, 1.0
-    while cdf(hi) < q:
+    while t_cdf(hi, df) < q:
         hi *= 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < q else (lo, mid)
     x = (lo + hi) / 2
     return x if p > 0.5 else -x
 

@@ -15,7 +15,7 @@ from ipw.errors import IpwError
 
 
 def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
-                  junit_path, rerun=False, blocks=4, out=None, base_python=None, cand_python=None, backends=(),
+                  junit_path, rerun=False, blocks=16, shards=4, out=None, base_python=None, cand_python=None, backends=(),
                   limit=None, calibrate=False, floor_path=None, work_gate=True) -> int:
     from ipw.analysis import check as gate
     from ipw.results import load_run
@@ -27,6 +27,10 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
         raise IpwError("--calibrate and --rerun: give one of them")
     if (base_python or cand_python or backends or limit is not None or out is not None) and not rerun:
         raise IpwError("--base-python, --cand-python, --backend, --limit and --out go with --rerun")
+    if rerun:
+        from ipw.interleave import job_plan
+
+        plan = job_plan(blocks, shards)  # a usage error before anything runs
     if calibrate:
         if floor_path is None:
             raise IpwError("--calibrate: give --floor FILE, the file that receives the noise floor")
@@ -46,7 +50,7 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
             _check_writable(Path(path), option)  # before the (long) analysis, not after it
     floors = gate.read_floors(floor_path) if floor_path is not None else None
     if rerun:
-        result = _rerun(paths, thresholds, blocks=blocks, out=out, pythons=(base_python, cand_python),
+        result = _rerun(paths, thresholds, plan=plan, n_shards=shards, out=out, pythons=(base_python, cand_python),
                         backends=backends, limit=limit, alpha=alpha, strict=strict, floors=floors, work_gate=work_gate)
     else:
         base_manifest, base = load_run(paths[0], require=("dataset.fingerprint",))
@@ -77,16 +81,16 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
     return result.exit_code
 
 
-def _rerun(configs, thresholds, *, blocks, out, pythons, backends, limit, alpha, strict, floors, work_gate):
-    """The interleaved job: the blocks in A B B A order, each an ``ipw run`` of its side, then the verdict."""
+def _rerun(configs, thresholds, *, plan, n_shards, out, pythons, backends, limit, alpha, strict, floors, work_gate):
+    """The interleaved job: the blocks of ``plan`` (``ipw.interleave.job_plan``), each an ``ipw run`` of its side
+    over its shard, then the verdict."""
     import datetime as dt
     import shutil
 
     from ipw.analysis.check import check_interleaved
-    from ipw.interleave import block_order, default_python, run_blocks, subprocess_runner
+    from ipw.interleave import default_python, run_blocks, subprocess_runner
     from ipw.results import load_run
 
-    order = block_order(blocks)
     for config in configs:
         if not Path(config).is_file():
             raise IpwError(f"--rerun {config}: not found (give two config files, baseline then candidate)")
@@ -101,9 +105,11 @@ def _rerun(configs, thresholds, *, blocks, out, pythons, backends, limit, alpha,
     job.mkdir(parents=True, exist_ok=False)
     run_args = [a for b in backends for a in ("--backend", b)] + (["--limit", str(limit)] if limit is not None else [])
     err = Console(stderr=True)
-    err.print(f"interleaved job {job}: blocks {' '.join(order)}, A = {configs[0]} ({python['A']}), "
+    err.print(f"interleaved job {job}: {len(plan)} blocks over {n_shards} shard(s), "
+              f"{' '.join(side for side, _ in plan)}, A = {configs[0]} ({python['A']}), "
               f"B = {configs[1]} ({python['B']})")
-    done = run_blocks(order, subprocess_runner({"A": Path(configs[0]), "B": Path(configs[1])}, python, job, run_args),
+    done = run_blocks(plan, subprocess_runner({"A": Path(configs[0]), "B": Path(configs[1])}, python, job, run_args,
+                                              n_shards),
                       progress=err.print)
     loaded = [(b.side, *load_run(b.run_dir, require=("dataset.fingerprint",))) for b in done]
     return check_interleaved(loaded, thresholds, alpha=alpha, strict=strict, floors=floors, work_gate=work_gate)
