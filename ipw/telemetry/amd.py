@@ -71,7 +71,8 @@ def import_amdsmi() -> ModuleType:
                     + ("" if error is IpwError else " (and no AMD GPU driver here: no /dev/kfd)")) from exc
     except OSError as exc:  # the wheel is pure Python: it dlopens libamd_smi.so from ROCm at import
         raise error(f"amdsmi cannot load ROCm's libamd_smi.so ({exc}); install ROCm or set ROCM_PATH") from exc
-    return amdsmi
+    module: ModuleType = amdsmi
+    return module
 
 
 def _index_list(name: str, value: str, count: int) -> list[int]:

@@ -50,7 +50,7 @@ class ApiEnergyEstimate:
             raise IpwError(f"{target}: invalid TOML: {exc}") from None
 
         def rng(key: str) -> Range:
-            table = raw.get(key)
+            table: Any = raw.get(key)  # None: indexing it raises the TypeError below
             try:
                 values = Range(float(table["low"]), float(table["central"]), float(table["high"]))
             except (TypeError, KeyError, ValueError):

@@ -45,8 +45,9 @@ def import_zeus_apple_silicon() -> ModuleType:
 
 def _metric(metrics: Any, field: str) -> int | None:
     """One field of an ``AppleEnergyMetrics`` (None where the chip has no such channel)."""
-    return {"cpu_total_mj": lambda m: m.cpu_total_mj, "gpu_mj": lambda m: m.gpu_mj,
+    value: int | None = {"cpu_total_mj": lambda m: m.cpu_total_mj, "gpu_mj": lambda m: m.gpu_mj,
             "ane_mj": lambda m: m.ane_mj, "dram_mj": lambda m: m.dram_mj}[field](metrics)
+    return value
 
 
 class ApplePlatform(Platform):

@@ -103,6 +103,10 @@ def audit(component: str, windows: Sequence[tuple[float, float]], energy_j: Sequ
                        counter_j, diff, unc, "; ".join(notes))
 
 
+def _times(sd: tuple[float, float], k: float) -> tuple[float, float]:
+    return sd[0] * k, sd[1] * k
+
+
 def _part_sd(part: dict[str, Any]) -> tuple[float, float]:
     return measurement_sd([part])
 
@@ -113,7 +117,7 @@ def _to_record(part: dict[str, Any] | None, record_s: float) -> float:
     own = None if part is None else part.get("duration_s")
     if own is None or not math.isfinite(own) or own <= 0 or not math.isfinite(record_s) or record_s <= 0:
         return 1.0
-    return record_s / own
+    return record_s / float(own)
 
 
 def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
@@ -140,14 +144,14 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
             # loaded machine: 10 ms on a 60 ms query), and the span and gaps are the records' windows
             scale = [_to_record(p, b - a) for p, (a, b) in zip(mine, windows)]
             energy = [None if p is None or p.get("energy_j") is None else p["energy_j"] * k for p, k in zip(mine, scale)]
-            sds = [(0.0, 0.0) if p is None else tuple(x * k for x in _part_sd(p)) for p, k in zip(mine, scale)]
+            sds = [(0.0, 0.0) if p is None else _times(_part_sd(p), k) for p, k in zip(mine, scale)]
             ests = gap_est.get(component, [])
             idle = None
             idle_sd = (0.0, 0.0)
             if not between:
                 idle = 0.0
             elif ests and all(e.energy_j is not None for e in ests):
-                idle = float(sum(e.energy_j for e in ests))
+                idle = float(sum(e.energy_j or 0.0 for e in ests))  # (none is None)
                 per = [measurement_sd([{"energy_j": e.energy_j, "uncertainty_j": e.uncertainty_j, "source": e.source,
                                         "quality": e.quality, "calibration_sd_j": e.calibration_sd_j}]) for e in ests]
                 idle_sd = (math.sqrt(sum(a * a for a, _ in per)), sum(b for _, b in per))
@@ -219,7 +223,7 @@ def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: 
         return None
     inc = float(kj[b] - kj[a])
     r = inc / (s_b - s_a)
-    return inc - r * (s_lo - s_a) - r * (s_b - s_hi)
+    return float(inc - r * (s_lo - s_a) - r * (s_b - s_hi))
 
 
 def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> tuple[float | None, float]:

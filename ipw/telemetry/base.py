@@ -174,15 +174,20 @@ def energy_basis(readings: list[EnergyReading]) -> list[EnergyReading]:
     return measured or available
 
 
+def joules(readings: list[EnergyReading]) -> list[float]:
+    """The energies of the readings that have one (every reading of ``energy_basis``)."""
+    return [r.energy_j for r in readings if r.energy_j is not None]
+
+
 def total_energy(readings: list[EnergyReading]) -> EnergyTotal:
     available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"]
     basis = energy_basis(readings)
     if not basis:
         return EnergyTotal(None, "unavailable", "", "", None)
     return EnergyTotal(
-        energy_j=sum(r.energy_j for r in basis),  # type: ignore[misc]
+        energy_j=sum(joules(basis)),
         quality=worst_quality([r.quality for r in basis]),
         source="+".join(sorted({r.source for r in basis})),
         scope="+".join(sorted({r.scope for r in basis})),
-        best_effort_j=sum(r.energy_j for r in available),  # type: ignore[misc]
+        best_effort_j=sum(joules(available)),
     )

@@ -194,6 +194,7 @@ class CpuModelSensor(SensorBase):
         procs = self.processes()
         start_cpu_s = tree_cpu_s(procs)
         trace = None
+        read: Callable[[], tuple[float, ...]]
         if self.snapshots is not None:  # for the phase split: the same processes, read cheaply, until end()
             if [p.pid for p in procs] == [os.getpid()]:  # an in-process engine: the process CPU clock (ns)
                 read, step = (lambda: (time.process_time(),)), 0.0

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence, TypeGuard
 
 import numpy as np
+
+from ipw.telemetry.base import Quality
 
 #: A calibration ratio outside these bounds is flagged (DESIGN.md §3).
 CALIBRATION_BOUNDS = (0.97, 1.03)
@@ -74,7 +76,7 @@ class WindowEstimate:
     end_s: float
     energy_j: float | None
     coverage: float
-    quality: str  # measured | measured_interpolated | estimated | unavailable
+    quality: Quality
     source: str  # nvml.samples | nvml.counter | nvml.instant | ""
     note: str = ""
     uncalibrated_j: float | None = None  # the sample integral before scaling by the calibration
@@ -238,7 +240,7 @@ def wall_us_to_mono_s(
     x_rel = ((wall_us - pw[0]) * 1000).astype(np.float64)
     resid_at = np.rint(np.interp(x_rel, pair_wall_ns_rel, resid)).astype(np.int64)
     mono_ns = wall_us * 1000 + base_ns + resid_at
-    return mono_ns / 1e9
+    return np.asarray(mono_ns / 1e9)  # (an array already: asarray only types it)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -518,7 +520,7 @@ def grid_counter_reads(
         ee = ec - ec.mean()
         den = (s * s).sum(axis=-1)
         r = np.where(den > 0, (s * ee).sum(axis=-1) / np.where(den > 0, den, 1.0), 0.0)
-        return ((ee - r[..., None] * s) ** 2).sum(axis=-1)
+        return np.asarray(((ee - r[..., None] * s) ** 2).sum(axis=-1))
 
     rss = misfit(tau)
     k = int(np.argmin(rss))
@@ -562,7 +564,7 @@ def _counter_estimate(ci: _CounterIntegral, start_s: float, end_s: float, energy
     if coverage == 0:
         return WindowEstimate(start_s, end_s, None, 0.0, "unavailable", "nvml.counter", "; ".join(notes))
     dur = end_s - start_s
-    quality = "measured" if dur >= COUNTER_DELTA_MIN_S else "measured_interpolated"
+    quality: Quality = "measured" if dur >= COUNTER_DELTA_MIN_S else "measured_interpolated"
     unc = ci.period_s * energy / dur if dur > 0 else None  # one step of the counter at the mean power
     return WindowEstimate(start_s, end_s, energy, coverage, quality, "nvml.counter", "; ".join(notes), uncertainty_j=unc)
 
@@ -821,6 +823,10 @@ def _empty(x: np.ndarray | None) -> bool:
     return x is None or np.asarray(x).size == 0
 
 
+def _given(x: np.ndarray | None) -> TypeGuard[np.ndarray]:
+    return not _empty(x)
+
+
 def estimate_windows(
     samples_t_s: np.ndarray | None,
     samples_w: np.ndarray | None,
@@ -860,17 +866,17 @@ def estimate_windows(
     (a reading averaged over a second, polled every 0.1 s): the error terms use the longer period.
     """
     si = None
-    if not _empty(samples_t_s) and not _empty(samples_w):
+    if _given(samples_t_s) and _given(samples_w):
         si = _PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, max_gap_s)
         si = None if si.empty else si
         if si is not None and reading_period_s > si.period_s:
             si.period_s = reading_period_s
     ci = None
-    if not _empty(counter_t_s) and not _empty(counter_j):
+    if _given(counter_t_s) and _given(counter_j):
         ci = _CounterIntegral(counter_t_s, counter_j)
         ci = None if ci.empty else ci
     ii = None
-    if not _empty(instant_t_s) and not _empty(instant_w):
+    if _given(instant_t_s) and _given(instant_w):
         ii = _PowerIntegral(instant_t_s, instant_w, MAX_INSTANT_GAP_S)
         ii = None if ii.empty else ii
 
@@ -985,7 +991,7 @@ def net_energy_j(gross_j: float, idle_w: float, duration_s: float) -> float:
 
 
 def split_concurrent(
-    slices_t_s: np.ndarray, slice_energy_j: np.ndarray, requests: Sequence[Request | tuple]
+    slices_t_s: np.ndarray, slice_energy_j: np.ndarray, requests: Sequence[Request | tuple[Any, ...]]
 ) -> ConcurrencySplit:
     """Split each time slice's energy over the requests active in it, by the work each did there.
 

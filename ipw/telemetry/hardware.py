@@ -122,7 +122,7 @@ def node_identity() -> tuple[NodeIdentity, dict[str, Any]]:
 HARDWARE_KEYS = ("cpu_model", "cpu_isa", "cpu_logical_cores", "machine", "gpus")
 
 
-def hardware_note(kinds: dict[str, list[dict]]) -> str | None:
+def hardware_note(kinds: dict[str, list[dict[str, Any]]]) -> str | None:
     """One sentence when the runs shown side by side (run id -> its kinds of machine, ``machines``)
     were measured on different kinds of machine, naming each run's machines and what differs; None when
     they match in every key all of them record."""
@@ -147,18 +147,18 @@ def _gpu_names(gpus: Any) -> str:
     return str(gpus)
 
 
-def hardware_key(hardware: dict) -> str:
+def hardware_key(hardware: dict[str, Any]) -> str:
     return json.dumps([hardware.get(k) for k in HARDWARE_KEYS], sort_keys=True, default=str)
 
 
-def machines(manifest) -> list[dict]:
+def machines(manifest: Any) -> list[dict[str, Any]]:  # a results.RunManifest
     """The kinds of machine (HARDWARE_KEYS) that measured a run's records: a sharded run (Ray, or merged
     from ``--shard`` runs) lists every node in ``hardware_by_id``; a run made in one place has its
     ``hardware`` (and, if resumed elsewhere, that machine too)."""
     by_id = list((manifest.hardware_by_id or {}).values())
     sharded = manifest.ray is not None or manifest.merged_from is not None
     found = by_id if by_id and sharded else [manifest.hardware or {}, *by_id]
-    unique: dict[str, dict] = {}
+    unique: dict[str, dict[str, Any]] = {}
     for hardware in found:
         unique.setdefault(hardware_key(hardware), hardware)
     return list(unique.values())

@@ -66,7 +66,8 @@ def import_pynvml() -> ModuleType:
         raise IpwError(
             "pynvml is not importable; install it with: pip install nvidia-ml-py"
         ) from exc
-    return pynvml
+    module: ModuleType = pynvml
+    return module
 
 
 def nvml_error(pynvml: ModuleType, exc: BaseException, what: str) -> IpwError:
@@ -131,7 +132,7 @@ def mig_enabled(pynvml: ModuleType, handle: Any) -> bool:
         current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
     except pynvml.NVMLError:
         return False  # not MIG-capable (or a driver without the call)
-    return current == pynvml.NVML_DEVICE_MIG_ENABLE
+    return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
 
 
 def select_gpus(pynvml: ModuleType, indices: list[int] | None) -> list[Gpu]:
@@ -285,7 +286,7 @@ def reading_from_estimate(
         component=gpu.component,
         energy_j=max(0.0, float(est.energy_j)),
         source=est.source,
-        quality=est.quality,  # type: ignore[arg-type]
+        quality=est.quality,
         scope="gpu",
         duration_s=duration_s,
         note="; ".join(notes),

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipw.telemetry.base import EnergyReading, SensorBase, energy_basis, worst_quality
+from ipw.telemetry.base import EnergyReading, SensorBase, energy_basis, joules, worst_quality
 from ipw.telemetry.snapshots import Trace
 
 
@@ -57,7 +57,7 @@ NO_PHASES: dict[str, Any] = {"prefill_energy_j": None, "decode_energy_j": None, 
 
 # --- cutting a counter series at the first token --------------------------------------------------
 
-def split_series(t_s: Sequence[float], values: Sequence[float], at_s: float,
+def split_series(t_s: Sequence[float], values: Sequence[float] | np.ndarray, at_s: float,
                  step: float = 0.0) -> tuple[float, float, bool] | None:
     """Cut a cumulative counter series at ``at_s``: (prefill fraction, ± bound on it, unresolved).
 
@@ -148,7 +148,8 @@ def first_token_s(completion: Any) -> float | None:
     """Where a completion's window is cut: its first token; None without one (no phases)."""
     if completion is None or not completion.completion_tokens:
         return None
-    return completion.first_token_s
+    first: float | None = completion.first_token_s
+    return first
 
 
 def sensor_splits(sensors: Sequence[SensorBase], tokens: Sequence[Any], parts: Sequence[Any],
@@ -164,21 +165,21 @@ def sensor_splits_many(sensors: Sequence[SensorBase],
     """``sensor_splits`` of many windows (each: its tokens, its closed parts, its first token), with one
     ``energy_windows`` call per sample-based sensor for all of them.  Never raises."""
     outs: list[dict[str, PhaseSplit]] = [{} for _ in windows]
-    todo = [i for i, (_, _, at_s) in enumerate(windows) if at_s is not None]
+    todo = [(i, at_s) for i, (_, _, at_s) in enumerate(windows) if at_s is not None]
     for k, sensor in enumerate(sensors):
         if sensor.supports_split:
-            for i in todo:
-                tokens, _, at_s = windows[i]
+            for i, at_s in todo:
+                tokens = windows[i][0]
                 try:
                     outs[i].update({s.component: s for s in sensor.split(tokens[k], at_s)})
                 except Exception:  # a failed split leaves the record without phases, never without its record
                     continue
         elif sensor.supports_energy_windows and todo:
             try:
-                many = split_sampled_many(sensor, [(windows[i][1][k], windows[i][2]) for i in todo])
+                many = split_sampled_many(sensor, [(windows[i][1][k], at_s) for i, at_s in todo])
             except Exception:
                 continue
-            for i, splits in zip(todo, many):
+            for (i, _), splits in zip(todo, many):
                 outs[i].update({s.component: s for s in splits})
     return outs
 
@@ -191,14 +192,15 @@ def record_phases(readings: list[EnergyReading], splits: dict[str, PhaseSplit]) 
     missing = [r.component for r in basis if r.component not in splits]
     if missing:
         return {**NO_PHASES, "phase_note": f"no phase split for {', '.join(missing)}"}
-    total = sum(r.energy_j for r in basis)  # type: ignore[misc]  # the same sum as total_energy
-    prefill = sum(splits[r.component].prefill_fraction * r.energy_j for r in basis)  # type: ignore[operator]
-    prefill = min(max(prefill, 0.0), total)
+    energies = joules(basis)  # every reading of the basis has its energy
+    total = sum(energies)  # the same sum as total_energy
     used = [splits[r.component] for r in basis]
+    prefill = sum(s.prefill_fraction * e for s, e in zip(used, energies))
+    prefill = min(max(prefill, 0.0), total)
     return {
         "prefill_energy_j": prefill,
         "decode_energy_j": total - prefill,
-        "prefill_uncertainty_j": sum(s.uncertainty_fraction * r.energy_j for s, r in zip(used, basis)),
+        "prefill_uncertainty_j": sum(s.uncertainty_fraction * e for s, e in zip(used, energies)),
         "phase_quality": worst_quality([s.quality for s in used]),
         "prefill_unresolved": any(s.unresolved for s in used),
         "phase_note": "; ".join(f"{s.component}: {s.note}" for s in used),

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ipw.errors import IpwError
-from ipw.telemetry.base import Deferred, EnergyReading, Scope, SensorBase, SensorInfo
+from ipw.telemetry.base import Deferred, EnergyReading, Quality, Scope, SensorBase, SensorInfo
 from ipw.telemetry.estimator import (BUSY_FRACTION, BUSY_MIN_W, DEFAULT_ERROR_MODEL, MAX_INSTANT_GAP_S, CounterCheck,
                                      WindowEstimate,
                                      counter_change_points, counter_checks, estimate_windows, unwrap_counter)
@@ -405,10 +405,11 @@ class PolledSensor(SensorBase):
                              f"±{_fmt_j(est.uncertainty_j)}")
             if c.component in self._errors and est.coverage < 1.0:
                 parts.append(f"last error: {self._errors[c.component]}")
-            ok = est.energy_j is not None and est.quality != "unavailable"
+            energy_j = est.energy_j if est.quality != "unavailable" else None
+            ok = energy_j is not None
             out.append(EnergyReading(
-                component=c.component, energy_j=max(0.0, float(est.energy_j)) if ok else None,
-                source=est.source or f"{c.prefix}.power", quality=est.quality if ok else "unavailable",  # type: ignore[arg-type]
+                component=c.component, energy_j=max(0.0, float(energy_j)) if energy_j is not None else None,
+                source=est.source or f"{c.prefix}.power", quality=est.quality if ok else "unavailable",
                 scope=c.scope, duration_s=end_s - start_s, note="; ".join(parts),
                 uncertainty_j=est.uncertainty_j if ok else None))
         return out
@@ -418,7 +419,7 @@ class PolledSensor(SensorBase):
     def info(self) -> SensorInfo:
         first = self.platform.channels[0]
         source = f"{first.prefix}.power" if first.has_power else f"{first.prefix}.counter"
-        quality = "measured_interpolated"
+        quality: Quality = "measured_interpolated"
         startup = {k: list(v.problems) for k, v in self.startup.items() if not v.ok}
         detail = self.platform.describe()
         observed = self.observed_step_s()
@@ -427,7 +428,7 @@ class PolledSensor(SensorBase):
         if startup:
             detail += "; counter distrusted at start-up: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in startup.items())
         return SensorInfo(
-            name=self.name, available=True, source=source, quality=quality, scope=first.scope,  # type: ignore[arg-type]
+            name=self.name, available=True, source=source, quality=quality, scope=first.scope,
             components=tuple(c.component for c in self.platform.channels if c.part_of is None), detail=detail,
             params={"period_s": self.platform.period_s, "counter_step_s": self.platform.counter_step_s,
                     "channels": [{"component": c.component, "scope": c.scope, "counter": c.has_counter,

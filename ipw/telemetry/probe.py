@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ipw.errors import IpwError
-from ipw.telemetry.base import Sensor, SensorInfo
+from ipw.telemetry.base import Scope, Sensor, SensorInfo
 from ipw.telemetry.cpu_model import CpuModelSensor
 from ipw.telemetry.nvml import NvmlSensor
 from ipw.telemetry.polled import Absent
@@ -29,7 +29,7 @@ class PlatformEntry:
 
     name: str
     source: str
-    scope: str
+    scope: Scope
     gpu: bool  # a GPU sensor: skipped with gpu_indices=[]
     measures_cpu: bool  # its readings include the CPU: the CPU model estimate is then not added
     open: Callable[..., Sensor]
@@ -143,8 +143,8 @@ def probe_sensors(
     return sensors
 
 
-def _unavailable(name: str, source: str, scope: str, detail: str) -> SensorInfo:
-    return SensorInfo(name, False, source, "unavailable", scope, detail=detail)  # type: ignore[arg-type]
+def _unavailable(name: str, source: str, scope: Scope, detail: str) -> SensorInfo:
+    return SensorInfo(name, False, source, "unavailable", scope, detail=detail)
 
 
 def describe_sensors(

@@ -43,7 +43,7 @@ def series() -> dict[str, list[int | float]]:
     return {"t_ns": [], "v": []}
 
 
-def _push(s: dict[str, list[Any]], t_ns: int, v: int | float) -> None:
+def _push(s: dict[str, list[Any]], t_ns: int, v: Any) -> None:  # a number, or a dict of them
     s["t_ns"].append(int(t_ns))
     s["v"].append(v)
 
@@ -76,7 +76,7 @@ def _nvml_error_name(nvml: Any, exc: BaseException) -> str:
     if isinstance(exc, nvml.NVMLError):
         for name, value in vars(nvml).items():
             if name.startswith("NVML_ERROR_") and value == exc.value:
-                return name
+                return str(name)
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -107,7 +107,7 @@ class NvmlRecorder(Recorder):
             self.meta["driver"] = driver.decode() if isinstance(driver, bytes) else driver
         except Exception:  # noqa: BLE001 - metadata only
             self.meta["driver"] = None
-        self.pairs = {"mono_ns": [], "wall_us": []}
+        self.pairs: dict[str, list[int]] = {"mono_ns": [], "wall_us": []}
         self.devices = []
         count = nvml.nvmlDeviceGetCount()
         if count == 0:
@@ -174,7 +174,7 @@ class NvmlRecorder(Recorder):
                 if not out:
                     continue
                 value_type, samples = out
-                value_of = {nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: lambda v: v.ulVal,
+                value_of: Callable[[Any], Any] = {nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: lambda v: v.ulVal,
                             nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: lambda v: v.ullVal,
                             nvml.NVML_VALUE_TYPE_DOUBLE: lambda v: v.dVal}.get(value_type, lambda v: v.uiVal)
                 for s in sorted(samples, key=lambda s: int(s.timeStamp)):
@@ -193,7 +193,7 @@ class NvmlRecorder(Recorder):
 
 
 def _scope_id(nvml: Any, scope: str) -> int:
-    return {"gpu": nvml.NVML_POWER_SCOPE_GPU, "module": nvml.NVML_POWER_SCOPE_MODULE}[scope]
+    return int({"gpu": nvml.NVML_POWER_SCOPE_GPU, "module": nvml.NVML_POWER_SCOPE_MODULE}[scope])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class RaplRecorder(Recorder):
             raise Unavailable(exc.message) from exc
         if not zones:
             raise Unavailable(f"no RAPL package zones under {self.root}")
-        self.zones = [{"component": z.component, "path": str(z.energy_path),
+        self.zones: list[dict[str, Any]] = [{"component": z.component, "path": str(z.energy_path),
                        "max_energy_range_uj": z.max_energy_range_uj, "energy_uj": series(), "errors": []}
                       for z in zones]
 
@@ -263,7 +263,7 @@ class AmdRecorder(Recorder):
         if not self.handles:
             lib.amdsmi_shut_down()
             raise Unavailable("amdsmi: no AMD GPU found")
-        self.devices = [{"index": i, "market_name": str(lib.amdsmi_get_gpu_asic_info(h).get("market_name", "?")),
+        self.devices: list[dict[str, Any]] = [{"index": i, "market_name": str(lib.amdsmi_get_gpu_asic_info(h).get("market_name", "?")),
                          "energy_count": series(), "power_info": series(), "errors": []}
                         for i, h in enumerate(self.handles)]
 

@@ -465,8 +465,8 @@ class NvmlSampler:
                self._next_watch_ns if self._active("watch") else None,
                self._requested_samples_ns() if self._active("samples") else None,
                self._requested_counter_ns() if self._active("counter") else None]
-        due = [d for d in due if d is not None]
-        return min(due) if due else self._clock() + int(3600e9)
+        known = [d for d in due if d is not None]
+        return min(known) if known else self._clock() + int(3600e9)
 
     def run_due(self, now_ns: int | None = None) -> None:
         """Do every read that is due at ``now_ns`` (default: the clock's now)."""
@@ -593,7 +593,7 @@ class NvmlSampler:
         kind_total = getattr(nvml, "NVML_TOTAL_POWER_SAMPLES", 0)
         self._clock_pair()
         for g in self._gpus:
-            out = self._call(g, "samples", lambda g=g: nvml.nvmlDeviceGetSamples(g.gpu.handle, kind_total, g.last_sample_ts_us))
+            out = self._call(g, "samples", lambda: nvml.nvmlDeviceGetSamples(g.gpu.handle, kind_total, g.last_sample_ts_us))
             if not out:
                 continue
             value_type, samples = out
@@ -626,17 +626,18 @@ class NvmlSampler:
         cpu0 = time.thread_time()
         for g in self._gpus:
             t0 = self._clock()
-            mj = self._call(g, "counter", lambda g=g: nvml.nvmlDeviceGetTotalEnergyConsumption(g.gpu.handle))
+            mj = self._call(g, "counter", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(g.gpu.handle))
             t1 = self._clock()
             if mj is not None:
                 with self._lock:
                     g.counter.append((t0 + t1) / 2e9, int(mj) / 1000.0)
         cost = time.thread_time() - cpu0
         if adapt:
-            self._counter_cpu_s = cost if self._counter_cpu_s is None else 0.8 * self._counter_cpu_s + 0.2 * cost
-        if adapt and self.counter_adaptive:
-            period = self._counter_cpu_s / COUNTER_CPU_BUDGET
-            self.counter_period_s = min(MAX_COUNTER_PERIOD_S, max(DEFAULT_COUNTER_PERIOD_S, period))
+            cpu_s = cost if self._counter_cpu_s is None else 0.8 * self._counter_cpu_s + 0.2 * cost
+            self._counter_cpu_s = cpu_s
+            if self.counter_adaptive:
+                period = cpu_s / COUNTER_CPU_BUDGET
+                self.counter_period_s = min(MAX_COUNTER_PERIOD_S, max(DEFAULT_COUNTER_PERIOD_S, period))
         self._last_counter_ns = now_ns
 
     def _instant_of(self, g: _GpuState, count_as: str | None = None) -> None:
@@ -756,7 +757,7 @@ class NvmlSampler:
                 counter_time_sd_s=COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S,
             )
             if bad:
-                why = ("counter distrusted, not used: " if drop else "counter check: ") + "; ".join(check.problems)
+                why = ("counter distrusted, not used: " if drop else "counter check: ") + "; ".join(check.problems if check is not None else ())
                 ests = [replace(e, note="; ".join(filter(None, [why, e.note]))) for e in ests]
             out[g.gpu.component] = ests
         return out

@@ -78,7 +78,7 @@ class Snapshots:
                 if not self._open and self._active_since is not None:
                     self._active_s += self._clock() - self._active_since
                     self._active_since = None
-            if values is None:
+            if values is None or t_s is None:  # (the caller gives both or neither)
                 self._snap(trace)
             else:
                 trace.t_s.append(t_s)

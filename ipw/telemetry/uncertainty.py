@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from ipw.telemetry.estimator import DEFAULT_ERROR_MODEL, UNCALIBRATED_REL_SD
 
@@ -22,7 +22,7 @@ Z90 = 1.6448536269514722
 NVML_SHARED_REL = DEFAULT_ERROR_MODEL.calibration_floor
 
 
-def measurement_sd(energy_parts: str | Sequence[dict] | None) -> tuple[float, float]:
+def measurement_sd(energy_parts: str | Sequence[dict[str, Any]] | None) -> tuple[float, float]:
     """``(independent, shared)`` 1-sd error (J) of a record's total energy from its readings
     (``energy_parts``: the JSON a record stores, or the list of reading dicts).
 

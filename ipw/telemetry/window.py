@@ -36,7 +36,7 @@ class Closed:
 def resolve(closed: list[Closed]) -> None:
     """Make the deferred parts of many windows final at once, a class at a time (``Deferred.resolve_all``:
     NVML's one estimate for many windows; by default nothing happens and each part becomes final alone)."""
-    groups: dict[type, list[Any]] = {}
+    groups: dict[type[Deferred], list[Any]] = {}
     for c in closed:
         for part in c.parts:
             if isinstance(part, Deferred):
