@@ -19,9 +19,13 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ipw.errors import IpwError
+
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+    import pandas as pd
+    import pyarrow as pa
 
 SCHEMA_VERSION = 1
 STATUSES = ("running", "complete", "interrupted", "failed")
@@ -93,7 +97,7 @@ class QueryRecord:
 
         out: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            value = row.get(f.name)
+            value: Any = row.get(f.name)
             if f.name in ("choices", "judge_verdicts"):  # a list (JSONL), an array (Parquet), or missing in older runs
                 out[f.name] = tuple(str(c) for c in value) if isinstance(value, (list, tuple)) or hasattr(
                     value, "tolist") else ()
@@ -186,7 +190,7 @@ class JudgeEntry:
             raise IpwError(f"{where}: field 'schema_version': {version!r}, written by a newer ipw (this one reads "
                            f"up to {JUDGE_SCHEMA_VERSION}); upgrade ipw")
         tuples = ("verdicts", "judge_outputs", "judge_errors")
-        out = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        out: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         missing = [k for k in ("backend", "query_id", "judge_calls", "verdicts") if out[k] is None]
         if missing:
             raise IpwError(f"{where}: field '{missing[0]}': missing")
@@ -210,7 +214,7 @@ def write_error(path: Path, exc: OSError) -> IpwError:
                     f"ipw run --resume {path.parent}")
 
 
-def _atomic_write(path: Path, tmp: Path, write) -> None:
+def _atomic_write(path: Path, tmp: Path, write: Callable[[Path], object]) -> None:
     """``write(tmp)``, then rename it to ``path``: a crash never leaves a truncated file, and an OS error
     (disk full) leaves no temporary file and raises an IpwError naming ``path``."""
     try:
@@ -221,7 +225,7 @@ def _atomic_write(path: Path, tmp: Path, write) -> None:
         raise write_error(path, exc) from None
 
 
-def _atomic_write_parquet(frame, path: Path) -> None:
+def _atomic_write_parquet(frame: pd.DataFrame, path: Path) -> None:
     _atomic_write(path, path.with_suffix(".parquet.tmp"), lambda tmp: frame.to_parquet(tmp, index=False))
 
 
@@ -419,8 +423,9 @@ class RunFolder:
             manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
             if manifest.status == "complete":
                 raise IpwError(f"{path}: the run is already complete; nothing to resume")
-            if "serve" not in manifest.config:  # an ipw serve folder holds its proxy's options instead
-                RunConfig.from_dict(manifest.config, where=f"{path / 'manifest.json'}: field 'config'")
+            config = manifest.config or {}  # (required above)
+            if "serve" not in config:  # an ipw serve folder holds its proxy's options instead
+                RunConfig.from_dict(config, where=f"{path / 'manifest.json'}: field 'config'")
             return manifest
 
         check()  # before the lock: a folder that cannot be resumed is left exactly as it was
@@ -513,11 +518,11 @@ class RunFolder:
         if problem is not None:
             raise self.write_failure or problem
 
-    def log_frame(self):
+    def log_frame(self) -> pd.DataFrame:
         """The records written so far (records.jsonl) as a frame (``load_records_jsonl``)."""
         return load_records_jsonl(self.path / "records.jsonl")
 
-    def write_power(self, frame) -> None:
+    def write_power(self, frame: pd.DataFrame) -> None:
         """power.parquet as ``frame`` (merge: the shards' traces), replacing any there."""
         _atomic_write_parquet(frame, self.path / POWER_FILE)
 
@@ -602,14 +607,16 @@ def record_keys(path: Path) -> list[tuple[str, str, int, int]] | None:
     import pyarrow as pa
     import pyarrow.json as pj
 
-    schema = pa.schema([("backend", pa.string()), ("query_id", pa.string()), ("repeat", pa.int64()),
-                        ("concurrency", pa.int64())])
+    fields: list[tuple[str, pa.DataType]] = [("backend", pa.string()), ("query_id", pa.string()),
+                                             ("repeat", pa.int64()), ("concurrency", pa.int64())]
+    schema = pa.schema(fields)
     try:
         whole = _complete_length(own_file(path))  # a torn last line is left out, as by read_records
         if whole == 0:
             return []
         with pa.memory_map(str(path)) as mm:
-            table = pj.read_json(pa.BufferReader(mm.read_buffer(whole)), read_options=pj.ReadOptions(block_size=1 << 24),
+            table = pj.read_json(pa.BufferReader(mm.read_buffer(whole)),  # type: ignore[arg-type]  # pyarrow-stubs 20: any NativeFile works
+                                 read_options=pj.ReadOptions(block_size=1 << 24),
                                  parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError):
         return None
@@ -664,10 +671,14 @@ def trusted_parquet(run_dir: str | Path, manifest: dict[str, Any]) -> Path | Non
         return None
     entry = manifest.get("records")
     if not isinstance(entry, dict) or not log.exists():
-        return parquet if manifest.get("status") == "complete" or not log.exists() else _stale(parquet, "")
+        if manifest.get("status") == "complete" or not log.exists():
+            return parquet
+        _stale(parquet, "")
+        return None
     if log_digest(log) == {"count": entry.get("count"), "jsonl_sha256": entry.get("jsonl_sha256")}:
         return parquet
-    return _stale(parquet, " (records.jsonl changed since it was written)")
+    _stale(parquet, " (records.jsonl changed since it was written)")
+    return None
 
 
 def _stale(parquet: Path, why: str) -> None:
@@ -797,7 +808,7 @@ def repair_records(path: Path) -> list[int]:
     return numbers
 
 
-def load_records_jsonl(path: Path):
+def load_records_jsonl(path: Path) -> pd.DataFrame:
     import pandas as pd
 
     frame = pd.DataFrame(read_records(path), columns=RECORD_COLUMNS)
@@ -805,7 +816,7 @@ def load_records_jsonl(path: Path):
     return frame
 
 
-def _check_numeric(frame, path: Path) -> None:
+def _check_numeric(frame: pd.DataFrame, path: Path) -> None:
     import pandas as pd
 
     for column in NUMERIC_COLUMNS:
@@ -822,7 +833,7 @@ def _check_numeric(frame, path: Path) -> None:
             frame[column] = numbers
 
 
-def _parquet_schema_problem(schema, columns: list[str] | None) -> str | None:
+def _parquet_schema_problem(schema: pa.Schema, columns: list[str] | None) -> str | None:
     import pyarrow as pa
 
     names = set(schema.names)
@@ -839,7 +850,7 @@ def _parquet_schema_problem(schema, columns: list[str] | None) -> str | None:
     return None
 
 
-def read_parquet(path: Path, **options: Any):
+def read_parquet(path: Path, **options: Any) -> pd.DataFrame:
     """``pandas.read_parquet`` of a run folder's Parquet file, or an IpwError naming it (pyarrow raises
     many types for a truncated or corrupt file)."""
     import pandas as pd
@@ -852,7 +863,7 @@ def read_parquet(path: Path, **options: Any):
 
 
 def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical: tuple[str, ...] | list[str] = (),
-             require: tuple[str, ...] = ()):
+             require: tuple[str, ...] = ()) -> tuple[RunManifest, pd.DataFrame]:
     """The typed manifest (:class:`RunManifest`) and the records of a run folder (parquet when complete, else
     the JSONL log), read whole or an IpwError naming the file and what is wrong.
 
@@ -917,7 +928,7 @@ def read_log(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_records(Path(run_dir) / "records.jsonl")
 
 
-def read_power(run_dir: str | Path, columns: list[str] | None = None):
+def read_power(run_dir: str | Path, columns: list[str] | None = None) -> pd.DataFrame | None:
     """A run's power.parquet (those of ``columns`` it has; all when None), or None when it has none."""
     import pyarrow.parquet as pq
 
