@@ -125,7 +125,7 @@ def measure(args) -> dict:
                           "check": generate_check(tmp / f"chk-{n}", n // 10)}
             folders[n]["report"] = folders[n]["compare"]
             print(f"generated {n:,} records ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-        for rep in range(args.repeats):
+        for _rep in range(args.repeats):
             for n in args.sizes:
                 for name in args.commands:
                     load = loads()

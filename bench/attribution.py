@@ -51,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class PowerPoller(threading.Thread):
             try:
                 avg = nvml.nvmlDeviceGetPowerUsage(self.h) / 1000.0
                 inst = nvml.nvmlDeviceGetFieldValues(self.h, [fid])[0].value.uiVal / 1000.0
-            except Exception:  # noqa: BLE001
+            except Exception:
                 avg = inst = float("nan")
             t1 = time.monotonic()
             self.t.append((t0 + t1) / 2)
@@ -416,7 +416,7 @@ def markdown(result: dict[str, Any]) -> str:
     o = result["sampler_overhead"]
     lines += [
         "",
-        f"Begin/end counter reads of 0 J: " + ", ".join(
+        "Begin/end counter reads of 0 J: " + ", ".join(
             f"{sc}: {sum(b['begin_end_zero_reads'] for b in result['blocks'] if b['scenario'] == sc)}" for sc in s),
         "",
         f"Sampler overhead: {o['cpu_s']:.2f} CPU s over {o['wall_s']:.0f} s = {o['cpu_fraction_of_one_core']:.2%} of one "

@@ -50,8 +50,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import threading

@@ -170,7 +170,7 @@ class Worker:
             self.p.stdin.write("QUIT\n")  # type: ignore[union-attr]
             self.p.stdin.flush()  # type: ignore[union-attr]
             self.p.wait(20)
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.p.kill()
 
 
@@ -331,7 +331,6 @@ def measured_window(phase: str, rep: int, runs: dict[int, int], workers: list[Wo
     ref.cover(now, now + 0.7)
     time.sleep(0.35)
     tokens = {k: s.begin() for k, s in sensors.items()}
-    t_begin = time.monotonic()
     expected = max([n * workers[g].sec for g, n in runs.items()] or [idle_s])
     if runs:
         time.sleep(EDGE_PAD_S)  # the edges sit in steady (idle) power: the counter's reference is exact there

@@ -27,7 +27,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ipw.telemetry.estimator import counter_energy_between  # noqa: E402
+from ipw.telemetry.estimator import counter_energy_between
 
 COMPONENT = "gpu0"  # --component: another reading's component (e.g. cpu-process, to try the script on a CPU run)
 

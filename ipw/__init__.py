@@ -8,7 +8,7 @@ imported from ``ipw.api`` on first use, and pandas, numpy and the sensors only w
 __version__ = "0.1.0"
 
 _LAZY = {"measure": "ipw.api", "Measurement": "ipw.api", "load_run": "ipw.api", "Run": "ipw.api"}
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "measure", "Measurement", "load_run", "Run"]  # the names of _LAZY
 
 
 def __getattr__(name: str):

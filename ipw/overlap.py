@@ -397,6 +397,6 @@ class Meter:
         """End the span (after the last request has finished) and return the conservation tally."""
         self.segments.finish()
         self._drain_idle(wait=True)
-        for lo, hi, closed, active in self.segments.closed:  # requests that never finished (should be none)
+        for _lo, _hi, closed, _active in self.segments.closed:  # requests that never finished (should be none)
             self.tally.add(closed.readings(), "span_j")
         return self.tally.summary()

@@ -895,7 +895,7 @@ def load_run(run_dir: str | Path, columns: list[str] | None = None, categorical:
         except Exception as exc:  # pyarrow raises many types for a truncated or corrupt file
             text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             raise IpwError(f"{parquet}: cannot read Parquet ({type(exc).__name__}: {text}); the file is damaged"
-                           + (f" (its log records.jsonl is there: delete records.parquet to read the log)"
+                           + (" (its log records.jsonl is there: delete records.parquet to read the log)"
                               if (path / "records.jsonl").exists() else "")) from None
         return manifest, frame.assign(**{c: None for c in columns if c not in present})[columns]
     frame = load_records_jsonl(path / "records.jsonl")
@@ -952,7 +952,7 @@ def parquet_rows(run_dir: str | Path) -> int | None:
     path = Path(run_dir) / "records.parquet"
     try:
         return pq.ParquetFile(own_file(path)).metadata.num_rows if path.is_file() else None
-    except Exception:  # noqa: BLE001 - load_run names what is wrong with the file when it reads it
+    except Exception:  # load_run names what is wrong with the file when it reads it
         return None
 
 

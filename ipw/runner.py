@@ -25,7 +25,7 @@ from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_man
 from ipw.results import QUERIES_FILE, QueryRecord, RunFolder, RunManifest, file_sha256, new_run_id, read_queries, write_queries
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
-from ipw.telemetry.base import EnergyReading, Sensor, total_energy, worst_quality
+from ipw.telemetry.base import EnergyReading, Sensor, total_energy
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
 from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, resolve, with_estimate
@@ -207,7 +207,7 @@ def _energy_audit(folder: RunFolder, backend: str, sensors: list[Sensor], since_
         return []
     try:
         records = [r for r in read_records(log) if r.get("backend") == backend]
-    except Exception as exc:  # noqa: BLE001 - the audit never costs a run
+    except Exception as exc:  # the audit never costs a run
         return [{"error": f"{type(exc).__name__}: {exc}"}]
     return audit_dicts(sensors, records, since_s)
 

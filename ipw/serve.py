@@ -671,7 +671,7 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         else:
             found = upstream_pids if upstream_pids is not None else (
                 [] if upstream.remote else listening_pids(upstream.port))
-            pids_fn = lambda: list(found)  # noqa: E731
+            pids_fn = lambda: list(found)  # noqa: E731 - a one-line local helper
         sensors = (probe or probe_sensors)(pids_fn, remote=upstream.remote)
         if any(isinstance(s, CpuModelSensor) for s in sensors) and not pids_fn():
             raise IpwError(f"--upstream {upstream.url}: no process of this user listens on port {upstream.port}, so "

@@ -13,7 +13,7 @@ GOOD = {"id": "q1", "prompt": "What is 1 + 1?", "answer": "2", "scorer": "numeri
 
 def _jsonl(tmp_path: Path, *lines: str | dict) -> Path:
     path = tmp_path / "data.jsonl"
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
 
 
@@ -35,7 +35,7 @@ DATASET_CASES = {
 @pytest.mark.parametrize("case", sorted(DATASET_CASES))
 def test_bad_dataset(case, tmp_path, run_cli):
     lines, expected = DATASET_CASES[case]
-    path = _jsonl(tmp_path, *[GOOD if l == "GOOD" else l for l in lines])
+    path = _jsonl(tmp_path, *[GOOD if line == "GOOD" else line for line in lines])
     code, out, err = run_cli("run", "--dataset", path, "--out", tmp_path / "res")
     assert code == 2
     assert expected in err, err

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from runfolders import write_run  # noqa: F401 (other test modules import it from here too)
+from runfolders import write_run
 from ipw.analysis.stats import bootstrap_draws, lower_quantile, resample_weights
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -264,7 +264,7 @@ max_tokens = 4
     assert code == 0, err
     runs = sorted((tmp_path / "res").iterdir())
     assert len(runs) == 2  # the run, and the judged run linked to it
-    original, judged = (r for r in runs if not json.loads((r / "manifest.json").read_text()).get("rescored_from")), \
+    _, judged = (r for r in runs if not json.loads((r / "manifest.json").read_text()).get("rescored_from")), \
         next(r for r in runs if json.loads((r / "manifest.json").read_text()).get("rescored_from"))
     assert f"judged: {judged}" in err.replace("\n", "")
     frame = pd.read_parquet(judged / "records.parquet")

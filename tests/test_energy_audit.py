@@ -11,7 +11,7 @@ import pytest
 
 from ipw.telemetry.audit import audit, audit_dicts, gaps
 from ipw.telemetry.nvml import NvmlSensor
-from nvml_fakes import drive, finish, make_fake, synthetic, window
+from nvml_fakes import finish, make_fake, synthetic, window
 
 
 def test_gaps_are_the_span_outside_every_window():
@@ -145,7 +145,6 @@ def test_counter_over_the_span_on_the_h200_runs():
     it up to 0.37% low: the run ends at a change of load)."""
     from pathlib import Path
 
-    import numpy as np
 
     pd = pytest.importorskip("pandas")
     from ipw.telemetry import estimator as est

@@ -218,7 +218,7 @@ def test_concurrency_conservation_on_recorded_power(traces):
     energy = slice_energies(tr.samples_t_s, tr.samples_w, edges, ratio=cal.ratio)
     assert math.isclose(energy.sum(), integrate_samples(tr.samples_t_s, tr.samples_w, edges[0], edges[-1]) * cal.ratio,
                         rel_tol=1e-12)
-    for trial in range(20):
+    for _trial in range(20):
         requests = []
         for _ in range(int(rng.integers(1, 12))):
             start = t0 + rng.uniform(-2, 55)

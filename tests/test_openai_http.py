@@ -109,7 +109,7 @@ class FakeEndpoint:
             event({"choices": [{"index": 0, "delta": {"content": "The"}, "finish_reason": None}]})
             return
         words = [] if action == "empty" else WORDS[: body.get("max_tokens", 99)]
-        for i, word in enumerate(words):
+        for _i, word in enumerate(words):
             time.sleep(self.chunk_delay_s)
             piece = {"delta": {"content": word}} if chat else {"text": word}
             event({"choices": [{"index": 0, **piece, "finish_reason": None}]})

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("jinja2")
 pytest.importorskip("matplotlib")
 
-from ipw.analysis import report, report_data, report_plots  # noqa: E402
-from runfolders import create, record  # noqa: E402
+from ipw.analysis import report, report_data, report_plots
+from runfolders import create, record
 
 XSS_OUTPUT = "<script>window.__xss=1</script>"
 XSS_IMG = "<img src=x onerror=\"window.__xss_img=1\">"

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("jinja2")
 pytest.importorskip("matplotlib")
 
-from ipw.analysis import report  # noqa: E402
-from test_report import fixture_runs, write_run  # noqa: E402
+from ipw.analysis import report
+from test_report import fixture_runs, write_run
 
 LOCAL_CLOUD = [{"name": "cloud-xl", "role": "cloud", "skill": 0.9, "j_per_token": 5.0},
                {"name": "local-mid", "role": "local", "skill": 0.7, "j_per_token": 1.0}]

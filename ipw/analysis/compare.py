@@ -308,7 +308,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
-    names = lambda xs, opt: [x for n_ in xs for x in resolve_levels(n_, infos, opt)]  # noqa: E731
+    names = lambda xs, opt: [x for n_ in xs for x in resolve_levels(n_, infos, opt)]  # noqa: E731 - a one-line local helper
     roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"),
                           cloud=names(cloud, "--cloud"))
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))

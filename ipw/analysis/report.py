@@ -35,8 +35,8 @@ from ipw.resources import resource_path
 
 def _imports():
     try:
-        import jinja2  # noqa: F401
-        import matplotlib  # noqa: F401
+        import jinja2  # noqa: F401 - only whether it imports
+        import matplotlib  # noqa: F401 - only whether it imports
     except ImportError as exc:
         raise IpwError(f"ipw report needs jinja2 and matplotlib ({exc.name} is missing): install ipw's "
                        "report extra, e.g. pip install jinja2 matplotlib (bash .ci/setup installs it)") from None

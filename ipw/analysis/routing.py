@@ -348,7 +348,7 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
         rows = codes == code
         if not rows.any():
             continue
-        sub = lambda x: None if x is None else x[rows]  # noqa: E731
+        sub = lambda x: None if x is None else x[rows]  # noqa: E731 - a one-line local helper
         out.append(CategoryRouting(
             category=name, n_queries=int(rows.sum()), coverage=coverage_of(q, rows),
             cloud_accuracy=_mean(q.cloud_correct[rows]),

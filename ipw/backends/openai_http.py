@@ -28,7 +28,6 @@ import dataclasses
 import http.client
 import ipaddress
 import json
-import re
 import socket
 import tempfile
 import threading

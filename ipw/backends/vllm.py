@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from typing import Any
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
                                few_shot_prompt)
-from ipw.backends.servers import find_vllm_python  # noqa: F401 (also imported from here)
+from ipw.backends.servers import find_vllm_python
 from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError
 
@@ -138,7 +137,7 @@ class VllmEngine:
 
     def load(self) -> None:
         try:
-            import vllm  # noqa: F401
+            import vllm  # noqa: F401 - only whether it imports
         except ImportError:
             raise IpwError(SETUP_HINT) from None
         from ipw.convert import resolve_hf_model

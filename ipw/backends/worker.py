@@ -322,7 +322,7 @@ class WorkerBackend(BackendBase):
         if not self.alive():
             self.recover()
         try:
-            answer = self._worker.call("call", timeout_s=timeout_s, method=method, kwargs=kwargs)  # type: ignore[union-attr]
+            answer = self._worker.call("call", timeout_s=timeout_s, method=method, kwargs=kwargs)  # type: ignore[union-attr]  # recover() started one
         except WorkerDied as died:
             raise QueryError(f"the {self.LABEL} worker died: {died}", "engine_crash") from None
         if not answer["ok"]:
@@ -414,7 +414,9 @@ def serve(fd_in: int, fd_out: int) -> None:
             answer(rid, lambda: load(msg))
         elif op == "generate":
             settings = GenerationSettings(**{**msg["settings"], "stop": tuple(msg["settings"]["stop"])})
-            work = (lambda p=msg["prompt"], s=settings: engine.generate(p, s))
+
+            def work(p: str = msg["prompt"], s: GenerationSettings = settings) -> Any:  # bound now: runs in a thread
+                return engine.generate(p, s)
             if getattr(engine, "concurrency", 1) > 1:  # a batching engine: requests in flight together
                 thread = threading.Thread(target=answer, args=(rid, work), daemon=True)
                 thread.start()

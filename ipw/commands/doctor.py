@@ -129,7 +129,7 @@ def sensor_rows() -> list[list[str]]:
         sensor = NvmlSensor.probe()
     except IpwError as exc:
         rows.append(["nvml", "no", "nvml.samples", "unavailable", "gpu", "-", exc.message])
-    except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
+    except Exception as exc:  # doctor reports, never crashes
         rows.append(["nvml", "no", "nvml.samples", "unavailable", "gpu", "-", f"{type(exc).__name__}: {exc}"])
     else:
         if sensor is None:
@@ -146,7 +146,7 @@ def sensor_rows() -> list[list[str]]:
         from ipw.telemetry.probe import describe_sensors
 
         others = [i for i in describe_sensors() if i.name != "nvml"]
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         rows.append(["cpu", "?", "-", "-", "-", "-", f"could not probe: {type(exc).__name__}: {exc}"])
         others = []
     for info in others:
@@ -257,7 +257,7 @@ class _DenseCounter(threading.Thread):
                 t0 = time.monotonic()
                 try:
                     e = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.h)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     self.stop_ev.wait(0.01)
                     continue
                 self.t.append((t0 + time.monotonic()) / 2)
@@ -272,7 +272,7 @@ def _torch_load() -> tuple[Callable[[float], tuple[float, float]] | None, str]:
     """A function running matrix products for ``seconds`` -> (host start, host end), or None + why."""
     try:
         import torch
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return None, f"torch is not importable ({type(exc).__name__}); load step skipped"
     if not torch.cuda.is_available():
         return None, "torch has no CUDA device; load step skipped"
@@ -353,7 +353,7 @@ def gpu_self_test(
             result["driver"] = nvml.nvmlSystemGetDriverVersion()
             if isinstance(result["driver"], bytes):
                 result["driver"] = result["driver"].decode()
-        except Exception:  # noqa: BLE001
+        except Exception:
             result["driver"] = None
         fid = nvml.NVML_FI_DEV_POWER_INSTANT
         last = [0]

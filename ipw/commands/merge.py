@@ -85,7 +85,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     run_id = new_run_id()
     order = {b["name"]: i for i, b in enumerate(m0.config["backends"])}
     rows, seen, n_records, node_of = [], {}, {}, {}
-    for p, m in shards:
+    for p, _m in shards:
         shard_rows = read_log(p)
         n_records[p] = len(shard_rows)
         node_of[p] = (shard_rows[0].get("node") or "") if shard_rows else ""  # for power traces without one

@@ -217,7 +217,7 @@ class CpuModelSensor(SensorBase):
         end_ns = time.monotonic_ns()
         if trace is not None:  # its last snapshot: the read above where it read the same (one read per edge)
             same = trace.step > 0  # not an in-process engine's process clock
-            self.snapshots.close(trace, *((end_ns / 1e9, (end_cpu_s,)) if same else ()))  # type: ignore[union-attr]
+            self.snapshots.close(trace, *((end_ns / 1e9, (end_cpu_s,)) if same else ()))  # type: ignore[union-attr]  # a trace only with snapshots
         cpu_s = end_cpu_s - start_cpu_s
         duration_s = (end_ns - start_ns) / 1e9
         if cpu_s < 0:

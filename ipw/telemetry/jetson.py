@@ -135,7 +135,7 @@ class JetsonPlatform(Platform):
             try:
                 p.power_w[c.component] = r.watts()
                 if c.has_counter:
-                    p.counter_j[c.component] = r.joules()  # type: ignore[assignment]
+                    p.counter_j[c.component] = r.joules()  # type: ignore[assignment]  # not None: has_counter
             except (OSError, ValueError, IpwError) as exc:
                 p.errors[c.component] = f"{type(exc).__name__}: {exc}"
         return p

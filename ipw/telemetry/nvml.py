@@ -229,7 +229,7 @@ def probe_power_scopes(pynvml: ModuleType, handle: Any) -> dict[str, str]:
             out[scope] = "ok" if ret == pynvml.NVML_SUCCESS else _error_name(pynvml, ret)
         except pynvml.NVMLError as exc:
             out[scope] = _error_name(pynvml, exc.value)
-        except Exception as exc:  # noqa: BLE001 - an old binding without scoped field ids
+        except Exception as exc:  # an old binding without scoped field ids
             out[scope] = f"{type(exc).__name__}: {exc}"
     return out
 

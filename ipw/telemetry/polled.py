@@ -219,7 +219,7 @@ class PolledSensor(SensorBase):
         t0 = self._clock()
         try:
             p = self.platform.read()
-        except Exception as exc:  # noqa: BLE001 - a broken read is recorded, never kills the thread
+        except Exception as exc:  # a broken read is recorded, never kills the thread
             p = Poll(errors={c.component: f"{type(exc).__name__}: {exc}" for c in self.platform.channels})
         t_s = (t0 + self._clock()) / 2e9
         with self._lock:
@@ -381,7 +381,7 @@ class PolledSensor(SensorBase):
         """One reading per channel for ``[start_s, end_s]``; never raises."""
         try:
             per = self._estimate([(start_s, end_s)])
-        except Exception as exc:  # noqa: BLE001 - never an exception into the runner
+        except Exception as exc:  # never an exception into the runner
             return [EnergyReading(c.component, None, f"{c.prefix}.power", "unavailable", c.scope, end_s - start_s,
                                   note=f"estimate failed: {type(exc).__name__}: {exc}")
                     for c in self.platform.channels if c.part_of is None]

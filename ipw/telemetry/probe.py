@@ -89,7 +89,7 @@ def platform_sensors(gpu_indices: list[int] | None = None, *, quiet: bool = Fals
             why[entry.name] = exc.message
             if not quiet:
                 print(f"ipw: {entry.name} sensor not used: {exc.message}", file=sys.stderr)
-        except Exception as exc:  # noqa: BLE001 - a vendor library's own failure never stops the run
+        except Exception as exc:  # a vendor library's own failure never stops the run
             why[entry.name] = f"{type(exc).__name__}: {exc}"
             if not quiet:
                 print(f"ipw: {entry.name} sensor not used: {why[entry.name]}", file=sys.stderr)

@@ -179,7 +179,7 @@ class RaplSensor(SensorBase):
         end_uj = self._read_all()
         end_ns = time.monotonic_ns()
         if trace is not None:
-            self.snapshots.close(trace, end_ns / 1e9, end_uj)  # type: ignore[union-attr]
+            self.snapshots.close(trace, end_ns / 1e9, end_uj)  # type: ignore[union-attr]  # a trace only with snapshots
         duration_s = (end_ns - start_ns) / 1e9
         readings = []
         for zone, e0, e1 in zip(self.zones, start_uj, end_uj):

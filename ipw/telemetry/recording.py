@@ -105,7 +105,7 @@ class NvmlRecorder(Recorder):
         try:
             driver = nvml.nvmlSystemGetDriverVersion()
             self.meta["driver"] = driver.decode() if isinstance(driver, bytes) else driver
-        except Exception:  # noqa: BLE001 - metadata only
+        except Exception:  # metadata only
             self.meta["driver"] = None
         self.pairs: dict[str, list[int]] = {"mono_ns": [], "wall_us": []}
         self.devices = []
@@ -123,7 +123,7 @@ class NvmlRecorder(Recorder):
                 try:
                     v = call(h)
                     dev[key] = v.decode() if isinstance(v, bytes) else v
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     dev[key] = None
                     dev["errors"].append([time.monotonic_ns(), key, _nvml_error_name(nvml, exc)])
             dev["power_scope_probe"] = probe_power_scopes(nvml, h)  # ipw.telemetry.nvml
@@ -257,7 +257,7 @@ class AmdRecorder(Recorder):
             lib.amdsmi_init(lib.AmdSmiInitFlags.INIT_AMD_GPUS)
         except IpwError as exc:
             raise Unavailable(exc.message) from exc
-        except Exception as exc:  # noqa: BLE001 - amdsmi_init's own failure (no permission, no driver)
+        except Exception as exc:  # amdsmi_init's own failure (no permission, no driver)
             raise Unavailable(f"amdsmi_init: {amd._status(lib, exc)}") from exc
         self.handles = list(lib.amdsmi_get_processor_handles())
         if not self.handles:
@@ -391,7 +391,7 @@ def record(seconds: float, *, load: Callable[[], None] | None = None, load_at_s:
             platforms[r.name] = {"available": False, "why": str(exc)}
             log(f"record-trace: {r.name}: not recorded: {exc}")
             continue
-        except Exception as exc:  # noqa: BLE001 - one broken platform never stops the others
+        except Exception as exc:  # one broken platform never stops the others
             platforms[r.name] = {"available": False, "why": f"{type(exc).__name__}: {exc}"}
             log(f"record-trace: {r.name}: not recorded: {type(exc).__name__}: {exc}")
             continue
@@ -411,7 +411,7 @@ def record(seconds: float, *, load: Callable[[], None] | None = None, load_at_s:
                 if now >= due[id(r)]:
                     try:
                         r.poll(now)
-                    except Exception as exc:  # noqa: BLE001
+                    except Exception as exc:
                         events.append({"t_ns": now, "what": f"{r.name} poll failed: {type(exc).__name__}: {exc}"})
                     due[id(r)] = now + int(r.period_s * 1e9)
             wait = (min(due.values(), default=end_ns) - time.monotonic_ns()) / 1e9
