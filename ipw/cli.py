@@ -98,6 +98,10 @@ def run(
         False, "--repair", help="With --resume: drop the damaged lines of the run's records.jsonl (a line torn "
         "before the end, which ipw otherwise refuses to read past); they are kept in records.dropped.jsonl and "
         "their queries run again."),
+    full_table: bool = typer.Option(
+        False, "--full-table", help="End with every metric of every backend (ipw compare's metrics table, one row "
+        "per metric) instead of the summary: accuracy, J/query, IPJ and errors per backend, which fits 100 "
+        "columns."),
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
     from ipw.commands.run import run_command
@@ -105,7 +109,8 @@ def run(
     raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
                                  repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
                                  dataset_preset=dataset_preset, split=split, categories=category, sample=sample,
-                                 shard=shard, ray=ray, shards=shards, repair=repair, concurrency=concurrency))
+                                 shard=shard, ray=ray, shards=shards, repair=repair, concurrency=concurrency,
+                                 full_table=full_table))
 
 
 @app.command()

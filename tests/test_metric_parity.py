@@ -16,8 +16,13 @@ def _compare(run_cli, run) -> dict:
     return {b["label"]: b["metrics"] for b in json.loads(out)["backends"]}
 
 
-def _fmt(e: dict) -> str:
-    return f"{e['value']:.3g} [{e['lo']:.3g}, {e['hi']:.3g}]"
+def _shown(e: dict, key: str) -> str:
+    """Compare's JSON estimate as every table shows it: the metric's format (``ipw.analysis.fmt``)."""
+    from ipw.analysis import fmt
+    from ipw.analysis.metrics import BY_NAME
+    from ipw.analysis.stats import Estimate
+
+    return fmt.estimate(Estimate(e["value"], e["lo"], e["hi"]), BY_NAME[key].format)
 
 
 def _check_levels(run_cli, run, tmp_path) -> dict:
@@ -33,7 +38,7 @@ def _check_levels(run_cli, run, tmp_path) -> dict:
             if cells[2] == "exact":  # the work gate's token counts and errors (tests/test_check.py)
                 continue
             assert cells[3] == cells[4]  # against itself
-            levels[(cells[0], cells[1])] = float(cells[3])
+            levels[(cells[0], cells[1])] = cells[3]
     return levels
 
 
@@ -42,8 +47,13 @@ ALIAS = {"accuracy": "accuracy", "error_rate": "error_rate", "energy_per_query":
 
 
 def _agree(compared: dict, levels: dict) -> None:
+    """check's baseline of each gated metric is compare's value, as the metric table formats it."""
+    from ipw.analysis import fmt
+    from ipw.analysis.metrics import BY_NAME
+
     for (backend, name), level in levels.items():
-        assert level == pytest.approx(compared[backend][ALIAS[name]]["value"], rel=1e-3), (backend, name)
+        key = ALIAS[name]
+        assert level == fmt.value(compared[backend][key]["value"], BY_NAME[key].format), (backend, name)
 
 
 def test_run_table_compare_check_and_report_agree(tmp_path, run_cli):
@@ -65,11 +75,12 @@ def test_run_table_compare_check_and_report_agree(tmp_path, run_cli):
     compared = _compare(run_cli, run)
     m = compared["stub"]
     assert m["error_rate"]["value"] == 0.25 and m["errors"]["value"] == 2
-    # the final table of ipw run: the same estimates, formatted
-    row = next(line for line in out.splitlines() if re.match(r"\W*stub\W", line))
-    for key in ("energy_per_query_j", "ipj", "ipw"):
-        assert _fmt(m[key]) in row, (key, row)
-    assert f"{m['accuracy']['value']:.1%}" in row
+    # the final table of ipw run: the same estimates, formatted; each value over its interval
+    lines = out.splitlines()
+    i = next(i for i, line in enumerate(lines) if re.match(r"\W*stub\W", line))
+    values, intervals = lines[i].split("│")[2:-2], lines[i + 1].split("│")[2:-2]
+    shown = [_shown(m[key], key) for key in ("accuracy", "energy_per_query_j", "ipj", "errors")]
+    assert [f"{v.strip()} {x.strip()}".strip() for v, x in zip(values, intervals)] == shown, lines[i:i + 2]
     _agree(compared, _check_levels(run_cli, run, tmp_path))
     ctx = report.build([run])
     assert {b["label"]: b["metrics"] for b in ctx["backends"]} == compared

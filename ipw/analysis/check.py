@@ -28,9 +28,10 @@ import numpy as np
 from ipw.errors import IpwError
 from ipw.results import RunManifest
 from ipw.telemetry.hardware import HARDWARE_KEYS, hardware_key, machines
+from ipw.analysis import fmt
 from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
-from ipw.analysis.stats import MeasurementError, bootstrap_draws
+from ipw.analysis.stats import LEVEL, MeasurementError, bootstrap_draws, bounds, n_resamples
 
 # the metrics and their aliases come from ipw.analysis.metrics (the one table); failed candidate queries count
 # as incorrect, and their share is itself gated
@@ -41,7 +42,7 @@ DEFAULT_THRESHOLDS = ("energy_per_query:+5%", "accuracy:-2pp", "error_rate:+2pp"
 class Threshold:
     metric: str
     limit: float  # signed: +5 means an increase of more than 5 (% or pp) is bad; -2 a decrease of more than 2
-    unit: str
+    unit: str  # % (relative) or pp (percentage points): the metric's change unit
 
     @property
     def text(self) -> str:
@@ -78,6 +79,7 @@ class Verdict:
     floor: float = float("nan")  # noise floor in the threshold's unit (NaN: none known); a change within it is noise
     floor_source: str = ""  # where the floor comes from: calibration, drift, ...
     detail: str = ""  # work gate: how many queries changed
+    unit: str = "%"  # of change, ci_lo, ci_hi and floor: the threshold's (% or pp; the work gate: %)
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
 
 def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
-               n_boot: int = 4000, seed: int = 0, floors: dict | None = None, work_gate: bool = True,
+               n_boot: int | None = None, seed: int = 0, floors: dict | None = None, work_gate: bool = True,
                unsteady: dict[str, str] | None = None) -> CheckResult:
     """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
@@ -227,16 +229,16 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
         nc_ = [k for k, m in cc.items() if not isinstance(m, str)]
         columns = [cb[k]() for k in nb_] + [cc[k]() for k in nc_]
         quantiles = [(x, ps) for v in (vb, vc) for _, x, ps in quantile_inputs(v)]
-        errors = _measurement(name, vb, vc, nb_.index("e"), len(nb_) + nc_.index("e"), notes)
+        errors = _measurement(name, vb, vc, nb_.index("energy_j"), len(nb_) + nc_.index("energy_j"), notes)
         # paired: one set of resample weights; each query's independent energy error drawn on every resample
-        d = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed, measurement=errors)
+        d = bootstrap_draws(columns, quantiles, n_boot=n_boot or n_resamples(n), seed=seed, measurement=errors)
         nq = len(quantile_keys())
         point_b = values(_sums(nb_, cb, d.point_sums, np.asarray(d.point_quantiles), 0, 0))
         point_c = values(_sums(nc_, cc, d.point_sums, np.asarray(d.point_quantiles), len(nb_), nq))
         boot_b = values(_sums(nb_, cb, d.sums, d.quantiles, 0, 0))
         boot_c = values(_sums(nc_, cc, d.sums, d.quantiles, len(nb_), nq))
         if d.measurement:  # the same resamples without measurement error: what the stated uncertainty alone moves
-            d0 = bootstrap_draws(columns, quantiles, n_boot=n_boot, seed=seed)
+            d0 = bootstrap_draws(columns, quantiles, n_boot=d.n_boot, seed=seed)
             exact_b = values(_sums(nb_, cb, d0.sums, d0.quantiles, 0, 0))
             exact_c = values(_sums(nc_, cc, d0.sums, d0.quantiles, len(nb_), nq))
         for t in thresholds:
@@ -277,11 +279,12 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
                     floor, source = stated, "the stated measurement uncertainty (95%)"
             status = _status(t, float(change), p_value, p_better, alpha, floor)
             if floor > abs(t.limit):
-                notes.append(f"{name}: {t.metric}'s noise floor ({floor:.2f}{t.unit}, {source}) is above the threshold "
+                notes.append(f"{name}: {t.metric}'s noise floor ({fmt.change(floor, t.unit, sign=False)}, {source}) is "
+                             f"above the threshold "
                              f"{t.text}: a change between them is inconclusive, not a regression")
-            lo, hi = (np.quantile(stats, [0.025, 0.975]) if len(stats) else (np.nan, np.nan))
-            verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), float(lo), float(hi), p_value,
-                                    status, n, float(floor), source))
+            lo, hi = bounds(stats)
+            verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), lo, hi, p_value,
+                                    status, n, float(floor), source, unit=t.unit))
         if work_gate:
             rows = work_verdicts(name, vb, vc, n)
             level = max(pb.info.concurrency, pc.info.concurrency)
@@ -391,7 +394,7 @@ def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float
 
 
 def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list[Threshold], *, alpha: float = 0.01,
-                      strict: bool = False, floors: dict | None = None, work_gate: bool = True, n_boot: int = 4000,
+                      strict: bool = False, floors: dict | None = None, work_gate: bool = True, n_boot: int | None = None,
                       seed: int = 0) -> CheckResult:
     """One interleaved job (``ipw.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
     order they ran; each two consecutive blocks are a pair, one A and one B over the same shard of the queries.
@@ -430,7 +433,7 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     if all(len(same) > 1 for same in a_runs):  # the first round's A blocks against the last round's
         seen = check_runs(*_pool([same[0] for same in a_runs]), *_pool([same[-1] for same in a_runs]), thresholds,
                           n_boot=1, seed=seed, work_gate=False)
-        drift = tuple(Drift(v.backend, v.metric, v.change, "pp" if v.threshold.endswith("pp") else "%")
+        drift = tuple(Drift(v.backend, v.metric, v.change, v.unit)
                       for v in seen.verdicts)
     else:
         notes.append("no drift measured: each shard ran once a side (one round); give --blocks a multiple of "
@@ -501,18 +504,20 @@ def _none_known(v: dict, key: str) -> bool:
     return v.get(key) is None or bool(np.isnan(v[key]).all())
 
 
-COLUMNS = ("backend", "metric", "threshold", "baseline", "candidate", "change [95% CI]", "noise floor", "p", "verdict")
+COLUMNS = ("backend", "metric", "threshold", "baseline", "candidate", f"change [{LEVEL:.0%} CI]", "noise floor", "p",
+           "verdict")
 
 
 def cells(v: Verdict) -> tuple[str, ...]:
-    """One verdict as the table's text cells (the terminal table and the Markdown one)."""
-    unit = "pp" if v.threshold.endswith("pp") else "%"
+    """One verdict as the table's text cells (the terminal table and the Markdown one): the baseline and the
+    candidate as the metric table shows the metric (``ipw.analysis.fmt``), the change in its unit."""
     if v.threshold == "exact":  # the work gate: counts, compared query by query
-        return (v.backend, v.metric, v.threshold, f"{v.baseline:.10g}", f"{v.candidate:.10g}",
-                f"{v.change:+.2f}% ({v.detail})", "0", "-", v.status)
-    floor = f"±{v.floor:.2f}{unit}" if np.isfinite(v.floor) else "-"
-    return (v.backend, v.metric, v.threshold, f"{v.baseline:.4g}", f"{v.candidate:.4g}",
-            f"{v.change:+.2f}{unit} [{v.ci_lo:+.2f}, {v.ci_hi:+.2f}]", floor, f"{v.p_value:.3g}", v.status)
+        return (v.backend, v.metric, v.threshold, fmt.value(v.baseline, fmt.COUNT), fmt.value(v.candidate, fmt.COUNT),
+                f"{fmt.change(v.change, v.unit)} ({v.detail})", "0", "-", v.status)
+    f = gated_metric(v.metric).format
+    floor = "±" + fmt.change(v.floor, v.unit, sign=False) if np.isfinite(v.floor) else "-"
+    return (v.backend, v.metric, v.threshold, fmt.value(v.baseline, f), fmt.value(v.candidate, f),
+            fmt.change_interval(v.change, v.ci_lo, v.ci_hi, v.unit), floor, fmt.value(v.p_value), v.status)
 
 
 def drift_lines(result: CheckResult) -> list[str]:
@@ -521,7 +526,7 @@ def drift_lines(result: CheckResult) -> list[str]:
         return []
     by: dict[str, list[str]] = {}
     for d in result.drift:
-        by.setdefault(d.backend, []).append(f"{d.metric} {d.change:+.2f}{d.unit}")
+        by.setdefault(d.backend, []).append(f"{d.metric} {fmt.change(d.change, d.unit)}")
     return [f"interleaved blocks {' '.join(result.blocks)}: drift of the A blocks from the first round to the "
             f"last: {backend}: {', '.join(parts)} (pairs alternate A B, B A, which cancels a linear drift; half of "
             "it is the floor)" for backend, parts in by.items()]
@@ -547,8 +552,10 @@ def github_annotations(result: CheckResult) -> str:
             level = "error" if v.status == "regression" or result.strict else "warning"
             # a backend name is the user's text: escaped, it can neither end the command nor start another
             title = github_property(f"ipw check {v.status}: {v.backend} {v.metric}")
-            what = (f"{v.baseline:.10g} -> {v.candidate:.10g}, {v.detail}" if v.threshold == "exact" else
-                    f"changed {v.change:+.2f} (threshold {v.threshold}, p={v.p_value:.3g}, n={v.n_queries})")
+            _, _, _, base, cand, *_ = cells(v)
+            what = (f"{base} -> {cand}, {v.detail}" if v.threshold == "exact" else
+                    f"changed {fmt.change(v.change, v.unit)} (threshold {v.threshold}, p={fmt.value(v.p_value)}, "
+                    f"n={v.n_queries})")
             out.append(f"::{level} title={title}::" + github_escape(f"{v.backend}: {v.metric} {what}"))
     return "\n".join(out)
 
@@ -563,7 +570,8 @@ def junit_xml(result: CheckResult) -> str:
         name = quoteattr(f"{v.backend}.{v.metric}")
         body = ""
         if v in failures:
-            body = f"<failure message={quoteattr(f'{v.status}: change {v.change:+.2f} beyond {v.threshold}, p={v.p_value:.3g}')}/>"
+            text = f"{v.status}: change {fmt.change(v.change, v.unit)} beyond {v.threshold}, p={fmt.value(v.p_value)}"
+            body = f"<failure message={quoteattr(text)}/>"
         cases.append(f'  <testcase classname="ipw.check" name={name}>{body}</testcase>')
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="ipw check" tests="{len(result.verdicts)}" '
             f'failures="{len(failures)}">\n' + "\n".join(cases) + "\n</testsuite>\n")

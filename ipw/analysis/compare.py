@@ -24,12 +24,11 @@ from ipw.analysis import metrics as metric_table
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
-from ipw.analysis.stats import Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
+from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
 from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
 
-LEVEL = 0.95
 J_PER_KWH = 3.6e6
 
 # key, label (from the one metric table, ipw.analysis.metrics); every key is in each backend's
@@ -106,11 +105,13 @@ class Comparison:
     routing_ci: dict[str, Estimate]
     notes: tuple[str, ...] = field(default=())
     measurement: str = ""  # what the CIs carry besides resampling queries (measurement error, or why not)
+    with_measurement_error: bool = False  # the energy CIs draw each query's stated measurement error
     models: dict[str, dict[str, LinearFit]] = field(default_factory=dict)  # label -> energy|latency -> OLS fit
     judge: tuple[JudgeRow, ...] = ()  # the judge's verdicts and cost, per judged run and backend (and category)
     hardware_note: str | None = None  # the runs were measured on different kinds of machine (the report's banner)
     deadline: Deadline | None = None  # --deadline: the latency bound of the energy-optimal level
     level_picks: tuple[LevelPick, ...] = ()  # per backend, its energy-optimal level under the deadline
+    query_set_note: str = ""  # the note that the runs' query sets differ and the numbers cover the shared queries
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -228,7 +229,7 @@ class _Columns:
     def add_backend(self, j: int, v: dict) -> None:
         """Backend j's columns (ipw.analysis.metrics.query_columns), keyed (j, name)."""
         for name, make in metric_table.query_columns(v).items():
-            if name == "n" and "one" in self.index:
+            if name == "queries" and "one" in self.index:
                 self.add((j, name), same_as="one")
             elif isinstance(make, str):
                 self.add((j, name), same_as=(j, make))
@@ -248,7 +249,7 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int, envelope: list[
     for j in range(pq.correct.shape[0]):
         cols.add_backend(j, backend_values(pq, j, cost))
     if oq is not None:
-        same = {"cloud_energy": (ri, "e"), "cloud_cost": (ri, "cost")}
+        same = {"cloud_energy": (ri, "energy_j"), "cloud_cost": (ri, "cost_usd")}
         for key, x in (("covered", oq.covered), ("scored", oq.scored), ("judged", oq.judged),
                        ("win_covered", oq.win_covered & oq.judged), ("correct", np.nan_to_num(oq.correct)),
                        ("has_correct", ~np.isnan(oq.correct)), ("energy", oq.energy_j),
@@ -274,8 +275,8 @@ def measurement_errors(pq: PerQuery, col: dict, oq=None) -> tuple[list[Measureme
     sd = np.nan_to_num(pq.energy_sd_j) if pq.energy_sd_j is not None else np.zeros_like(pq.energy_j)
     shared = np.nan_to_num(pq.energy_shared_sd_j) if pq.energy_shared_sd_j is not None else np.zeros_like(pq.energy_j)
     has = ~np.isnan(pq.energy_j)
-    out = [MeasurementError(col[(j, "e")], np.where(has[j], sd[j], 0.0), np.where(has[j], shared[j], 0.0))
-           for j in range(pq.energy_j.shape[0]) if (j, "e") in col]
+    out = [MeasurementError(col[(j, "energy_j")], np.where(has[j], sd[j], 0.0), np.where(has[j], shared[j], 0.0))
+           for j in range(pq.energy_j.shape[0]) if (j, "energy_j") in col]
     if oq is not None and ("route", "energy") in col:
         rows = np.arange(len(oq.choice))
         out.append(MeasurementError(col[("route", "energy")], sd.T[rows, oq.choice], shared.T[rows, oq.choice]))
@@ -372,7 +373,8 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
                       judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks,
-                      measurement=measurement)
+                      measurement=measurement, with_measurement_error=bool(errors),
+                      query_set_note=pq.query_set_note)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

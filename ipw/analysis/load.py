@@ -84,6 +84,9 @@ class PerQuery:
     # one (runs made before readings carried uncertainty_j, or read without their parts)
     energy_sd_j: np.ndarray | None = None
     energy_shared_sd_j: np.ndarray | None = None
+    # --common-queries: why query_id holds only the queries every backend shares ("": every backend has them all);
+    # also one of ``load``'s notes, kept apart so that ``ipw run`` shows it without looking for it by its text
+    query_set_note: str = ""
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
@@ -369,10 +372,12 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
             universe = universe.intersection(p.query_id[p.present], sort=False)
     if len(universe) == 0:
         raise IpwError("the runs share no query: nothing to compare")
+    query_set_note = ""
     if problem:
         sizes = ", ".join(f"{p.info.label}: {int(p.present.sum())}" for p in parts)
-        notes.append(f"--common-queries: compared on the {len(universe)} queries all backends share "
-                     f"({problem}; queries per backend: {sizes})")
+        query_set_note = (f"--common-queries: compared on the {len(universe)} queries all backends share "
+                          f"({problem}; queries per backend: {sizes})")
+        notes.append(query_set_note)
     positions: dict[int, np.ndarray | None] = {}
     for p in parts:
         if id(p.query_id) not in positions:
@@ -396,6 +401,7 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
             v = p.values.pop(name)
             mat[j] = np.nan if v is None else aligned(p, v)
         out[name] = mat
-    pq = PerQuery(query_id=universe, category=category, categories=tuple(categories), **out)
+    pq = PerQuery(query_id=universe, category=category, categories=tuple(categories), query_set_note=query_set_note,
+                  **out)
     runs = tuple({p.run.run_id: p.run for p in parts}.values())
     return runs, tuple(p.info for p in parts), pq, notes

@@ -11,14 +11,13 @@ of the per-query values), so the same definition serves a point value and every 
 (``ipw.analysis.stats.bootstrap_draws``) and paired differences between runs.
 
 Columns (per backend, one value per query; ``query_columns``), each summed over the queries:
-  n: 1; correct: correct or 0; scored / unscored: 1 if it is; error_share: its errored records' share;
+  queries: 1; correct: correct or 0; scored / unscored: 1 if it is; error_share: its errored records' share;
   error_records: its errored records; win_tie: win/tie or 0; judged: 1 if a judge compared it;
-  with_energy: 1 if it has energy; e: energy (J) or 0; window_s_with_energy, output_tokens_with_energy:
+  with_energy: 1 if it has energy; energy_j: energy (J) or 0; window_s_with_energy, output_tokens_with_energy:
   its window (s) and output tokens where it has energy; prefill_j, decode_j: its phases' J where both are
-  known, prompt_tokens_with_phases, output_tokens_with_phases: its tokens there; cost, with_cost: USD and 1
-  where a cost is known; output_tokens_with_span, wall_share_s: output tokens and the query's share of its
-  level's wall span (s) where the span is known.  (``n``, ``e`` and ``cost`` keep their short names:
-  ipw.analysis.compare and ipw.analysis.check index them.)
+  known, prompt_tokens_with_phases, output_tokens_with_phases: its tokens there; cost_usd, with_cost: USD and
+  1 where a cost is known; output_tokens_with_span, wall_share_s: output tokens and the query's share of its
+  level's wall span (s) where the span is known.
 Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the per-query means.
 """
 
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from ipw.analysis.fmt import COUNT, NUMBER, PERCENT, Format
 
 QUANTILES = (("ttft", "ttft_s", (0.5, 0.95)), ("latency", "latency_s", (0.5, 0.95)))  # key, per-query value, ps
 
@@ -45,38 +46,44 @@ class Metric:
     better: str  # "higher" | "lower" | "" (shown, never gated)
     counts: str  # which queries count
     value: Callable[[Mapping[str, Any]], Any]  # from column sums (a point, or one per resample)
-    change_unit: str = "%"  # a change is relative (%) or in percentage points (pp)
+    format: Format = NUMBER  # how its values are shown (ipw.analysis.fmt), and so its changes' unit
+    summary: bool = False  # a column of ``ipw run``'s summary table (``--full-table``: every metric)
     aliases: tuple[str, ...] = ()  # older ``--fail-if`` names
     energy: bool = False  # computed from energy (an estimated energy makes it estimated)
     needs: str = ""  # the per-query value it cannot do without: correct (a score) or win_tie (a judge's verdict)
+
+    @property
+    def change_unit(self) -> str:
+        """A change is relative (%), or in percentage points (pp) for a share."""
+        return self.format.change_unit
 
 
 ALL = "every query"
 SCORED = "scored queries (an errored one counts incorrect; an unscored one is left out)"
 WITH_ENERGY = "queries with energy (the others are listed as missing)"
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["correct"], g["scored"]), "pp",
-           needs="correct"),
-    Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["error_share"], g["n"]), "pp",
-           ("errors",)),
-    Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["with_energy"]),
-           aliases=("energy_per_query",), energy=True),
+    Metric("accuracy", "accuracy", "", "higher", SCORED, lambda g: _ratio(g["correct"], g["scored"]), format=PERCENT,
+           summary=True, needs="correct"),
+    Metric("error_rate", "error rate", "", "lower", ALL, lambda g: _ratio(g["error_share"], g["queries"]),
+           format=PERCENT, aliases=("errors",)),
+    Metric("energy_per_query_j", "J/query", "J", "lower", WITH_ENERGY,
+           lambda g: _ratio(g["energy_j"], g["with_energy"]), summary=True, aliases=("energy_per_query",), energy=True),
     Metric("ipj", "IPJ (1/J)", "1/J", "higher", "accuracy over the scored queries / J per query",
-           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["e"], g["with_energy"])), energy=True,
-           needs="correct"),
-    Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over the scored queries / mean power",
-           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["e"], g["window_s_with_energy"])),
+           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["energy_j"], g["with_energy"])), summary=True,
            energy=True, needs="correct"),
-    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY, lambda g: _ratio(g["e"], g["window_s_with_energy"]),
-           energy=True),
+    Metric("ipw", "IPW (1/W)", "1/W", "higher", "accuracy over the scored queries / mean power",
+           lambda g: _ratio(_ratio(g["correct"], g["scored"]), _ratio(g["energy_j"], g["window_s_with_energy"])),
+           energy=True, needs="correct"),
+    Metric("mean_power_w", "mean W", "W", "lower", WITH_ENERGY,
+           lambda g: _ratio(g["energy_j"], g["window_s_with_energy"]), energy=True),
     Metric("j_per_output_token", "J/out token", "J/token", "lower", WITH_ENERGY,
-           lambda g: _ratio(g["e"], g["output_tokens_with_energy"]), aliases=("j_per_token",), energy=True),
+           lambda g: _ratio(g["energy_j"], g["output_tokens_with_energy"]), aliases=("j_per_token",), energy=True),
     Metric("j_per_prefill_token", "J/prefill token", "J/token", "lower", "queries with phases",
            lambda g: _ratio(g["prefill_j"], g["prompt_tokens_with_phases"]), energy=True),
     Metric("j_per_decode_token", "J/decode token", "J/token", "lower", "queries with phases",
            lambda g: _ratio(g["decode_j"], g["output_tokens_with_phases"]), energy=True),
     Metric("prefill_energy_share", "prefill share of J", "", "", "queries with phases",
-           lambda g: _ratio(g["prefill_j"], g["prefill_j"] + g["decode_j"]), energy=True),
+           lambda g: _ratio(g["prefill_j"], g["prefill_j"] + g["decode_j"]), format=PERCENT, energy=True),
     Metric("output_tokens_per_s", "output tok/s", "tokens/s", "higher",
            "queries with a time window: output tokens over the wall span of the backend's (level's) records, "
            "first start to last end, on one machine's clock",
@@ -86,13 +93,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
     Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"]),
     Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"]),
-    Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["error_records"]),
+    Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["error_records"],
+           format=COUNT, summary=True),
     Metric("unscored", "unscored", "queries", "", "queries without a score (a judge item no judge graded)",
-           lambda g: g["unscored"]),
+           lambda g: g["unscored"], format=COUNT),
     Metric("win_tie_rate", "win/tie vs reference", "", "higher", "queries a judge compared with the reference "
-           "backend's answer", lambda g: _ratio(g["win_tie"], g["judged"]), "pp", needs="win_tie"),
+           "backend's answer", lambda g: _ratio(g["win_tie"], g["judged"]), format=PERCENT,
+           needs="win_tie"),
     Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost",
-           lambda g: _ratio(g["cost"], g["with_cost"])),
+           lambda g: _ratio(g["cost_usd"], g["with_cost"])),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -108,7 +117,7 @@ def gated_metric(name: str) -> Metric | None:
 def values(g: Mapping[str, Any]) -> dict[str, Any]:
     """Every metric from one backend's column sums and quantiles ``g``; a metric whose columns are
     absent (no phases, no cost) is NaN, shaped like the sums."""
-    nan = np.full(np.shape(g["n"]), np.nan)
+    nan = np.full(np.shape(g["queries"]), np.nan)
     out = {}
     with np.errstate(invalid="ignore", divide="ignore"):
         for m in METRICS:
@@ -130,14 +139,14 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
     full = bool(h.all())
     scored = ~np.isnan(v["correct"])
     cols: dict[str, Callable[[], np.ndarray] | str] = {
-        "n": lambda: np.ones(n),
+        "queries": lambda: np.ones(n),
         "correct": lambda: np.nan_to_num(v["correct"]),
-        "scored": "n" if scored.all() else (lambda: scored.astype(float)),
+        "scored": "queries" if scored.all() else (lambda: scored.astype(float)),
         "unscored": lambda: (~scored).astype(float),
         "error_share": lambda: v["error_share"],
         "error_records": lambda: v["errors"],
-        "with_energy": "n" if full else (lambda: h.astype(float)),
-        "e": lambda: np.where(h, v["energy_j"], 0.0),
+        "with_energy": "queries" if full else (lambda: h.astype(float)),
+        "energy_j": lambda: np.where(h, v["energy_j"], 0.0),
         "window_s_with_energy": lambda: np.where(h, np.nan_to_num(v["duration_s"]), 0.0),
         "output_tokens_with_energy": lambda: np.where(h, np.nan_to_num(v["completion_tokens"]), 0.0),
     }
@@ -161,8 +170,8 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
     cost = v.get("cost_usd")
     if cost is not None:
         hc = ~np.isnan(cost)
-        cols["cost"] = lambda: np.nan_to_num(cost)
-        cols["with_cost"] = "n" if hc.all() else (lambda: hc.astype(float))
+        cols["cost_usd"] = lambda: np.nan_to_num(cost)
+        cols["with_cost"] = "queries" if hc.all() else (lambda: hc.astype(float))
     return cols
 
 

@@ -12,11 +12,13 @@ import json
 import math
 from typing import NamedTuple
 
-from ipw.analysis.compare import LEVEL, METRICS, Comparison
+from ipw.analysis import fmt
+from ipw.analysis.compare import METRICS, Comparison
+from ipw.analysis.fmt import PERCENT
 from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
 from ipw.analysis.serving import SERVING_METRICS, shown
-from ipw.analysis.stats import Estimate
+from ipw.analysis.stats import LEVEL, Estimate
 from ipw.analysis.fit import fit_dict
 from ipw.telemetry.base import worst_quality
 
@@ -231,24 +233,6 @@ def to_csv(c: Comparison) -> str:
     return buf.getvalue()
 
 
-def _f(x: float | None, spec: str = ".3g") -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
-
-
-def _cell(e: Estimate, key: str, sign: bool = False) -> str:
-    if not math.isfinite(e.value):
-        return "n/a"
-    if key in ("accuracy", "error_rate", "prefill_energy_share", "win_tie_rate"):
-        f = (lambda x: f"{x:+.1%}") if sign else _pct
-    else:
-        f = (lambda x: "n/a" if not math.isfinite(x) else f"{x:+.3g}") if sign else _f
-    return f"{f(e.value)} [{f(e.lo)}, {f(e.hi)}]" if math.isfinite(e.lo) else f(e.value)
-
-
 class Table(NamedTuple):
     """One human table; ``est[i][j]``: cell (i, j) rests on estimated energy (a model, not a sensor)."""
 
@@ -269,39 +253,54 @@ def _table(key: str, title: str, headers: list[str], rows: list[list[str]], ener
     return Table(title, headers, rows, est, key, section)
 
 
-def tables(c: Comparison) -> list[Table]:
-    """The human tables, shared by the rich and Markdown output and the report."""
+def _shown(c: Comparison) -> list[str]:
+    """The metrics (keys of the metric table, in its order) that some backend has a value of."""
+    return [k for k, _ in METRICS if any(math.isfinite(c.metrics[b.label][k].value) for b in c.backends)]
+
+
+def _energy_cell(c: Comparison, row_keys: list, columns: list[str], diff: bool):
+    """An energy-based metric's cell of a backend (or a difference with a reference) with estimated energy."""
+    return lambda i, j: (row_keys[i] is not None and BY_NAME[row_keys[i]].energy
+                         and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
+
+
+def metrics_table(c: Comparison) -> Table:
+    """Every metric of the metric table that some backend has, one row each, a column per backend (with
+    the backends' role, energy quality and records above): compare's first table, ``ipw run --full-table``."""
     labels = [b.label for b in c.backends]
-    keys = [k for k, _ in METRICS if any(math.isfinite(c.metrics[x][k].value) for x in labels)]
-    names = dict(METRICS)
+    keys = _shown(c)
     head = [["role"] + [b.role + (" (reference)" if b.label == c.reference else "") for b in c.backends],
             ["energy quality"] + [b.energy_quality for b in c.backends],
             ["queries / records"] + [f"{c.n_queries} / {b.n_records}" for b in c.backends]]
-    rows = head + [[names[k]] + [_cell(c.metrics[x][k], k) for x in labels] for k in keys]
+    rows = head + [[BY_NAME[k].label] + [fmt.estimate(c.metrics[x][k], BY_NAME[k].format) for x in labels]
+                   for k in keys]
+    with_error = ", energy CIs with measurement error" if c.with_measurement_error else ""
+    return _table("metrics", f"ipw compare: {c.n_queries} queries, {LEVEL:.0%} bootstrap CIs ({c.n_boot} {c.method} "
+                  f"resamples{with_error})", ["metric"] + labels, rows,
+                  _energy_cell(c, [None] * len(head) + keys, labels, False))
 
-    def energy_cell(row_keys: list, columns: list[str], diff: bool):
-        """An energy-based metric's cell of a backend (or a difference with a reference) with estimated energy."""
-        return lambda i, j: (row_keys[i] is not None and BY_NAME[row_keys[i]].energy
-                             and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
 
-    with_error = ", energy CIs with measurement error" if c.measurement.startswith("energy CIs include") else ""
-    out = [_table("metrics", f"ipw compare: {c.n_queries} queries, {LEVEL:.0%} bootstrap CIs ({c.n_boot} {c.method} "
-                  f"resamples{with_error})", ["metric"] + labels, rows, energy_cell([None] * len(head) + keys, labels, False))]
+def tables(c: Comparison) -> list[Table]:
+    """The human tables, shared by the rich and Markdown output and the report."""
+    labels = [b.label for b in c.backends]
+    keys = _shown(c)
+    out = [metrics_table(c)]
     others = [x for x in labels if x != c.reference]
     if others:
         out.append(_table("difference", f"difference vs {c.reference} (paired over the same queries)",
                           ["metric"] + others,
-                          [[names[k]] + [_cell(c.vs_reference[x][k], k, sign=True) for x in others] for k in keys],
-                          energy_cell(keys, others, True)))
+                          [[BY_NAME[k].label] + [fmt.estimate(c.vs_reference[x][k], BY_NAME[k].format, sign=True)
+                                                 for x in others] for k in keys],
+                          _energy_cell(c, keys, others, True)))
     fits = [c.models.get(x, {}) for x in labels]
     if any(math.isfinite(f[w].r2) for f in fits for w in f):
         rows = []
         for what, unit in (("energy", "J"), ("latency", "s")):
             for attr, name in (("intercept", f"a ({unit})"), ("per_prompt_token", f"b ({unit}/prompt token)"),
                                ("per_completion_token", f"c ({unit}/output token)")):
-                rows.append([f"{what} {name}"] + [_cell(getattr(f[what], attr), attr) if what in f else "n/a"
+                rows.append([f"{what} {name}"] + [fmt.estimate(getattr(f[what], attr)) if what in f else "n/a"
                                                   for f in fits])
-            rows.append([f"{what} R² (queries)"] + [f"{_f(f[what].r2, '.3f')} ({f[what].n})" if what in f else "n/a"
+            rows.append([f"{what} R² (queries)"] + [f"{fmt.value(f[what].r2)} ({f[what].n})" if what in f else "n/a"
                                                     for f in fits])
         out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
                           f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
@@ -319,8 +318,7 @@ def serving_tables(c: Comparison) -> list[Table]:
     names = dict(METRICS)
     if shown(c.backends):
         rows = [[b.label, str(b.concurrency), str(b.n_records)]
-                + [_pct(c.metrics[b.label][k].value) if k == "accuracy" else _f(c.metrics[b.label][k].value)
-                   for k in SERVING_METRICS]
+                + [fmt.value(c.metrics[b.label][k].value, BY_NAME[k].format) for k in SERVING_METRICS]
                 + [", ".join(b.split_methods) or "none"] for b in c.backends]
         columns = [None] * 3 + list(SERVING_METRICS) + [None]  # the metric of each column
 
@@ -342,7 +340,9 @@ def serving_tables(c: Comparison) -> list[Table]:
             if x.chosen is None:
                 rows.append([name, f"none meets {c.deadline.text}", "n/a", "n/a", meeting])
             else:
-                rows.append([name, f"{x.chosen} (c={x.concurrency})", _f(x.energy_per_query_j), _f(x.value_s),
+                rows.append([name, f"{x.chosen} (c={x.concurrency})",
+                             fmt.value(x.energy_per_query_j, BY_NAME["energy_per_query_j"].format),
+                             fmt.value(x.value_s, BY_NAME[c.deadline.key].format),
                              meeting])
         out.append(_table("deadline", f"energy-optimal concurrency level under {c.deadline.text} (the lowest J/query "
                           "among the levels that meet it)",
@@ -352,11 +352,16 @@ def serving_tables(c: Comparison) -> list[Table]:
     return out
 
 
-def _est_text(v, pct=True) -> str:
+def _pct(x: float | None) -> str:
+    """A share that is no metric's value (routing, the judge's agreement), as a metric's percentage."""
+    return fmt.value(x, PERCENT)
+
+
+def _est_text(v: dict | None) -> str:
+    """A share with its interval, from the JSON layout's {"value", "lo", "hi"} (None: unknown)."""
     if v is None:
         return "n/a"
-    f = _pct if pct else _f
-    return f"{f(v['value'])} [{f(v['lo'])}, {f(v['hi'])}]" if v["lo"] is not None else f(v["value"])
+    return fmt.estimate(Estimate(*(float("nan") if v[k] is None else v[k] for k in ("value", "lo", "hi"))), PERCENT)
 
 
 def routing_tables(c: Comparison) -> list[Table]:
@@ -371,8 +376,8 @@ def routing_tables(c: Comparison) -> list[Table]:
 
     def saved(s, unit):
         shown = {"j": "J", "s": "s", "usd": "USD"}[unit]
-        return "n/a" if s is None else (f"{est(s['saved_fraction'])} ({_f(s['saved_' + unit])} {shown} of "
-                                        f"{_f(s['cloud_only_' + unit])})")
+        return "n/a" if s is None else (f"{est(s['saved_fraction'])} ({fmt.value(s['saved_' + unit])} {shown} of "
+                                        f"{fmt.value(s['cloud_only_' + unit])})")
 
     rr = d["router"]
     cov = d["coverage"]
@@ -409,12 +414,13 @@ def routing_tables(c: Comparison) -> list[Table]:
     if d["power_envelope"]:
         out.append(_table("power_envelope", "coverage within a power envelope (local backends whose mean power fits)",
                           ["power ≤ W", "backends", "coverage", "power"],
-                          [[_f(p["power_w"]), ", ".join(p["backends"]), est(p["coverage_ci"]), p["energy_quality"]]
-                           for p in d["power_envelope"]],
+                          [[fmt.value(p["power_w"]), ", ".join(p["backends"]), est(p["coverage_ci"]),
+                            p["energy_quality"]] for p in d["power_envelope"]],
                           lambda i, j: j == 2 and d["power_envelope"][i]["energy_quality"] == "estimated"))
     if d["energy_budget"]:  # which backends fit a budget rests on their energy
         out.append(_table("energy_budget", "coverage within a per-query energy budget", ["energy ≤ J", "coverage"],
-                          [[_f(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]], energy_columns(1)))
+                          [[fmt.value(p["energy_j"]), _pct(p["coverage"])] for p in d["energy_budget"]],
+                          energy_columns(1)))
     headers = ["category", "queries", "local coverage (correct)", "scored", "local coverage (win/tie)", "judged",
                "cloud accuracy", "oracle accuracy", "energy saved", "latency saved", "cost saved"]
     out.append(_table("by_category", "routing per category (coverage: correct vs the dataset answer over the scored "
@@ -437,7 +443,7 @@ def judge_table(c: Comparison) -> list[Table]:
     judges = sorted({f"{r.judge} ({r.prompt_version}, {r.grading})" for r in c.judge})
     headers = ["backend", "category", "judged", "orders agree", "unparsed", "judge calls", "judge J"]
     rows = [[r.backend, r.category or "all", f"{r.judged} of {r.records}", _pct(r.orders_agree), str(r.unparsed),
-             str(r.calls), _f(r.energy_j)] for r in c.judge]
+             str(r.calls), fmt.value(r.energy_j)] for r in c.judge]
     return [_table("judge", f"judge {', '.join(judges)}: records compared, whether both orders agree, and its own "
                    "energy (kept apart: in no backend's numbers)", headers, rows,
                    lambda i, j: j == len(headers) - 1 and c.judge[i].energy_quality == "estimated")]

@@ -24,7 +24,7 @@ measurement error are unchanged by it.
 From run folders, ``ipw.analysis.load`` already holds them per backend and query (``PerQuery.energy_sd_j``,
 ``energy_shared_sd_j``: repeats averaged; None for runs that state none), and
 ``ipw.analysis.compare.measurement_errors(pq, column_index)`` makes the list for every backend's energy
-column (``column_index[(j, "e")]``).  Paired differences stay honest: two backends' errors are drawn apart,
+column (``column_index[(j, "energy_j")]``).  Paired differences stay honest: two backends' errors are drawn apart,
 as two measurements are.
 """
 
@@ -54,16 +54,11 @@ class MeasurementError:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A point estimate with its 95% bootstrap confidence interval."""
+    """A point estimate with its bootstrap confidence interval (``LEVEL``; shown by ``ipw.analysis.fmt.estimate``)."""
 
     value: float
     lo: float
     hi: float
-
-    def fmt(self, spec: str = ".3g") -> str:
-        if not np.isfinite(self.value):
-            return "n/a"
-        return f"{self.value:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}]"
 
 
 NAN = Estimate(float("nan"), float("nan"), float("nan"))
@@ -75,6 +70,9 @@ NAN = Estimate(float("nan"), float("nan"), float("nan"))
 # is one row of weights w (how often each query is drawn); the sums of all columns of all backends are
 # then one matrix product, and every backend sees the same w, so differences are paired.
 
+# the one set of defaults of compare's and check's paired bootstrap: the confidence level of every interval,
+# and the number of resamples (``n_resamples``)
+LEVEL = 0.95
 MULTINOMIAL_MAX_N = 20_000  # above this, Poisson(1) weights (much cheaper, asymptotically equivalent)
 MAX_BOOT = 2000
 MIN_BOOT = 200
@@ -278,14 +276,19 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
                  tuple(c for c, _, _ in errs))
 
 
-def interval(value: float, draws: np.ndarray, level: float = 0.95) -> Estimate:
-    """A percentile interval from bootstrap draws of a statistic whose point value is ``value``."""
-    if not np.isfinite(value):
-        return Estimate(float(value), float("nan"), float("nan"))
+def bounds(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """The percentile interval of bootstrap draws at ``level`` (NaN, NaN when no draw is finite)."""
     draws = np.asarray(draws, dtype=float)
     draws = draws[np.isfinite(draws)]
     if len(draws) == 0:
-        return Estimate(float(value), float("nan"), float("nan"))
+        return float("nan"), float("nan")
     alpha = (1 - level) / 2
     lo, hi = np.quantile(draws, [alpha, 1 - alpha])
-    return Estimate(float(value), float(lo), float(hi))
+    return float(lo), float(hi)
+
+
+def interval(value: float, draws: np.ndarray, level: float = LEVEL) -> Estimate:
+    """A percentile interval from bootstrap draws of a statistic whose point value is ``value``."""
+    if not np.isfinite(value):
+        return Estimate(float(value), float("nan"), float("nan"))
+    return Estimate(float(value), *bounds(draws, level))

@@ -18,6 +18,7 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
                   junit_path, rerun=False, blocks=16, shards=4, out=None, base_python=None, cand_python=None, backends=(),
                   limit=None, calibrate=False, floor_path=None, work_gate=True) -> int:
     from ipw.analysis import check as gate
+    from ipw.analysis import fmt
     from ipw.results import load_run
 
     if not 0 < alpha < 1:
@@ -39,7 +40,8 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
         data = gate.calibrate(runs, thresholds)
         _write_text(floor_path, json.dumps(data, indent=2) + "\n", "--floor")
         for backend, by in data["floors"].items():
-            stdout().print(f"{backend}: " + ", ".join(f"{m} ±{x:.2f}" for m, x in by.items()))
+            stdout().print(f"{backend}: " + ", ".join(
+                f"{m} ±{fmt.change(x, gate.gated_metric(m).change_unit, sign=False)}" for m, x in by.items()))
         stdout().print(f"noise floor of {len(runs)} identical runs written to {floor_path}")
         return 0
     if len(paths) != 2:

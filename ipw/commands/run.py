@@ -3,7 +3,6 @@ same numbers as ``ipw compare`` on the run folder."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -59,7 +58,7 @@ def _sigterm_as_interrupt() -> None:
 
 def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
                 dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
-                shards=None, repair=False, concurrency=None) -> int:
+                shards=None, repair=False, concurrency=None, full_table=False) -> int:
     from ipw.shard import parse_shard
 
     if repair and resume is None:
@@ -91,7 +90,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         return _run(config_path, dataset=dataset, limit=limit, backends=backends, out=out, seed=seed,
                     repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume, dataset_preset=dataset_preset,
                     split=split, categories=categories, sample=sample, the_shard=the_shard,
-                    ray_options=ray_options, repair=repair, concurrency=concurrency)
+                    ray_options=ray_options, repair=repair, concurrency=concurrency, full_table=full_table)
     finally:
         if connected:
             import ray as ray_module
@@ -100,7 +99,7 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
 
 
 def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume, dataset_preset, split,
-         categories, sample, the_shard, ray_options, repair=False, concurrency=None) -> int:
+         categories, sample, the_shard, ray_options, repair=False, concurrency=None, full_table=False) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
@@ -183,18 +182,18 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
             status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
         finally:
             show()  # the final count
-    from ipw.analysis.render import rich_tables
+    from ipw.analysis.render import metrics_table, rich_tables
 
     summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)
     try:
         summary = end_summary(summary_dir)
         out = stdout()
-        out.print(metrics_table(summary.comparison))
+        c = summary.comparison
+        out.print(rich_tables([metrics_table(c)])[0] if full_table else summary_table(c))
         for table in rich_tables(summary.routing):
             out.print(table)
-        for note in summary.comparison.notes:
-            if note.startswith("--common-queries"):  # a stopped backend: the table covers the shared queries
-                console.print(f"note: {escape(note)}", highlight=False)
+        if c.query_set_note:  # a stopped backend: the table covers the shared queries
+            console.print(f"note: {escape(c.query_set_note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
         console.print(f"no summary: {escape(str(exc))}", highlight=False)
     for line in audit_lines(folder.path):
@@ -244,10 +243,6 @@ def _repair(run_dir: Path) -> None:
         f"{run_dir / 'records.jsonl'}: every line is a record; nothing to repair", highlight=False, markup=False)
 
 
-def _num(x: float, spec: str = ".3g") -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:{spec}}"
-
-
 RUN_END_ROUTING = ("routing", "power_envelope")  # compare's routing tables that ``ipw run`` ends with
 
 
@@ -290,22 +285,24 @@ def end_summary(run_dir) -> EndSummary:
     return EndSummary(c, routing + judge_table(c))
 
 
-def metrics_table(c) -> RichTable:
-    """``ipw run``'s final table: a few of compare's metrics per backend (a ``Comparison``)."""
-    table = RichTable(title="ipw run: per backend (95% bootstrap CIs" + (
-        ", energy with measurement error)" if c.measurement.startswith("energy CIs include") else ")"))
-    for col in ("backend", "role", "accuracy", "J/query", "IPJ (1/J)", "IPW (1/W)", "J/out token",
-                "J/prefill token", "J/decode token", "TTFT p50", "errors", "energy"):
-        table.add_column(col, justify="left" if col in ("backend", "role", "energy") else "right")
+def summary_table(c: Comparison) -> RichTable:
+    """``ipw run``'s final table: per backend, the metrics the metric table marks ``summary``
+    (``ipw.analysis.metrics``), each value over its interval, and the backend's energy quality; it fits 100
+    columns for names up to ~15 characters. Every metric: ``--full-table`` (compare's metrics table)."""
+    from ipw.analysis.fmt import estimate
+    from ipw.analysis.metrics import METRICS
+    from ipw.analysis.stats import LEVEL
+    from ipw.sanitize import one_line  # backend names are the user's text
+
+    shown = [m for m in METRICS if m.summary]
+    measured = ", energy with measurement error" if c.with_measurement_error else ""
+    table = RichTable(title=f"ipw run: per backend ({LEVEL:.0%} bootstrap CIs{measured}; every metric: --full-table)")
+    table.add_column("backend")
+    for m in shown:
+        table.add_column(m.label, justify="right")
+    table.add_column("energy")
     for b in c.backends:
-        m = c.metrics[b.label]
-        acc = m["accuracy"]
-        table.add_row(
-            b.backend, b.role,
-            "unscored" if not math.isfinite(acc.value) else  # every query needs a judge
-            f"{acc.value:.1%} [{acc.lo:.0%}, {acc.hi:.0%}]" if math.isfinite(acc.lo) else f"{acc.value:.1%}",
-            m["energy_per_query_j"].fmt(), m["ipj"].fmt(), m["ipw"].fmt(), _num(m["j_per_output_token"].value),
-            m["j_per_prefill_token"].fmt(), m["j_per_decode_token"].fmt(),
-            f"{_num(m['ttft_p50_s'].value * 1000, '.0f')} ms", f"{m['errors'].value:.0f}", b.energy_quality,
-        )
+        # the value over its interval: two short lines, not one long one
+        cells = [estimate(c.metrics[b.label][m.name], m.format).replace(" [", "\n[", 1) for m in shown]
+        table.add_row(escape(one_line(b.label)), *(escape(x) for x in cells), b.energy_quality)
     return table
