@@ -31,10 +31,6 @@ from ipw.telemetry.hardware import hardware_note
 
 J_PER_KWH = 3.6e6
 
-# key, label (from the one metric table, ipw.analysis.metrics); every key is in each backend's
-# "metrics" and "vs_reference" (JSON)
-METRICS: tuple[tuple[str, str], ...] = tuple((m.name, m.label) for m in metric_table.METRICS)
-
 
 @dataclass(frozen=True)
 class JudgeRow:
@@ -389,7 +385,7 @@ def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
     m = len(labels)
     point = [_metric_values(draws.point_sums, np.asarray(draws.point_quantiles), col, j) for j in range(m)]
     boot = [_metric_values(draws.sums, draws.quantiles, col, j) for j in range(m)]
-    keys = [k for k, _ in METRICS]
+    keys = [m.name for m in metric_table.METRICS]  # each in every backend's "metrics" and "vs_reference" (JSON)
     metrics = {labels[j]: {k: interval(float(point[j][k]), boot[j][k], LEVEL) for k in keys} for j in range(m)}
     vs_ref = {}
     with np.errstate(invalid="ignore"):

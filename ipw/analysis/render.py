@@ -13,7 +13,8 @@ import math
 from typing import NamedTuple
 
 from ipw.analysis import fmt
-from ipw.analysis.compare import METRICS, Comparison
+from ipw.analysis import metrics as metric_table
+from ipw.analysis.compare import Comparison
 from ipw.analysis.fmt import PERCENT
 from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
@@ -255,7 +256,8 @@ def _table(key: str, title: str, headers: list[str], rows: list[list[str]], ener
 
 def _shown(c: Comparison) -> list[str]:
     """The metrics (keys of the metric table, in its order) that some backend has a value of."""
-    return [k for k, _ in METRICS if any(math.isfinite(c.metrics[b.label][k].value) for b in c.backends)]
+    return [m.name for m in metric_table.METRICS
+            if any(math.isfinite(c.metrics[b.label][m.name].value) for b in c.backends)]
 
 
 def _energy_cell(c: Comparison, row_keys: list, columns: list[str], diff: bool):
@@ -315,7 +317,7 @@ def serving_tables(c: Comparison) -> list[Table]:
     """Per backend and concurrency level: the serving metrics (when some backend ran above one request at
     a time), and with --deadline each backend's energy-optimal level within it."""
     out = []
-    names = dict(METRICS)
+    names = {k: m.label for k, m in BY_NAME.items()}
     if shown(c.backends):
         rows = [[b.label, str(b.concurrency), str(b.n_records)]
                 + [fmt.value(c.metrics[b.label][k].value, BY_NAME[k].format) for k in SERVING_METRICS]
