@@ -15,11 +15,11 @@ NA = "n/a"
 
 @dataclass(frozen=True)
 class Format:
-    """How a metric's values are shown: a share as a percentage with one decimal (0.625 -> "62.5%"; its
-    changes in percentage points), any other number with ``digits`` significant digits."""
+    """How a metric's values are shown: a share as a percentage with ``digits`` decimals (0.625 -> "62.5%";
+    its changes in percentage points), any other number with ``digits`` significant digits."""
 
     percent: bool = False
-    digits: int = 3
+    digits: int = 3  # significant digits; of a percentage, decimals
 
     @property
     def change_unit(self) -> str:
@@ -28,7 +28,7 @@ class Format:
 
 
 NUMBER = Format()
-PERCENT = Format(percent=True)
+PERCENT = Format(percent=True, digits=1)
 COUNT = Format(digits=12)  # records, queries, tokens: whole numbers, every digit
 
 
@@ -43,7 +43,7 @@ def value(x: Any, f: Format = NUMBER, sign: bool = False) -> str:
     if not math.isfinite(x):
         return NA
     plus = "+" if sign else ""
-    return f"{x:{plus}.1%}" if f.percent else f"{x:{plus}.{f.digits}g}"
+    return f"{x:{plus}.{f.digits}{'%' if f.percent else 'g'}}"
 
 
 def estimate(e: Any, f: Format = NUMBER, sign: bool = False) -> str:

@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from ipw.analysis import fmt
+
 MAX_ROWS = 20  # rows of the costliest / wrong answer tables
 MAX_TEXT = 1200  # characters of a prompt, reference or output shown
 RECORD_COLUMNS = ["backend", "query_id", "category", "repeat", "correct", "prompt_tokens", "completion_tokens",
                   "start_s", "end_s", "energy_j", "concurrency"]
+OVERHEAD = fmt.Format(percent=True, digits=2)  # a sampler's share of one core, e.g. 0.35%
 TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
 
 
@@ -47,13 +50,6 @@ def load_records(runs, labels: dict[tuple[str, str, int], str]):
 def _clip(text: Any, limit: int = MAX_TEXT) -> str:
     text = "" if text is None or (isinstance(text, float) and math.isnan(text)) else str(text)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit:,} more characters)"
-
-
-def _fmt(x: Any, spec: str = ".3g") -> str:
-    try:
-        return "n/a" if x is None or not math.isfinite(float(x)) else f"{float(x):{spec}}"
-    except (TypeError, ValueError):
-        return str(x)
 
 
 def _value(v: Any) -> str:
@@ -93,15 +89,16 @@ def setup_sections(manifests) -> list[dict]:
                         "detail": s.get("detail") or ""} for s in b.get("sensors") or []]
             idle = b.get("idle_baseline") or {}
             spread = idle.get("spread_w") or {}
-            idle_text = ", ".join(f"{c}: {_fmt(w)} ± {_fmt(spread.get(c))} W"
+            idle_text = ", ".join(f"{c}: {fmt.value(w)} ± {fmt.value(spread.get(c))} W"
                                   for c, w in (idle.get("power_w") or {}).items())
-            idle_text = (f"{idle_text} over {_fmt(idle.get('duration_s'))} s" if idle_text
+            idle_text = (f"{idle_text} over {fmt.value(idle.get('duration_s'))} s" if idle_text
                          else "not measured (idle s = 0)")
-            overhead = [f"{name}: {_fmt(o.cpu_fraction_of_one_core, '.2%')} of one core ({_fmt(o.cpu_s)} CPU s "
-                        f"over {_fmt(o.wall_s)} s)" for name, o in sampler_overheads(b).items()]
+            overhead = [f"{name}: {fmt.value(o.cpu_fraction_of_one_core, OVERHEAD)} of one core "
+                        f"({fmt.value(o.cpu_s)} CPU s over {fmt.value(o.wall_s)} s)"
+                        for name, o in sampler_overheads(b).items()]
             info = [("kind / model", f"{b.get('kind', '?')} / {b.get('model', '?')}"), ("role", b.get("role", "?")),
                     ("engine", f"{b.get('engine', 'n/a')} {b.get('engine_version') or ''}".strip()),
-                    ("mode", _value(b.get("mode"))), ("load s", _fmt(b.get("load_s"))),
+                    ("mode", _value(b.get("mode"))), ("load s", fmt.value(b.get("load_s"))),
                     ("model file", _value(b.get("model_file")))]
             backends.append({"name": b.get("name", "?"), "info": info, "sensors": sensors, "idle": idle_text,
                              "estimated_idle": any(s["quality"] == "estimated" for s in sensors),
@@ -145,8 +142,9 @@ def _answer_table(rows, texts, total: int, what: str, est: dict[str, bool]) -> d
                  else f"all {total:,} {what}"),
         "rows": [{
             "label": r.label, "query_id": str(r.query_id), "category": r.category or "-", "repeat": r.repeat,
-            "correct": _fmt(r.correct, ".2g"), "energy": _fmt(r.energy_j), "est": est.get(r.label, False),
-            "tokens": _fmt(r.completion_tokens, ".0f"), **{k: _clip(v) for k, v in texts[(r.run_id, r.row)].items()},
+            "correct": fmt.value(r.correct), "energy": fmt.value(r.energy_j), "est": est.get(r.label, False),
+            "tokens": fmt.value(r.completion_tokens, fmt.COUNT),
+            **{k: _clip(v) for k, v in texts[(r.run_id, r.row)].items()},
         } for r in rows.itertuples()],
     }
 

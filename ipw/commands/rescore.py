@@ -3,12 +3,12 @@ grade a run with its config's ``[judge]`` when the run ends."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from ipw.analysis import fmt
 from ipw.commands.output import stdout
 
 
@@ -49,15 +49,15 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
     for col in columns + (["win/tie", "judged"] if judged else []):
         table.add_column(col, justify="left" if col == "backend" else "right")
     for row in rows:
-        cells = [row["backend"], str(row["records"]), _pct(row["accuracy_before"]), _pct(row["accuracy_after"]),
-                 str(row["changed"])]
+        cells = [row["backend"], str(row["records"]), _shown(row["accuracy_before"], "accuracy"),
+                 _shown(row["accuracy_after"], "accuracy"), str(row["changed"])]
         if judged:
-            cells += [_pct(row["win_tie"]), str(row["judged"])]
+            cells += [_shown(row["win_tie"], "win_tie_rate"), str(row["judged"])]
         table.add_row(*cells)
     stdout().print(table)
     totals = (folder.manifest.judge or {}).get("totals")
     if totals:
-        energy = "n/a" if totals["energy_j"] is None else f"{totals['energy_j']:.3g} J"
+        energy = "n/a" if totals["energy_j"] is None else f"{fmt.value(totals['energy_j'])} J"
         console.print(f"judge {folder.manifest.judge['backend']['name']} ({folder.manifest.judge['prompt_version']}): "
                       f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
                       f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
@@ -89,6 +89,10 @@ def summary(run, manifest, original, new_run, new_manifest, rescored) -> list[di
     return rows
 
 
-def _pct(x: float | None) -> str:
-    """A share, or "unscored" when no record has one (every item needs a judge)."""
-    return "unscored" if x is None or not math.isfinite(x) else f"{x:.1%}"
+def _shown(x: float | None, metric: str) -> str:
+    """A metric's value as the metric table shows it, or "unscored" when no record has one (every item needs a
+    judge)."""
+    from ipw.analysis.metrics import BY_NAME
+
+    text = fmt.value(x, BY_NAME[metric].format)
+    return "unscored" if text == fmt.NA else text
