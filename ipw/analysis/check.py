@@ -279,8 +279,8 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
                     floor, source = stated, "the stated measurement uncertainty (95%)"
             status = _status(t, float(change), p_value, p_better, alpha, floor)
             if floor > abs(t.limit):
-                notes.append(f"{name}: {t.metric}'s noise floor ({fmt.change(floor, t.unit, sign=False)}, {source}) is "
-                             f"above the threshold "
+                shown = fmt.change(floor, t.unit, sign=False)
+                notes.append(f"{name}: {t.metric}'s noise floor ({shown}, {source}) is above the threshold "
                              f"{t.text}: a change between them is inconclusive, not a regression")
             lo, hi = bounds(stats)
             verdicts.append(Verdict(name, t.metric, t.text, bv, cv, float(change), lo, hi, p_value,
