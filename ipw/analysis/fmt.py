@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ipw.analysis.stats import Estimate
 
 NA = "n/a"
 
@@ -46,7 +49,7 @@ def value(x: Any, f: Format = NUMBER, sign: bool = False) -> str:
     return f"{x:{plus}.{f.digits}{'%' if f.percent else 'g'}}"
 
 
-def estimate(e: Any, f: Format = NUMBER, sign: bool = False) -> str:
+def estimate(e: Estimate | None, f: Format = NUMBER, sign: bool = False) -> str:
     """A value with its interval, "0.123 [0.111, 0.135]" (an ``Estimate``; without an interval the value alone)."""
     if e is None or not math.isfinite(e.value):
         return NA
@@ -54,7 +57,7 @@ def estimate(e: Any, f: Format = NUMBER, sign: bool = False) -> str:
     return f"{text} [{value(e.lo, f, sign)}, {value(e.hi, f, sign)}]" if math.isfinite(e.lo) else text
 
 
-def change(x: float, unit: str, sign: bool = True) -> str:
+def change(x: float | None, unit: str, sign: bool = True) -> str:
     """A change in a threshold's unit (% or pp), two decimals: "+1.23%", "-0.50pp" (from 0: "+inf%")."""
     if x is None or math.isnan(x):
         return NA
