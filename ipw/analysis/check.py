@@ -366,8 +366,8 @@ def _machine_bound(metric) -> bool:
 
 
 def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float, float, float]:
-    """A change, its 95% CI and its one-sided p-values (worse, better) from each block pair's change: Student's
-    t over the pairs, on log ratios for a relative (%) change."""
+    """A change, its CI (``LEVEL``) and its one-sided p-values (worse, better) from each block pair's change:
+    Student's t over the pairs, on log ratios for a relative (%) change."""
     from ipw.analysis.fit import t_cdf, t_quantile
 
     x = np.asarray(changes, dtype=float)
@@ -387,7 +387,7 @@ def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float
         up, down, lo, hi = float(mean <= 0), float(mean >= 0), mean, mean
     else:
         up, down = 1.0 - t_cdf(mean / se, n - 1), t_cdf(mean / se, n - 1)
-        half = t_quantile(0.975, n - 1) * se
+        half = t_quantile((1 + LEVEL) / 2, n - 1) * se
         lo, hi = mean - half, mean + half
     worse, better = (up, down) if t.limit > 0 else (down, up)
     return back(mean), back(lo), back(hi), worse, better
@@ -442,7 +442,7 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     for d in drift:
         half = abs(d.change) / 2
         if np.isfinite(half) and half > merged.get((d.backend, d.metric), (float("-inf"), ""))[0]:
-            merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({d.change:+.2f}{d.unit})")
+            merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({fmt.change(d.change, d.unit)})")
     pooled = check_runs(*_pool([(m, f) for side, m, f in blocks if side == "A"]),
                         *_pool([(m, f) for side, m, f in blocks if side == "B"]), thresholds, alpha=alpha,
                         strict=strict, floors=merged, work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
