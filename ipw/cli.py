@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
+
+from ipw.options import ROUTING_OPTIONS, RUN_OPTIONS, Option
 
 # numpy's OpenBLAS keeps its idle threads spinning: on a busy or shared machine (a CI runner) that made
 # `ipw check` and `ipw compare` 9-15x slower, while their matrix products are thin enough that one
@@ -45,6 +49,40 @@ def _options(
     """ipw measures the intelligence efficiency of LLM inference."""
 
 
+def _typer_option(option: Option):
+    """A typer option from its one declaration (``ipw.options``): out-of-bounds values are an IpwError (exit 2)
+    naming the option, as the command line is parsed."""
+
+    def check(value: Any) -> Any:
+        return value if option.many else option.check(value, option.flags[0])
+
+    return typer.Option(option.default, *option.flags, help=option.help, callback=check)
+
+
+def with_options(group: tuple[Option, ...]):
+    """Adds the options of ``group`` to a command's parameters, after its arguments, for typer to parse; the
+    command gets them in its ``**keywords``, by name (a repeatable one as a list, empty when not given)."""
+
+    def add(command):
+        @functools.wraps(command)
+        def parsed(**values: Any):
+            return command(**{**values, **{o.name: list(values[o.name] or ()) for o in group if o.many}})
+
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        at = sum(1 for p in own if isinstance(p.default, typer.models.ArgumentInfo))
+        added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_option(o),
+                                   annotation=List[o.type] if o.many else
+                                   o.type if o.default is not None else Optional[o.type])
+                 for o in group]
+        parsed.__signature__ = signature.replace(parameters=own[:at] + [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in added + own[at:]])
+        parsed.__annotations__ = {**command.__annotations__, **{p.name: p.annotation for p in added}}
+        return parsed
+
+    return add
+
+
 def _console():
     from rich.console import Console
 
@@ -52,31 +90,11 @@ def _console():
 
 
 @app.command()
+@with_options(RUN_OPTIONS)
 def run(
     config: Optional[Path] = typer.Argument(
         None, help="Run config (TOML) from configs/. Without one, the embedded default runs: 24 bundled "
         "queries through SmolLM2-135M-Instruct (chat) and Gemma-3-270M (few-shot)."),
-    dataset: Optional[str] = typer.Option(
-        None, "--dataset", "-d", help="Query set: a bundled name (ipw-core, ipw-core-default) or a .jsonl/.csv/"
-        ".parquet file with id, prompt, answer[, choices, category, scorer]. Overrides the config."),
-    limit: Optional[int] = typer.Option(None, "--limit", "-n", help="Run only the first N queries (0 = all)."),
-    backend: Optional[List[str]] = typer.Option(
-        None, "--backend", "-b", help="Backend to run: a name from the config, or KIND:MODEL such as "
-        "llama-cpp:smollm2-135m or llama-cpp:/path/model.gguf. Repeat for several."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder that receives the run folder (default results/)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (greedy decoding ignores it)."),
-    repeats: Optional[int] = typer.Option(None, "--repeats", help="Times each query runs per backend."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Unmeasured warm-up queries per backend."),
-    idle_s: Optional[float] = typer.Option(None, "--idle-s", help="Seconds of idle baseline per backend (model loaded)."),
-    dataset_preset: Optional[str] = typer.Option(
-        None, "--dataset-preset", help="Layout of the dataset: mmlu, mmlu-pro, arc, gsm8k, math, problem-answer or "
-        "ipw. Default: detected from the columns (and said)."),
-    split: Optional[str] = typer.Option(
-        None, "--split", help="Split of a Hugging Face save_to_disk DatasetDict folder (default test, validation, train)."),
-    category: Optional[List[str]] = typer.Option(
-        None, "--category", help="Keep only queries of this category (repeat for several; case-insensitive)."),
-    sample: Optional[int] = typer.Option(
-        None, "--sample", help="Run a random sample of N queries, the same for the same --seed (0 = all)."),
     resume: Optional[Path] = typer.Option(
         None, "--resume", help="Continue an interrupted run folder: queries already recorded are kept, the "
         "rest run with the run's own config (give no other option than --shard, --ray, --shards)."),
@@ -90,10 +108,6 @@ def run(
     shards: Optional[int] = typer.Option(
         None, "--shards", help="With --ray: split the query set into N shards (default: as many tasks as the "
         "cluster runs at once)."),
-    concurrency: Optional[str] = typer.Option(
-        None, "--concurrency", help="LEVELS: requests in flight, e.g. 1,4,16,64, swept on every backend that serves "
-        "concurrent requests (kind openai, e.g. a managed llama-server); each level gets its own warm-up and idle "
-        "baseline, and records carry their level. In-process engines stay at 1."),
     repair: bool = typer.Option(
         False, "--repair", help="With --resume: drop the damaged lines of the run's records.jsonl (a line torn "
         "before the end, which ipw otherwise refuses to read past); they are kept in records.dropped.jsonl and "
@@ -102,15 +116,13 @@ def run(
         False, "--full-table", help="End with every metric of every backend (ipw compare's metrics table, one row "
         "per metric) instead of the summary: accuracy, J/query, IPJ and errors per backend, which fits 100 "
         "columns."),
+    **overrides,
 ) -> None:
     """Run a query set through backends, measuring the energy of every query, and write a run folder."""
     from ipw.commands.run import run_command
 
-    raise typer.Exit(run_command(config, dataset=dataset, limit=limit, backends=backend, out=out, seed=seed,
-                                 repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume,
-                                 dataset_preset=dataset_preset, split=split, categories=category, sample=sample,
-                                 shard=shard, ray=ray, shards=shards, repair=repair, concurrency=concurrency,
-                                 full_table=full_table))
+    raise typer.Exit(run_command(config, overrides, resume=resume, shard=shard, ray=ray, shards=shards,
+                                 repair=repair, full_table=full_table))
 
 
 @app.command()
@@ -145,18 +157,9 @@ def list_() -> None:
 
 
 @app.command()
+@with_options(ROUTING_OPTIONS)
 def compare(
     runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); every backend in them is compared."),
-    reference: Optional[str] = typer.Option(
-        None, "--reference", "-r", help="Backend the others are compared against (paired) and the cloud reference "
-        "of routing: NAME, or NAME@cN for one concurrency level. Default: the first cloud-role backend, else the "
-        "first backend; of one measured at several concurrency levels, the highest."),
-    common_queries: bool = typer.Option(
-        False, "--common-queries", help="Runs of different query sets: compare them on the queries they share."),
-    local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
-    cloud: Optional[List[str]] = typer.Option(None, "--cloud", help="Treat this backend as cloud (repeatable)."),
-    router_accuracy: float = typer.Option(
-        0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
     fmt: str = typer.Option("table", "--format", "-f", help="table, json, csv or markdown."),
     n_boot: Optional[int] = typer.Option(
         None, "--n-boot", help="Bootstrap resamples (default 2000; fewer above 100,000 queries, see docs/PERFORMANCE.md)."),
@@ -165,45 +168,29 @@ def compare(
         None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
     api_price: Optional[List[str]] = typer.Option(
         None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
-    deadline: Optional[str] = typer.Option(
-        None, "--deadline", help="METRIC=VALUE (METRIC: p50_latency, p95_latency, p50_ttft or p95_ttft; VALUE like "
-        "2s or 500ms): per backend, the concurrency level with the lowest J/query that meets it."),
+    **routing,
 ) -> None:
     """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
     from ipw.commands.compare import compare_command
 
-    raise typer.Exit(compare_command(runs, reference=reference, common_queries=common_queries, local=local or [],
-                                     cloud=cloud or [], router_accuracy=router_accuracy, fmt=fmt, n_boot=n_boot,
-                                     seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_price or [],
-                                     deadline=deadline))
+    raise typer.Exit(compare_command(runs, fmt=fmt, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
+                                     api_prices=api_price or [], **routing))
 
 
 @app.command()
+@with_options(ROUTING_OPTIONS)
 def report(
     runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); every backend in them is shown."),
     out: Path = typer.Option(Path("report.html"), "--out", "-o", help="The HTML report to write (one "
                              "self-contained file: plots inlined, nothing fetched when viewed)."),
     markdown: Optional[Path] = typer.Option(
         None, "--markdown", help="Also write a Markdown summary (a CI job summary or a pull-request comment)."),
-    reference: Optional[str] = typer.Option(
-        None, "--reference", "-r", help="Backend the others are compared against and the cloud reference of "
-        "routing: NAME or NAME@cN (as in ipw compare)."),
-    common_queries: bool = typer.Option(
-        False, "--common-queries", help="Runs of different query sets: report on the queries they share."),
-    local: Optional[List[str]] = typer.Option(None, "--local", help="Treat this backend as local (repeatable)."),
-    cloud: Optional[List[str]] = typer.Option(None, "--cloud", help="Treat this backend as cloud (repeatable)."),
-    router_accuracy: float = typer.Option(
-        0.8, "--router-accuracy", help="α: the share of queries a realistic router routes as the oracle would."),
-    deadline: Optional[str] = typer.Option(
-        None, "--deadline", help="METRIC=VALUE (METRIC: p50_latency, p95_latency, p50_ttft or p95_ttft; VALUE like "
-        "2s or 500ms): per backend, the concurrency level with the lowest J/query that meets it."),
+    **routing,
 ) -> None:
     """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
     from ipw.commands.report import report_command
 
-    raise typer.Exit(report_command(runs, out=out, markdown=markdown, reference=reference,
-                                    common_queries=common_queries, local=local or [], cloud=cloud or [],
-                                    router_accuracy=router_accuracy, deadline=deadline))
+    raise typer.Exit(report_command(runs, out=out, markdown=markdown, **routing))
 
 
 @app.command()

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
 from ipw.judge import JudgeSpec, check_grading
+from ipw.options import RUN, RUN_OPTIONS, check_range
 from ipw.resources import resource_path
 
 EMBEDDED_DEFAULT = resource_path("default.toml")
@@ -76,9 +77,11 @@ class RunConfig:
             raise IpwError(f"{where}: not a run config ({type(exc).__name__}: {exc})") from None
 
 
-_TOP = {"dataset": str, "limit": int, "repeats": int, "warmup": int, "seed": int, "idle_s": float,
-        "out_dir": str, "generation": dict, "backends": list,
-        "dataset_preset": str, "split": str, "categories": list, "sample": int, "judge": dict}
+# the top-level fields: the run options that are config fields (ipw.options.RUN_OPTIONS, a repeatable one a
+# list) and the tables
+_OPTION_FIELDS = {o.key: o for o in RUN_OPTIONS if o.key}
+_TOP = {**{key: o.field_type for key, o in _OPTION_FIELDS.items()},
+        "generation": dict, "backends": list, "judge": dict}
 
 
 def _table_types(cls) -> dict[str, type]:
@@ -158,23 +161,6 @@ def _check_type(value: Any, expected: type | tuple[type, ...], loc: str) -> Any:
     return value
 
 
-MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
-
-
-def check_range(value: float, loc: str, *, low: float | None = None, high: float | None = None,
-                low_open: bool = False) -> None:
-    """``low <= value <= high`` (``low < value`` when ``low_open``) and finite, else an IpwError at ``loc``."""
-    ok = isinstance(value, (int, float)) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        bounds = " and ".join(b for b in ((f"> {low:g}" if low_open else f">= {low:g}") if low is not None else "",
-                                          f"<= {high:g}" if high is not None else "") if b)
-        raise IpwError(f"{loc}: must be a finite number {bounds}, got {value!r}")
-
-
 def check_generation(gen: dict[str, Any], loc: Callable[[str], str]) -> None:
     """Generation settings in range: what a backend would otherwise reject mid-run, or accept silently."""
     if "max_tokens" in gen and gen["max_tokens"] < 1:
@@ -193,7 +179,7 @@ def check_generation(gen: dict[str, Any], loc: Callable[[str], str]) -> None:
 
 
 def check_idle_s(value: float, loc: str) -> None:
-    check_range(value, loc, low=0.0, high=MAX_IDLE_S)
+    RUN["idle_s"].check(value, loc)
 
 
 MAX_NAME_CHARS = 64
@@ -258,22 +244,18 @@ def parse_config(text: str, path: str) -> RunConfig:
     top = _check_table(raw, _TOP, "", where)
     if "dataset" not in top:
         raise IpwError(f"{path}: field 'dataset': required")
-    for key in ("limit", "warmup", "sample"):
-        if top.get(key, 0) < 0:
-            raise IpwError(f"{where(key)}: must be >= 0")
+    for key, option in _OPTION_FIELDS.items():  # the command line's bounds (ipw.options)
+        if key in top:
+            option.check(top[key], where(key))
     if "dataset_preset" in top:
         from ipw.presets import PRESETS
 
         if top["dataset_preset"] not in PRESETS:
             raise IpwError(f"{where('dataset_preset')}: unknown preset (known: {', '.join(PRESETS)})")
-    if "idle_s" in top:
-        check_idle_s(top["idle_s"], where("idle_s"))
     if "categories" in top:
         top["categories"] = tuple(str(c) for c in top["categories"])
     if "judge" in top:
         top["judge"] = parse_judge_table(top["judge"], path, text)
-    if top.get("repeats", 1) < 1:
-        raise IpwError(f"{where('repeats')}: must be >= 1")
     gen = _check_table(top.pop("generation", {}), _GENERATION, "generation.", where)
     if "seed" in top:  # one seed: the query sample's and the decoder's ([generation] seed wins for decoding)
         gen.setdefault("seed", top["seed"])
@@ -407,49 +389,24 @@ def load_config(path: str | None) -> RunConfig:
     return parse_config(text, str(path) if path else "<embedded default>")
 
 
-def apply_overrides(
-    config: RunConfig,
-    *,
-    dataset: str | None = None,
-    limit: int | None = None,
-    backends: list[str] | None = None,
-    out_dir: str | None = None,
-    seed: int | None = None,
-    repeats: int | None = None,
-    warmup: int | None = None,
-    idle_s: float | None = None,
-    dataset_preset: str | None = None,
-    split: str | None = None,
-    categories: list[str] | None = None,
-    sample: int | None = None,
-    concurrency: str | None = None,
-) -> RunConfig:
-    """CLI options win over the config. ``--backend`` picks configured backends by name, or adds one
-    given as ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``).  ``--concurrency 1,4,16`` sweeps those
-    levels on every backend that serves concurrent requests (an OpenAI-compatible server); in-process
-    engines stay at their own."""
+def apply_overrides(config: RunConfig, given: dict[str, Any]) -> RunConfig:
+    """The run options given on the command line (``ipw.options.RUN_OPTIONS``, by name; None or empty: not
+    given) win over the config.  ``backend`` picks configured backends by name, or adds one given as
+    ``KIND:MODEL`` (e.g. ``llama-cpp:smollm2-135m``).  ``concurrency`` (``1,4,16``) sweeps those levels on
+    every backend that serves concurrent requests (an OpenAI-compatible server); in-process engines stay
+    at their own."""
+    given = {name: value for name, value in given.items() if value is not None and value != []}
     changes: dict[str, Any] = {}
-    for key, value in (("dataset", dataset), ("limit", limit), ("out_dir", out_dir), ("seed", seed),
-                       ("repeats", repeats), ("warmup", warmup), ("idle_s", idle_s),
-                       ("dataset_preset", dataset_preset), ("split", split), ("sample", sample)):
-        if value is not None:
-            changes[key] = value
-    if categories:
-        changes["categories"] = tuple(categories)
-    if dataset_preset is not None:
+    for name, value in given.items():
+        option = RUN[name]  # a KeyError: a caller's typo, not the user's
+        option.check(value, option.flags[0])  # the CLI checked it as it parsed; an API caller too
+        if option.key:
+            changes[option.key] = option.field_value(value)
+    if "dataset_preset" in given:
         from ipw.presets import get_preset
 
-        get_preset(dataset_preset)
-    if sample is not None and sample < 0:
-        raise IpwError(f"--sample: must be >= 0, got {sample}")
-    if limit is not None and limit < 0:
-        raise IpwError(f"--limit: must be >= 0, got {limit}")
-    if repeats is not None and repeats < 1:
-        raise IpwError(f"--repeats: must be >= 1, got {repeats}")
-    if warmup is not None and warmup < 0:
-        raise IpwError(f"--warmup: must be >= 0, got {warmup}")
-    if idle_s is not None:
-        check_idle_s(idle_s, "--idle-s")
+        get_preset(given["dataset_preset"])
+    backends, seed, concurrency = given.get("backend"), given.get("seed"), given.get("concurrency")
     if backends:
         by_name = {b.name: b for b in config.backends}
         chosen = []

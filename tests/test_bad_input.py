@@ -87,6 +87,55 @@ CONFIG_CASES = {
 }
 
 
+# a bound of ipw.options, at parse time: a run option out of bounds is refused before the config (here a file
+# that does not exist) is even read; the same bound in a config names file, line and field
+PARSE_TIME_CASES = {
+    "repeats": (("run", "/no/such.toml", "--repeats", "0"), "--repeats: must be >= 1, got 0"),
+    "sample": (("run", "/no/such.toml", "--sample", "-2"), "--sample: must be >= 0, got -2"),
+    "idle_s": (("run", "/no/such.toml", "--idle-s", "1e6"), "--idle-s: must be a finite number >= 0 and <= 86400"),
+    "router_accuracy": (("compare", "/no/such/run", "--router-accuracy", "1.5"),
+                        "--router-accuracy: must be a finite number >= 0 and <= 1, got 1.5"),
+    "router_accuracy of report": (("report", "/no/such/run", "--router-accuracy", "-0.1"),
+                                  "--router-accuracy: must be a finite number >= 0 and <= 1, got -0.1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARSE_TIME_CASES))
+def test_an_option_out_of_bounds_is_refused_as_it_is_parsed(case, run_cli):
+    args, expected = PARSE_TIME_CASES[case]
+    code, out, err = run_cli(*args)
+    assert code == 2 and expected in err, err
+    assert "not found" not in err and "Traceback" not in err + out
+
+
+def test_a_config_field_has_its_options_bounds(tmp_path, run_cli):
+    for text, expected in (('dataset = "ipw-core"\nsample = -1\n', ":2: field 'sample': must be >= 0, got -1"),
+                           ('dataset = "ipw-core"\n\nrepeats = 0\n', ":3: field 'repeats': must be >= 1, got 0"),
+                           ('idle_s = 1e9\ndataset = "ipw-core"\n', ":1: field 'idle_s': must be a finite number")):
+        path = _config(tmp_path, text + BACKEND)
+        code, _, err = run_cli("run", path, "--out", tmp_path / "res")
+        assert code == 2 and f"{path}{expected}" in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_the_run_options_are_declared_once():
+    """cli.run's options, config.py's top-level fields and apply_overrides all come from ipw.options."""
+    import typer.main
+
+    from ipw import cli, config
+    from ipw.options import RUN_OPTIONS
+
+    command = typer.main.get_command(cli.app).commands["run"]
+    flags = {flag for param in command.params for flag in param.opts}
+    assert all(set(o.flags) <= flags for o in RUN_OPTIONS)
+    assert {o.key for o in RUN_OPTIONS if o.key} <= set(config._TOP)
+    base = config.load_config(None)
+    changed = config.apply_overrides(base, {"limit": 3, "out": Path("x"), "category": ["a"], "idle_s": 1.5})
+    assert (changed.limit, changed.out_dir, changed.categories, changed.idle_s) == (3, "x", ("a",), 1.5)
+    with pytest.raises(IpwError, match="--warmup: must be >= 0"):  # an API caller gets the same bound
+        config.apply_overrides(base, {"warmup": -1})
+
+
 @pytest.mark.parametrize("case", sorted(CONFIG_CASES))
 def test_bad_config(case, tmp_path, run_cli):
     text, expected = CONFIG_CASES[case]

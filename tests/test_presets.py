@@ -225,8 +225,8 @@ def _run(dataset: str, out: Path, **options):
     from ipw.config import apply_overrides, load_config
     from ipw.runner import execute, start_run
 
-    config = apply_overrides(load_config(None), dataset=dataset, backends=["oracle:table"], out_dir=str(out),
-                             warmup=0, idle_s=0, **options)
+    config = apply_overrides(load_config(None), {"dataset": dataset, "backend": ["oracle:table"], "out": str(out),
+                                                 "warmup": 0, "idle_s": 0, **options})
     folder, queries = start_run(config, command=["test"])
     execute(folder, config, queries, lambda r: None, probe=lambda b: [])
     return folder.path
@@ -252,7 +252,7 @@ def test_each_preset_scores_a_run(name, oracle, tmp_path):
 def test_a_run_with_category_and_sample_resumes_the_same_queries(oracle, tmp_path):
     from ipw.runner import resume_run
 
-    run_dir = _run(str(DATA / "mmlu.parquet"), tmp_path, categories=["chemistry"], sample=2, seed=4)
+    run_dir = _run(str(DATA / "mmlu.parquet"), tmp_path, category=["chemistry"], sample=2, seed=4)
     frame = pd.read_parquet(run_dir / "records.parquet")
     expected = [q.id for q in load_queries(str(DATA / "mmlu.parquet"), categories=("chemistry",), sample=2, seed=4)]
     assert list(frame["query_id"]) == expected

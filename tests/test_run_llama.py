@@ -77,8 +77,8 @@ def test_interrupted_run_is_marked(small_jsonl, tmp_path, monkeypatch):
     from ipw.config import apply_overrides, load_config
     from ipw.runner import execute, start_run
 
-    config = apply_overrides(load_config(None), dataset=str(small_jsonl), backends=["smollm2-135m"],
-                             out_dir=str(tmp_path), warmup=0, idle_s=0)
+    config = apply_overrides(load_config(None), {"dataset": str(small_jsonl), "backend": ["smollm2-135m"],
+                                                 "out": str(tmp_path), "warmup": 0, "idle_s": 0})
     folder, queries = start_run(config, command=["test"])
     seen = []
 

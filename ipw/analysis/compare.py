@@ -26,6 +26,7 @@ from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_r
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
+from ipw.options import ROUTER_ACCURACY, ROUTING
 from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
 
@@ -288,14 +289,13 @@ def quantiles_of(pq: PerQuery) -> list:
 
 
 def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
-            local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
+            local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
             n_boot: int | None = None, seed: int = 0, usd_per_kwh: float | None = None,
             api_prices: Sequence[str] = (), deadline: str | None = None) -> Comparison:
     """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring.
     ``deadline`` (``METRIC=VALUE``, ``ipw.analysis.serving.parse_deadline``) picks each backend's
     energy-optimal concurrency level within it."""
-    if not 0.0 <= router_accuracy <= 1.0:
-        raise IpwError(f"--router-accuracy {router_accuracy}: must be between 0 and 1")
+    ROUTING["router_accuracy"].check(router_accuracy, "--router-accuracy")  # the CLI's bound, for API callers
     if n_boot is not None and n_boot < 1:
         raise IpwError(f"--n-boot {n_boot}: must be at least 1")
     if usd_per_kwh is not None and not usd_per_kwh >= 0:

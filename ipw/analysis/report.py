@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from ipw.analysis import report_data as data
 from ipw.analysis import report_plots as plots
 from ipw.errors import IpwError
+from ipw.options import ROUTER_ACCURACY
 from ipw.resources import resource_path
 
 
@@ -45,7 +46,7 @@ def _imports():
 # --- the report ---------------------------------------------------------------------------------------
 
 def build(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
-          local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = 0.8,
+          local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
           n_boot: int | None = None, seed: int = 0, deadline: str | None = None) -> dict:
     """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``."""
     _imports()

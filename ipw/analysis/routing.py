@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.options import ROUTER_ACCURACY
 from ipw.telemetry.base import QUALITY_ORDER, worst_quality
 
 SOLVED_AT = 0.5
@@ -361,7 +362,7 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
 
 
 def route(m: QueryMatrix, *, local: Sequence[str], cloud: str, mean_power_w: Sequence[float],
-          router_accuracy: float = 0.8, cloud_is_stand_in: bool = False, win_tie_vs: str = "") -> Routing:
+          router_accuracy: float = ROUTER_ACCURACY, cloud_is_stand_in: bool = False, win_tie_vs: str = "") -> Routing:
     """Every routing number for ``local`` backends against the ``cloud`` reference."""
     li = [m.index(name) for name in local]
     ci = m.index(cloud)

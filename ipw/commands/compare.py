@@ -6,8 +6,8 @@ from ipw.commands.output import stdout
 from ipw.errors import IpwError
 
 
-def compare_command(runs, *, reference, common_queries, local, cloud, router_accuracy, fmt, n_boot, seed,
-                    usd_per_kwh, api_prices, deadline=None) -> int:
+def compare_command(runs, *, fmt, n_boot, seed, usd_per_kwh, api_prices, **routing) -> int:
+    """``routing``: the options of ``ipw.options.ROUTING_OPTIONS``, by name."""
     import sys
 
     from ipw.analysis import render
@@ -15,9 +15,7 @@ def compare_command(runs, *, reference, common_queries, local, cloud, router_acc
 
     if fmt not in render.FORMATS:
         raise IpwError(f"--format {fmt!r}: must be one of {', '.join(render.FORMATS)}")
-    result = compare(runs, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
-                     router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
-                     api_prices=api_prices, deadline=deadline)
+    result = compare(runs, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_prices, **routing)
     if fmt == "table":
         console = stdout()
         for table in render.rich_tables(render.tables(result)):

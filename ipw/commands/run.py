@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -14,6 +14,7 @@ from rich.table import Table as RichTable
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
+from ipw.options import RUN
 
 if TYPE_CHECKING:
     from ipw.analysis.compare import Comparison
@@ -56,9 +57,9 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume=None,
-                dataset_preset=None, split=None, categories=None, sample=None, shard=None, ray=None,
-                shards=None, repair=False, concurrency=None, full_table=False) -> int:
+def run_command(config_path, overrides: dict[str, Any], *, resume=None, shard=None, ray=None, shards=None,
+                repair=False, full_table=False) -> int:
+    """``overrides``: the run options given (``ipw.options.RUN_OPTIONS``, by name), which win over the config."""
     from ipw.shard import parse_shard
 
     if repair and resume is None:
@@ -87,10 +88,8 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
         connected = connect(ray)  # a missing extra or no cluster fails before the run folder exists
         ray_options = RayOptions(ray, shards)
     try:
-        return _run(config_path, dataset=dataset, limit=limit, backends=backends, out=out, seed=seed,
-                    repeats=repeats, warmup=warmup, idle_s=idle_s, resume=resume, dataset_preset=dataset_preset,
-                    split=split, categories=categories, sample=sample, the_shard=the_shard,
-                    ray_options=ray_options, repair=repair, concurrency=concurrency, full_table=full_table)
+        return _run(config_path, overrides, resume=resume, the_shard=the_shard, ray_options=ray_options,
+                    repair=repair, full_table=full_table)
     finally:
         if connected:
             import ray as ray_module
@@ -98,8 +97,8 @@ def run_command(config_path, *, dataset, limit, backends, out, seed, repeats, wa
             ray_module.shutdown()
 
 
-def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, idle_s, resume, dataset_preset, split,
-         categories, sample, the_shard, ray_options, repair=False, concurrency=None, full_table=False) -> int:
+def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_options, repair=False,
+         full_table=False) -> int:
     import time
 
     from ipw.config import apply_overrides, load_config
@@ -107,23 +106,15 @@ def _run(config_path, *, dataset, limit, backends, out, seed, repeats, warmup, i
 
     done: frozenset = frozenset()
     if resume is not None:
-        given = [n for n, v in (("CONFIG", config_path), ("--dataset", dataset), ("--limit", limit),
-                                ("--backend", backends), ("--out", out), ("--seed", seed), ("--repeats", repeats),
-                                ("--warmup", warmup), ("--idle-s", idle_s), ("--dataset-preset", dataset_preset),
-                                ("--split", split), ("--category", categories), ("--sample", sample),
-                                ("--concurrency", concurrency)) if v]
+        given = (["CONFIG"] if config_path else []) + [RUN[name].flags[0] for name, value in overrides.items()
+                                                        if value is not None and value != []]
         if given:
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         if repair:
             _repair(Path(resume))
         folder, config, queries, done = resume_run(str(resume))
     else:
-        config = apply_overrides(
-            load_config(str(config_path) if config_path else None), dataset=dataset, limit=limit,
-            backends=backends, out_dir=str(out) if out else None, seed=seed, repeats=repeats, warmup=warmup,
-            idle_s=idle_s, dataset_preset=dataset_preset, split=split, categories=categories, sample=sample,
-            concurrency=concurrency,
-        )
+        config = apply_overrides(load_config(str(config_path) if config_path else None), overrides)
         folder, queries = start_run(config, shard=the_shard)
     _sigterm_as_interrupt()
     console = Console(stderr=True)
