@@ -126,7 +126,6 @@ def make_runs(work: Path, cycles: int) -> None:
 
 def load_stream(work: Path) -> list[dict]:
     """The complete runs of the stream, in order, with their log entries (a run made again: its last entry)."""
-    from ipw.analysis.load import as_manifest
     from ipw.results import load_run
 
     log = {}
@@ -140,8 +139,7 @@ def load_stream(work: Path) -> list[dict]:
         if run_dir is None:
             continue  # a run stopped on purpose (011: threads_x2, ~9 min per run under the load) or still running
         index, kind = int(folder.name[:3]), folder.name[4:]
-        manifest, frame = load_run(run_dir)
-        manifest = as_manifest(manifest)
+        manifest, frame = load_run(run_dir)  # the manifest typed (RunManifest)
         entry = log.get(index)
         if entry is None:  # the bench was restarted while this run went on (its parent, which logs, had stopped)
             import datetime as dt_

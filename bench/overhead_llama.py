@@ -449,8 +449,10 @@ def write_doc(args, res: dict) -> None:
     med = lambda side, key: median([p[side][key] for p in t])  # noqa: E731
     ok_d = res["decode_ratio"] >= DECODE_TARGET
     ok_w = res["wall_ratio"] <= WALL_TARGET
-    over = [p["ipw"]["sampler_overhead"] for p in t if p["ipw"].get("sampler_overhead")]
-    snap = [o["cpu_model"]["fraction_of_core"] for o in over if o.get("cpu_model", {}).get("fraction_of_core")]
+    from ipw.results import sampler_overheads  # the typed reader: old run folders' keys too
+
+    snapshots = [sampler_overheads(p["ipw"]).get("cpu_model") for p in t]
+    snap = [o.cpu_fraction_of_one_core for o in snapshots if o is not None and o.cpu_fraction_of_one_core]
     turns = (f"taking turns of {args.slice_s:g} s (SIGSTOP/SIGCONT: one runs while the other is stopped, so "
              "both meet the same machine load; every duration is reduced to the process's running time), "
              "who goes first alternating between rounds" if args.slice_s > 0 else

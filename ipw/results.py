@@ -19,7 +19,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ipw.errors import IpwError
 
@@ -126,9 +126,11 @@ RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
 @dataclass(frozen=True)
 class SamplerOverhead:
     """A sensor thread's own cost, one entry of a manifest backend's ``sampler_overhead`` (by sensor name):
-    CPU seconds of the thread, the seconds it was measured over, and their ratio.  The keys are the NVML
-    sampler's (``cpu_s``, ``wall_s``, ``cpu_fraction_of_one_core``); the RAPL/CPU-model snapshot thread wrote
-    the same facts as ``active_s`` and ``fraction_of_core`` (the seconds windows were open), read here too."""
+    CPU seconds of the thread, the seconds it was measured over, and their ratio, under the keys every sensor
+    writes (``cpu_s``, ``wall_s``, ``cpu_fraction_of_one_core``).  ``OLD_KEYS``: what the RAPL/CPU-model
+    snapshot thread wrote before (run folders of earlier versions), read here and nowhere else."""
+
+    OLD_KEYS: ClassVar[dict[str, str]] = {"wall_s": "active_s", "cpu_fraction_of_one_core": "fraction_of_core"}
 
     cpu_s: float | None
     wall_s: float | None
@@ -136,12 +138,11 @@ class SamplerOverhead:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplerOverhead":
-        def first(*keys: str) -> float | None:
-            value = next((data[k] for k in keys if data.get(k) is not None), None)
-            return None if value is None else float(value)
+        def value(key: str) -> float | None:
+            found = data.get(key, data.get(cls.OLD_KEYS.get(key, key)))
+            return None if found is None else float(found)
 
-        return cls(first("cpu_s"), first("wall_s", "active_s"),
-                   first("cpu_fraction_of_one_core", "fraction_of_core"))
+        return cls(*(value(f.name) for f in dataclasses.fields(cls)))
 
 
 def sampler_overheads(backend: dict[str, Any]) -> dict[str, SamplerOverhead]:

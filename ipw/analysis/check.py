@@ -174,7 +174,7 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
     return g
 
 
-def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManifest | dict, cand, thresholds: list[Threshold], *,
+def check_runs(base_manifest: RunManifest, base, cand_manifest: RunManifest, cand, thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
                n_boot: int | None = None, seed: int = 0, floors: dict | None = None, work_gate: bool = True,
                unsteady: dict[str, str] | None = None) -> CheckResult:
@@ -186,9 +186,6 @@ def check_runs(base_manifest: RunManifest | dict, base, cand_manifest: RunManife
     ``work_gate``: compare token counts and errors per query exactly, when both runs decoded greedily.
     ``unsteady``: {backend: why its token counts are not deterministic}; its work rows report, never fail. A
     backend served several requests at once (batched decoding) is unsteady without being named."""
-    from ipw.analysis.load import as_manifest
-
-    base_manifest, cand_manifest = as_manifest(base_manifest), as_manifest(cand_manifest)
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))
@@ -466,7 +463,7 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     return CheckResult(tuple(verdicts), alpha, strict, pooled.notes + tuple(notes), drift, order)
 
 
-def calibrate(runs: list[tuple[object, object]], thresholds: list[Threshold], *, n_boot: int = 1000) -> dict:
+def calibrate(runs: list[tuple[RunManifest, object]], thresholds: list[Threshold], *, n_boot: int = 1000) -> dict:
     """The noise floor of identical runs: per backend and gated metric, the largest change between any two of
     them (the earlier one as baseline). Returns the JSON object ``ipw check --floor`` reads."""
     if len(runs) < 2:

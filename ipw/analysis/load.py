@@ -183,12 +183,6 @@ def _small(path: Path) -> bool:
     return rows is None or rows <= MEASUREMENT_MAX_RECORDS
 
 
-def as_manifest(manifest: RunManifest | dict) -> RunManifest:
-    """The typed manifest of a parsed manifest.json (``load_run`` returns it typed already; this serves
-    ``ipw.analysis.check``, which still accepts either)."""
-    return manifest if isinstance(manifest, RunManifest) else RunManifest.from_dict(manifest)
-
-
 def energy_audits(manifest: RunManifest) -> tuple[str, ...]:
     """Each backend's run-level energy audit as the manifest keeps it (``backends[].energy_audit``), one
     ``"backend: line"`` each; runs made before the audit have none."""
