@@ -9,6 +9,7 @@ answer; see :mod:`ipw.scoring`).
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -296,3 +297,32 @@ def fingerprint(queries: list[Query]) -> str:
     for q in sorted(queries, key=lambda q: q.id):
         digest.update(json.dumps([q.id, q.prompt, q.answer, q.choices, q.category, q.scorer]).encode())
     return "sha256:" + digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class QuerySet:
+    """A run's queries as loaded: from ``name`` (its ``source`` file; None: a folder or a run folder's copy),
+    with their manifest entry (``entry``).  The fingerprint is computed once, when first asked for, unless
+    it is ``known`` (a run folder's checked copy of its queries)."""
+
+    name: str
+    queries: list[Query]
+    source: Path | None = None
+    known: str = ""
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return self.known or fingerprint(self.queries)
+
+    def entry(self) -> dict[str, object]:
+        """The manifest's ``dataset`` entry."""
+        return {"name": self.name, "n_queries": len(self.queries), "fingerprint": self.fingerprint,
+                "categories": sorted({q.category for q in self.queries})}
+
+
+def load_query_set(name_or_path: str, *, limit: int = 0, **options: object) -> QuerySet:
+    """A run's query set: ``load_queries`` with the config's options (``RunConfig.dataset_options``), cut to
+    the first ``limit`` queries (0: all)."""
+    queries = load_queries(name_or_path, **options)
+    path = resolve_dataset(name_or_path)
+    return QuerySet(name_or_path, queries[:limit] if limit else queries, path if path.is_file() else None)

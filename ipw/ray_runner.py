@@ -188,8 +188,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progress: Callable[[QueryRecord], None],
-               options: RayOptions, done: frozenset[tuple[str, str, int, int]] = frozenset()) -> None:
-    """Run every (backend, shard) as a Ray task; records stream into ``folder``.  Raises IpwError when
+               options: RayOptions, levels: dict[str, tuple[int, ...]],
+               done: frozenset[tuple[str, str, int, int]] = frozenset()) -> None:
+    """Run every (backend, shard) as a Ray task; records stream into ``folder``.  ``levels``: each backend's
+    concurrency levels (``backends.base.check_backends``), for the shards' keys.  Raises IpwError when
     a shard still fails after ``MAX_ATTEMPTS`` (the records so far are kept)."""
     ray = import_ray()
     started = connect(options.address)
@@ -215,10 +217,6 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
             folder.write_manifest(hardware_by_id=hardware_by_id, ray={
                 "address": options.address, "shards": n, "max_attempts": MAX_ATTEMPTS,
                 "tasks": sorted(tasks.values(), key=lambda t: (t["backend"], t["shard"]))})
-
-        from ipw.runner import config_levels
-
-        levels = config_levels(config)
 
         def submit(spec: BackendSpec, k: int) -> None:
             part = shard_items(queries, Shard(k, n))

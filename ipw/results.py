@@ -304,12 +304,26 @@ class RunManifest:
         """The checked manifest of a run folder (``read_manifest``: one-line errors)."""
         return cls.from_dict(read_manifest(run_dir, require))
 
+    @classmethod
+    def read_unfinished(cls, run_dir: str | Path) -> "RunManifest":
+        """The manifest of a run folder that ``--resume`` can continue: with its config and dataset
+        fingerprint, not complete (else an IpwError)."""
+        manifest = cls.read(run_dir, require=("config", "dataset.fingerprint"))
+        if manifest.status == "complete":
+            raise IpwError(f"{run_dir}: the run is already complete; nothing to resume")
+        return manifest
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
         return {**{k: v for k, v in out.items() if v is not None}, **self.extra}
 
 
 LOCK_FILE = "ipw.lock"
+
+
+def manifest_field(run_dir: str | Path, name: str) -> str:
+    """Where an error about a manifest's field points: ``RUN_DIR/manifest.json: field 'NAME'``."""
+    return f"{Path(run_dir) / 'manifest.json'}: field '{name}'"
 
 
 def own_file(path: Path) -> Path:
@@ -414,25 +428,14 @@ class RunFolder:
 
     @classmethod
     def reopen(cls, run_dir: str | Path) -> "RunFolder":
-        """Reopen an unfinished run folder for ``--resume``: the manifest holds a run config and the log
-        only records (else an IpwError, before anything changes); a torn last line is cut off."""
-        from ipw.config import RunConfig
-
+        """Reopen an unfinished run folder for ``--resume`` (``RunManifest.read_unfinished``; the caller has
+        read its config): the log holds only records (else an IpwError, before anything changes); a torn
+        last line is cut off."""
         path = Path(run_dir)
-
-        def check() -> RunManifest:
-            manifest = RunManifest.read(path, require=("config", "dataset.fingerprint"))
-            if manifest.status == "complete":
-                raise IpwError(f"{path}: the run is already complete; nothing to resume")
-            config = manifest.config or {}  # (required above)
-            if "serve" not in config:  # an ipw serve folder holds its proxy's options instead
-                RunConfig.from_dict(config, where=f"{path / 'manifest.json'}: field 'config'")
-            return manifest
-
-        check()  # before the lock: a folder that cannot be resumed is left exactly as it was
+        RunManifest.read_unfinished(path)  # before the lock: a folder that cannot be resumed is left as it was
         lock = FolderLock(path)
         try:
-            manifest = check()  # again, as the only writer: another may have finished it meanwhile
+            manifest = RunManifest.read_unfinished(path)  # again, as the only writer: another may have finished it
             log = own_file(path / "records.jsonl")
             # every line but a torn last one is a record (checked before anything changes)
             keys = record_keys(log)
@@ -459,6 +462,19 @@ class RunFolder:
         frame = load_records_jsonl(self.path / "records.jsonl")
         levels = frame["concurrency"].fillna(1).astype(int)
         return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int), levels))
+
+    def keep_queries(self, queries: list[Any], source: Path) -> None:
+        """A large run's query set as loaded (``queries.parquet``), with the sha256 of its dataset file
+        ``source`` and of the copy in the manifest's ``dataset``, so that ``--resume`` need not parse it again
+        (``read_kept_queries``)."""
+        self.write_manifest(dataset={**self.manifest.dataset, "file_sha256": file_sha256(source),
+                                     "queries_file": QUERIES_FILE,
+                                     "queries_sha256": write_queries(self.path / QUERIES_FILE, queries)})
+
+    def records_of(self, backend: str) -> list[dict[str, Any]]:
+        """The records of ``backend`` in the log (``records.jsonl``), as parsed rows."""
+        log = self.path / "records.jsonl"
+        return [r for r in read_records(log) if r.get("backend") == backend] if log.is_file() else []
 
     def write_manifest(self, **updates: Any) -> None:
         """Update fields of the manifest (a name that is not a field is a TypeError) and rewrite it."""
@@ -564,6 +580,26 @@ def _append_synced(path: Path, text: str) -> None:
 
 
 QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that --resume need not parse it again
+
+
+def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> list[Any] | None:
+    """A large run's queries as it loaded them (``RunFolder.keep_queries``), when neither the dataset file,
+    nor that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
+    from ipw import __version__
+    from ipw.datasets import resolve_dataset
+
+    entry = manifest.dataset or {}
+    copy = Path(run_dir) / QUERIES_FILE
+    if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
+        return None
+    try:
+        source = resolve_dataset(manifest.config["dataset"])
+        if not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
+                or file_sha256(copy) != entry.get("queries_sha256"):
+            return None
+    except (IpwError, OSError, KeyError):
+        return None
+    return read_queries(copy)
 
 
 def file_sha256(path: Path) -> str:
@@ -780,6 +816,15 @@ def _record_problem(line: str) -> str | None:
     if missing:
         return f"corrupt record (no field '{missing[0]}')"
     return None
+
+
+def repair_log(run_dir: str | Path) -> tuple[Path, list[int]]:
+    """``ipw run --resume --repair``: the log of an unfinished run without the lines that are not records
+    (``repair_records``); returns the log's path and the line numbers dropped."""
+    if RunManifest.read(run_dir).status == "complete":
+        raise IpwError(f"{run_dir}: the run is already complete; nothing to resume or repair")
+    log = Path(run_dir) / "records.jsonl"
+    return log, repair_records(log)
 
 
 def repair_records(path: Path) -> list[int]:

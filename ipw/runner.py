@@ -15,14 +15,14 @@ from typing import Any, Callable
 
 
 from ipw import __version__
-from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend
+from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend, levels_of
 from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
-from ipw.datasets import Query, fingerprint, load_queries, resolve_dataset
+from ipw.datasets import Query, QuerySet
 from ipw.errors import IpwError
 from ipw.overlap import Segments, Share, Tally, request_of, split_share
 from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_many
-from ipw.results import QUERIES_FILE, QueryRecord, RunFolder, RunManifest, file_sha256, new_run_id, read_queries, write_queries
+from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy
@@ -95,18 +95,6 @@ ProbeFn = Callable[[Backend], list[Sensor]]
 #: sampler, the snapshots, the record writer); bench/harness_breakdown.py, docs/PERFORMANCE.md
 SWITCH_INTERVAL_S = 0.0005
 QUERY_CACHE_MIN = 10_000  # a run of this many queries keeps a copy of them (below it, parsing them again is quick)
-
-
-def levels_of(backend: Backend) -> tuple[int, ...]:
-    """The concurrency levels a backend is measured at: its ``levels`` (a sweep, e.g. (1, 4, 16)), else
-    its ``concurrency`` (an in-process engine: 1; a batching one: its batch size)."""
-    return tuple(backend.levels) or (int(backend.concurrency),)
-
-
-def config_levels(config: RunConfig) -> dict[str, tuple[int, ...]]:
-    """Each backend's concurrency levels (``levels_of``), by name: made once, before the run, for the
-    progress total and for the Ray driver's shard keys (constructing a backend loads no model)."""
-    return {spec.name: levels_of(create_backend(spec)) for spec in config.backends}
 
 
 def run_backend(
@@ -199,14 +187,13 @@ def run_backend(
 def _energy_audit(folder: RunFolder, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
     """The run-level energy audit of this backend's records of this session (``ipw.telemetry.audit``), once,
     after its last query: the counter over the span vs the queries plus the idle between them."""
-    from ipw.results import read_records
     from ipw.telemetry.audit import audit_dicts
 
-    log = folder.path / "records.jsonl"  # a Ray task's sink has none: its records stream to the driver
-    if not log.is_file() or not any(s.supports_energy_windows for s in sensors):
+    # a Ray task's sink is no RunFolder: its records stream to the driver
+    if not isinstance(folder, RunFolder) or not any(s.supports_energy_windows for s in sensors):
         return []
     try:
-        records = [r for r in read_records(log) if r.get("backend") == backend]
+        records = folder.records_of(backend)
     except Exception as exc:  # the audit never costs a run
         return [{"error": f"{type(exc).__name__}: {exc}"}]
     return audit_dicts(sensors, records, since_s)
@@ -418,35 +405,16 @@ def _request_of(future) -> Any:
     return request_of(completion, start, end)
 
 
-def _load_full(config: RunConfig) -> list[Query]:
-    """The run's full query set: the dataset with its options, cut to ``limit``."""
-    queries = load_queries(config.dataset, **config.dataset_options())
-    return queries[: config.limit] if config.limit else queries
-
-
-def _dataset_entry(config: RunConfig, queries: list[Query]) -> dict[str, Any]:
-    return {"name": config.dataset, "n_queries": len(queries), "fingerprint": fingerprint(queries),
-            "categories": sorted({q.category for q in queries})}
-
-
-def start_run(config: RunConfig, command: list[str] | None = None,
-              shard: Shard | None = None) -> tuple[RunFolder, list[Query]]:
-    """Validate everything that can be validated before any model loads, then create the folder.
-
-    ``shard``: run only that shard of the query set (``ipw.shard``); the folder's ``dataset`` then
+def plan_run(config: RunConfig, query_set: QuerySet, shard: Shard | None = None,
+             command: list[str] | None = None) -> tuple[RunFolder, list[Query]]:
+    """The plan step of a new run (nothing loaded, every input checked): its shard of the query set and its
+    run folder, with the manifest (status running); a run of ``QUERY_CACHE_MIN`` queries or more keeps a copy
+    of them for ``--resume``.  ``shard``: run only that shard (``ipw.shard``); the manifest's ``dataset`` then
     describes the shard's queries and ``shard`` names the full set, which ``ipw merge`` restores."""
     from ipw.telemetry.hardware import software_fingerprint
 
-    queries = full = _load_full(config)
-    if shard is not None:
-        queries = shard_items(full, shard)
-    for spec in config.backends:
-        backend = create_backend(spec)  # resolves the model file: a missing one fails here, before the run
-        backend.preflight()  # e.g. an engine build this CPU cannot run: one line, before the folder
-    if config.judge is not None:  # the judge grades the finished run: its prompt and model fail here, not after
-        from ipw.judge import Judge
-
-        Judge(config.judge)  # reads the prompt and resolves the model; loads nothing
+    mine = query_set if shard is None else QuerySet(query_set.name, shard_items(query_set.queries, shard),
+                                                    query_set.source)
     run_id = new_run_id()
     identity, hardware = node_identity()
     folder = RunFolder.create(config.out_dir, run_id, RunManifest(
@@ -454,69 +422,33 @@ def start_run(config: RunConfig, command: list[str] | None = None,
         ipw_version=__version__,
         command=list(command if command is not None else sys.argv),
         config=config.to_dict(),
-        dataset=_dataset_entry(config, queries),
-        shard={"index": shard.index, "count": shard.count, "dataset": _dataset_entry(config, full)}
-        if shard is not None else None,
+        dataset=mine.entry(),
+        shard={"index": shard.index, "count": shard.count, "dataset": query_set.entry()} if shard is not None else None,
         hardware=hardware,
         hardware_by_id={identity.hardware_id: hardware},
         software=software_fingerprint(),
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
         backends=[],
     ))
-    if len(queries) >= QUERY_CACHE_MIN:
-        source = resolve_dataset(config.dataset)
-        if source.is_file():
-            folder.write_manifest(dataset={**folder.manifest.dataset, "file_sha256": file_sha256(source),
-                                           "queries_file": QUERIES_FILE,
-                                           "queries_sha256": write_queries(folder.path / QUERIES_FILE, queries)})
-    return folder, queries
+    if len(mine.queries) >= QUERY_CACHE_MIN and mine.source is not None:
+        folder.keep_queries(mine.queries, mine.source)
+    return folder, mine.queries
 
 
-def _cached_queries(path: Path, manifest: RunManifest) -> list[Query] | None:
-    """A large run's queries as it loaded them (``queries.parquet``), when neither the dataset file, nor
-    that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
-    entry = manifest.dataset or {}
-    copy = path / QUERIES_FILE
-    if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
-        return None
-    try:
-        source = resolve_dataset(manifest.config["dataset"])
-        if not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
-                or file_sha256(copy) != entry.get("queries_sha256"):
-            return None
-    except (IpwError, OSError, KeyError):
-        return None
-    return read_queries(copy)
-
-
-def resume_run(run_dir: str) -> tuple[RunFolder, RunConfig, list[Query], frozenset[tuple[str, str, int]]]:
-    """Reopen an interrupted run: same config, same queries (fingerprint checked), what is done.  A large
-    run's copy of its queries is read while ``reopen`` checks the record log (Arrow parses it outside the
-    interpreter lock): for a million queries, the two take about as long each."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1, thread_name_prefix="ipw-resume") as pool:
-        try:
-            early = RunManifest.read(run_dir)
-        except IpwError:
-            early = None  # reopen says what is wrong
-        pending = pool.submit(_cached_queries, Path(run_dir), early) if early is not None else None
-        folder = RunFolder.reopen(run_dir)
-        same = early is not None and early.dataset == folder.manifest.dataset
-        cached = pending.result() if pending is not None and same else None
-    config = RunConfig.from_dict(folder.manifest.config)
-    queries = cached if cached is not None else _load_full(config)
-    if folder.manifest.shard and cached is None:
-        queries = shard_items(queries, Shard(folder.manifest.shard["index"], folder.manifest.shard["count"]))
-    if cached is None and fingerprint(queries) != folder.manifest.dataset["fingerprint"]:
-        raise IpwError(f"{run_dir}: the dataset {config.dataset} changed since the run started "
+def plan_resume(run_dir: str | Path, query_set: QuerySet) -> tuple[RunFolder, frozenset[tuple[str, str, int, int]]]:
+    """The plan step of ``--resume``: the run folder reopened (``RunFolder.reopen``: its only writer again),
+    its query set checked against the one it started with (fingerprints), and what is done."""
+    folder = RunFolder.reopen(run_dir)
+    if query_set.fingerprint != folder.manifest.dataset["fingerprint"]:
+        folder.lock.release()
+        raise IpwError(f"{run_dir}: the dataset {query_set.name} changed since the run started "
                        "(fingerprints differ); start a new run")
     done = frozenset(folder.done_keys())
     identity, hardware = node_identity()
     folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                           + [time.strftime("%Y-%m-%dT%H:%M:%S")],
                           hardware_by_id={**(folder.manifest.hardware_by_id or {}), identity.hardware_id: hardware})
-    return folder, config, queries, done
+    return folder, done
 
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],

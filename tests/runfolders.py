@@ -72,3 +72,25 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
             t = begin + max(s + d for s, d in zip(b["start"], b.get("duration", [1.0] * n))) + 0.01
     folder.finish(status)
     return folder.path
+
+
+def start_run(config, command=None, shard=None):
+    """``ipw run``'s load and plan steps (``ipw.commands.run._run``) for a config already made: returns the
+    run folder and the queries to run, as ``ipw.runner.execute`` takes them."""
+    from ipw.commands.run import check_run
+    from ipw.datasets import load_query_set
+    from ipw.runner import plan_run
+
+    query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
+    check_run(config)
+    return plan_run(config, query_set, shard, command)
+
+
+def resume_run(run_dir):
+    """``ipw run --resume``'s load and plan steps: the folder, its config, the queries and what is done."""
+    from ipw.commands.run import load_resumed
+    from ipw.runner import plan_resume
+
+    config, query_set = load_resumed(run_dir)
+    folder, done = plan_resume(run_dir, query_set)
+    return folder, config, query_set.queries, done

@@ -107,7 +107,8 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
     from ipw.backends.base import register_backend, unregister_backend
     from ipw.commands.run import audit_lines
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
     from nvml_fakes import RealClock, real_offset_ns
 
     sig, _ = synthetic(120.0, idle_w=250.0, load_w=250.0, offset_ns=real_offset_ns(), t0_s=time.monotonic() - 5)
@@ -130,7 +131,7 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
     # the stated ±90% is honest, so a single run falls outside it one time in ten by design (held counter
     # reads on a loaded machine: docs/RELIABILITY.md); the test asks for 2x it (3.3 sd: 1 in 1,000)
     assert abs(a["difference_j"]) <= 2 * a["uncertainty_j"], a["line"]
-    assert audit_lines(folder.path) == ([] if a["agrees"] else [f"s: {a['line']}"])  # only a disagreement
+    assert audit_lines(folder.manifest) == ([] if a["agrees"] else [f"s: {a['line']}"])  # only a disagreement
     shown = f"run {folder.manifest.run_id}, s: {a['line']}"
     code, out, err = run_cli("compare", folder.path)
     assert code == 0 and shown in " ".join(out.split()), err  # rich may wrap the note

@@ -84,8 +84,8 @@ RUNNING = {"ipw.runner", "ipw.ray_runner", "ipw.judge", "ipw.rescore", "ipw.serv
 FORBIDDEN = {
     "ipw.telemetry": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
     "ipw.backends": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
-    # analysis still reaches ipw.judge (compare's judge columns; results -> config -> judge for the
-    # [judge] table): the data path issue 31 (item 6) straightens; until then only the rest is held
+    # analysis still reaches ipw.judge (compare's judge columns; results no longer reaches config since
+    # issue 31's one pass of ipw run): the data path issue 31 (item 6) straightens; until then only the rest
     "ipw.analysis": {"ipw.commands", "ipw.cli", *(RUNNING - {"ipw.judge"})},
 }
 

@@ -406,7 +406,8 @@ class RateSensor(SensorBase):
 
 def test_concurrency_overlaps_windows_keeps_order_and_splits_energy(endpoint, tmp_path):
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     endpoint.chunk_delay_s = 0.05
     rows = [{"id": f"q{i}", "prompt": f"What is {i} + 0?", "answer": str(i), "scorer": "numeric"} for i in range(8)]
@@ -454,7 +455,8 @@ def test_long_concurrent_run_keeps_memory_flat(endpoint, tmp_path):
     import tracemalloc
 
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     endpoint.chunk_delay_s = 0.0
     endpoint.requests = _Discard()

@@ -212,7 +212,8 @@ def phased_fake():
 
 def test_runner_records_phases_that_sum_to_the_total(phased_fake, tmp_path):
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     rows = [{"id": f"q{n}", "prompt": "word " * n + "Answer.", "answer": "ok", "category": "c", "scorer": "exact"}
             for n in (5, 40, 200)] + [{"id": "bad", "prompt": "fail", "answer": "ok", "scorer": "exact"}]

@@ -223,7 +223,8 @@ def oracle():
 
 def _run(dataset: str, out: Path, **options):
     from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     config = apply_overrides(load_config(None), {"dataset": dataset, "backend": ["oracle:table"], "out": str(out),
                                                  "warmup": 0, "idle_s": 0, **options})
@@ -250,7 +251,7 @@ def test_each_preset_scores_a_run(name, oracle, tmp_path):
 
 
 def test_a_run_with_category_and_sample_resumes_the_same_queries(oracle, tmp_path):
-    from ipw.runner import resume_run
+    from runfolders import resume_run
 
     run_dir = _run(str(DATA / "mmlu.parquet"), tmp_path, category=["chemistry"], sample=2, seed=4)
     frame = pd.read_parquet(run_dir / "records.parquet")

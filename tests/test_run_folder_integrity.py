@@ -242,7 +242,8 @@ def test_a_large_run_resumes_from_its_copy_of_the_queries(stub, tmp_path):
     from ipw.config import load_config
     from ipw.datasets import fingerprint, load_queries
     from ipw.errors import IpwError
-    from ipw.runner import QUERY_CACHE_MIN, resume_run, start_run
+    from ipw.runner import QUERY_CACHE_MIN
+    from runfolders import resume_run, start_run
 
     data = _dataset(tmp_path, QUERY_CACHE_MIN)
     config = load_config(str(stub_config(tmp_path / "run.toml", data, stub.base_url, out_dir=tmp_path / "res")))

@@ -12,15 +12,10 @@ FILES = ("manifest.json", "records.jsonl", "records.parquet", "power.parquet", "
 NAMED = re.compile(r"""["'](%s)["']|\b(QUERIES_FILE|JUDGE_FILE|POWER_FILE|LOCK_FILE)\b"""
                    % "|".join(re.escape(f) for f in FILES))
 
-#: Modules that still name a run-folder file, and why.  Shrink it; never grow it.
-NOT_YET = {
-    # issue 31, left to the owner of these files (issue 29's helper held them): the runner's live-log
-    # audit hook (folder.path / "records.jsonl") and queries.parquet's write and read (QUERIES_FILE);
-    # ipw run --resume --repair (repair_records(run_dir / "records.jsonl")) and the manifest read of
-    # interrupted_note.  Each wants a RunFolder method (RunFolder.log_frame, ... are there to use).
-    "ipw/runner.py",
-    "ipw/commands/run.py",
-}
+#: Modules that still name a run-folder file, and why.  Shrink it; never grow it.  (Empty since issue 31's
+#: one pass of ipw run: the runner and commands/run.py go through RunFolder.keep_queries, records_of,
+#: read_kept_queries, repair_log and the typed manifest.)
+NOT_YET: set[str] = set()
 
 
 def offenders() -> dict[str, list[str]]:

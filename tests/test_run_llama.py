@@ -75,7 +75,8 @@ def test_embedded_default_local_and_cloud(tmp_path, run_cli):
 def test_interrupted_run_is_marked(small_jsonl, tmp_path, monkeypatch):
     """A crash mid-run leaves the records written so far and the manifest marked interrupted."""
     from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     config = apply_overrides(load_config(None), {"dataset": str(small_jsonl), "backend": ["smollm2-135m"],
                                                  "out": str(tmp_path), "warmup": 0, "idle_s": 0})

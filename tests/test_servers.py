@@ -68,7 +68,8 @@ def test_managed_llama_server_end_to_end(small_jsonl, tmp_path, run_cli):
 
 def test_server_killed_mid_run_gives_error_records(small_jsonl, tmp_path):
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
     folder, queries = start_run(config, command=["test"])
@@ -93,7 +94,8 @@ def test_server_killed_mid_run_gives_error_records(small_jsonl, tmp_path):
 
 def test_ctrl_c_stops_the_server(small_jsonl, tmp_path):
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
     folder, queries = start_run(config, command=["test"])

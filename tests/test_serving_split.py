@@ -112,7 +112,8 @@ class PrefillBesideDecode(BackendBase):
 def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     from ipw.backends.base import register_backend, unregister_backend
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": q, "prompt": f"{q}: 2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"

@@ -162,7 +162,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 def test_random_kills_lose_and_duplicate_nothing(tmp_path):
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     config = load_config(str(_config(tmp_path, _words_jsonl(tmp_path, 20))))
     folder, queries = start_run(config)
@@ -311,7 +312,8 @@ def test_nvml_measures_a_gpu_offloaded_worker(tmp_path, monkeypatch):
     from nvml_fakes import RealClock, make_fake, real_offset_ns, synthetic
 
     from ipw.config import load_config
-    from ipw.runner import execute, start_run
+    from ipw.runner import execute
+    from runfolders import start_run
 
     sig, _ = synthetic(duration_s=600, idle_w=300.0, load_w=300.0, load=(0.0, 0.0), offset_ns=real_offset_ns(),
                        t0_s=time.monotonic() - 10)

@@ -229,6 +229,24 @@ def create_backend(spec: BackendSpec) -> Backend:
     return backend
 
 
+def levels_of(backend: Backend) -> tuple[int, ...]:
+    """The concurrency levels a backend is measured at: its ``levels`` (a sweep, e.g. (1, 4, 16)), else
+    its ``concurrency`` (an in-process engine: 1; a batching one: its batch size)."""
+    return tuple(backend.levels) or (int(backend.concurrency),)
+
+
+def check_backends(specs: tuple[BackendSpec, ...]) -> dict[str, tuple[int, ...]]:
+    """Every backend of a run made and preflighted, before its run folder exists (constructing one resolves
+    its model file, so a missing one fails here; ``preflight``, e.g. an engine build this CPU cannot run,
+    is one line; no model loads); returns each one's concurrency levels (``levels_of``), by name."""
+    levels = {}
+    for spec in specs:
+        backend = create_backend(spec)
+        backend.preflight()
+        levels[spec.name] = levels_of(backend)
+    return levels
+
+
 # Few-shot framing for base (non-instruction) models such as Gemma-3-270M: they continue text, so
 # the query is shown as the next item of a short list of solved examples, and generation stops at
 # the end of the answer line.

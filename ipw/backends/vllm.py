@@ -117,7 +117,7 @@ class VllmEngine:
         self.max_model_len = int(opts.get("max_model_len", 4096))
         if self.kv_cache_gb <= 0 or self.max_model_len < 16:
             raise IpwError(f"{name}: kv_cache_gb must be > 0 and max_model_len >= 16")
-        # cheap checks only (start_run validates every backend before the run): conversion is in load()
+        # cheap checks only (check_backends validates every backend before the run): conversion is in load()
         self.source_gguf: Path | None = None
         if is_hf_dir(spec.model):
             self.model_dir: Path | None = Path(spec.model).expanduser().resolve()

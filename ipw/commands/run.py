@@ -19,6 +19,9 @@ from ipw.options import RUN
 if TYPE_CHECKING:
     from ipw.analysis.compare import Comparison
     from ipw.analysis.render import Table
+    from ipw.config import RunConfig
+    from ipw.datasets import QuerySet
+    from ipw.results import RunManifest
 
 
 def _progress_columns():
@@ -99,12 +102,16 @@ def run_command(config_path, overrides: dict[str, Any], *, resume=None, shard=No
 
 def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_options, repair=False,
          full_table=False) -> int:
+    """One pass: load (the config, the queries, the backends: everything checked before any run folder
+    exists) -> plan (the run folder, the shard) -> execute (every backend; records appended as they come)
+    -> write (the summary of the finished folder, judged when the config has a [judge])."""
     import time
 
     from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute, resume_run, start_run
+    from ipw.datasets import load_query_set
+    from ipw.runner import execute, plan_resume, plan_run
 
-    done: frozenset = frozenset()
+    # 1. load
     if resume is not None:
         given = (["CONFIG"] if config_path else []) + [RUN[name].flags[0] for name, value in overrides.items()
                                                         if value is not None and value != []]
@@ -112,10 +119,21 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         if repair:
             _repair(Path(resume))
-        folder, config, queries, done = resume_run(str(resume))
+        config, query_set = load_resumed(resume)
     else:
         config = apply_overrides(load_config(str(config_path) if config_path else None), overrides)
-        folder, queries = start_run(config, shard=the_shard)
+        query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
+    levels = check_run(config)
+
+    # 2. plan
+    if resume is not None:
+        folder, done = plan_resume(resume, query_set)
+        queries = query_set.queries
+    else:
+        folder, queries = plan_run(config, query_set, the_shard)
+        done = frozenset()
+
+    # 3. execute
     _sigterm_as_interrupt()
     console = Console(stderr=True)
     verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
@@ -123,9 +141,6 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
         verb += f" shard {folder.manifest.shard['index']}/{folder.manifest.shard['count']}"
     if ray_options is not None:
         verb += f" on Ray ({ray_options.address})"
-    from ipw.runner import config_levels
-
-    levels = config_levels(config)
     sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
@@ -168,11 +183,13 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             from ipw.ray_runner import run_on_ray
 
             def dispatch(folder, config, queries, progress, done):
-                run_on_ray(folder, config, queries, progress, ray_options, done)
+                run_on_ray(folder, config, queries, progress, ray_options, levels, done)
         try:
             status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
         finally:
             show()  # the final count
+
+    # 4. write: the summary of the finished folder (judged first when the config has a [judge])
     from ipw.analysis.render import metrics_table, rich_tables
 
     summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)
@@ -187,7 +204,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             console.print(f"note: {escape(c.query_set_note)}", highlight=False)
     except IpwError as exc:  # e.g. a failed run without records: the status line below says what to do
         console.print(f"no summary: {escape(str(exc))}", highlight=False)
-    for line in audit_lines(folder.path):
+    for line in audit_lines(folder.manifest):
         console.print(escape(line), highlight=False)
     console.print(f"wrote {folder.path}" + (f" (judged: {summary_dir})" if summary_dir != folder.path else ""))
     if status != "complete":
@@ -195,6 +212,40 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
                       f"ipw run --resume {escape(str(folder.path))}", highlight=False)
         return 1
     return 1 if judge_failed else 0
+
+
+def load_resumed(run_dir) -> tuple[RunConfig, QuerySet]:
+    """The load step of ``--resume``: the unfinished run's config and its queries (a large run's checked
+    copy, else its dataset loaded again and cut to its shard)."""
+    from ipw.config import RunConfig
+    from ipw.datasets import QuerySet, load_query_set
+    from ipw.results import RunManifest, manifest_field, read_kept_queries
+    from ipw.shard import Shard, shard_items
+
+    manifest = RunManifest.read_unfinished(run_dir)
+    config = RunConfig.from_dict(manifest.config, where=manifest_field(run_dir, "config"))
+    kept = read_kept_queries(run_dir, manifest)
+    if kept is not None:
+        return config, QuerySet(config.dataset, kept, known=manifest.dataset["fingerprint"])
+    query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
+    if manifest.shard:
+        shard = Shard(manifest.shard["index"], manifest.shard["count"])
+        query_set = QuerySet(config.dataset, shard_items(query_set.queries, shard), query_set.source)
+    return config, query_set
+
+
+def check_run(config: RunConfig) -> dict[str, tuple[int, ...]]:
+    """The load step's check of what runs: every backend made and preflighted (``check_backends``), the
+    judge's prompt and model resolved (it grades the finished run: they fail here, not after); nothing
+    loads.  Returns each backend's concurrency levels, by name."""
+    from ipw.backends.base import check_backends
+
+    levels = check_backends(config.backends)
+    if config.judge is not None:
+        from ipw.judge import Judge
+
+        Judge(config.judge)
+    return levels
 
 
 def _judge_finished(run_dir: Path, config, status: str, console: Console) -> tuple[Path, bool]:
@@ -223,15 +274,13 @@ def _judge_finished(run_dir: Path, config, status: str, console: Console) -> tup
 
 def _repair(run_dir: Path) -> None:
     """``--resume --repair``: drop the lines of the log that are not records (kept in records.dropped.jsonl)."""
-    from ipw.results import RunManifest, repair_records
+    from ipw.results import repair_log
 
-    if RunManifest.read(run_dir).status == "complete":
-        raise IpwError(f"{run_dir}: the run is already complete; nothing to resume or repair")
-    dropped = repair_records(run_dir / "records.jsonl")
+    log, dropped = repair_log(run_dir)
     Console(stderr=True).print(
-        f"repaired {run_dir / 'records.jsonl'}: dropped line(s) {', '.join(map(str, dropped))} (kept in "
+        f"repaired {log}: dropped line(s) {', '.join(map(str, dropped))} (kept in "
         "records.dropped.jsonl); their queries run again" if dropped else
-        f"{run_dir / 'records.jsonl'}: every line is a record; nothing to repair", highlight=False, markup=False)
+        f"{log}: every line is a record; nothing to repair", highlight=False, markup=False)
 
 
 RUN_END_ROUTING = ("routing", "power_envelope")  # compare's routing tables that ``ipw run`` ends with
@@ -243,17 +292,11 @@ class EndSummary:
     routing: list[Table]  # compare's routing summary and power envelope (with a cloud-role backend), its judge table
 
 
-def audit_lines(run_dir) -> list[str]:
+def audit_lines(manifest: RunManifest) -> list[str]:
     """One line per GPU whose run-level energy audit disagrees beyond its stated uncertainty, or failed
     (the manifest's ``backends[].energy_audit``, ``ipw.telemetry.audit``); nothing when all agree."""
-    import json
-
-    try:
-        manifest = json.loads((Path(run_dir) / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
     out = []
-    for b in manifest.get("backends") or []:
+    for b in manifest.backends or []:
         for a in b.get("energy_audit") or []:
             if "error" in a:
                 out.append(f"energy audit {b.get('name')}: could not run ({a['error']})")
