@@ -72,8 +72,8 @@ def with_options(group: tuple[Option, ...]):
         own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
         at = sum(1 for p in own if isinstance(p.default, typer.models.ArgumentInfo))
         added = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=_typer_option(o),
-                                   annotation=List[o.type] if o.many else
-                                   o.type if o.default is not None else Optional[o.type])
+                                   annotation=List[o.value_type] if o.many else
+                                   o.value_type if o.default is not None else Optional[o.value_type])
                  for o in group]
         parsed.__signature__ = signature.replace(parameters=own[:at] + [
             p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in added + own[at:]])

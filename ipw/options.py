@@ -21,13 +21,14 @@ from ipw.errors import IpwError
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a command.  ``flags``: its spellings, the first the long one (``--idle-s``); its
-    Python name is that flag's (``idle_s``).  ``key``: the run config field it overrides ("" = none).
+    """One option of a command.  ``flags``: its spellings, the first the long one (``--idle-s``); its Python
+    name is that flag's (``idle_s``).  ``value_type``: what a value is.  ``key``: the run config field it
+    overrides ("" = none).
     ``default``: the command line's default (None: the config decides, or not given).  ``low``/``high``:
     the bounds (``low_open``: ``low`` itself is out).  ``many``: repeatable, a list of values."""
 
     flags: tuple[str, ...]
-    type: type
+    value_type: type
     help: str
     key: str = ""
     default: Any = None
@@ -43,16 +44,16 @@ class Option:
     @property
     def field_type(self) -> type:
         """The type of its config field's value in TOML: a path is a string, a repeatable option a list."""
-        return list if self.many else str if self.type is Path else self.type
+        return list if self.many else str if self.value_type is Path else self.value_type
 
     def field_value(self, value: Any) -> Any:
         """A command-line value as its config field holds it (a path as a string, a list as a tuple)."""
-        return tuple(value) if self.many else str(value) if self.type is Path else value
+        return tuple(value) if self.many else str(value) if self.value_type is Path else value
 
     def check(self, value: Any, loc: str) -> Any:
         """``value`` within the bounds, else an IpwError at ``loc``; returns it (None: not given)."""
         if value is not None and (self.low is not None or self.high is not None):
-            check_range(value, loc, low=self.low, high=self.high, low_open=self.low_open, whole=self.type is int)
+            check_range(value, loc, low=self.low, high=self.high, low_open=self.low_open, whole=self.value_type is int)
         return value
 
 

@@ -467,7 +467,7 @@ class RunFolder:
         """A large run's query set as loaded (``queries.parquet``), with the sha256 of its dataset file
         ``source`` and of the copy in the manifest's ``dataset``, so that ``--resume`` need not parse it again
         (``read_kept_queries``)."""
-        self.write_manifest(dataset={**self.manifest.dataset, "file_sha256": file_sha256(source),
+        self.write_manifest(dataset={**(self.manifest.dataset or {}), "file_sha256": file_sha256(source),
                                      "queries_file": QUERIES_FILE,
                                      "queries_sha256": write_queries(self.path / QUERIES_FILE, queries)})
 
@@ -593,7 +593,7 @@ def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> list[Any] |
     if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
         return None
     try:
-        source = resolve_dataset(manifest.config["dataset"])
+        source = resolve_dataset((manifest.config or {})["dataset"])
         if not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
                 or file_sha256(copy) != entry.get("queries_sha256"):
             return None
