@@ -144,15 +144,16 @@ def run_backend(
                     line = run_concurrent(folder, config, spec, backend, window, idle, work, recorder, level)
                     level_lines.append({**line, "idle_baseline": asdict(idle)})
                     continue
-                # the query's path: a timestamp at each edge of its window and the call; the record is
-                # made final, written and reported by the recorder's thread (docs/PERFORMANCE.md)
+                # the query's path: a timestamp at each edge of its window, which is also its record's
+                # start and end, and the call; the record is made final, written and reported by the
+                # recorder's thread (docs/PERFORMANCE.md)
                 for repeat, query in work:
-                    tokens = window.begin()
                     start = time.monotonic()
+                    tokens = window.begin(start)
                     recorder.started()
                     completion, error = _generate(backend, query, config)
                     end = time.monotonic()
-                    closed = window.end(tokens)
+                    closed = window.end(tokens, end)
                     recorder.put(closed, tokens, first_token_s(completion), functools.partial(
                         make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                         idle=idle, estimate=backend.energy_estimate))

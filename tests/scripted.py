@@ -48,10 +48,10 @@ class FixedSensor(SensorBase):
     def info(self):
         return SensorInfo("fixed", True, "model.cpu", "estimated", "cpu_package")
 
-    def begin(self):
+    def begin(self, t_s=None):
         return None
 
-    def end(self, token):
+    def end(self, token, t_s=None):
         return [EnergyReading("cpu", self.energy_j, "model.cpu", "estimated", "cpu_package", 0.001)]
 
     def close(self):

@@ -136,11 +136,11 @@ class Tick(SensorBase):
     def info(self):
         return SensorInfo("tick", True, "test.tick", "measured", "cpu_package", ("cpu",))
 
-    def begin(self):
+    def begin(self, t_s=None):
         self.n += 1
         return self.n
 
-    def end(self, token):
+    def end(self, token, t_s=None):
         return [EnergyReading("cpu", 1.0, "test.tick", "measured", "cpu_package", 0.1)]
 
 

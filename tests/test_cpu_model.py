@@ -29,7 +29,7 @@ def test_reaped_child_cpu_is_counted():
     before = own_cpu_s()
     token = sensor.begin()
     subprocess.run([sys.executable, "-c", BUSY.format(busy_s=0.3)], check=True)
-    (reading,) = sensor.end(token)
+    (reading,) = sensor.end(token).result()
     cpu_s = own_cpu_s() - before
     assert cpu_s >= 0.3
     assert reading.energy_j == pytest.approx(cpu_s * 2.0, abs=0.05 * 2.0)
@@ -49,8 +49,10 @@ def test_live_grandchild_cpu_is_counted():
     try:
         sensor = CpuModelSensor(lambda: [launcher.pid], watts_per_core=4.0)
         token = sensor.begin()
-        time.sleep(1.0)
-        (reading,) = sensor.end(token)
+        # the sensor's thread finds a process born into the tree within TREE_RESCAN_S (1 s) of its birth,
+        # at a read inside this window
+        time.sleep(1.5)
+        (reading,) = sensor.end(token).result()
     finally:
         for child in psutil.Process(launcher.pid).children(recursive=True):
             child.kill()
@@ -66,7 +68,7 @@ def test_vanished_processes_are_tolerated():
     gone.wait()
     assert process_tree_cpu_s([gone.pid]) == 0.0
     sensor = CpuModelSensor(lambda: [gone.pid])
-    (reading,) = sensor.end(sensor.begin())
+    (reading,) = sensor.end(sensor.begin()).result()
     assert reading.energy_j == 0.0 and reading.quality == "estimated"
 
 

@@ -389,13 +389,13 @@ class RateSensor(SensorBase):
 
         return SensorInfo("rate", True, "test.rate", "measured", "gpu", ("dev0",))
 
-    def begin(self):
-        return time.monotonic()
+    def begin(self, t_s=None):
+        return time.monotonic() if t_s is None else t_s
 
-    def end(self, t0):
+    def end(self, t0, t_s=None):
         from ipw.telemetry.base import EnergyReading
 
-        t1 = time.monotonic()
+        t1 = time.monotonic() if t_s is None else t_s
         with self.lock:
             self.windows.append((t0, t1))
         return [EnergyReading("dev0", self.power_w * (t1 - t0), "test.rate", "measured", "gpu", t1 - t0)]

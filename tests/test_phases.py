@@ -117,7 +117,7 @@ def test_cpu_model_split_follows_cpu_time():
     cut = time.monotonic()
     time.sleep(0.3)  # no CPU: the window's energy after the cut is small
     burn(0.1)
-    (r,) = sensor.end(token)
+    (r,) = sensor.end(token).result()
     (s,) = sensor.split(token, cut)
     assert s.quality == "estimated" and not s.unresolved and "interpolated at the first token" in s.note
     assert 0.55 < s.prefill_fraction < 0.95  # ~0.75 of the CPU time was before the cut (shared cores: loose)

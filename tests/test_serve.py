@@ -443,15 +443,15 @@ def test_meter_splits_every_window_once_and_conserves_energy():
         def info(self):
             return SensorInfo("clock", True, "test.clock", "measured", "cpu_package", ("pkg",))
 
-        def begin(self):
-            return time.monotonic()
+        def begin(self, t_s=None):
+            return time.monotonic() if t_s is None else t_s
 
-        def end(self, token):
-            now = time.monotonic()
+        def end(self, token, t_s=None):
+            now = time.monotonic() if t_s is None else t_s
             return [EnergyReading("pkg", 50.0 * (now - token), "test.clock", "measured", "cpu_package", now - token)]
 
-        def cut(self, token):
-            now = time.monotonic()
+        def cut(self, token, t_s=None):
+            now = time.monotonic() if t_s is None else t_s
             return [EnergyReading("pkg", 50.0 * (now - token), "test.clock", "measured", "cpu_package", now - token)], now
 
         def close(self):

@@ -56,18 +56,18 @@ class ConstantPower(SensorBase):
     def info(self):
         return SensorInfo("constant", True, "rapl.package", "measured", "cpu_package", ("cpu",))
 
-    def begin(self):
-        return time.monotonic()
+    def begin(self, t_s=None):
+        return time.monotonic() if t_s is None else t_s
 
-    def cut(self, token):
-        now = time.monotonic()
+    def cut(self, token, t_s=None):
+        now = time.monotonic() if t_s is None else t_s
         with self.lock:
             self.windows.append((token, now))
         return [EnergyReading("cpu", self.power_w * (now - token), "rapl.package", "measured", "cpu_package",
                               now - token)], now
 
-    def end(self, token):
-        return self.cut(token)[0]
+    def end(self, token, t_s=None):
+        return self.cut(token, t_s)[0]
 
     def close(self):
         pass

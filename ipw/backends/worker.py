@@ -24,14 +24,13 @@ import importlib
 import itertools
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +109,27 @@ def worker_env(python: str) -> dict[str, str]:
     return env
 
 
+class _Call:
+    """One request in flight: its answer, and the event that wakes its caller (the answer came, the
+    worker died, or it is this caller's turn to read the pipe)."""
+
+    __slots__ = ("answer", "wake")
+
+    def __init__(self) -> None:
+        self.answer: dict[str, Any] | None = None
+        self.wake = threading.Event()
+
+
 class Worker:
-    """One worker process and its two pipes; ``call`` is safe from several threads."""
+    """One worker process and its two pipes; ``call`` is safe from several threads.
+
+    There is no reader thread: a caller reads the answer pipe itself.  One caller at a time reads (the
+    reader); it hands every answer it reads to that answer's caller and stops once its own has come,
+    waking another caller in flight, if any, to read next.  With one request in flight (a run at
+    concurrency 1) the caller writes its request and reads its answer on its own thread: no thread
+    hand-off, one wake-up when the answer arrives (docs/PERFORMANCE.md)."""
+
+    READ_BYTES = 1 << 16
 
     def __init__(self, python: str, log_path: Path) -> None:
         self.python, self.log_path = python, log_path
@@ -130,14 +148,13 @@ class Worker:
             log.close()
         os.close(req_r)
         os.close(resp_w)
-        self._out = os.fdopen(req_w, "w", encoding="utf-8")
-        self._in = os.fdopen(resp_r, "r", encoding="utf-8")
+        self._out_fd, self._in_fd = req_w, resp_r
+        self._buffer = b""  # answer bytes read and not yet a whole line (the reader's)
         self._ids = itertools.count()
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, _Call] = {}
         self._lock = threading.Lock()
+        self._reading = False  # a caller is reading the answer pipe
         self.died: WorkerDied | None = None
-        self._reader = threading.Thread(target=self._read, name="ipw-worker-reader", daemon=True)
-        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -146,41 +163,87 @@ class Worker:
     def alive(self) -> bool:
         return self.died is None and self.proc.poll() is None
 
-    def _read(self) -> None:
-        for line in self._in:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self._lock:
-                future = self._pending.pop(msg.get("id"), None)
-            if future is not None:
-                future.set_result(msg)
-        returncode = self.proc.wait()  # the pipe closed: the worker exited or died
-        with self._lock:
-            self.died = WorkerDied(returncode, _tail(self.log_path))
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            future.set_exception(self.died)
-
     def call(self, op: str, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
         """Send one request and wait for its answer; raises WorkerDied when the worker is gone."""
-        future: Future = Future()
+        mine = _Call()
         with self._lock:
             if self.died is not None:
                 raise self.died
             rid = next(self._ids)
-            self._pending[rid] = future
+            self._pending[rid] = mine
             try:
-                self._out.write(json.dumps({"id": rid, "op": op, **args}) + "\n")
-                self._out.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass  # the reader sees the end of the pipe and fails the future
+                self._write_all((json.dumps({"id": rid, "op": op, **args}) + "\n").encode("utf-8"))
+            except OSError:
+                pass  # the worker is gone: the read below sees the end of the pipe
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
+            return self._wait(mine, deadline)
+        except TimeoutError:
+            with self._lock:
+                self._pending.pop(rid, None)
             self.kill()
             raise WorkerDied(None, f"no answer within {timeout_s:.0f} s; the worker was killed") from None
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._out_fd, view):]
+
+    def _wait(self, mine: _Call, deadline: float | None) -> dict[str, Any]:
+        """Wait for ``mine``'s answer, reading the pipe while no other caller does."""
+        while True:
+            with self._lock:
+                if mine.answer is not None:
+                    return mine.answer
+                if self.died is not None:
+                    raise self.died
+                lead = not self._reading
+                self._reading = self._reading or lead
+                mine.wake.clear()
+            if lead:
+                try:
+                    self._read_until(mine, deadline)
+                finally:
+                    with self._lock:
+                        self._reading = False
+                        following = next((c for c in self._pending.values() if c is not mine), None)
+                    if following is not None:
+                        following.wake.set()  # its turn to read
+                continue
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not mine.wake.wait(left):
+                raise TimeoutError
+
+    def _read_until(self, mine: _Call, deadline: float | None) -> None:
+        """Read answers, handing each to its caller, until ``mine`` has come (or the worker died)."""
+        while mine.answer is None:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._in_fd], [], [], left)[0]:
+                    raise TimeoutError
+            chunk = os.read(self._in_fd, self.READ_BYTES)
+            if not chunk:  # the pipe closed: the worker exited or died
+                self._died()
+                return
+            *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    msg = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+                with self._lock:
+                    call = self._pending.pop(msg.get("id"), None)
+                if call is not None:
+                    call.answer = msg
+                    call.wake.set()
+
+    def _died(self) -> None:
+        returncode = self.proc.wait()
+        with self._lock:
+            self.died = WorkerDied(returncode, _tail(self.log_path))
+            pending, self._pending = self._pending, {}
+        for call in pending.values():
+            call.wake.set()
 
     def kill(self) -> None:
         try:
@@ -200,10 +263,12 @@ class Worker:
             pass
         self.kill()  # leftovers of the session (children of the engine), if any
         self.proc.wait()
-        self._reader.join(timeout=5)
-        for fh in (self._out, self._in):
+        with self._lock:
+            if self.died is None:
+                self.died = WorkerDied(self.proc.returncode, "")
+        for fd in (self._out_fd, self._in_fd):
             try:
-                fh.close()
+                os.close(fd)
             except OSError:
                 pass
 

@@ -103,21 +103,8 @@ def audit(component: str, windows: Sequence[tuple[float, float]], energy_j: Sequ
                        counter_j, diff, unc, "; ".join(notes))
 
 
-def _times(sd: tuple[float, float], k: float) -> tuple[float, float]:
-    return sd[0] * k, sd[1] * k
-
-
 def _part_sd(part: dict[str, Any]) -> tuple[float, float]:
     return measurement_sd([part])
-
-
-def _to_record(part: dict[str, Any] | None, record_s: float) -> float:
-    """The factor that puts a reading on its record's window: record duration over the reading's own
-    (1 when either is unknown or not positive)."""
-    own = None if part is None else part.get("duration_s")
-    if own is None or not math.isfinite(own) or own <= 0 or not math.isfinite(record_s) or record_s <= 0:
-        return 1.0
-    return record_s / float(own)
 
 
 def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
@@ -139,12 +126,10 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
         gap_est = sensor.energy_windows(between) if between else {}
         for component in sampler.components():
             mine = [next((p for p in ps if p.get("component") == component), None) for ps in parts]
-            # each reading over its record's window: the sensor's own window (``duration_s``) can be longer,
-            # by the time between the sensor's begin and the runner's timestamp (a preempted thread on a
-            # loaded machine: 10 ms on a 60 ms query), and the span and gaps are the records' windows
-            scale = [_to_record(p, b - a) for p, (a, b) in zip(mine, windows)]
-            energy = [None if p is None or p.get("energy_j") is None else p["energy_j"] * k for p, k in zip(mine, scale)]
-            sds = [(0.0, 0.0) if p is None else _times(_part_sd(p), k) for p, k in zip(mine, scale)]
+            # a record's window is its sensors' window: the runner takes its start and end from the window's
+            # edges (``Window.begin(t_s)``), so the readings, the span and the gaps share one time line
+            energy = [None if p is None else p.get("energy_j") for p in mine]
+            sds = [(0.0, 0.0) if p is None else _part_sd(p) for p in mine]
             ests = gap_est.get(component, [])
             idle = None
             idle_sd = (0.0, 0.0)

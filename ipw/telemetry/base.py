@@ -108,17 +108,20 @@ class SensorBase:
     def info(self) -> SensorInfo:
         raise NotImplementedError(f"{type(self).__name__}.info")
 
-    def begin(self) -> Any:
-        """Start a window; returns an opaque token for ``end``."""
+    def begin(self, t_s: float | None = None) -> Any:
+        """Start a window at ``t_s`` (monotonic s: the window's edge, which ``Window`` takes once for every
+        sensor; None: now, by the sensor's clock); returns an opaque token for ``end``.  An edge is a
+        timestamp: a read of the device belongs on the sensor's own thread or after the window."""
         raise NotImplementedError(f"{type(self).__name__}.begin")
 
-    def end(self, token: Any) -> "list[EnergyReading] | Deferred":
-        """Close the window opened by ``begin``: one reading per component, now or deferred."""
+    def end(self, token: Any, t_s: float | None = None) -> "list[EnergyReading] | Deferred":
+        """Close the window opened by ``begin`` at ``t_s`` (as in ``begin``): one reading per component,
+        now or deferred."""
         raise NotImplementedError(f"{type(self).__name__}.end")
 
-    def cut(self, token: Any) -> "tuple[list[EnergyReading] | Deferred, Any]":
-        """Close the window and open the next (default: ``end`` then ``begin``)."""
-        return self.end(token), self.begin()
+    def cut(self, token: Any, t_s: float | None = None) -> "tuple[list[EnergyReading] | Deferred, Any]":
+        """Close the window and open the next at ``t_s`` (default: ``end`` then ``begin``)."""
+        return self.end(token, t_s), self.begin(t_s)
 
     def split(self, token: Any, at_s: float) -> list[Any]:
         """The window's split at ``at_s`` (``ipw.telemetry.phases.PhaseSplit`` per component); none by

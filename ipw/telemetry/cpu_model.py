@@ -31,22 +31,25 @@ import psutil
 
 from ipw.errors import IpwError
 from ipw.telemetry.phases import PhaseSplit, split_trace
-from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, Snapshots
-from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
+from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, CounterWindow, Counters
+from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
 
 
 #: The per-core model's ±90% band, relative (docs/ENERGY.md, "Estimated energy"): what one busy core
 #: really draws, over TDP / cores, spans about 0.4-1.6x -- below with few cores busy at a low clock or
 #: light integer work, above at turbo with wide vector units or when one core carries the uncore alone
 #: (the model charges a core-second the same in every case; no RAPL was available to fit it on the
-#: machines of this project).  Plus one clock tick of CPU time at each edge.
+#: machines of this project).  Plus what the CPU time at each edge may be off (``model_uncertainty_j``).
 MODEL_UNCERTAINTY_REL = 0.6
 
 
-def model_uncertainty_j(cpu_s: float, watts_per_core: float) -> float:
-    """±90% half-width (J) of ``cpu_s x watts_per_core``: ``MODEL_UNCERTAINTY_REL`` of it, plus two
-    clock ticks of one core (the CPU time is read in ticks at each edge)."""
-    return MODEL_UNCERTAINTY_REL * cpu_s * watts_per_core + 2 * CPU_TICK_S * watts_per_core
+def model_uncertainty_j(cpu_s: float, watts_per_core: float, edges_cpu_s: float = 2 * CPU_TICK_S) -> float:
+    """±90% half-width (J) of ``cpu_s x watts_per_core``: ``MODEL_UNCERTAINTY_REL`` of it, plus
+    ``edges_cpu_s`` of one core: how far the CPU time at the two edges may be off.  The CPU time is read on
+    the sensor's thread just after each edge and interpolated at the edge (``Counters``): each edge's bound
+    is the CPU time between the reads around it (it lies between them) plus one read's resolution (a clock
+    tick per process read from /proc), at least one clock tick (as when the edges were read directly)."""
+    return MODEL_UNCERTAINTY_REL * cpu_s * watts_per_core + edges_cpu_s * watts_per_core
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,21 @@ def process_tree(pids: list[int]) -> list[psutil.Process]:
 
 def tree_cpu_s(procs: list[psutil.Process]) -> float:
     """User + system CPU seconds of ``procs`` and their reaped children (cheap: no process scan)."""
-    total_s = 0.0
+    return tree_cpu_read(procs)[0]
+
+
+def tree_cpu_read(procs: list[psutil.Process]) -> tuple[float, float]:
+    """``tree_cpu_s`` and the resolution of that read: this process by its own CPU clock (ns; its reaped
+    children in clock ticks, which change only when one is reaped), others from /proc in clock ticks
+    (one tick each)."""
+    total_s = step = 0.0
+    me = os.getpid()
     for proc in procs:
+        if proc.pid == me:
+            t = os.times()
+            total_s += time.process_time() + t.children_user + t.children_system
+            continue
+        step += CPU_TICK_S
         try:
             t = proc.cpu_times()
         except psutil.NoSuchProcess:
@@ -137,23 +153,52 @@ def tree_cpu_s(procs: list[psutil.Process]) -> float:
                 "run ipw as the user that runs the inference server"
             ) from exc
         total_s += t.user + t.system + t.children_user + t.children_system
-    return total_s
+    return total_s, step
+
+
+class PendingCpu(Deferred):
+    """A CPU model window once its end is stamped: final when the sensor's thread has read the CPU time
+    after the end (``CounterWindow``), at most a read interval later."""
+
+    def __init__(self, sensor: "CpuModelSensor", window: CounterWindow) -> None:
+        self._sensor, self.window = sensor, window
+        self._result: list[EnergyReading] | None = None
+
+    def ready(self) -> bool:
+        return self.window.done.is_set()
+
+    def result(self) -> list[EnergyReading]:
+        if self._result is None:
+            self.window.done.wait(RESULT_WAIT_S)
+            self._result = self._sensor.reading(self.window)
+        return self._result
+
+
+#: How long a window's result waits for the read after its end (the thread reads at once when woken).
+RESULT_WAIT_S = 5.0
 
 
 class CpuModelSensor(SensorBase):
-    """Estimated CPU energy of the inference process tree (source ``model.cpu``)."""
+    """Estimated CPU energy of the inference process tree (source ``model.cpu``).
+
+    A window's edges are timestamps: the tree's CPU time is read on the sensor's own thread
+    (``Counters``), woken at each edge and every ``snapshot_period_s`` while a window is open, and
+    interpolated at the edges once the window has closed (``PendingCpu``).  Those reads also split a
+    window at its first token (``split``)."""
 
     name = "cpu_model"
     supports_cut = True
-    supports_split = True  # from the snapshot thread's reads (None without one: no split)
+    supports_split = True  # from the reads inside the window
 
     def __init__(self, pids_fn: Callable[[], list[int]], watts_per_core: float | None = None,
                  snapshot_period_s: float | None = SNAPSHOT_PERIOD_S) -> None:
-        """``snapshot_period_s``: also read the tree's CPU time this often while a window is open, so
-        that the window can be split at the first token (``split``); None: begin/end only."""
+        """``snapshot_period_s``: how often the tree's CPU time is read while a window is open, besides
+        the reads at its edges (the phase split interpolates them); None: at the edges only."""
         self.pids_fn = pids_fn
         self._tree: tuple[float, list[int], list[psutil.Process]] | None = None  # (scanned at, roots, processes)
-        self.snapshots = Snapshots(snapshot_period_s) if snapshot_period_s else None
+        self.period_s = snapshot_period_s
+        self.counters: Counters | None = None  # its thread starts with the first window
+        self.max_rate = float(os.cpu_count() or 1)  # CPU seconds per second the tree can use at most
         self.cpu_model = cpu_model_name()
         if watts_per_core is None:
             entry = core_power_for(self.cpu_model)
@@ -178,7 +223,8 @@ class CpuModelSensor(SensorBase):
                 "basis": self.basis,
                 "cpu_model": self.cpu_model,
                 "logical_cpus": os.cpu_count(),
-                "snapshot_period_s": self.snapshots.period_s if self.snapshots else None,
+                "snapshot_period_s": self.period_s,
+                "edges": "timestamps; CPU time read on the sensor's thread just after each edge, interpolated",
             },
         )
 
@@ -189,44 +235,46 @@ class CpuModelSensor(SensorBase):
             self._tree = (now, pids, process_tree(pids))
         return self._tree[2]
 
-    def begin(self) -> tuple[int, float, Any]:
-        start_ns = time.monotonic_ns()
-        procs = self.processes()
-        start_cpu_s = tree_cpu_s(procs)
-        trace = None
-        read: Callable[[], tuple[float, ...]]
-        if self.snapshots is not None:  # for the phase split: the same processes, read cheaply, until end()
-            if [p.pid for p in procs] == [os.getpid()]:  # an in-process engine: the process CPU clock (ns)
-                read, step = (lambda: (time.process_time(),)), 0.0
-                first = read()
-            else:  # /proc times, in clock ticks per process: the first snapshot is the read above
-                read, step = (lambda: (tree_cpu_s(procs),)), CPU_TICK_S * max(1, len(procs))
-                first = (start_cpu_s,)
-            trace = self.snapshots.open(read, time.monotonic(), first, step=step)
-        return start_ns, start_cpu_s, trace
+    def _read(self) -> tuple[tuple[float], float]:
+        """The tree's CPU seconds and the read's resolution (on the sensor's thread)."""
+        cpu_s, step = tree_cpu_read(self.processes())
+        return (cpu_s,), step
 
-    def end(self, token: tuple[int, float, Any]) -> list[EnergyReading]:
-        return self.cut(token)[0]
+    def begin(self, t_s: float | None = None) -> CounterWindow:
+        if self.counters is None:
+            self.counters = Counters(self._read, self.period_s or 3600.0, name="ipw-cpu-model")
+        return self.counters.begin(time.monotonic() if t_s is None else t_s)
 
-    def cut(self, token: tuple[int, float, Any]) -> tuple[list[EnergyReading], tuple[int, float, Any]]:
-        """Close the window and open the next at the same read of the tree's CPU time (windows that tile
-        time: no CPU time is lost between them); the next window takes no snapshots."""
-        start_ns, start_cpu_s, trace = token
-        procs = self.processes()
-        end_cpu_s = tree_cpu_s(procs)
-        end_ns = time.monotonic_ns()
-        if trace is not None:  # its last snapshot: the read above where it read the same (one read per edge)
-            same = trace.step > 0  # not an in-process engine's process clock
-            self.snapshots.close(trace, *((end_ns / 1e9, (end_cpu_s,)) if same else ()))  # type: ignore[union-attr]  # a trace only with snapshots
-        cpu_s = end_cpu_s - start_cpu_s
-        duration_s = (end_ns - start_ns) / 1e9
+    def end(self, token: CounterWindow, t_s: float | None = None) -> PendingCpu:
+        return self.cut(token, t_s)[0]
+
+    def cut(self, token: CounterWindow, t_s: float | None = None) -> tuple[PendingCpu, CounterWindow]:
+        """Close the window and open the next at the same instant (windows that tile time: the CPU time
+        at the shared edge is the same interpolation for both)."""
+        t = time.monotonic() if t_s is None else t_s
+        self.counters.end(token, t)  # type: ignore[union-attr]
+        return PendingCpu(self, token), self.counters.begin(t)  # type: ignore[union-attr]
+
+    def reading(self, window: CounterWindow) -> list[EnergyReading]:
+        """The window's reading from the reads around its edges (after the window, on whichever thread)."""
+        duration_s = window.end_s - window.start_s  # type: ignore[operator]
+        try:
+            if window.error:
+                raise ValueError(window.error)
+            (start,), (start_bound,) = window.edge(window.start_s, self.max_rate)
+            (end,), (end_bound,) = window.edge(window.end_s, self.max_rate)  # type: ignore[arg-type]
+        except ValueError as exc:
+            return [EnergyReading("cpu-process", None, "model.cpu", "unavailable", "cpu_package", duration_s,
+                                  note=f"CPU time not read: {exc}")]
+        cpu_s = end - start
         if cpu_s < 0:
             return [
                 EnergyReading(
                     "cpu-process", None, "model.cpu", "unavailable", "cpu_package", duration_s,
                     note="process tree lost CPU time (a process left it unreaped)",
                 )
-            ], (end_ns, end_cpu_s, None)
+            ]
+        edges_s = max(start_bound, CPU_TICK_S) + max(end_bound, CPU_TICK_S)
         return [
             EnergyReading(
                 component="cpu-process",
@@ -235,19 +283,22 @@ class CpuModelSensor(SensorBase):
                 quality="estimated",
                 scope="cpu_package",
                 duration_s=duration_s,
-                note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model})",
-                uncertainty_j=model_uncertainty_j(cpu_s, self.watts_per_core),
+                note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model}); edges interpolated "
+                     f"(±{1000 * start_bound:.1f}, ±{1000 * end_bound:.1f} CPU ms)",
+                uncertainty_j=model_uncertainty_j(cpu_s, self.watts_per_core, edges_s),
             )
-        ], (end_ns, end_cpu_s, None)
+        ]
 
-    def split(self, token: tuple[int, float, Any], at_s: float) -> list[PhaseSplit]:
-        """The share of the window's CPU time before ``at_s`` (the first token), from the snapshots."""
-        return split_trace(token[2], at_s, ["cpu-process"], "estimated", "CPU time of the process tree")
+    def split(self, token: CounterWindow, at_s: float) -> list[PhaseSplit]:
+        """The share of the window's CPU time before ``at_s`` (the first token), from the reads inside it."""
+        if token.end_s is None or not token.done.is_set() or token.error:
+            return []
+        return split_trace(token.trace(self.max_rate), at_s, ["cpu-process"], "estimated", "CPU time of the process tree")
 
     def overhead(self) -> dict[str, Any]:
-        """The snapshot thread's CPU time (manifest ``sampler_overhead``)."""
-        return self.snapshots.overhead() if self.snapshots is not None else {}
+        """The reading thread's CPU time (manifest ``sampler_overhead``)."""
+        return self.counters.overhead() if self.counters is not None else {}
 
     def close(self) -> None:
-        if self.snapshots is not None:
-            self.snapshots.stop()
+        if self.counters is not None:
+            self.counters.stop()

@@ -494,16 +494,16 @@ class NvmlSensor(SensorBase):
             },
         )
 
-    def begin(self) -> int:
-        start_ns = self._clock()
+    def begin(self, t_s: float | None = None) -> int:
+        start_ns = self._clock() if t_s is None else int(round(t_s * 1e9))
         try:
             self.sampler.mark_begin(start_ns / 1e9)
         except Exception:
             pass
         return start_ns
 
-    def end(self, token: int) -> PendingWindow:
-        end_ns = self._clock()
+    def end(self, token: int, t_s: float | None = None) -> PendingWindow:
+        end_ns = self._clock() if t_s is None else int(round(t_s * 1e9))
         try:
             # a long window also gets a counter read at its end, for its direct counter delta
             self.sampler.mark(end_ns / 1e9, counter=(end_ns - token) / 1e9 >= 0.75 * COUNTER_DELTA_MIN_S)
@@ -511,10 +511,10 @@ class NvmlSensor(SensorBase):
             pass  # the result says what is missing
         return PendingWindow(self, int(token), end_ns)
 
-    def cut(self, token: int) -> tuple[PendingWindow, int]:
+    def cut(self, token: int, t_s: float | None = None) -> tuple[PendingWindow, int]:
         """Close the window and open the next at the same instant (windows that tile time: no energy is
         lost between them)."""
-        pending = self.end(token)
+        pending = self.end(token, t_s)
         return pending, pending.end_ns
 
     def _readings(self, start_s: float, end_s: float) -> list[EnergyReading]:

@@ -437,14 +437,14 @@ class PolledSensor(SensorBase):
                     "observed_counter_step_s": observed, "startup_check": startup, **self.platform.params()},
         )
 
-    def begin(self) -> float:
-        return self._clock() / 1e9
+    def begin(self, t_s: float | None = None) -> float:
+        return self._clock() / 1e9 if t_s is None else t_s
 
-    def end(self, token: float) -> PendingPolled:
-        return PendingPolled(self, float(token), self._clock() / 1e9)
+    def end(self, token: float, t_s: float | None = None) -> PendingPolled:
+        return PendingPolled(self, float(token), self._clock() / 1e9 if t_s is None else t_s)
 
-    def cut(self, token: float) -> tuple[PendingPolled, float]:
-        pending = self.end(token)
+    def cut(self, token: float, t_s: float | None = None) -> tuple[PendingPolled, float]:
+        pending = self.end(token, t_s)
         return pending, pending.end_s
 
     def trace(self, since_s: float | None = None) -> dict[str, Any]:

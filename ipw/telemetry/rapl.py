@@ -163,21 +163,22 @@ class RaplSensor(SensorBase):
     def _read_all(self) -> tuple[int, ...]:
         return tuple(_read_uj(z.energy_path) for z in self.zones)
 
-    def begin(self) -> tuple[int, tuple[int, ...], Any]:
-        start_ns = time.monotonic_ns()
+    def begin(self, t_s: float | None = None) -> tuple[int, tuple[int, ...], Any]:
+        start_ns = time.monotonic_ns() if t_s is None else int(round(t_s * 1e9))
         start_uj = self._read_all()
         trace = None if self.snapshots is None else self.snapshots.open(self._read_all, start_ns / 1e9, start_uj)
         return start_ns, start_uj, trace
 
-    def end(self, token: tuple[int, tuple[int, ...], Any]) -> list[EnergyReading]:
-        return self.cut(token)[0]
+    def end(self, token: tuple[int, tuple[int, ...], Any], t_s: float | None = None) -> list[EnergyReading]:
+        return self.cut(token, t_s)[0]
 
-    def cut(self, token: tuple[int, tuple[int, ...], Any]) -> tuple[list[EnergyReading], tuple[int, tuple[int, ...], Any]]:
+    def cut(self, token: tuple[int, tuple[int, ...], Any],
+            t_s: float | None = None) -> tuple[list[EnergyReading], tuple[int, tuple[int, ...], Any]]:
         """Close the window and open the next at the same read (windows that tile time: no energy is lost
         between them); the next window takes no snapshots."""
         start_ns, start_uj, trace = token
+        end_ns = time.monotonic_ns() if t_s is None else int(round(t_s * 1e9))
         end_uj = self._read_all()
-        end_ns = time.monotonic_ns()
         if trace is not None:
             self.snapshots.close(trace, end_ns / 1e9, end_uj)  # type: ignore[union-attr]  # a trace only with snapshots
         duration_s = (end_ns - start_ns) / 1e9

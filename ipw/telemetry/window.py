@@ -55,23 +55,26 @@ class Window:
                                 "(docs/ARCHITECTURE.md, the contract of a sensor)")
         self.sensors = sensors
 
-    def begin(self) -> list[Any]:
-        """Begin every sensor, the last one first: ``end`` ends them first one first, so the first sensor
-        (NVML's, where it is measured) has the tightest window around the caller's own timestamps on both
-        sides.  Begun first, its window opened ~0.1 ms before the query on the H200 (the CPU model's begin
-        reads /proc in between): 0.19% more energy than the record's window on ~50 ms queries (issue 27)."""
-        return [s.begin() for s in reversed(self.sensors)][::-1]
+    def begin(self, t_s: float | None = None) -> list[Any]:
+        """Begin every sensor at one edge: ``t_s`` (monotonic s; None: now).  The edge is a timestamp, the
+        same for every sensor, so a caller that takes it (the runner: a record's ``start_s``) has exactly the
+        sensors' window; the sensors read nothing here (their reads are on their own threads)."""
+        t = time.monotonic() if t_s is None else t_s
+        return [s.begin(t) for s in self.sensors]
 
-    def end(self, tokens: list[Any]) -> Closed:
-        return Closed([sensor.end(token) for sensor, token in zip(self.sensors, tokens)])
+    def end(self, tokens: list[Any], t_s: float | None = None) -> Closed:
+        """End every sensor's window at one edge, ``t_s`` (as in ``begin``)."""
+        t = time.monotonic() if t_s is None else t_s
+        return Closed([sensor.end(token, t) for sensor, token in zip(self.sensors, tokens)])
 
-    def cut(self, tokens: list[Any]) -> tuple[Closed, list[Any]]:
-        """Close the window and open the next where it ended, so that consecutive windows tile time and
-        their energies add up to the whole span's.  A sensor without ``supports_cut`` ends and begins again
-        (``SensorBase.cut``; the moment between is then not measured)."""
+    def cut(self, tokens: list[Any], t_s: float | None = None) -> tuple[Closed, list[Any]]:
+        """Close the window and open the next where it ended (at ``t_s``, as in ``begin``), so that consecutive
+        windows tile time and their energies add up to the whole span's.  A sensor without ``supports_cut``
+        ends and begins again (``SensorBase.cut``; the moment between is then not measured)."""
+        t = time.monotonic() if t_s is None else t_s
         parts, following = [], []
         for sensor, token in zip(self.sensors, tokens):
-            part, nxt = sensor.cut(token)
+            part, nxt = sensor.cut(token, t)
             parts.append(part)
             following.append(nxt)
         return Closed(parts), following
