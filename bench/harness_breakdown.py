@@ -8,11 +8,14 @@ thread it ran on, so the parts add up:
 - ``edge``: ``Window.begin`` / ``Window.end`` (and, below them, each sensor's ``begin`` / ``end``);
   with requests in flight, ``Segments.event`` (a request's start or end);
 - ``round trip``: a query's call as the measuring thread sees it minus the engine's own time in the
-  worker (``Completion.end_s - start_s``): JSON, the pipes, the reader thread, waking the caller;
+  worker (``Completion.end_s - start_s``): JSON, the pipes, waking the caller (an old checkout: its
+  reader thread too);
 - ``estimate``: NVML windows made final (``PendingWindow.result`` / ``resolve_all``); ``phase split``:
   the split at the first token (``sensor_splits``); ``split``: the concurrent energy split (``split_share``);
 - ``record``: ``make_record`` (the rest of it: scoring, the record's fields); ``serialise``
   (``QueryRecord.to_json``); ``write`` (``RunFolder.append`` less the rest); ``fsync`` (``os.fsync``);
+- ``counter reads``: the CPU model's reads of the process tree's CPU time on its own thread
+  (``Counters.snap``; an old checkout read it at the edges, inside ``edge: cpu model``);
 - ``progress``: the per-record callback of ``ipw run`` and rich's redraws (``Live.refresh``);
 - ``sleep``: ``time.sleep`` calls.
 
@@ -141,6 +144,7 @@ def instrument(prof: Prof) -> None:
     import ipw.results
     import ipw.runner
     import ipw.telemetry.nvml
+    import ipw.telemetry.snapshots
     import ipw.telemetry.window
     from ipw.telemetry.cpu_model import CpuModelSensor
 
@@ -153,6 +157,9 @@ def instrument(prof: Prof) -> None:
     w(CpuModelSensor, "begin", "edge: cpu model")
     w(CpuModelSensor, "end", "edge: cpu model")
     w(CpuModelSensor, "cut", "edge: cpu model")
+    counters = getattr(ipw.telemetry.snapshots, "Counters", None)
+    if counters is not None:  # the CPU model's reads on its own thread (not in an old checkout)
+        w(counters, "snap", "counter reads")
     w(ipw.overlap.Segments, "event", "edge")
     w(ipw.runner, "_generate", "round trip", moved=engine_time)
     w(ipw.telemetry.nvml.PendingWindow, "result", "estimate")
@@ -421,7 +428,7 @@ def machine() -> str:
     return m() + (f", {gpu[0]}" if gpu else "")
 
 
-ORDER = ["edge", "edge: nvml", "edge: cpu model", "round trip", "estimate", "phase split", "split", "record", "serialise",
+ORDER = ["edge", "edge: nvml", "edge: cpu model", "counter reads", "round trip", "estimate", "phase split", "split", "record", "serialise",
          "write", "fsync", "progress", "sleep"]
 
 

@@ -13,10 +13,11 @@ How each sensor splits a window:
   (``energy_windows``); the parts are scaled to the window's reading.  Uncertainty: half a sample
   period times the peak power (the cut is one interpolated edge).  A prefill shorter than the
   estimator's ``SHORT_WINDOW_S`` (0.15 s) is flagged unresolved, as any window that short is.
-- RAPL and the CPU model read counters only at the window's edges, so a :class:`Snapshots` thread
-  also reads them every ``SNAPSHOT_PERIOD_S`` (20 ms; longer when a read costs more than 1% of a core)
-  while a window is open, and the counter is interpolated linearly at the first token.  For an
-  in-process engine the CPU model's snapshots read the process CPU clock (ns), else /proc times.
+- RAPL reads its counters at the window's edges and a :class:`Snapshots` thread reads them every
+  ``SNAPSHOT_PERIOD_S`` (20 ms; longer when a read costs more than 1% of a core) while a window is open;
+  the CPU model reads its CPU time only on its own thread (:class:`Counters`: just after each edge and
+  every ``SNAPSHOT_PERIOD_S`` inside a window; the edges interpolated).  The counter is interpolated
+  linearly at the first token.  For this process the CPU model reads its CPU clock (ns), else /proc times.
   Uncertainty: the counter's increase over the snapshot interval around the cut (the true value lies
   inside it: the counter only grows), plus, for /proc times, one CPU-time tick (10 ms) per process.  A prefill with no snapshot inside it is flagged
   unresolved.  The split of the CPU model is ``estimated``; of RAPL ``measured_interpolated``.
@@ -24,7 +25,7 @@ How each sensor splits a window:
 A record without a first token (an error, zero tokens), from concurrent requests, or with a part of
 its total that no sensor can split (an API estimate, NVML counter edges only) has no phases (None).
 
-The snapshot thread is ``ipw.telemetry.snapshots``; J per token and the fitted energy model per backend
+The reading threads are ``ipw.telemetry.snapshots``; J per token and the fitted energy model per backend
 are analysis (``ipw.analysis.fit``).
 """
 
