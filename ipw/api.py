@@ -79,17 +79,18 @@ class measure:
         pids = self.pids
         window = Window(probe_sensors(lambda: pids, gpu_indices=self.gpus, rapl=self.rapl))
         self.result = None
-        tokens = window.begin()
-        self._open = (window, tokens, time.monotonic())
+        start_s = time.monotonic()  # the window's edge: its sensors' and the measurement's start alike
+        self._open = (window, window.begin(start_s), start_s)
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._open is not None
         window, tokens, start_s = self._open
         self._open = None
-        duration_s = time.monotonic() - start_s
+        end_s = time.monotonic()
+        duration_s = end_s - start_s
         try:
-            closed = window.end(tokens)
+            closed = window.end(tokens, end_s)
             readings = closed.readings()
             sensors = tuple(s.info() for s in window.sensors)
         finally:

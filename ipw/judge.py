@@ -275,8 +275,8 @@ class Judge:
         from ipw.telemetry.base import total_energy
         from ipw.telemetry.window import with_estimate
 
-        tokens = self.window.begin()
-        start = time.monotonic()
+        start = time.monotonic()  # the window's edges are the call's start and end
+        tokens = self.window.begin(start)
         completion, error = None, None
         try:
             completion = self.backend.generate(prompt, self.settings)
@@ -285,7 +285,7 @@ class Judge:
         except Exception as exc:  # a failed judge call grades incorrect, recorded as an error
             error = f"{type(exc).__name__}: {exc}"
         end = time.monotonic()
-        readings = self.window.end(tokens).readings()
+        readings = self.window.end(tokens, end).readings()
         ok = completion is not None
         readings = with_estimate(readings, self.backend.energy_estimate,
                                  completion.completion_tokens if ok else 0, ok, end - start)

@@ -53,8 +53,8 @@ class Segments:
         self.started_s = self.ended_s = 0.0
 
     def start(self) -> None:
-        self.tokens = self.window.begin()
         self.started_s = self.opened_s = time.monotonic()
+        self.tokens = self.window.begin(self.started_s)
 
     def event(self, add: int | None = None, remove: int | None = None,
               then: Callable[[float], None] | None = None) -> float:
@@ -70,11 +70,11 @@ class Segments:
             if remove is not None and self.remaining is not None:
                 self.remaining -= 1
             last = self.remaining == 0
+            now = time.monotonic()  # the cut's edge: the sensors' and the slices' (records') time alike
             if last:
-                closed, self.tokens = self.window.end(self.tokens), None
+                closed, self.tokens = self.window.end(self.tokens, now), None
             else:
-                closed, self.tokens = self.window.cut(self.tokens)
-            now = time.monotonic()
+                closed, self.tokens = self.window.cut(self.tokens, now)
             if self.active:
                 self.closed.append((self.opened_s, now, closed, frozenset(self.active)))
             else:
@@ -94,8 +94,8 @@ class Segments:
         with self.lock:
             if self.tokens is None:
                 return
-            closed, self.tokens = self.window.end(self.tokens), None
             self.ended_s = time.monotonic()
+            closed, self.tokens = self.window.end(self.tokens, self.ended_s), None
             (self.closed.append((self.opened_s, self.ended_s, closed, frozenset(self.active))) if self.active
              else self.idle.append(closed))
 

@@ -49,9 +49,15 @@ def test_live_grandchild_cpu_is_counted():
     try:
         sensor = CpuModelSensor(lambda: [launcher.pid], watts_per_core=4.0)
         token = sensor.begin()
-        # the sensor's thread finds a process born into the tree within TREE_RESCAN_S (1 s) of its birth,
-        # at a read inside this window
-        time.sleep(1.5)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the grandchild has burnt its 0.3 s (a loaded machine: later)
+            kids = psutil.Process(launcher.pid).children()
+            if kids and sum(kids[0].cpu_times()[:2]) >= 0.3:
+                break
+            time.sleep(0.05)
+        # the sensor's thread finds a process born into the tree within TREE_RESCAN_S (1 s), at a read
+        # inside this window
+        time.sleep(1.2)
         (reading,) = sensor.end(token).result()
     finally:
         for child in psutil.Process(launcher.pid).children(recursive=True):
@@ -84,3 +90,68 @@ def test_default_coefficient_from_the_table():
     assert CpuModelSensor(lambda: [], watts_per_core=7.5).info().params["watts_per_core"] == 7.5
     with pytest.raises(IpwError):
         CpuModelSensor(lambda: [], watts_per_core=0)
+
+
+def test_an_edge_is_a_timestamp_and_the_reads_are_on_the_sensors_thread(monkeypatch):
+    """Issue 29: begin and end read nothing on the caller's thread (but the sensor's very first begin, which
+    reads once to start its thread); the sensor's thread reads the tree's CPU time just after each edge, and
+    the window's reading interpolates the edges after it closes."""
+    import threading
+
+    from ipw.telemetry import cpu_model
+
+    readers = []
+    real = cpu_model.tree_cpu_read
+
+    def spy(procs):
+        readers.append(threading.current_thread())  # (other tests' sensors may still be reading too)
+        return real(procs)
+
+    monkeypatch.setattr(cpu_model, "tree_cpu_read", spy)
+    sensor = CpuModelSensor(lambda: [os.getpid()], watts_per_core=2.0)
+    try:
+        sensor.end(sensor.begin()).result()
+        mine = {threading.main_thread(), sensor.counters._thread}
+        assert [t for t in readers if t in mine][0] is threading.main_thread()  # the first read: the caller's
+        readers.clear()
+        before = own_cpu_s()
+        token = sensor.begin(time.monotonic())
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        pending = sensor.end(token, time.monotonic())
+        (reading,) = pending.result()
+        cpu_s = own_cpu_s() - before
+    finally:
+        sensor.close()
+    assert threading.main_thread() not in readers and sensor.counters._thread in readers
+    assert 0.2 * 2.0 <= reading.energy_j <= cpu_s * 2.0 + 0.02
+    assert reading.uncertainty_j >= 0.6 * reading.energy_j + 2 * cpu_model.CPU_TICK_S * 2.0 - 1e-12
+    assert "edges interpolated" in reading.note
+
+
+def test_counters_interpolate_an_edge_within_its_stated_bound():
+    """A counter read at 0 s (0) and 1.5 s (0.5) with the edge at 1 s: the true value lies anywhere in
+    [0, 0.5]; the interpolation (1/3) and its bound (1/3 + the read's resolution) cover all of it."""
+    from ipw.telemetry.snapshots import Counters
+
+    now, value = [0.0], [0.0]
+    c = Counters(lambda: ((value[0],), 0.01), 0.02, threaded=False, clock=lambda: now[0])  # reads once
+    window = c.begin(1.0)
+    assert c.n_snapshots == 1  # the edge read nothing
+    now[0], value[0] = 1.5, 0.5
+    c.snap()
+    now[0], value[0] = 1.9, 0.7
+    c.snap()
+    c.end(window, 2.0)
+    assert not window.done.is_set()  # no read after the end yet
+    now[0], value[0] = 2.1, 0.8
+    c.snap()
+    assert window.done.is_set()
+    (x,), (bound,) = window.edge(1.0, max_rate=1.0)
+    assert x == pytest.approx(1 / 3) and bound == pytest.approx(1 / 3 + 0.01)
+    assert x - bound <= 0.0 and x + bound >= 0.5
+    (y,), (ybound,) = window.edge(2.0, max_rate=1.0)
+    assert y == pytest.approx(0.75) and ybound == pytest.approx(0.05 + 0.01)
+    trace = window.trace(1.0)
+    assert trace.t_s == [1.0, 1.5, 1.9, 2.0] and trace.values[0] == (pytest.approx(1 / 3),)

@@ -212,8 +212,9 @@ class Counters:
     counters at once (just after the edge), and also every ``period_s`` while a window is open (longer when
     a read costs more than ``SNAPSHOT_CPU_BUDGET`` of a core).  A window's values at its edges are
     interpolated from the reads around each edge once the read after its end exists
-    (:class:`CounterWindow`).  The thread reads once when it starts, so the first window has a read
-    before it; it sleeps on an event while no window is open.
+    (:class:`CounterWindow`).  The counters are read once when this is made (on the caller's thread: a
+    sensor makes it at its first window's begin, so that window has a read right after its start); the
+    thread sleeps on an event while no window is open.
 
     ``read()`` returns the counters' values (cumulative, in one unit) and the resolution of that read."""
 
@@ -234,6 +235,7 @@ class Counters:
         self._active_since: float | None = None
         self.n_snapshots = 0
         self._thread: threading.Thread | None = None
+        self.snap()
         if threaded:
             self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
@@ -285,7 +287,6 @@ class Counters:
                 self._active_since = None
 
     def _run(self) -> None:
-        self.snap()  # the first read (it may scan for processes: not counted in a read's cost below)
         first_s = self._thread_cpu_s = time.thread_time()
         reads = 0
         while not self._stopped:
