@@ -100,6 +100,9 @@ class LlamaCppEngine:
         return few_shot_prompt(prompt), FEW_SHOT_STOP
 
     def generate(self, prompt: str, settings: GenerationSettings) -> Completion:
+        # the query starts here: its chat template, tokenizing and the context's reset are the engine's
+        # work (a bare loop does them too), so TTFT and latency include them
+        start = time.monotonic()
         llm = self._llm
         text_prompt, stops = self._prompt(prompt)
         stops = tuple(s for s in stops + settings.stop if s)
@@ -120,7 +123,6 @@ class LlamaCppEngine:
         stop_bytes = [s.encode("utf-8") for s in stops]
         reach = max((len(b) for b in stop_bytes), default=0)
         tail = b""
-        start = time.monotonic()
         times: list[float] = []
         out: list[int] = []
         finish = "length"

@@ -19,6 +19,8 @@ An engine's native libraries (llama.cpp, vLLM and its torch) and ipw's measuring
 
 from __future__ import annotations
 
+import array
+import base64
 import dataclasses
 import importlib
 import itertools
@@ -376,7 +378,7 @@ class WorkerBackend(BackendBase):
         if not answer["ok"]:
             raise_answer_error(answer)
         result = answer["result"]
-        return Completion(**{**result, "token_times_s": tuple(result["token_times_s"])})
+        return Completion(**{**result, "token_times_s": unpack_times(result["token_times_s"])})
 
     def pids(self) -> list[int]:
         return [self._worker.pid] if self._worker is not None else []
@@ -407,6 +409,18 @@ class WorkerBackend(BackendBase):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def pack_times(times: Any) -> str:
+    """A completion's token times in its one answer message: the doubles' bytes in base64 (exact, and a
+    third of the cost of JSON floats to write and read: ``bench/roundtrip.py``)."""
+    return base64.b64encode(array.array("d", times).tobytes()).decode("ascii")
+
+
+def unpack_times(packed: str) -> tuple[float, ...]:
+    times = array.array("d")
+    times.frombytes(base64.b64decode(packed))
+    return tuple(times)
 
 
 def raise_answer_error(answer: dict[str, Any]) -> None:
@@ -458,8 +472,9 @@ def serve(fd_in: int, fd_out: int) -> None:
         except Exception as exc:  # one query failed; the engine goes on
             send(rid, ok=False, kind="query", category="backend_error", message=f"{type(exc).__name__}: {exc}")
         else:
-            if dataclasses.is_dataclass(result):
-                result = dataclasses.asdict(result)
+            if dataclasses.is_dataclass(result):  # a Completion: its fields as they are (asdict copies deeply)
+                result = dict(vars(result))
+                result["token_times_s"] = pack_times(result["token_times_s"])
             send(rid, ok=True, result=result, concurrency=getattr(engine, "concurrency", 1))
 
     def load(msg: dict[str, Any]) -> None:
