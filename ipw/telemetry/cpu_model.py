@@ -230,6 +230,7 @@ class CpuModelSensor(SensorBase):
             if watts_per_core <= 0:
                 raise IpwError(f"watts_per_core must be > 0, got {watts_per_core}")
             self.watts_per_core, self.basis = float(watts_per_core), "set by the user"
+        self.processes()  # the scan for descendants (ms): now, not at the first window's begin
 
     def info(self) -> SensorInfo:
         return SensorInfo(
@@ -251,16 +252,20 @@ class CpuModelSensor(SensorBase):
             },
         )
 
-    def processes(self) -> list[psutil.Process]:
-        """The measured processes and their descendants, scanned again at most every ``TREE_RESCAN_S``."""
+    def processes(self, rescan: bool = True) -> list[psutil.Process]:
+        """The measured processes and their descendants, scanned again at most every ``TREE_RESCAN_S``
+        (``rescan``: also when due; else only when the measured processes changed)."""
         now, pids = time.monotonic(), list(self.pids_fn())
-        if self._tree is None or now - self._tree[0] >= TREE_RESCAN_S or self._tree[1] != pids:
+        due = rescan and self._tree is not None and now - self._tree[0] >= TREE_RESCAN_S
+        if self._tree is None or due or self._tree[1] != pids:
             self._tree = (now, pids, process_tree(pids))
         return self._tree[2]
 
     def _read(self) -> tuple[tuple[float], float]:
-        """The tree's CPU seconds and the read's resolution (on the sensor's thread)."""
-        cpu_s, step = tree_cpu_read(self.processes())
+        """The tree's CPU seconds and the read's resolution (on the sensor's thread; the first read, made
+        while ``counters`` is being made at the first begin, reads the processes found when the sensor
+        was made, without a scan)."""
+        cpu_s, step = tree_cpu_read(self.processes(rescan=self.counters is not None))
         return (cpu_s,), step
 
     def begin(self, t_s: float | None = None) -> CounterWindow:
