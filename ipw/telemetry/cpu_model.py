@@ -280,17 +280,21 @@ class CpuModelSensor(SensorBase):
         """Close the window and open the next at the same instant (windows that tile time: the CPU time
         at the shared edge is the same interpolation for both)."""
         t = time.monotonic() if t_s is None else t_s
-        self.counters.end(token, t)  # type: ignore[union-attr]
-        return PendingCpu(self, token), self.counters.begin(t)  # type: ignore[union-attr]
+        counters = self.counters
+        assert counters is not None, "cut before begin"
+        counters.end(token, t)
+        return PendingCpu(self, token), counters.begin(t)
 
     def reading(self, window: CounterWindow) -> list[EnergyReading]:
         """The window's reading from the reads around its edges (after the window, on whichever thread)."""
-        duration_s = window.end_s - window.start_s  # type: ignore[operator]
+        end_s = window.end_s
+        assert end_s is not None, "a reading of a window that has not ended"
+        duration_s = end_s - window.start_s
         try:
             if window.error:
                 raise ValueError(window.error)
             (start,), (start_bound,) = window.edge(window.start_s, self.max_rate)
-            (end,), (end_bound,) = window.edge(window.end_s, self.max_rate)  # type: ignore[arg-type]
+            (end,), (end_bound,) = window.edge(end_s, self.max_rate)
         except ValueError as exc:
             return [EnergyReading("cpu-process", None, "model.cpu", "unavailable", "cpu_package", duration_s,
                                   note=f"CPU time not read: {exc}")]
