@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from ipw.results import read_records
 from ipw.telemetry.audit import audit, audit_dicts, gaps
 from ipw.telemetry.nvml import NvmlSensor
 from nvml_fakes import finish, make_fake, synthetic, window
@@ -128,6 +129,10 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
         unregister_backend("sleepy")
     (a,) = folder.manifest.backends[0]["energy_audit"]
     assert a["component"] == "gpu0" and a["queries"] == 12 and a["counter_j"] is not None, a
+    # a record's window is its sensor's window: the runner's start_s and end_s are the window's edges
+    for r in read_records(folder.path / "records.jsonl"):
+        (gpu,) = json.loads(r["energy_parts"])
+        assert gpu["duration_s"] == pytest.approx(r["end_s"] - r["start_s"], abs=2e-9)
     # the stated ±90% is honest, so a single run falls outside it one time in ten by design (held counter
     # reads on a loaded machine: docs/RELIABILITY.md); the test asks for 2x it (3.3 sd: 1 in 1,000)
     assert abs(a["difference_j"]) <= 2 * a["uncertainty_j"], a["line"]
