@@ -154,8 +154,8 @@ def tree_cpu_read(procs: list[psutil.Process]) -> tuple[float, float]:
     me = os.getpid()
     for proc in procs:
         if proc.pid == me:
-            t = os.times()
-            total_s += time.process_time() + t.children_user + t.children_system
+            own = os.times()
+            total_s += time.process_time() + own.children_user + own.children_system
             continue
         step += CPU_TICK_S
         if PROC_STAT:  # a quarter of psutil's cost (it runs 50 times a second while a window is open)

@@ -179,6 +179,7 @@ class CounterWindow:
             raise ValueError("no read of the counters")
         if before is None or after is None or self.t_s[after] == self.t_s[before]:
             k = after if before is None else before
+            assert k is not None  # (one of them is not None)
             lag = abs(self.t_s[k] - t_s)
             return self.values[k], tuple(lag * max_rate + self.step for _ in self.values[k])
         ta, tb = self.t_s[before], self.t_s[after]
@@ -262,9 +263,11 @@ class Counters:
         """One read of the counters, added to every open window (what the thread does on every wake-up)."""
         t0 = self._clock()
         error = ""
+        values: tuple[float, ...] = ()
+        step = 0.0
         try:
-            values, step = self.read()
-            values = tuple(values)
+            read, step = self.read()
+            values = tuple(read)
         except Exception as exc:  # a vanished process, a counter gone: the open windows say so
             error = f"{type(exc).__name__}: {exc}"
         t_s = (t0 + self._clock()) / 2
