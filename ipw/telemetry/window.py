@@ -58,7 +58,8 @@ class Window:
     def begin(self, t_s: float | None = None) -> list[Any]:
         """Begin every sensor at one edge: ``t_s`` (monotonic s; None: now).  The edge is a timestamp, the
         same for every sensor, so a caller that takes it (the runner: a record's ``start_s``) has exactly the
-        sensors' window; the sensors read nothing here (their reads are on their own threads)."""
+        sensors' window.  NVML and the CPU model read nothing here (their reads are on their own threads);
+        RAPL still reads its counters at the edge."""
         t = time.monotonic() if t_s is None else t_s
         return [s.begin(t) for s in self.sensors]
 
