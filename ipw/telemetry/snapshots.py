@@ -317,9 +317,10 @@ class Counters:
                     window.done.set()  # no read will come: its end is held at the last read
 
     def overhead(self) -> dict[str, Any]:
-        """CPU seconds of the thread, and as a fraction of one core over the time windows were open."""
+        """CPU seconds of the thread, and as a fraction of one core over the time windows were open: the NVML
+        sampler's keys (``ipw.results.SamplerOverhead``), ``wall_s`` being that open time."""
         active = self._active_s + (self._clock() - self._active_since if self._active_since is not None else 0.0)
         return {"thread": "ipw-counters", "period_s": self.period_s, "interval_s": round(self.interval_s, 4),
                 "budget_fraction_of_core": SNAPSHOT_CPU_BUDGET, "snapshots": self.n_snapshots,
-                "cpu_s": round(self._thread_cpu_s, 4), "active_s": round(active, 3),
-                "fraction_of_core": round(self._thread_cpu_s / active, 5) if active > 0 else None}
+                "cpu_s": round(self._thread_cpu_s, 4), "wall_s": round(active, 3),
+                "cpu_fraction_of_one_core": round(self._thread_cpu_s / active, 5) if active > 0 else None}
