@@ -323,7 +323,8 @@ class CpuModelSensor(SensorBase):
 
     def split(self, token: CounterWindow, at_s: float) -> list[PhaseSplit]:
         """The share of the window's CPU time before ``at_s`` (the first token), from the reads inside it."""
-        if token.end_s is None or not token.done.is_set() or token.error:
+        # (the record writer splits a run's last windows before their reading has waited for its read)
+        if token.end_s is None or not token.done.wait(RESULT_WAIT_S) or token.error:
             return []
         return split_trace(token.trace(self.max_rate), at_s, ["cpu-process"], "estimated", "CPU time of the process tree")
 
