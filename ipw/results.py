@@ -122,6 +122,19 @@ class QueryRecord:
 
 
 RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
+# records.parquet's column types, by QueryRecord's field types (strings as pandas writes them: large_string)
+_ARROW_TYPES = {"str": "large_string", "str | None": "large_string", "int": "int64", "float": "float64",
+                "float | None": "float64", "bool | None": "bool", "tuple[str, ...]": "list<large_string>"}
+RECORDS_CHUNK = 50_000  # records per row group of records.parquet, and per step of writing it
+
+
+def record_schema():
+    """records.parquet's Arrow schema: one column per :class:`QueryRecord` field, typed by ``_ARROW_TYPES``."""
+    import pyarrow as pa
+
+    types = {"large_string": pa.large_string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
+             "list<large_string>": pa.list_(pa.large_string())}
+    return pa.schema([(f.name, types[_ARROW_TYPES[f.type]]) for f in dataclasses.fields(QueryRecord)])
 
 @dataclass(frozen=True)
 class SamplerOverhead:
@@ -224,6 +237,9 @@ def _atomic_write(path: Path, tmp: Path, write: Callable[[Path], object]) -> Non
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise write_error(path, exc) from None
+    except BaseException:  # e.g. a damaged record found while the file was being written
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _atomic_write_parquet(frame: pd.DataFrame, path: Path) -> None:
@@ -520,8 +536,7 @@ class RunFolder:
         the first write error of the run is raised (an IpwError naming the file)."""
         problem: IpwError | None = None
         try:
-            frame = load_records_jsonl(self.path / "records.jsonl")
-            _atomic_write_parquet(frame, self.path / "records.parquet")
+            write_records_parquet(self.path / "records.jsonl", self.path / "records.parquet")
             updates["records"] = log_digest(self.path / "records.jsonl")
         except IpwError as exc:
             problem = exc
@@ -823,6 +838,12 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     """Every record in a ``records.jsonl``.  A torn last line (no newline at its end: the query in flight
     when the process died) is left out; any other line that is not a record is an error naming its
     line, so that nothing after it is ever dropped silently."""
+    return [row for chunk in record_chunks(path) for row in chunk]
+
+
+def record_chunks(path: Path, size: int = RECORDS_CHUNK):
+    """``read_records`` in lists of at most ``size`` rows: a chunk is yielded once its lines are checked (a
+    bad line raises when a line follows it, or at the end when it is complete, as in ``read_records``)."""
     try:
         fh = open(own_file(path), encoding="utf-8")
     except FileNotFoundError:
@@ -844,12 +865,16 @@ def read_records(path: Path) -> list[dict[str, Any]]:
                     bad = (number, problem, line.endswith("\n"))
                 else:
                     rows.append(json.loads(line))
+                    if len(rows) >= size:
+                        yield rows
+                        rows = []
         except UnicodeDecodeError as exc:
             raise IpwError(f"{path}:{number + 1}: not valid UTF-8 (byte {exc.start}); to drop this line only: "
                            f"ipw run --resume {path.parent} --repair") from None
     if bad is not None and bad[2]:  # the last line, but complete: damaged, not torn by a crash
         raise _torn(path, bad)
-    return rows
+    if rows:
+        yield rows
 
 
 def _torn(path: Path, bad: tuple[int, str, bool]) -> IpwError:
@@ -914,6 +939,26 @@ def load_records_jsonl(path: Path) -> pd.DataFrame:
     frame = pd.DataFrame(read_records(path), columns=RECORD_COLUMNS)
     _check_numeric(frame, path)
     return frame
+
+
+def write_records_parquet(log: Path, path: Path, chunk: int | None = None) -> None:
+    """records.parquet from records.jsonl, ``chunk`` (``RECORDS_CHUNK``) records at a time (one row group
+    each, in the ``record_schema`` types): memory holds one chunk, not the run.  Each chunk is checked as
+    ``load_records_jsonl`` checks the whole log; the file appears only when complete (atomic rename)."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = record_schema()
+
+    def write(tmp: Path) -> None:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for rows in record_chunks(log, chunk or RECORDS_CHUNK):
+                frame = pd.DataFrame(rows, columns=RECORD_COLUMNS)
+                _check_numeric(frame, log)
+                writer.write_table(pa.Table.from_pandas(frame, schema=schema, preserve_index=False))
+
+    _atomic_write(path, path.with_suffix(".parquet.tmp"), write)
 
 
 def _check_numeric(frame: pd.DataFrame, path: Path) -> None:
