@@ -58,3 +58,22 @@ def test_a_damaged_line_found_while_writing_leaves_no_parquet(tmp_path, monkeypa
         folder.finish("complete")
     assert not list(folder.path.glob("records.parquet*"))
     assert results.read_manifest(folder.path)["status"] == "failed"
+
+
+def test_readers_check_the_log_by_its_size_and_last_mib(tmp_path):
+    """A reader trusts records.parquet while the log has the size and last MiB it had when the file was
+    written (not the whole log's digest: seconds for a million records); an older entry (count and whole
+    sha256 only) is still checked whole."""
+    folder = _folder(tmp_path)
+    folder.finish("complete")
+    log = folder.path / "records.jsonl"
+    manifest = results.read_manifest(folder.path)
+    assert results.trusted_parquet(folder.path, manifest) == folder.path / "records.parquet"
+    text = log.read_text()
+    log.write_text(text.replace('"q9"', '"q8"'))  # same size, changed near the end
+    assert results.trusted_parquet(folder.path, manifest) is None
+    log.write_text(text)
+    old = {**manifest, "records": {k: manifest["records"][k] for k in ("count", "jsonl_sha256")}}
+    assert results.trusted_parquet(folder.path, old) == folder.path / "records.parquet"
+    log.write_text(text.replace('"q0"', '"q1"'))
+    assert results.trusted_parquet(folder.path, old) is None
