@@ -34,9 +34,9 @@ def load_records(runs, labels: dict[tuple[str, str, int], str]):
     for run in runs:
         manifest, frame = load_run(run.path, columns=RECORD_COLUMNS, categorical=["backend", "category"])
         level = concurrency_of(frame["concurrency"])
-        label = [labels.get((run.run_id, b, int(c)), b) for b, c in zip(frame["backend"].astype(str), level)]
         frame = frame.assign(run_id=run.run_id, row=np.arange(len(frame)), concurrency=level,
-                             label=pd.Series(label, index=frame.index, dtype=object))
+                             label=pd.Series(_labels(run.run_id, frame["backend"], level, labels), index=frame.index,
+                                             dtype=object))
         frames.append(frame)
         manifests.append((run, manifest))
     frame = pd.concat(frames, ignore_index=True)
@@ -45,6 +45,18 @@ def load_records(runs, labels: dict[tuple[str, str, int], str]):
     for col in ("energy_j", "start_s", "end_s", "prompt_tokens", "completion_tokens"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce")
     return manifests, frame
+
+
+def _labels(run_id: str, backend, level: np.ndarray, labels: dict[tuple[str, str, int], str]) -> np.ndarray:
+    """Each record's compare label, looked up once per (backend, level) pair, not once per record."""
+    import pandas as pd
+
+    codes, names = pd.factorize(backend)
+    base = int(level.max()) + 1 if len(level) else 1
+    pairs, inverse = np.unique(codes * base + level, return_inverse=True)
+    names = [str(n) for n in names]
+    per_pair = [labels.get((run_id, names[p // base], int(p % base)), names[p // base]) for p in pairs]
+    return np.asarray(per_pair, dtype=object)[inverse.reshape(-1)]
 
 
 def _clip(text: Any, limit: int = MAX_TEXT) -> str:
