@@ -144,44 +144,67 @@ def lower_quantile(values: np.ndarray, p: float) -> float:
     return float(np.partition(v, k)[k])
 
 
+TIE_ROW_MIN = 256  # a run of at least this many equal values in a window is summed as one indicator row
+
+
 @dataclass(frozen=True)
 class _Window:
     """The ranks around one quantile that a resample's quantile can reach: 4·sqrt(N) + 10 ranks either
     side (the rank's bootstrap standard deviation is at most sqrt(N)/2, so beyond 8 of them; clamped
-    there). Everything below the window is counted through an indicator column of the sums."""
+    there). Everything below the window is counted through an indicator column of the sums.
+
+    The window's values are its units, in ascending order: each distinct value's weight is the sum of its
+    items' weights (a resample's quantile is the first unit whose cumulative weight reaches the rank, the
+    same value as the first item that does).  Items of a value held by fewer than ``TIE_ROW_MIN`` items are
+    gathered from the weights (``idx``, summed at ``starts``); a value held by more (0.0 TTFT of every query
+    of a fake engine: a window of all N items) is one indicator row of a second product (``tie_rows``)."""
 
     p: float
     valid_row: int  # row of the finite-value indicator among the summed rows
     below_row: int  # row of the below-the-window indicator
-    idx: np.ndarray  # items in the window, sorted by value
-    values: np.ndarray
+    idx: np.ndarray  # items of the gathered values, sorted by value
+    starts: np.ndarray  # where each gathered value's items begin in idx
+    tie_rows: np.ndarray  # rows of the tied values' indicators, in the tie product
+    order: np.ndarray  # units (gathered values, then tied values) in ascending order of value
+    values: np.ndarray  # the units' values, ascending
 
 
-def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_below_row: int):
+def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_below_row: int, first_tie_row: int):
     """Windows of the quantiles ``ps`` of ``values`` (one partial sort for all of them), their
-    below-the-window indicators and the point quantiles."""
+    below-the-window indicators, their tied values' indicators and the point quantiles."""
     valid = np.isfinite(values)
     finite = values[valid]
     n = len(finite)
+    empty = np.zeros(0, int)
     if n == 0:
-        return ([_Window(p, valid_row, first_below_row + i, np.zeros(0, int), np.zeros(0)) for i, p in enumerate(ps)],
-                [np.zeros(len(values), bool)] * len(ps), [float("nan")] * len(ps))
+        return ([_Window(p, valid_row, first_below_row + i, empty, empty, empty, empty, np.zeros(0))
+                 for i, p in enumerate(ps)], [np.zeros(len(values), bool)] * len(ps), [], [float("nan")] * len(ps))
     half = int(4 * np.sqrt(n)) + 10
     ranks = [max(int(np.ceil(p * n)), 1) - 1 for p in ps]  # the point quantiles' ranks (inverted_cdf)
     bounds = [(max(0, k - half), min(n - 1, k + half)) for k in ranks]
     part = np.partition(finite, sorted({r for b in bounds for r in b} | set(ranks)))
-    windows, belows = [], []
+    windows, belows, ties = [], [], []
     for i, (p, (lo, hi)) in enumerate(zip(ps, bounds)):
         if lo == 0 and hi == n - 1:
             inside, below = valid, np.zeros(len(values), bool)
         else:
             inside = valid & (values >= part[lo]) & (values <= part[hi])
             below = valid & (values < part[lo])
+        belows.append(below)
         idx = np.flatnonzero(inside)
         idx = idx[np.argsort(values[idx], kind="stable")]
-        windows.append(_Window(p, valid_row, first_below_row + i, idx, values[idx]))
-        belows.append(below)
-    return windows, belows, [float(part[k]) for k in ranks]
+        v = values[idx]
+        first = np.flatnonzero(np.r_[True, v[1:] != v[:-1]]) if len(v) else empty
+        count = np.diff(np.r_[first, len(v)])
+        tied = count >= TIE_ROW_MIN
+        keep = np.repeat(~tied, count)
+        kept_count = count[~tied]
+        tie_rows = np.arange(first_tie_row + len(ties), first_tie_row + len(ties) + int(tied.sum()))
+        ties += [values == v[f] for f in first[tied]]
+        units = np.r_[v[first[~tied]], v[first[tied]]]
+        windows.append(_Window(p, valid_row, first_below_row + i, idx[keep], np.r_[0, np.cumsum(kept_count)[:-1]].astype(int),
+                               tie_rows, np.argsort(units, kind="stable"), np.sort(units)))
+    return windows, belows, ties, [float(part[k]) for k in ranks]
 
 
 @dataclass(frozen=True)
@@ -235,16 +258,20 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     xt[ones_row] = 1.0
     windows: list[_Window] = []
     point_q: list[float] = []
+    ties: list[np.ndarray] = []  # the tied values' indicators: a product of their own (xt is unchanged by them)
     for (values, ps), nan in zip(quantiles, with_nan):
         valid_row = ones_row
         if nan:
             valid_row, row = row, row + 1
             xt[valid_row] = np.isfinite(values)
-        wins, belows, points = _windows(values, ps, valid_row, row)
+        wins, belows, tied, points = _windows(values, ps, valid_row, row, len(ties))
         for below in belows:
             xt[row], row = below, row + 1
         windows += wins
+        ties += tied
         point_q += points
+    tx = np.array(ties, dtype=xt.dtype) if ties else None
+    del ties
     sums = np.empty((n_boot, k))
     qs = np.full((n_boot, len(windows)), np.nan)
     errs = [(m.column, np.nan_to_num(np.asarray(m.sd, float)) ** 2,
@@ -255,6 +282,7 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     for w in resample_weights(n, n_boot, seed=seed, chunk_bytes=chunk_bytes):
         rows = slice(start, start + len(w))
         s = (xt @ w.T).T.astype(np.float64)  # (rows, summed rows): one product for every sum of every backend
+        t = (tx @ w.T).T.astype(np.float64) if tx is not None else None  # the tied values' weights
         sums[rows] = s[:, :k]
         for column, var, shared in errs:
             wf = w.astype(np.float64)
@@ -263,13 +291,15 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
                 add += (wf @ shared) * noise.standard_normal(len(w))
             sums[rows, column] += add
         for j, win in enumerate(windows):
-            if len(win.idx) == 0:
+            if len(win.values) == 0:
                 continue
             total = s[:, win.valid_row]
             need = np.maximum(np.ceil(win.p * total), 1.0)  # weights and their sums are exact integers
-            cum = s[:, win.below_row][:, None] + np.cumsum(w[:, win.idx], axis=1)
+            gathered = np.add.reduceat(w[:, win.idx], win.starts, axis=1) if len(win.idx) else w[:, :0]
+            units = np.concatenate([gathered, t[:, win.tie_rows]], axis=1)[:, win.order] if len(win.tie_rows) else gathered
+            cum = s[:, win.below_row][:, None] + np.cumsum(units, axis=1)
             reached = cum >= need[:, None]
-            pos = np.where(reached.any(axis=1), reached.argmax(axis=1), len(win.idx) - 1)
+            pos = np.where(reached.any(axis=1), reached.argmax(axis=1), len(win.values) - 1)
             qs[rows, j] = np.where(total > 0, win.values[pos], np.nan)
         start += len(w)
     return Draws(sums, qs, point_sums, np.asarray(point_q, dtype=float), n_boot, bootstrap_method(n),
