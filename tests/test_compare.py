@@ -271,12 +271,16 @@ def test_mixed_energy_quality_within_a_backend_is_labeled(tmp_path, run_cli):
 
 # --- the bootstrap engine -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("n", [7, 300, 30_000])
-def test_windowed_quantiles_match_brute_force(n):
+def test_windowed_quantiles_match_brute_force(n, tied):
     """The quantile of each resample, found from a window around it, equals the brute-force weighted
-    quantile over all items (multinomial weights below 20,000 items, Poisson above)."""
+    quantile over all items (multinomial weights below 20,000 items, Poisson above); ``tied``: half the
+    values 0.0 and the rest rounded (runs of equal values, summed as indicator rows from 256 on)."""
     rng = np.random.default_rng(n)
     values = rng.lognormal(size=n)
+    if tied:
+        values = np.where(rng.random(n) < 0.5, 0.0, np.round(values, 1))
     values[rng.random(n) < 0.05] = np.nan
     d = bootstrap_draws([np.ones(n)], [(values, (0.5, 0.95))], n_boot=40, seed=5)
     assert d.point_quantiles[0] == lower_quantile(values, 0.5)
