@@ -14,6 +14,8 @@ Writes a small summary (JSON) and prints it; the run folder is left in ``--work`
 
     nice -n 10 .venv/bin/python bench/million.py --work /tmp/ipw-million --out docs/million/summary.json
     .venv/bin/python bench/million.py --queries 20000 --kill-at 10000 --work /tmp/m --out /tmp/m.json  # a try
+    .venv/bin/python bench/million.py --analyse /tmp/ipw-million/runs/RUN --work /tmp/ipw-million --out ...
+        # time compare and report of a finished run again
 """
 
 from __future__ import annotations
@@ -173,6 +175,12 @@ def resume_again(run_dir: Path, work: Path, records: int, times: int) -> list[di
     return out
 
 
+def analyse(run_dir: Path, work: Path) -> dict:
+    """``ipw compare RUN`` and ``ipw report RUN``, timed."""
+    return {"compare": timed([*IPW, "compare", str(run_dir)], work / "compare.log"),
+            "report": timed([*IPW, "report", str(run_dir), "--out", str(work / "report.html")], work / "report.log")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=1_000_000)
@@ -184,8 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-again", type=Path, metavar="RUN_DIR",
                         help="only time --resume of copies of this finished run cut back to --kill-at records")
     parser.add_argument("--times", type=int, default=2)
+    parser.add_argument("--analyse", type=Path, metavar="RUN_DIR", help="only time compare and report of this run")
     args = parser.parse_args(argv)
     work = args.work.resolve()
+    if args.analyse:
+        summary = json.loads(args.out.read_text(encoding="utf-8")) if args.out.exists() else {}
+        res = analyse(args.analyse.resolve(), work)
+        summary["analyse_again"] = summary.get("analyse_again", []) + [res]
+        args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(res))
+        return 0
     if args.resume_again:
         res = resume_again(args.resume_again.resolve(), work, args.kill_at, args.times)
         summary = json.loads(args.out.read_text(encoding="utf-8")) if args.out.exists() else {}
@@ -255,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"resume ended without a record: {out_log.read_text()[-3000:]}")
         time.sleep(0.01)
     summary["resume"] = {"spawn_to_first_query_s": round(first - t_resume, 2),
-                         "spawn_to_first_record_on_disk_s": round(time.monotonic() - t_resume, 2)}
+                         "spawn_to_first_record_on_disk_s": round(time.monotonic() - t_resume, 2),
+                         "load_1min": os.getloadavg()[0]}
     while proc.poll() is None:
         if time.monotonic() - last_load > 30:
             loads.append((round(time.monotonic() - t0), os.getloadavg()[0]))
@@ -282,14 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         "every_s": args.every_s, "samples": len(samples),
         "ipw_rss_mb_min_max": [min(s[1] for s in samples), max(s[1] for s in samples)] if samples else None,
         "worker_rss_mb_min_max": [min(s[2] for s in samples), max(s[2] for s in samples)] if samples else None,
+        # after the last record: records.parquet being written (RunFolder.finish)
+        "ipw_rss_mb_max_after_last_record": max((s[1] for s in samples if s[3] >= args.queries), default=None),
         # growth between the first and last tenth of each part (the run before the kill, the resume)
         "trace": samples[:: max(1, len(samples) // 40)],
     }
     summary["load_1min"] = loads
 
     # 3. compare and report on the result
-    summary["compare"] = timed([*IPW, "compare", str(run_dir)], work / "compare.log")
-    summary["report"] = timed([*IPW, "report", str(run_dir), "--out", str(work / "report.html")], work / "report.log")
+    summary.update(analyse(run_dir, work))
     summary["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     summary["total_s"] = round(time.monotonic() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
