@@ -19,7 +19,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, cast
 
 from ipw.errors import IpwError
 
@@ -128,13 +128,13 @@ _ARROW_TYPES = {"str": "large_string", "str | None": "large_string", "int": "int
 RECORDS_CHUNK = 50_000  # records per row group of records.parquet, and per step of writing it
 
 
-def record_schema():
+def record_schema() -> pa.Schema:
     """records.parquet's Arrow schema: one column per :class:`QueryRecord` field, typed by ``_ARROW_TYPES``."""
     import pyarrow as pa
 
-    types = {"large_string": pa.large_string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
+    types: dict[str, pa.DataType] = {"large_string": pa.large_string(), "int64": pa.int64(), "float64": pa.float64(), "bool": pa.bool_(),
              "list<large_string>": pa.list_(pa.large_string())}
-    return pa.schema([(f.name, types[_ARROW_TYPES[f.type]]) for f in dataclasses.fields(QueryRecord)])
+    return pa.schema([(f.name, types[_ARROW_TYPES[str(f.type)]]) for f in dataclasses.fields(QueryRecord)])
 
 @dataclass(frozen=True)
 class SamplerOverhead:
@@ -700,18 +700,19 @@ def _framed_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    step = 1 << 26
-    ends = [np.flatnonzero(np.frombuffer(data, np.uint8, min(step, data.size - at), at) == 10) + (at + 1)
+    step, view = 1 << 26, memoryview(data)
+    ends = [np.flatnonzero(np.frombuffer(view, np.uint8, min(step, data.size - at), at) == 10) + (at + 1)
             for at in range(0, data.size, step)]
     offsets = np.concatenate([np.zeros(1, np.int64), *ends]).astype(np.int64)
-    lines = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(offsets) - 1, [None, pa.py_buffer(offsets), data])
+    lines = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                             [None, pa.py_buffer(offsets.tobytes()), data])
     head = pc.extract_regex(lines.cast(pa.large_string()), _HEAD)  # the cast checks UTF-8
     tail = pc.extract_regex(pc.binary_slice(lines, -_TAIL_BYTES), _TAIL)
     if head.null_count or tail.null_count:
         return None
     backend, query_id = (head.field(k).to_pylist() for k in ("backend", "query_id"))
     repeat, level = (pc.cast(column, pa.int64()).to_pylist() for column in (head.field("repeat"), tail.field("concurrency")))
-    return list(zip(backend, query_id, repeat, level))
+    return cast("list[tuple[str, str, int, int]]", list(zip(backend, query_id, repeat, level)))  # no nulls (above)
 
 
 def _json_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
@@ -860,7 +861,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return [row for chunk in record_chunks(path) for row in chunk]
 
 
-def record_chunks(path: Path, size: int = RECORDS_CHUNK):
+def record_chunks(path: Path, size: int = RECORDS_CHUNK) -> Iterator[list[dict[str, Any]]]:
     """``read_records`` in lists of at most ``size`` rows: a chunk is yielded once its lines are checked (a
     bad line raises when a line follows it, or at the end when it is complete, as in ``read_records``)."""
     try:
