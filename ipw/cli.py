@@ -7,7 +7,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, cast
 
 import typer
 
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_click_exception(exc):  # click's usage errors: bad option, bad type, missing argument
             ctx = getattr(exc, "ctx", None)
             hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
-            _error(exc.format_message() + hint)
+            _error(cast(Any, exc).format_message() + hint)  # click's class: not one importable type
             return int(getattr(exc, "exit_code", EXIT_USAGE) or EXIT_USAGE)
         if debug:
             _traceback()

@@ -13,7 +13,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
@@ -156,7 +156,7 @@ def _check_type(value: Any, expected: type | tuple[type, ...], loc: str) -> Any:
     if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
         name = " or ".join(t.__name__ for t in expected) if isinstance(expected, tuple) else expected.__name__
         raise IpwError(f"{loc}: expected {name}, got {type(value).__name__} {value!r}")
-    if expected is float and not math.isfinite(value):  # TOML has nan and inf; 1e309 is inf too
+    if expected is float and not math.isfinite(cast(float, value)):  # TOML has nan and inf; 1e309 is inf too
         raise IpwError(f"{loc}: must be a finite number, got {value!r}")
     return value
 

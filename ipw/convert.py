@@ -128,7 +128,7 @@ def _gguf_token_flags(gguf: Path) -> dict[str, bool]:
 
 
 def _current(info: dict[str, Any] | None, sha: str) -> bool:
-    return bool(info) and info.get("source_sha256") == sha and info.get("converter_version") == CONVERTER_VERSION
+    return bool(info and info.get("source_sha256") == sha and info.get("converter_version") == CONVERTER_VERSION)
 
 
 def convert_gguf(model: str, out_dir: str | Path | None = None, *, force: bool = False,

@@ -28,6 +28,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -265,7 +266,7 @@ def convert_rows(rows: list[tuple[Path, int, Any]], preset: str | None, source: 
     out = []
     for index, (path, line, row) in enumerate(rows):
         if isinstance(row, dict):
-            row = chosen.convert(row, index, lambda field, p=path, n=line: where(p, n, field))
+            row = chosen.convert(row, index, partial(where, path, line))
         out.append((path, line, row))
     return out
 
@@ -307,7 +308,7 @@ def read_hf_folder(folder: Path, split: str | None = None) -> list[tuple[Path, i
         if split is None:
             split = next((s for s in SPLIT_ORDER if s in splits), splits[0] if splits else None)
             note(f"{folder}: using split '{split}' (splits: {', '.join(splits)}); --split chooses another")
-        if split not in splits:
+        if split is None or split not in splits:
             raise IpwError(f"{folder}: no split {split!r} (splits: {', '.join(splits) or 'none'})")
         folder = folder / split
     state_file = folder / "state.json"

@@ -15,13 +15,16 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ipw import __version__
 from ipw.errors import IpwError
 from ipw.judge import Judge, JudgeSpec, Verdict
 from ipw.results import JudgeEntry, QueryRecord, RunFolder, RunManifest, load_run, new_run_id
 from ipw.scoring import SCORERS, record_score
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MCQ_TAIL = "\nAnswer with the letter of the correct option."  # what Query.render appends
 _OPTION = re.compile(r"^\(([A-Z])\) (.*)$")
@@ -48,6 +51,11 @@ def choices_from_prompt(prompt: str) -> tuple[str, ...] | None:
     return tuple(options)
 
 
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """A records frame's rows (pandas types a row's keys as any hashable; here they are field names)."""
+    return cast(list[dict[str, Any]], frame.to_dict(orient="records"))
+
+
 def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
     letter = answer.strip().upper()
     if choices and len(letter) == 1 and ord(letter) - 65 < len(choices):
@@ -57,19 +65,19 @@ def _reference_text(answer: str, choices: tuple[str, ...] | None) -> str:
 
 def judge_entry(row: dict[str, Any], judge: Judge, verdict: Verdict | str) -> JudgeEntry:
     """One ``judge.jsonl`` entry: what the judge cost for one record (a string verdict: not judged, and why)."""
-    judged = isinstance(verdict, Verdict)
-    calls = verdict.calls if judged else ()
+    calls = verdict.calls if isinstance(verdict, Verdict) else ()
     energies = [c.energy_j for c in calls]
     p_tok, c_tok = sum(c.prompt_tokens for c in calls), sum(c.completion_tokens for c in calls)
     return JudgeEntry(
         backend=row["backend"], query_id=row["query_id"], repeat=int(row["repeat"]), category=row["category"] or "",
         judge=judge.spec.backend.name, judge_model=judge.spec.backend.model, grading=judge.spec.grading,
         vs_backend=judge.spec.vs_backend, prompt_version=judge.prompt.version,
-        correct=bool(judged and verdict.correct), verdicts=tuple(verdict.verdicts) if judged else (verdict,),
+        correct=isinstance(verdict, Verdict) and verdict.correct,
+        verdicts=tuple(verdict.verdicts) if isinstance(verdict, Verdict) else (verdict,),
         judge_outputs=tuple(c.output for c in calls), judge_errors=tuple(c.error for c in calls if c.error),
         judge_calls=len(calls), judge_prompt_tokens=p_tok, judge_completion_tokens=c_tok,
         judge_latency_s=sum(c.latency_s for c in calls),
-        judge_energy_j=None if not calls or None in energies else sum(energies),
+        judge_energy_j=None if not calls or None in energies else sum(e for e in energies if e is not None),
         judge_energy_quality=",".join(sorted({c.energy_quality for c in calls})) or None,
         judge_energy_source=",".join(sorted({c.energy_source for c in calls if c.energy_source})) or None,
         judge_cost_usd=judge.cost_usd(p_tok, c_tok) if calls else None,
@@ -135,7 +143,7 @@ def rescore(
             raise IpwError(f"vs-backend:{vs}: the run has no backend {vs!r} (backends: "
                            f"{', '.join(sorted(set(frame['backend'])))})")
         references = {(r["query_id"], int(r["repeat"])): dataclasses.asdict(QueryRecord.from_row(r))
-                      for r in frame[frame["backend"] == vs].to_dict(orient="records")}
+                      for r in _records(frame[frame["backend"] == vs])}
     judge_ctx = Judge(judge, probe=probe) if judge is not None else None  # checks prompt and model first
     kept = RunManifest.from_dict({k: v for k, v in manifest.to_dict().items() if k not in _NOT_COPIED}
                                  | {"run_id": manifest.run_id})
@@ -156,7 +164,7 @@ def rescore(
                 stack.enter_context(judge_ctx)
                 folder.start_judge()
                 updates["judge"] = judge_ctx.describe()
-            for raw in frame.to_dict(orient="records"):
+            for raw in _records(frame):
                 record = _rescore_one(dataclasses.asdict(QueryRecord.from_row(raw)), scorer, judge_ctx, folder,
                                       references)
                 folder.append(record)
@@ -193,7 +201,7 @@ def _rescore_one(row: dict[str, Any], scorer: str | None, judge: Judge | None, f
         if row["backend"] != vs:  # the reference itself is not judged against itself (its fields stay empty)
             ref = references.get((row["query_id"], row["repeat"])) or references.get((row["query_id"], 0))
             usable = ref is not None and ref["error"] is None and (ref["output"] or "").strip()
-            verdict = _judge(judge, row, ref["output"] if usable else None, folder)
+            verdict = _judge(judge, row, ref["output"] if ref is not None and usable else None, folder)
             extra["win_tie"] = None if verdict == "unscored" else float(isinstance(verdict, Verdict) and verdict.correct)
             extra["judge_verdicts"] = verdict.verdicts if isinstance(verdict, Verdict) else (verdict,)
     return QueryRecord(**{**row, **extra, "run_id": folder.manifest.run_id, "scorer": name, "correct": correct})

@@ -73,7 +73,8 @@ def scrub(text: str) -> str:
             spans.append([start, start + WINDOW])
     if not spans:
         return text
-    out, at = [], 0
+    out: list[str] = []
+    at = 0
     for start, end in spans:
         while start > at and text[start - 1] == "*":  # the mask around a shown part
             start -= 1

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 from urllib.parse import urlsplit
 
 from ipw import __version__
@@ -280,7 +280,7 @@ class Handler(BaseHTTPRequestHandler):
         for attempt in (0, 1):
             conn = self._up
             fresh = conn is None
-            if fresh:
+            if conn is None:
                 conn = self._up = session.upstream.connection(session.options.timeout_s)
             try:
                 conn.request(method, session.upstream.prefix + path[len("/v1"):], body=body,
@@ -357,7 +357,8 @@ class Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream"))
         asked_usage = False
         if stream:  # ask for usage always: exact token counts, and the chunk that carries the energy
-            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            options = body.get("stream_options")
+            options = options if isinstance(options, dict) else {}
             asked_usage = bool(options.get("include_usage"))
             body = {**body, "stream_options": {**options, "include_usage": True}}
             if session.llama_timings:  # llama-server: each chunk says how long the prompt took (the split's prefill)
@@ -366,9 +367,11 @@ class Handler(BaseHTTPRequestHandler):
         seen = _Stream()
         job = session.meter.start()
         start = session.meter.started_s(job)
-        error: Exception | None = None
-        self._outcome = None  # (completion, error, window) once the request has ended
-        self._record = None  # its record, once made (at its end with --energy-in-response, else after the answer)
+        error: QueryError | None = None
+        # (completion, error, window) once the request has ended; its record, once made (at its end with
+        # --energy-in-response, else after the answer)
+        self._outcome: tuple[Completion | None, Exception | None, tuple[float, float]] | None = None
+        self._record: QueryRecord | None = None
         try:
             try:
                 conn, resp = self._open("POST", path, payload, stream, deadline=start + session.options.timeout_s)
@@ -410,6 +413,7 @@ class Handler(BaseHTTPRequestHandler):
                           if seen.parts else None, error or QueryError("no answer", "connection"))
             record = self._record
             if record is None:  # --no-energy-in-response: the energy is waited for now, after the answer
+                assert self._outcome is not None  # _end set it
                 record = session.build(job, body, api, *self._outcome)
             if error is not None and error.category == "client_disconnect" and record.error is None:
                 record = dataclasses.replace(record, error=f"QueryError: {error}", error_category=error.category)
@@ -563,7 +567,7 @@ class Proxy:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}/v1"
+        return f"http://{cast(str, host)}:{port}/v1"  # an IP server's address: (host, port, ...)
 
     def stop(self, grace_s: float = 30.0, status: str = "complete", reason: str | None = None) -> dict[str, Any]:
         """Stop accepting, let the requests in flight finish (at most ``grace_s``), end the meter's span

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ipw.analysis.stats import Estimate
 
@@ -60,25 +61,26 @@ class LinearFit:
 _NAN = Estimate(float("nan"), float("nan"), float("nan"))
 
 
-def fit_linear(prompt_tokens, completion_tokens, y, level: float = 0.95) -> LinearFit:
+def fit_linear(prompt_tokens: npt.ArrayLike, completion_tokens: npt.ArrayLike, y: npt.ArrayLike,
+               level: float = 0.95) -> LinearFit:
     """Fit over the rows where all three are finite.  With fewer than 4 rows, or prompt and output
     lengths that do not vary independently (e.g. every prompt as long), no coefficient is reported."""
-    p, k, y = (np.asarray(x, dtype=float) for x in (prompt_tokens, completion_tokens, y))
-    ok = np.isfinite(p) & np.isfinite(k) & np.isfinite(y)
-    p, k, y = p[ok], k[ok], y[ok]
-    n = int(y.size)
+    p, k, ys = (np.asarray(x, dtype=float) for x in (prompt_tokens, completion_tokens, y))
+    ok = np.isfinite(p) & np.isfinite(k) & np.isfinite(ys)
+    p, k, ys = p[ok], k[ok], ys[ok]
+    n = int(ys.size)
     x = np.column_stack([np.ones(n), p, k])
     if n < 4 or np.linalg.matrix_rank(x) < 3:
         why = (f"{n} rows: needs at least 4" if n < 4
                else "prompt and output lengths do not vary independently: a mix of prompt and answer lengths is needed")
         return LinearFit(_NAN, _NAN, _NAN, float("nan"), n, float("nan"), note=why)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    resid = y - x @ coef
+    coef, *_ = np.linalg.lstsq(x, ys, rcond=None)
+    resid = ys - x @ coef
     df = n - 3
     sigma2 = float(resid @ resid) / df
     se = np.sqrt(np.diag(np.linalg.inv(x.T @ x)) * sigma2)
     t = t_quantile(0.5 + level / 2, df)
-    sst = float(((y - y.mean()) ** 2).sum())
+    sst = float(((ys - ys.mean()) ** 2).sum())
     r2 = 1 - float(resid @ resid) / sst if sst > 0 else float("nan")
     est = [Estimate(float(c), float(c - t * s), float(c + t * s)) for c, s in zip(coef, se)]
     return LinearFit(est[0], est[1], est[2], r2, n, math.sqrt(sigma2))
@@ -89,7 +91,7 @@ def fit_dict(f: LinearFit) -> dict[str, Any]:
     def num(x: float) -> float | None:
         return float(x) if math.isfinite(x) else None
 
-    def est(e: Estimate) -> dict:
+    def est(e: Estimate) -> dict[str, float | None]:
         return {"value": num(e.value), "lo": num(e.lo), "hi": num(e.hi)}
 
     return {"intercept": est(f.intercept), "per_prompt_token": est(f.per_prompt_token),

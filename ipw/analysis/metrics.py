@@ -24,7 +24,7 @@ Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ipw.analysis.fmt import COUNT, NUMBER, PERCENT, Format
 QUANTILES = (("ttft", "ttft_s", (0.5, 0.95)), ("latency", "latency_s", (0.5, 0.95)))  # key, per-query value, ps
 
 
-def _ratio(a, b):
+def _ratio(a: Any, b: Any) -> Any:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
 
@@ -134,21 +134,22 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
     known prompt_tokens, prefill_energy_j, decode_energy_j, cost_usd, win_tie (NaN: not judged),
     wall_share_s (NaN: no time window)): name ->
     a function that makes the column, or the name of a column known to be equal (made once)."""
-    n = len(v["correct"])
-    h = ~np.isnan(v["energy_j"])
+    r = cast(Mapping[str, np.ndarray], v)  # the values read with [] below are never None (PerQuery's arrays)
+    n = len(r["correct"])
+    h = ~np.isnan(r["energy_j"])
     full = bool(h.all())
-    scored = ~np.isnan(v["correct"])
+    scored = ~np.isnan(r["correct"])
     cols: dict[str, Callable[[], np.ndarray] | str] = {
         "queries": lambda: np.ones(n),
-        "correct": lambda: np.nan_to_num(v["correct"]),
+        "correct": lambda: np.nan_to_num(r["correct"]),
         "scored": "queries" if scored.all() else (lambda: scored.astype(float)),
         "unscored": lambda: (~scored).astype(float),
-        "error_share": lambda: v["error_share"],
-        "error_records": lambda: v["errors"],
+        "error_share": lambda: r["error_share"],
+        "error_records": lambda: r["errors"],
         "with_energy": "queries" if full else (lambda: h.astype(float)),
-        "energy_j": lambda: np.where(h, v["energy_j"], 0.0),
-        "window_s_with_energy": lambda: np.where(h, np.nan_to_num(v["duration_s"]), 0.0),
-        "output_tokens_with_energy": lambda: np.where(h, np.nan_to_num(v["completion_tokens"]), 0.0),
+        "energy_j": lambda: np.where(h, r["energy_j"], 0.0),
+        "window_s_with_energy": lambda: np.where(h, np.nan_to_num(r["duration_s"]), 0.0),
+        "output_tokens_with_energy": lambda: np.where(h, np.nan_to_num(r["completion_tokens"]), 0.0),
     }
     pre, dec = v.get("prefill_energy_j"), v.get("decode_energy_j")
     if pre is not None and dec is not None:
@@ -156,12 +157,12 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
         if hp.any():  # phases: sums over the queries that have them
             cols["prefill_j"] = lambda: np.where(hp, pre, 0.0)
             cols["decode_j"] = lambda: np.where(hp, dec, 0.0)
-            cols["prompt_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(v["prompt_tokens"]), 0.0)
-            cols["output_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(v["completion_tokens"]), 0.0)
+            cols["prompt_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(r["prompt_tokens"]), 0.0)
+            cols["output_tokens_with_phases"] = lambda: np.where(hp, np.nan_to_num(r["completion_tokens"]), 0.0)
     wall = v.get("wall_share_s")
     if wall is not None:  # throughput: output tokens over the level's wall span, shared per record
         hs = ~np.isnan(wall)
-        cols["output_tokens_with_span"] = lambda: np.where(hs, np.nan_to_num(v["completion_tokens"]), 0.0)
+        cols["output_tokens_with_span"] = lambda: np.where(hs, np.nan_to_num(r["completion_tokens"]), 0.0)
         cols["wall_share_s"] = lambda: np.where(hs, wall, 0.0)
     win = v.get("win_tie")
     if win is not None:
@@ -192,6 +193,6 @@ def point_values(v: Mapping[str, np.ndarray | None]) -> dict[str, float]:
     cols = query_columns(v)
     made = {k: make() for k, make in cols.items() if not isinstance(make, str)}
     g: dict[str, Any] = {k: float(made[make if isinstance(make, str) else k].sum()) for k, make in cols.items()}
-    for key, x, ps in quantile_inputs(v):
+    for key, x, ps in quantile_inputs(cast(Mapping[str, np.ndarray], v)):  # ttft_s, latency_s: never None
         g.update((f"{key}_p{round(p * 100)}", lower_quantile(x, p)) for p in ps)
     return {k: float(x) for k, x in values(g).items()}

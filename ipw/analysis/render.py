@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ipw.analysis import fmt
 from ipw.analysis import metrics as metric_table
@@ -23,6 +23,12 @@ from ipw.analysis.stats import LEVEL, Estimate
 from ipw.analysis.fit import fit_dict
 from ipw.telemetry.base import worst_quality
 
+if TYPE_CHECKING:
+    from rich.table import Table as RichTable
+
+    from ipw.analysis.load import BackendInfo
+    from ipw.analysis.routing import Saving
+
 SCHEMA_VERSION = 1
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -31,7 +37,7 @@ def _num(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def _est(e: Estimate | None) -> dict | None:
+def _est(e: Estimate | None) -> dict[str, float | None] | None:
     return None if e is None else {"value": _num(e.value), "lo": _num(e.lo), "hi": _num(e.hi)}
 
 
@@ -39,14 +45,14 @@ def _scaled(e: Estimate | None, a: float) -> Estimate | None:
     return None if e is None else Estimate(a * e.value, a * e.lo, a * e.hi)
 
 
-def _saving(s, unit: str, est: Estimate | None) -> dict | None:
+def _saving(s: Saving | None, unit: str, est: Estimate | None) -> dict[str, Any] | None:
     if s is None:
         return None
     return {f"cloud_only_{unit}": _num(s.cloud_only), f"routed_{unit}": _num(s.routed), f"saved_{unit}": _num(s.saved),
             "saved_fraction": _est(est or Estimate(s.saved_fraction, float("nan"), float("nan")))}
 
 
-def _routing_dict(c: Comparison) -> dict | None:
+def _routing_dict(c: Comparison) -> dict[str, Any] | None:
     r = c.routing
     if r is None:
         return None
@@ -58,7 +64,7 @@ def _routing_dict(c: Comparison) -> dict | None:
                       routed_by_quality_j={k: _num(v) for k, v in o.routed_energy_by_quality_j.items()})
     a = r.router.alpha
 
-    def frac(key: str, value: float | None) -> dict | None:
+    def frac(key: str, value: float | None) -> dict[str, float | None] | None:
         if value is None:
             return None
         return _est(_scaled(ci.get(key), a) or Estimate(value, float("nan"), float("nan")))
@@ -105,14 +111,14 @@ def _routing_dict(c: Comparison) -> dict | None:
     }
 
 
-def _serving_list(c: Comparison) -> list[dict]:
+def _serving_list(c: Comparison) -> list[dict[str, Any]]:
     """Per backend and concurrency level: its level, records, split methods and the serving metrics."""
     return [{"label": b.label, "run_id": b.run_id, "backend": b.backend, "concurrency": b.concurrency,
              "n_records": b.n_records, "split_methods": list(b.split_methods),
              "metrics": {k: _est(c.metrics[b.label][k]) for k in SERVING_METRICS}} for b in c.backends]
 
 
-def _deadline_dict(c: Comparison) -> dict | None:
+def _deadline_dict(c: Comparison) -> dict[str, Any] | None:
     if c.deadline is None:
         return None
     return {"metric": c.deadline.metric, "limit_s": c.deadline.limit_s,
@@ -121,7 +127,7 @@ def _deadline_dict(c: Comparison) -> dict | None:
                        "value_s": x.value_s} for x in c.level_picks]}
 
 
-def to_dict(c: Comparison) -> dict:
+def to_dict(c: Comparison) -> dict[str, Any]:
     """The JSON layout (``schema_version`` 1, documented in README.md)."""
     from ipw import __version__
 
@@ -162,11 +168,11 @@ def to_json(c: Comparison) -> str:
 CSV_HEADER = ("section", "backend", "key", "metric", "value", "lo", "hi")
 
 
-def csv_rows(c: Comparison) -> list[tuple]:
+def csv_rows(c: Comparison) -> list[tuple[Any, ...]]:
     """Long format: one row per number (section, backend, key, metric, value, lo, hi)."""
-    rows: list[tuple] = []
+    rows: list[tuple[Any, ...]] = []
 
-    def add(section, backend, key, metric, v):
+    def add(section: str, backend: str, key: str, metric: str, v: Any) -> None:
         if isinstance(v, dict) or v is None:
             v = v or {"value": None, "lo": None, "hi": None}
             rows.append((section, backend, key, metric, v["value"], v["lo"], v["hi"]))
@@ -246,7 +252,8 @@ class Table(NamedTuple):
     section: str  # compare | serving | routing
 
 
-def _table(key: str, title: str, headers: list[str], rows: list[list[str]], energy=lambda i, j: False) -> Table:
+def _table(key: str, title: str, headers: list[str], rows: list[list[str]],
+           energy: Callable[[int, int], object] = lambda i, j: False) -> Table:
     """A table whose cell (i, j) is marked estimated when ``energy(i, j)`` says it rests on estimated energy."""
     est = [[j > 0 and cell != "n/a" and bool(energy(i, j)) for j, cell in enumerate(row)] for i, row in enumerate(rows)]
     section = ("compare" if key in ("metrics", "difference", "fits") else
@@ -260,10 +267,15 @@ def _shown(c: Comparison) -> list[str]:
             if any(math.isfinite(c.metrics[b.label][m.name].value) for b in c.backends)]
 
 
-def _energy_cell(c: Comparison, row_keys: list, columns: list[str], diff: bool):
+def _energy_cell(c: Comparison, row_keys: Sequence[str | None], columns: list[str],
+                 diff: bool) -> Callable[[int, int], bool]:
     """An energy-based metric's cell of a backend (or a difference with a reference) with estimated energy."""
-    return lambda i, j: (row_keys[i] is not None and BY_NAME[row_keys[i]].energy
-                         and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
+    def cell(i: int, j: int) -> bool:
+        key = row_keys[i]
+        return (key is not None and BY_NAME[key].energy
+                and (c.estimated(columns[j - 1]) or diff and c.estimated(c.reference)))
+
+    return cell
 
 
 def metrics_table(c: Comparison) -> Table:
@@ -277,9 +289,11 @@ def metrics_table(c: Comparison) -> Table:
     rows = head + [[BY_NAME[k].label] + [fmt.estimate(c.metrics[x][k], BY_NAME[k].format) for x in labels]
                    for k in keys]
     with_error = ", energy CIs with measurement error" if c.with_measurement_error else ""
+    row_keys: list[str | None] = [None] * len(head)  # the head rows are no metric's
+    row_keys += keys
     return _table("metrics", f"ipw compare: {c.n_queries} queries, {LEVEL:.0%} bootstrap CIs ({c.n_boot} {c.method} "
                   f"resamples{with_error})", ["metric"] + labels, rows,
-                  _energy_cell(c, [None] * len(head) + keys, labels, False))
+                  _energy_cell(c, row_keys, labels, False))
 
 
 def tables(c: Comparison) -> list[Table]:
@@ -309,7 +323,7 @@ def tables(c: Comparison) -> list[Table]:
     return out + serving_tables(c) + routing_tables(c) + judge_table(c)
 
 
-def _levels_text(labels, by_label: dict) -> str:
+def _levels_text(labels: Sequence[str], by_label: dict[str, BackendInfo]) -> str:
     return ", ".join(f"c={by_label[x].concurrency}" for x in labels)
 
 
@@ -325,13 +339,18 @@ def serving_tables(c: Comparison) -> list[Table]:
         columns = [None] * 3 + list(SERVING_METRICS) + [None]  # the metric of each column
 
         def energy(i: int, j: int) -> bool:
-            return columns[j] is not None and BY_NAME[columns[j]].energy and c.estimated(c.backends[i].label)
+            key = columns[j]
+            return key is not None and BY_NAME[key].energy and c.estimated(c.backends[i].label)
 
         out.append(_table("serving", "serving: per backend and concurrency level (point values; CIs in the metrics "
                           "table; output tok/s: output tokens over the level's wall span)",
                           ["backend", "concurrency", "records"] + [names[k] for k in SERVING_METRICS]
                           + ["energy split"], rows, energy))
     if c.deadline is not None:
+        def chosen_estimated(i: int, j: int) -> bool:
+            chosen = c.level_picks[i].chosen
+            return j == 2 and chosen is not None and c.estimated(chosen)
+
         by_label = {b.label: b for b in c.backends}
         clash = {x.backend for x in c.level_picks if sum(y.backend == x.backend for y in c.level_picks) > 1}
         rows = []
@@ -349,8 +368,7 @@ def serving_tables(c: Comparison) -> list[Table]:
         out.append(_table("deadline", f"energy-optimal concurrency level under {c.deadline.text} (the lowest J/query "
                           "among the levels that meet it)",
                           ["backend", "level", names["energy_per_query_j"], names[c.deadline.key], "levels meeting it"],
-                          rows, lambda i, j: j == 2 and c.level_picks[i].chosen is not None
-                          and c.estimated(c.level_picks[i].chosen)))
+                          rows, chosen_estimated))
     return out
 
 
@@ -359,11 +377,11 @@ def _pct(x: float | None) -> str:
     return fmt.value(x, PERCENT)
 
 
-def _est_text(v: dict | None) -> str:
+def _est_text(v: dict[str, float | None] | None) -> str:
     """A share with its interval, from the JSON layout's {"value", "lo", "hi"} (None: unknown)."""
     if v is None:
         return "n/a"
-    return fmt.estimate(Estimate(*(float("nan") if v[k] is None else v[k] for k in ("value", "lo", "hi"))), PERCENT)
+    return fmt.estimate(Estimate(*(float("nan") if x is None else x for x in (v["value"], v["lo"], v["hi"]))), PERCENT)
 
 
 def routing_tables(c: Comparison) -> list[Table]:
@@ -372,11 +390,12 @@ def routing_tables(c: Comparison) -> list[Table]:
     if r is None:
         return []
     d = _routing_dict(c)
+    assert d is not None  # c.routing is not None
     o = d["oracle"]
     est = _est_text
     routed_est = c.routing_estimated
 
-    def saved(s, unit):
+    def saved(s: dict[str, Any] | None, unit: str) -> str:
         shown = {"j": "J", "s": "s", "usd": "USD"}[unit]
         return "n/a" if s is None else (f"{est(s['saved_fraction'])} ({fmt.value(s['saved_' + unit])} {shown} of "
                                         f"{fmt.value(s['cloud_only_' + unit])})")
@@ -405,7 +424,7 @@ def routing_tables(c: Comparison) -> list[Table]:
                   "the cloud)", ["", "value"], [[label, value] for label, value, _ in summary],
                   lambda i, j: routed_est and summary[i][2])]
 
-    def energy_columns(*columns: int):
+    def energy_columns(*columns: int) -> Callable[[int, int], bool]:
         return lambda i, j: routed_est and j in columns
 
     out.append(_table("router_curve", "router curve (α: share of queries routed as the oracle would)",
@@ -470,7 +489,7 @@ def to_markdown(c: Comparison) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def rich_tables(ts: list[Table]) -> list:
+def rich_tables(ts: list[Table]) -> list[RichTable]:
     """rich tables of ``tables(c)`` or ``routing_tables(c)``."""
     from rich.table import Table as RichTable
 

@@ -11,9 +11,17 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from ipw.analysis.fit import LinearFit
+    from ipw.analysis.load import RunInfo
 
 MAX_POINTS = 2000  # records per backend in a scatter plot
 MAX_WINDOWS = 1500  # steps of power over time per backend
@@ -35,12 +43,12 @@ class Plots:
         self.est = est
         cycle = matplotlib.colormaps["tab10"]
         self.color = {x: cycle(i % 10) for i, x in enumerate(self.labels)}
-        self.out: list[dict] = []
+        self.out: list[dict[str, Any]] = []
 
     def name(self, label: str) -> str:
         return _t(label) + (" (estimated)" if self.est.get(label) else "")
 
-    def figure(self, w: float = 7.5, h: float = 4.0, ncols: int = 1):
+    def figure(self, w: float = 7.5, h: float = 4.0, ncols: int = 1) -> tuple[Figure, Any]:
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(w, h), layout="constrained")
@@ -49,7 +57,7 @@ class Plots:
             ax.grid(True, alpha=0.3)
         return fig, axes
 
-    def add(self, fig, key: str, title: str, caption: str, estimated: bool = False) -> None:
+    def add(self, fig: Figure, key: str, title: str, caption: str, estimated: bool = False) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
         if estimated:
@@ -60,18 +68,18 @@ class Plots:
         src = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
         self.out.append({"key": key, "title": title, "caption": caption, "src": src, "estimated": estimated})
 
-    def bar_style(self, label: str) -> dict:
+    def bar_style(self, label: str) -> dict[str, Any]:
         if self.est.get(label):
             return {"facecolor": "white", "edgecolor": self.color[label], "hatch": "///", "linewidth": 1.2}
         return {"color": self.color[label]}
 
-    def marker_style(self, label: str) -> dict:
+    def marker_style(self, label: str) -> dict[str, Any]:
         if self.est.get(label):
             return {"facecolors": "none", "edgecolors": self.color[label]}
         return {"color": self.color[label]}
 
 
-def _log_x(ax) -> None:
+def _log_x(ax: Axes) -> None:
     """A log x axis (call it after plotting) labeled in plain numbers: 1, 2, 5, 10, 20, 50, ... over up to
     two decades, the powers of ten only above (where the labels between would overlap)."""
     import matplotlib.ticker as mt
@@ -87,12 +95,12 @@ def _log_x(ax) -> None:
         ax.xaxis.set_minor_formatter(mt.NullFormatter())
 
 
-def _t(text: str) -> str:
+def _t(text: object) -> str:
     """Dataset or run text as a plot label: literal dollars (matplotlib would read $...$ as math)."""
     return str(text).replace("$", r"\$")
 
 
-def _ci(est: dict | None) -> tuple[float, float, float]:
+def _ci(est: dict[str, Any] | None) -> tuple[float, float, float]:
     if not est or est.get("value") is None:
         return (math.nan,) * 3
     v = est["value"]
@@ -113,7 +121,7 @@ def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[int]:
     return out
 
 
-def plot_accuracy_energy(p: Plots, d: dict) -> None:
+def plot_accuracy_energy(p: Plots, d: dict[str, Any]) -> None:
     fig, (ax,) = p.figure()
     pts, labels = [], []
     for b in d["backends"]:
@@ -147,13 +155,13 @@ def plot_accuracy_energy(p: Plots, d: dict) -> None:
           f"accurate): {on}.", any_est)
 
 
-def _ci_words(d: dict) -> str:
+def _ci_words(d: dict[str, Any]) -> str:
     """How the captions name the CIs: with measurement error where compare drew it (issue 27)."""
     carried = str((d.get("bootstrap") or {}).get("measurement_error", "")).startswith("energy CIs include")
     return "95% bootstrap CIs" + (" (energy with each query's measurement error)" if carried else "")
 
 
-def plot_ipj(p: Plots, d: dict) -> None:
+def plot_ipj(p: Plots, d: dict[str, Any]) -> None:
     bs = [b for b in d["backends"] if math.isfinite(_ci(b["metrics"]["ipj"])[0])]
     if not bs:
         return
@@ -169,7 +177,7 @@ def plot_ipj(p: Plots, d: dict) -> None:
           any(p.est.get(b["label"]) for b in bs))
 
 
-def plot_energy_tokens(p: Plots, frame, fits: dict) -> None:
+def plot_energy_tokens(p: Plots, frame: pd.DataFrame, fits: dict[str, LinearFit]) -> None:
     """Energy per query against prompt tokens and against output tokens, one point per record, with each
     backend's fitted model E = a + b*prompt + c*output drawn with the other token count held at its mean.
     ``fits``: label -> the energy ``LinearFit`` of ``Comparison.models`` (ipw.analysis.compare.fitted_models:
@@ -178,6 +186,7 @@ def plot_energy_tokens(p: Plots, frame, fits: dict) -> None:
     rng = np.random.default_rng(0)
     notes, drawn = [], []
     for label, g in frame.groupby("label", sort=False):
+        label = cast(str, label)  # a backend label (pandas types a group key as any scalar)
         g = g[g["energy_j"].notna() & g["completion_tokens"].notna()]
         if g.empty:
             continue
@@ -213,10 +222,10 @@ def plot_energy_tokens(p: Plots, frame, fits: dict) -> None:
           any(p.est.get(x) for x in drawn))
 
 
-def plot_serving(p: Plots, d: dict) -> None:
+def plot_serving(p: Plots, d: dict[str, Any]) -> None:
     """J per output token against output tokens/s, one line per backend through its concurrency levels
     (each point labeled c=N): where batching stops paying."""
-    lines: dict[tuple[str, str], list[dict]] = {}
+    lines: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for x in d["serving"]:
         lines.setdefault((x["run_id"], x["backend"]), []).append(x)
     fig, (ax,) = p.figure()
@@ -252,7 +261,7 @@ def plot_serving(p: Plots, d: dict) -> None:
           "down and to the right is cheaper and faster.", any_est)
 
 
-def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int):
+def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
     """Energy-weighted average power in ``n_bins`` equal time bins (query windows by their midpoint)."""
     edges = np.linspace(t0.min(), t1.max(), n_bins + 1)
     idx = np.clip(np.searchsorted(edges, (t0 + t1) / 2, side="right") - 1, 0, n_bins - 1)
@@ -262,7 +271,7 @@ def _binned_power(t0: np.ndarray, t1: np.ndarray, e: np.ndarray, n_bins: int):
         return edges, np.where(busy > 0, energy / busy, np.nan)
 
 
-def plot_power(p: Plots, run, frame, power) -> None:
+def plot_power(p: Plots, run: RunInfo, frame: pd.DataFrame, power: pd.DataFrame | None) -> None:
     """Power over time of one run: the power.parquet trace when present, else each query window's average
     power (its energy / its duration); query boundaries as lines (or backend spans when there are many)."""
     recs = frame[frame["run_id"] == run.run_id]
@@ -287,6 +296,7 @@ def plot_power(p: Plots, run, frame, power) -> None:
         ylabel = "power (W)"
     else:
         for label, g in recs.groupby("label", sort=False):
+            label = cast(str, label)  # a backend label (pandas types a group key as any scalar)
             g = g[g["energy_j"].notna() & (g["end_s"] > g["start_s"])]
             if g.empty:
                 continue
@@ -310,6 +320,7 @@ def plot_power(p: Plots, run, frame, power) -> None:
         bounds = "thin gray lines mark where each query starts"
     else:
         for label, g in recs.groupby("label", sort=False):
+            label = cast(str, label)  # a backend label (pandas types a group key as any scalar)
             ax.axvspan(g["start_s"].min() - origin, g["end_s"].max() - origin, color=p.color[label], alpha=0.08)
         bounds = (f"{len(starts):,} queries: boundaries not drawn one by one; shaded spans mark each backend's "
                   f"queries{f', power binned into {MAX_WINDOWS:,} steps' if power is None else ''}")
@@ -321,7 +332,7 @@ def plot_power(p: Plots, run, frame, power) -> None:
           any_est)
 
 
-def plot_coverage(p: Plots, r: dict, est_routing: bool) -> None:
+def plot_coverage(p: Plots, r: dict[str, Any], est_routing: bool) -> None:
     if not r["power_envelope"] and not r["energy_budget"]:
         return
     fig, axes = p.figure(w=9.0, h=3.8, ncols=2)
@@ -353,7 +364,7 @@ def plot_coverage(p: Plots, r: dict, est_routing: bool) -> None:
           est_routing)
 
 
-def plot_savings(p: Plots, r: dict, est_routing: bool) -> None:
+def plot_savings(p: Plots, r: dict[str, Any], est_routing: bool) -> None:
     curve = r["router_curve"]
     if not curve:
         return
@@ -387,7 +398,7 @@ def plot_savings(p: Plots, r: dict, est_routing: bool) -> None:
           f"{'n/a' if saved is None else f'{saved:.1%}'} of the energy.", est_routing)
 
 
-def plot_categories(p: Plots, frame) -> str:
+def plot_categories(p: Plots, frame: pd.DataFrame) -> str:
     per_query = frame.groupby(["label", "category", "query_id"], sort=False, observed=True)[
         ["correct", "energy_j"]].mean()
     per_cat = per_query.groupby(level=["label", "category"], sort=False).mean()

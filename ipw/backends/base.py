@@ -211,7 +211,8 @@ def _resolve(kind: str) -> BackendFactory:
 def backend_options(kind: str) -> dict[str, type]:
     """Engine-specific config keys a backend kind accepts, with their types (its ``OPTIONS``)."""
     factory = _resolve(kind)
-    return dict(factory.OPTIONS) if isinstance(factory, type) else {}
+    # a class factory is a BackendBase subclass (_checked makes one of a class outside the hierarchy)
+    return dict(factory.OPTIONS) if isinstance(factory, type) and issubclass(factory, BackendBase) else {}
 
 
 def unregister_backend(kind: str) -> None:

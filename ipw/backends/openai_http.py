@@ -254,6 +254,8 @@ class OpenAIBackend(BackendBase):
         if self.server_kind is not None:
             from ipw.backends.servers import start_server
 
+            assert self.model_path is not None  # set with server_kind (__init__)
+
             log_dir = self.run_dir or Path(tempfile.mkdtemp(prefix="ipw-server-"))
             from ipw.sanitize import file_part
 

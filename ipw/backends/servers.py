@@ -231,9 +231,11 @@ class ManagedServer:
         self.startup_s = time.monotonic() - t0
 
     def _wait_healthy(self, deadline: float) -> None:
+        proc = self.proc
+        assert proc is not None  # started
         while True:
-            if self.proc.poll() is not None:
-                raise IpwError(f"server exited with code {self.proc.returncode} while starting "
+            if proc.poll() is not None:
+                raise IpwError(f"server exited with code {proc.returncode} while starting "
                                f"({' '.join(self.command[:4])} ...); last log lines:\n{self.log_tail()}")
             if self.healthy():
                 return
@@ -267,7 +269,8 @@ class ManagedServer:
             children = psutil.Process(self.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             children = []
-        for proc in [self.proc, *children]:
+        procs: list[subprocess.Popen[bytes] | psutil.Process] = [self.proc, *children]
+        for proc in procs:
             try:
                 proc.terminate()
             except (psutil.NoSuchProcess, ProcessLookupError):

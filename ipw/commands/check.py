@@ -14,12 +14,21 @@ from ipw.commands.output import stdout
 from ipw.errors import IpwError
 
 
+def _change_unit(name: str) -> str:
+    """The change unit of a gated metric of ``ipw check --calibrate``'s floors."""
+    from ipw.analysis.metrics import gated_metric
+
+    metric = gated_metric(name)
+    assert metric is not None  # the floors are by gated metric
+    return metric.change_unit
+
+
 def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
                   junit_path, rerun=False, blocks=16, shards=4, out=None, base_python=None, cand_python=None, backends=(),
                   limit=None, calibrate=False, floor_path=None, work_gate=True) -> int:
     from ipw.analysis import check as gate
     from ipw.analysis import fmt
-    from ipw.results import load_run
+    from ipw.results import RunManifest, load_run
 
     if not 0 < alpha < 1:
         raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
@@ -36,12 +45,12 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
         if floor_path is None:
             raise IpwError("--calibrate: give --floor FILE, the file that receives the noise floor")
         _check_writable(Path(floor_path), "--floor")
-        runs = [load_run(p, require=("dataset.fingerprint",)) for p in paths]
+        runs: list[tuple[RunManifest, object]] = [load_run(p, require=("dataset.fingerprint",)) for p in paths]
         data = gate.calibrate(runs, thresholds)
         _write_text(floor_path, json.dumps(data, indent=2) + "\n", "--floor")
         for backend, by in data["floors"].items():
             stdout().print(f"{backend}: " + ", ".join(
-                f"{m} ±{fmt.change(x, gate.gated_metric(m).change_unit, sign=False)}" for m, x in by.items()))
+                f"{m} ±{fmt.change(x, _change_unit(m), sign=False)}" for m, x in by.items()))
         stdout().print(f"noise floor of {len(runs)} identical runs written to {floor_path}")
         return 0
     if len(paths) != 2:

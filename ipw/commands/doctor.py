@@ -46,7 +46,7 @@ class _Out:
             from rich.console import Console
 
             tty = hasattr(self.file, "isatty") and self.file.isatty()
-            self._console = Console(file=self.file, highlight=False, width=None if tty else 240)
+            self._console: Console | None = Console(file=self.file, highlight=False, width=None if tty else 240)
         except ImportError:
             self._console = None
 
@@ -444,7 +444,7 @@ def gpu_self_test(
                           "samples_calibrated_j": est.energy_j, "counter_j": ref.energy_j, "error": err,
                           "calibration_ratio": est.calibration_ratio, "source": est.source,
                           "reference_reads": int(np.sum((ref_t > lo - 0.5) & (ref_t < hi + 0.5))), "pass": ok}
-        if on is not None:
+        if on is not None and off is not None:  # set together
             step["lag"] = step_lag_s(a["samples_t_s"], a["samples_w"], on, off)
         result["step"] = step
         # the run-level audit of ipw run (issue 27), over these windows: counter vs windows + the idle between
@@ -514,7 +514,11 @@ def record_trace_file(path: str, seconds: float, out: _Out, *, load: bool = True
     third = seconds / 3.0
     out.line(f"record-trace: recording {seconds:g} s into {path}"
              + (f"; load ({note}) from {third:.1f} s for {third:.1f} s" if run else f"; idle only ({note})"))
-    trace = record(seconds, load=(lambda: run(third)) if run else None, load_at_s=third, log=out.line)
+    def load_step() -> None:  # record calls it for its effect: the step's host times are not needed here
+        if run is not None:
+            run(third)
+
+    trace = record(seconds, load=load_step if run else None, load_at_s=third, log=out.line)
     trace["load"] = note if run else f"none: {note}"
     write_trace(trace, path)
     rows = []

@@ -26,6 +26,12 @@ def _read_manifest(path: Path) -> RunManifest:
     return RunManifest.read(path, require=("config", "dataset.fingerprint", "dataset.n_queries"))
 
 
+def _present(field: dict[str, Any] | None) -> dict[str, Any]:
+    """A shard's manifest field that _read_manifest requires (config, dataset) or merge_runs has checked (shard)."""
+    assert field is not None
+    return field
+
+
 def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
     """The first key path where two JSON values differ, or None."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -56,19 +62,19 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
                            f"(ipw run --resume {p})")
         shards.append((p, m))
     (p0, m0) = shards[0]
-    count = m0.shard["count"]
-    full = m0.shard["dataset"]
-    config0 = {k: v for k, v in m0.config.items() if k not in _CONFIG_IGNORED}
+    count = _present(m0.shard)["count"]
+    full = _present(m0.shard)["dataset"]
+    config0 = {k: v for k, v in _present(m0.config).items() if k not in _CONFIG_IGNORED}
     by_index: dict[int, Path] = {}
     for p, m in shards:
-        info = m.shard
+        info = _present(m.shard)
         if info["count"] != count:
             raise IpwError(f"{p}: shard {info['index']}/{info['count']} is of another split than {p0} "
-                           f"({m0.shard['index']}/{count})")
+                           f"({_present(m0.shard)['index']}/{count})")
         if info["dataset"]["fingerprint"] != full["fingerprint"]:
             raise IpwError(f"{p}: its full query set differs from {p0}'s (dataset fingerprints "
                            f"{info['dataset']['fingerprint']} vs {full['fingerprint']})")
-        diff = _first_difference(config0, {k: v for k, v in m.config.items() if k not in _CONFIG_IGNORED})
+        diff = _first_difference(config0, {k: v for k, v in _present(m.config).items() if k not in _CONFIG_IGNORED})
         if diff:
             raise IpwError(f"{p}: its config differs from {p0}'s (field '{diff}'); shards of one run share one config")
         if info["index"] in by_index:
@@ -77,14 +83,15 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     missing = [f"{k}/{count}" for k in range(1, count + 1) if k not in by_index]
     if missing:
         raise IpwError(f"missing shard(s) {', '.join(missing)}: merging needs all {count} shards of the split")
-    if sum(m.dataset["n_queries"] for _, m in shards) != full["n_queries"]:
-        raise IpwError(f"the shards hold {sum(m.dataset['n_queries'] for _, m in shards)} queries, but their "
+    if sum(_present(m.dataset)["n_queries"] for _, m in shards) != full["n_queries"]:
+        raise IpwError(f"the shards hold {sum(_present(m.dataset)['n_queries'] for _, m in shards)} queries, but their "
                        f"full set has {full['n_queries']}")
 
-    shards.sort(key=lambda s: s[1].shard["index"])
+    shards.sort(key=lambda s: _present(s[1].shard)["index"])
     run_id = new_run_id()
-    order = {b["name"]: i for i, b in enumerate(m0.config["backends"])}
-    rows, seen, n_records, node_of = [], {}, {}, {}
+    order = {b["name"]: i for i, b in enumerate(_present(m0.config)["backends"])}
+    seen: dict[tuple[str, str, int], Path] = {}
+    rows, n_records, node_of = [], {}, {}
     for p, _m in shards:
         shard_rows = read_log(p)
         n_records[p] = len(shard_rows)
@@ -102,8 +109,8 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
     for _, m in shards:
         hardware_by_id.update(m.hardware_by_id or {})
     backends = []
-    for b in m0.config["backends"]:
-        infos = [{**info, "shard": m.shard["index"]} for _, m in shards
+    for b in _present(m0.config)["backends"]:
+        infos = [{**info, "shard": _present(m.shard)["index"]} for _, m in shards
                  for info in (m.backends or []) if info["name"] == b["name"]]
         if infos:
             backends.append(combine_backend_infos(infos))
@@ -119,8 +126,8 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
         software=m0.software or {},
         started_at=min(m.started_at or "" for _, m in shards),
         backends=backends,
-        merged_from=[{"shard": m.shard["index"], "of": count, "path": str(p), "run_id": m.run_id,
-                      "dataset_fingerprint": m.dataset["fingerprint"], "n_records": n_records[p],
+        merged_from=[{"shard": _present(m.shard)["index"], "of": count, "path": str(p), "run_id": m.run_id,
+                      "dataset_fingerprint": _present(m.dataset)["fingerprint"], "n_records": n_records[p],
                       "hardware_ids": sorted(m.hardware_by_id or {}), "software": m.software,
                       "started_at": m.started_at, "finished_at": m.finished_at}
                      for p, m in shards],
@@ -152,10 +159,11 @@ def merge_command(shards, *, out) -> int:
     from rich.console import Console
 
     folder = merge_runs(shards, out)
-    info = folder.manifest.dataset
+    info, merged_from, hardware = folder.manifest.dataset, folder.manifest.merged_from, folder.manifest.hardware_by_id
+    assert info is not None and merged_from is not None and hardware is not None  # merge_runs wrote them
     Console(stderr=True).print(
-        f"merged {len(folder.manifest.merged_from)} shards: {info['n_queries']} queries "
-        f"({info['fingerprint']}), {sum(s['n_records'] for s in folder.manifest.merged_from)} records, "
-        f"{len(folder.manifest.hardware_by_id)} machine fingerprint(s)", highlight=False, markup=False)
+        f"merged {len(merged_from)} shards: {info['n_queries']} queries "
+        f"({info['fingerprint']}), {sum(s['n_records'] for s in merged_from)} records, "
+        f"{len(hardware)} machine fingerprint(s)", highlight=False, markup=False)
     print(folder.path)
     return 0

@@ -43,7 +43,9 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
     _, frame = load_run(folder.path)
     rows = summary(run, manifest, original, folder.path, folder.manifest, frame)
     judged = any(row["judged"] for row in rows)
-    title = folder.manifest.rescored_from["scorer"] + (f", win/tie vs {judge.vs_backend}" if judged else "")
+    rescored_from = folder.manifest.rescored_from
+    assert rescored_from is not None  # rescore() writes it
+    title = rescored_from["scorer"] + (f", win/tie vs {judge.vs_backend}" if judged else "")
     table = Table(title=f"ipw rescore: {title}")
     columns = ["backend", "records", "accuracy before", "accuracy after", "changed"]
     for col in columns + (["win/tie", "judged"] if judged else []):
@@ -55,10 +57,11 @@ def rescore_and_show(run, *, scorer=None, judge=None, out_dir=None) -> Path:
             cells += [_shown(row["win_tie"], "win_tie_rate"), str(row["judged"])]
         table.add_row(*cells)
     stdout().print(table)
-    totals = (folder.manifest.judge or {}).get("totals")
+    judge_info = folder.manifest.judge or {}
+    totals = judge_info.get("totals")
     if totals:
         energy = "n/a" if totals["energy_j"] is None else f"{fmt.value(totals['energy_j'])} J"
-        console.print(f"judge {folder.manifest.judge['backend']['name']} ({folder.manifest.judge['prompt_version']}): "
+        console.print(f"judge {judge_info['backend']['name']} ({judge_info['prompt_version']}): "
                       f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
                       f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
                       highlight=False, markup=False)

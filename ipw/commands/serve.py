@@ -46,6 +46,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
         parsed = Upstream.parse(upstream)
         default_name = f"serve:{parsed.host}:{parsed.port}"
     else:
+        assert backend is not None  # one of --upstream, --backend: checked above
         managed = managed_backend(backend, name, n_threads, n_gpu_layers, parallel, n_ctx)
         default_name = managed.spec.name
     options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
