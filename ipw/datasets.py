@@ -14,6 +14,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ipw.errors import IpwError, where
 from ipw.resources import resource_path
@@ -213,11 +214,13 @@ def _rows_csv(path: Path):
             for row in reader:
                 line = reader.line_num  # the row's last physical line (a quoted cell may span lines)
                 if None in row:
-                    raise IpwError(f"{where(path, line)}: {len(reader.fieldnames) + len(row[None])} fields, but the "
-                                   f"header has {len(reader.fieldnames)}")
+                    header = len(reader.fieldnames or ())  # read with the first row
+                    raise IpwError(f"{where(path, line)}: {header + len(row[None])} fields, but the "
+                                   f"header has {header}")
                 if None in row.values():
                     have = sum(v is not None for v in row.values())
-                    raise IpwError(f"{where(path, line)}: {have} fields, but the header has {len(reader.fieldnames)}")
+                    header = len(reader.fieldnames or ())
+                    raise IpwError(f"{where(path, line)}: {have} fields, but the header has {header}")
                 yield line, {k: v for k, v in row.items() if v != ""}
     except UnicodeDecodeError as exc:
         raise IpwError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
@@ -320,7 +323,7 @@ class QuerySet:
                 "categories": sorted({q.category for q in self.queries})}
 
 
-def load_query_set(name_or_path: str, *, limit: int = 0, **options: object) -> QuerySet:
+def load_query_set(name_or_path: str, *, limit: int = 0, **options: Any) -> QuerySet:
     """A run's query set: ``load_queries`` with the config's options (``RunConfig.dataset_options``), cut to
     the first ``limit`` queries (0: all)."""
     queries = load_queries(name_or_path, **options)

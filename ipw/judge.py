@@ -288,7 +288,7 @@ class Judge:
         readings = self.window.end(tokens, end).readings()
         ok = completion is not None
         readings = with_estimate(readings, self.backend.energy_estimate,
-                                 completion.completion_tokens if ok else 0, ok, end - start)
+                                 completion.completion_tokens if completion is not None else 0, ok, end - start)
         total = total_energy(readings)
         return JudgeCall(
             output=completion.text if completion else "",

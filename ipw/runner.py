@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 
 from ipw import __version__
@@ -47,7 +47,8 @@ def make_record(
     identity = node_identity()[0]
     duration = end_s - start_s
     ok = error is None and completion is not None
-    readings = with_estimate(readings, estimate, completion.completion_tokens if ok else 0, ok, duration)
+    readings = with_estimate(readings, estimate, completion.completion_tokens if ok and completion is not None else 0,
+                             ok, duration)
     total = total_energy(readings)
     net = split_uncertainty = None
     if total.energy_j is not None:
@@ -97,8 +98,22 @@ SWITCH_INTERVAL_S = 0.0005
 QUERY_CACHE_MIN = 10_000  # a run of this many queries keeps a copy of them (below it, parsing them again is quick)
 
 
+class RecordSink(Protocol):
+    """What ``run_backend`` writes to: a :class:`RunFolder`, or a Ray task's sink (``ipw.ray_runner``)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def manifest(self) -> RunManifest: ...
+
+    def append(self, record: QueryRecord) -> None: ...
+
+    def add_power(self, backend: str, columns: dict[str, Any]) -> None: ...
+
+
 def run_backend(
-    folder: RunFolder, config: RunConfig, spec: BackendSpec, queries: list[Query],
+    folder: RecordSink, config: RunConfig, spec: BackendSpec, queries: list[Query],
     progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
     done: frozenset[tuple[str, str, int, int]] = frozenset(),
 ) -> dict[str, Any] | None:
@@ -185,7 +200,7 @@ def run_backend(
         backend.close()
 
 
-def _energy_audit(folder: RunFolder, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
+def _energy_audit(folder: RecordSink, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
     """The run-level energy audit of this backend's records of this session (``ipw.telemetry.audit``), once,
     after its last query: the counter over the span vs the queries plus the idle between them."""
     from ipw.telemetry.audit import audit_dicts
@@ -224,11 +239,14 @@ class RecordWriter:
     AFTER_START_S = 0.002  # from ``started`` to the work here: the measuring thread is waiting by then
     MAX_QUEUED = 1024  # records handed over and not yet written: beyond this, ``put`` waits
 
-    def __init__(self, folder: RunFolder, progress: Callable[[QueryRecord], None],
+    def __init__(self, folder: RecordSink, progress: Callable[[QueryRecord], None],
                  sensors: list[Sensor] | None = None) -> None:
         self._folder, self._progress, self._sensors = folder, progress, list(sensors or [])
-        self._append = (folder.append_many if isinstance(folder, RunFolder)  # one write and one fsync
-                        else lambda records: [folder.append(r) for r in records])  # a Ray task's sink
+        def append_each(records: list[QueryRecord]) -> None:  # a Ray task's sink
+            for r in records:
+                folder.append(r)
+
+        self._append = folder.append_many if isinstance(folder, RunFolder) else append_each  # one write and one fsync
         self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -338,7 +356,7 @@ def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurre
 
 
 def run_concurrent(
-    folder: RunFolder, config: RunConfig, spec: BackendSpec, backend: Backend, window: Window,
+    folder: RecordSink, config: RunConfig, spec: BackendSpec, backend: Backend, window: Window,
     idle: IdleBaseline, work: list[tuple[int, Query]], recorder: "RecordWriter", concurrency: int,
 ) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight; every request has its own window ([start, end] in its
@@ -440,6 +458,7 @@ def plan_resume(run_dir: str | Path, query_set: QuerySet) -> tuple[RunFolder, fr
     """The plan step of ``--resume``: the run folder reopened (``RunFolder.reopen``: its only writer again),
     its query set checked against the one it started with (fingerprints), and what is done."""
     folder = RunFolder.reopen(run_dir)
+    assert folder.manifest.dataset is not None and folder.lock is not None  # read_unfinished, reopen
     if query_set.fingerprint != folder.manifest.dataset["fingerprint"]:
         folder.lock.release()
         raise IpwError(f"{run_dir}: the dataset {query_set.name} changed since the run started "
@@ -454,7 +473,7 @@ def plan_resume(run_dir: str | Path, query_set: QuerySet) -> tuple[RunFolder, fr
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-            done: frozenset[tuple[str, str, int]] = frozenset(), dispatch: Callable[..., None] | None = None,
+            done: frozenset[tuple[str, str, int, int]] = frozenset(), dispatch: Callable[..., None] | None = None,
             notice: Callable[[str], None] = lambda line: None) -> str:
     """Run every backend and return the run's final status, which the manifest records with
     records.parquet in every case: ``complete``; ``failed`` when a backend stopped (its engine kept

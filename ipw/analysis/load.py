@@ -35,7 +35,7 @@ class RunInfo:
     fingerprint: str | None
     n_queries: int
     n_records: int
-    machines: tuple[dict, ...] = ()  # the kinds of machine that measured it (telemetry.hardware.machines)
+    machines: tuple[dict[str, Any], ...] = ()  # the kinds of machine that measured it (telemetry.hardware.machines)
     energy_audits: tuple[str, ...] = ()  # "backend: line" of each run-level energy audit (telemetry.audit)
 
 
@@ -115,8 +115,9 @@ CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality"
                "split_method", "node"]
 
 
-def _floats(series) -> np.ndarray:
-    return series.to_numpy(dtype=float, na_value=np.nan)
+def _floats(series: Any) -> np.ndarray:
+    floats: np.ndarray = series.to_numpy(dtype=float, na_value=np.nan)
+    return floats
 
 
 def _unscored_kept(failed: np.ndarray, correct: np.ndarray) -> np.ndarray:
@@ -124,7 +125,7 @@ def _unscored_kept(failed: np.ndarray, correct: np.ndarray) -> np.ndarray:
     return np.where(failed & ~np.isnan(correct), 0.0, correct)
 
 
-def _codes(series, missing: str) -> tuple[np.ndarray, list[str]]:
+def _codes(series: Any, missing: str) -> tuple[np.ndarray, list[str]]:
     """Integer codes and names of a (categorical) column; a missing value gets the name ``missing``."""
     import pandas as pd
 
@@ -145,7 +146,7 @@ def level_label(backend: str, concurrency: int) -> str:
     return f"{backend}@c{concurrency}"
 
 
-def concurrency_of(series) -> np.ndarray:
+def concurrency_of(series: Any) -> np.ndarray:
     """The records' concurrency levels as ints (a run made before the field: 1)."""
     x = _floats(series)
     return np.where(np.isnan(x), 1, x).astype(np.int64)
@@ -190,7 +191,7 @@ def energy_audits(manifest: RunManifest) -> tuple[str, ...]:
                  for a in b.get("energy_audit") or [] if a.get("line") or a.get("error"))
 
 
-def parts_of(path: Path, manifest: RunManifest, frame, prompt_tokens: bool = True) -> list[_Part]:
+def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool = True) -> list[_Part]:
     """A run's backends with their per-query values (repeats averaged: the one place this is done)."""
     import pandas as pd
 
@@ -385,7 +386,7 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
     first = parts[0]
     category = np.searchsorted(categories, np.asarray(first.categories, dtype=object))[aligned(first, first.category)]
     n, m = len(universe), len(parts)
-    out: dict[str, np.ndarray | None] = {}
+    out: dict[str, Any] = {}  # None: no record of any run has the field
     for name in FIELDS:
         if all(p.values[name] is None for p in parts):
             out[name] = None

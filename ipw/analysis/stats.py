@@ -31,11 +31,12 @@ as two measurements are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ipw.telemetry.uncertainty import NVML_SHARED_REL, Z90, measurement_sd  # noqa: F401 - part of this API
+from ipw.telemetry.uncertainty import NVML_SHARED_REL, Z90  # noqa: F401 - part of this API
+from ipw.telemetry.uncertainty import measurement_sd as measurement_sd  # part of this API (load.py)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def sum_dtype(n_items: int) -> type:
     return np.float64 if n_items <= MULTINOMIAL_MAX_N else np.float32
 
 
-def resample_weights(n_items: int, n_boot: int, *, seed: int = 0, chunk_bytes: int = CHUNK_BYTES):
+def resample_weights(n_items: int, n_boot: int, *, seed: int = 0,
+                     chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
     """Yield bootstrap weight rows, shape (rows, n_items) of ``sum_dtype`` (small integers, exact), in
     chunks of at most ``chunk_bytes``. One buffer is reused: a chunk is overwritten by the next.
 
@@ -110,7 +112,7 @@ def resample_weights(n_items: int, n_boot: int, *, seed: int = 0, chunk_bytes: i
     rng = np.random.default_rng(seed)
     dtype = sum_dtype(n_items)
     rows = int(max(1, min(n_boot, chunk_bytes // (np.dtype(dtype).itemsize * max(n_items, 1)))))
-    buf = np.empty((rows, n_items), dtype=dtype)
+    buf: np.ndarray = np.empty((rows, n_items), dtype=dtype)
     done = 0
     while done < n_boot:
         r = min(rows, n_boot - done)
@@ -169,7 +171,8 @@ class _Window:
     values: np.ndarray  # the units' values, ascending
 
 
-def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_below_row: int, first_tie_row: int):
+def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_below_row: int, first_tie_row: int,
+             ) -> tuple[list[_Window], list[np.ndarray], list[np.ndarray], list[float]]:
     """Windows of the quantiles ``ps`` of ``values`` (one partial sort for all of them), their
     below-the-window indicators, their tied values' indicators and the point quantiles."""
     valid = np.isfinite(values)
@@ -183,7 +186,9 @@ def _windows(values: np.ndarray, ps: tuple[float, ...], valid_row: int, first_be
     ranks = [max(int(np.ceil(p * n)), 1) - 1 for p in ps]  # the point quantiles' ranks (inverted_cdf)
     bounds = [(max(0, k - half), min(n - 1, k + half)) for k in ranks]
     part = np.partition(finite, sorted({r for b in bounds for r in b} | set(ranks)))
-    windows, belows, ties = [], [], []
+    windows: list[_Window] = []
+    belows: list[np.ndarray] = []
+    ties: list[np.ndarray] = []
     for i, (p, (lo, hi)) in enumerate(zip(ps, bounds)):
         if lo == 0 and hi == n - 1:
             inside, below = valid, np.zeros(len(values), bool)
@@ -220,7 +225,7 @@ class Draws:
     measurement: tuple[int, ...] = ()  # the columns whose draws carry measurement error
 
 
-def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_columns: int | None = None,
+def bootstrap_draws(columns: Any, quantiles: Any = (), *, n_boot: int, seed: int = 0, n_columns: int | None = None,
                     n_items: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                     measurement: Sequence[MeasurementError] = ()) -> Draws:
     """Sums of ``columns`` (each shape (n,), finite) and quantiles (``quantiles``: pairs of values (n,),
@@ -245,7 +250,7 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     quantiles = [(np.asarray(v, dtype=float), tuple(ps)) for v, ps in quantiles]
     with_nan = [bool(np.isnan(v).any()) for v, _ in quantiles]
     n_rows = k + 1 + sum(with_nan) + sum(len(ps) for _, ps in quantiles)
-    xt = np.empty((n_rows, n), dtype=sum_dtype(n))
+    xt: np.ndarray = np.empty((n_rows, n), dtype=sum_dtype(n))
     point_sums = np.empty(k)
     i = -1
     for i, c in enumerate(columns):
@@ -282,7 +287,7 @@ def bootstrap_draws(columns, quantiles=(), *, n_boot: int, seed: int = 0, n_colu
     for w in resample_weights(n, n_boot, seed=seed, chunk_bytes=chunk_bytes):
         rows = slice(start, start + len(w))
         s = (xt @ w.T).T.astype(np.float64)  # (rows, summed rows): one product for every sum of every backend
-        t = (tx @ w.T).T.astype(np.float64) if tx is not None else None  # the tied values' weights
+        t: Any = (tx @ w.T).T.astype(np.float64) if tx is not None else None  # the tied values' weights
         sums[rows] = s[:, :k]
         for column, var, shared in errs:
             wf = w.astype(np.float64)

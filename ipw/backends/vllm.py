@@ -259,9 +259,9 @@ class VllmEngine:
             try:
                 outputs = engine.step()
             except Exception as exc:  # the engine died: every request in flight fails, later ones too
-                for request in live.values():
-                    request.error = QueryError(f"vLLM engine failed: {type(exc).__name__}: {exc}", "engine_dead")
-                    request.done.set()
+                for failed in live.values():
+                    failed.error = QueryError(f"vLLM engine failed: {type(exc).__name__}: {exc}", "engine_dead")
+                    failed.done.set()
                 live.clear()
                 return
             now = time.monotonic()

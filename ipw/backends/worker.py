@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ipw.backends.base import BackendBase, BackendSpec, Completion, GenerationSettings, QueryError
 from ipw.errors import IpwError
@@ -283,7 +283,7 @@ class WorkerBackend(BackendBase):
     checked cheaply (model files) in ``__init__``, in this process, before any run folder exists."""
 
     ENGINE = ""
-    OPTIONS: dict[str, type] = {}
+    OPTIONS: ClassVar[dict[str, Any]] = {}
     LABEL = "engine"
 
     def __init__(self, spec: BackendSpec) -> None:
@@ -301,7 +301,7 @@ class WorkerBackend(BackendBase):
         """The interpreter of the worker (a backend option ``python``, else this one)."""
         return self.spec.options.get("python") or sys.executable
 
-    def attach(self, run_dir: Path) -> None:
+    def attach(self, run_dir: str | Path) -> None:
         self._log_dir = Path(run_dir)
 
     def _log_path(self) -> Path:
