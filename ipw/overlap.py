@@ -18,12 +18,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from ipw.backends.base import Completion
-from ipw.telemetry.base import EnergyReading, worst_quality
+from ipw.telemetry.base import EnergyReading, Quality, worst_quality
 from ipw.telemetry.estimator import Request, by_time, slice_weights, split_method
 from ipw.telemetry.window import Closed, Window, resolve
 
@@ -135,7 +135,8 @@ class Tally:
         with self.lock:
             for r in readings:
                 row = self.sums.setdefault(r.component, {"span_j": 0.0, "unattributed_j": 0.0, "parts_j": 0.0})
-                row[key] = None if r.energy_j is None or row[key] is None else row[key] + r.energy_j
+                so_far = row[key]
+                row[key] = None if r.energy_j is None or so_far is None else so_far + r.energy_j
                 if key == "unattributed_j":  # idle windows are part of the span too
                     row["span_j"] = None if r.energy_j is None or row["span_j"] is None else row["span_j"] + r.energy_j
 
@@ -153,7 +154,8 @@ def request_of(completion: Completion | None, start: float, end: float) -> Reque
     prefill = None
     if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
         prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
-    return Request(start, end, completion.token_times_s, prefill, timings.prompt_n if prefill else 0)
+    return Request(start, end, completion.token_times_s, prefill,
+                   timings.prompt_n if prefill and timings is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,19 @@ def assemble(parts: list[tuple[float, float, list[EnergyReading], float, float]]
     for _, _, readings, w_work, w_time in parts:
         for r in readings:
             by_component.setdefault(r.component, []).append((r, w_work, w_time))
-    readings, uncertainty = [], {}
+    readings = []  # a list[EnergyReading], as in the loop above
+    uncertainty: dict[str, float] = {}
     for component, rs in by_component.items():
-        missing = len(rs) != len(parts) or any(r.energy_j is None for r, _, _ in rs)
-        share = None
+        known = [(r.energy_j, w_work, w_time) for r, w_work, w_time in rs if r.energy_j is not None]
+        missing = len(rs) != len(parts) or len(known) != len(rs)
+        share: float | None = None
         if not missing:
-            share = sum(w * r.energy_j for r, w, _ in rs)
-            uncertainty[component] = abs(share - sum(w * r.energy_j for r, _, w in rs))
+            share = sum(w * e for e, w, _ in known)
+            uncertainty[component] = abs(share - sum(w * e for e, _, w in known))
         first = rs[0][0]
         readings.append(EnergyReading(
             component=component, energy_j=share, source=first.source, scope=first.scope,
-            quality="unavailable" if missing else worst_quality([r.quality for r, _, _ in rs]),
+            quality="unavailable" if missing else cast(Quality, worst_quality([r.quality for r, _, _ in rs])),
             duration_s=float(parts[-1][1] - parts[0][0]),
             note=f"share of {len(parts)} window(s) split among {peers} overlapping request(s)"
             + (f" by {method}" if method else ""),
@@ -315,7 +319,8 @@ class Meter:
         self._resolve()
         readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock
         t1 = time.perf_counter()
-        parts, peers = [], set()
+        parts = []
+        peers: set[int] = set()
         with self._split_lock:
             new = [seg for seg in mine if id(seg[2]) not in self._weights]
             if new:

@@ -34,7 +34,7 @@ from ipw.options import ROUTER_ACCURACY
 from ipw.resources import resource_path
 
 
-def _imports():
+def _imports() -> None:
     try:
         import jinja2  # noqa: F401 - only whether it imports
         import matplotlib  # noqa: F401 - only whether it imports
@@ -47,7 +47,7 @@ def _imports():
 
 def build(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
           local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
-          n_boot: int | None = None, seed: int = 0, deadline: str | None = None) -> dict:
+          n_boot: int | None = None, seed: int = 0, deadline: str | None = None) -> dict[str, Any]:
     """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``."""
     _imports()
     import matplotlib
@@ -109,14 +109,14 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     }
 
 
-def _env():
+def _env() -> Any:
     import jinja2
 
     from markupsafe import Markup
 
     from ipw.sanitize import show_bidi  # names are the user's text: a bidi override is shown, not obeyed
 
-    def finalize(value):
+    def finalize(value: Any) -> Any:
         if isinstance(value, Markup):
             return Markup(show_bidi(str(value)))
         return show_bidi(value) if isinstance(value, str) else value
@@ -126,8 +126,9 @@ def _env():
                               lstrip_blocks=True, finalize=finalize)
 
 
-def render_html(ctx: dict) -> str:
-    return _env().get_template("report.html.j2").render(**ctx)
+def render_html(ctx: dict[str, Any]) -> str:
+    html: str = _env().get_template("report.html.j2").render(**ctx)
+    return html
 
 
 def _md_cell(text: str) -> str:
@@ -137,7 +138,7 @@ def _md_cell(text: str) -> str:
     return md_text(text)
 
 
-def render_markdown(ctx: dict, html_name: str | None = None) -> str:
+def render_markdown(ctx: dict[str, Any], html_name: str | None = None) -> str:
     """A short summary: what ran, the compare tables and the routing summary (estimated cells marked)."""
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
@@ -168,7 +169,8 @@ def render_markdown(ctx: dict, html_name: str | None = None) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def write(paths: Sequence[str | Path], out: str | Path, markdown: str | Path | None = None, **options: Any) -> dict:
+def write(paths: Sequence[str | Path], out: str | Path, markdown: str | Path | None = None,
+          **options: Any) -> dict[str, Any]:
     """Build the report of ``paths`` and write the HTML (and the Markdown summary); returns the context."""
     ctx = build(paths, **options)
     out = Path(out)

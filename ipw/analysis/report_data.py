@@ -22,7 +22,7 @@ OVERHEAD = fmt.Format(percent=True, digits=2)  # a sampler's share of one core, 
 TEXT_COLUMNS = ["prompt", "answer", "output", "error"]  # read only for the rows the answer tables show
 
 
-def load_records(runs, labels: dict[tuple[str, str, int], str]):
+def load_records(runs: Any, labels: dict[tuple[str, str, int], str]) -> Any:
     """Every run's records (the report's columns) with the compare label of their backend (and
     concurrency level: ``labels`` maps (run_id, backend, concurrency) to it)."""
     import pandas as pd
@@ -47,7 +47,7 @@ def load_records(runs, labels: dict[tuple[str, str, int], str]):
     return manifests, frame
 
 
-def _labels(run_id: str, backend, level: np.ndarray, labels: dict[tuple[str, str, int], str]) -> np.ndarray:
+def _labels(run_id: str, backend: Any, level: np.ndarray, labels: dict[tuple[str, str, int], str]) -> np.ndarray:
     """Each record's compare label, looked up once per (backend, level) pair, not once per record."""
     import pandas as pd
 
@@ -70,7 +70,7 @@ def _value(v: Any) -> str:
     return "n/a" if v is None else str(v)
 
 
-def setup_sections(manifests) -> list[dict]:
+def setup_sections(manifests: Any) -> list[dict[str, Any]]:
     """What was run and on what: per run, the manifest's dataset, hardware, software and backends."""
     from ipw.results import sampler_overheads
 
@@ -120,7 +120,7 @@ def setup_sections(manifests) -> list[dict]:
     return out
 
 
-def marked_tables(c) -> list[dict]:
+def marked_tables(c: Any) -> list[dict[str, Any]]:
     """compare's tables, each cell with its estimated-energy flag (from ``ipw.analysis.render``)."""
     from ipw.analysis.render import tables
 
@@ -132,7 +132,7 @@ def marked_tables(c) -> list[dict]:
     return out
 
 
-def _texts(runs, rows) -> dict[tuple[str, int], dict]:
+def _texts(runs: Any, rows: Any) -> dict[tuple[str, int], dict[str, Any]]:
     """Prompt, reference, output and error of the given records (run_id, row), read for those rows only."""
     from ipw.results import read_record_fields
 
@@ -147,7 +147,7 @@ def _texts(runs, rows) -> dict[tuple[str, int], dict]:
     return out
 
 
-def _answer_table(rows, texts, total: int, what: str, est: dict[str, bool]) -> dict:
+def _answer_table(rows: Any, texts: Any, total: int, what: str, est: dict[str, bool]) -> dict[str, Any]:
     shown = len(rows)
     return {
         "note": (f"showing the {shown} costliest of {total:,} {what}" if total > shown
@@ -161,7 +161,7 @@ def _answer_table(rows, texts, total: int, what: str, est: dict[str, bool]) -> d
     }
 
 
-def costliest(runs, frame, est) -> tuple[dict, dict]:
+def costliest(runs: Any, frame: Any, est: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The costliest answers, and the costliest wrong or failed ones, at most ``MAX_ROWS`` each."""
     import pandas as pd
 
@@ -173,7 +173,7 @@ def costliest(runs, frame, est) -> tuple[dict, dict]:
             _answer_table(wtop, texts, int(wrong.sum()), "wrong or failed answers (by energy)", est))
 
 
-def read_power_trace(run_dir):
+def read_power_trace(run_dir: Any) -> Any:
     """t_s, device and power_w of the points of a run's power.parquet that carry watts (None when none does)."""
     from ipw.results import read_power
 
