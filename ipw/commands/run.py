@@ -144,8 +144,8 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
     console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
-    state = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic(), "shown": 0.0,
-             "last": None}
+    state: dict[str, Any] = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic(),
+                             "shown": 0.0, "last": None}
     with _progress_columns() as progress:
         task = progress.add_task("queries", total=len(queries) * config.repeats * sum(map(len, levels.values())),
                                  completed=len(done), rate="-", jpq="-", acc="-")
@@ -223,6 +223,7 @@ def load_resumed(run_dir) -> tuple[RunConfig, QuerySet]:
     from ipw.shard import Shard, shard_items
 
     manifest = RunManifest.read_unfinished(run_dir)
+    assert manifest.config is not None and manifest.dataset is not None  # read_unfinished requires them
     config = RunConfig.from_dict(manifest.config, where=manifest_field(run_dir, "config"))
     kept = read_kept_queries(run_dir, manifest)
     if kept is not None:
