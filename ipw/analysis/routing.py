@@ -22,7 +22,7 @@ backends they include, and the routed energy is also broken down by quality.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class QueryMatrix:
 
     @property
     def n_queries(self) -> int:
-        return self.correct.shape[0]
+        return int(self.correct.shape[0])
 
     def index(self, name: str) -> int:
         return self.backends.index(name)
@@ -198,14 +198,14 @@ def coverage(correct: np.ndarray, columns: Sequence[int]) -> float:
     if not len(columns):
         return 0.0
     sub = correct[:, list(columns)]
-    return _share(solved(sub).any(axis=1), scored_rows(correct, columns))
+    return _share(cast(np.ndarray, solved(sub).any(axis=1)), scored_rows(correct, columns))
 
 
 def scored_rows(correct: np.ndarray, columns: Sequence[int]) -> np.ndarray:
     """The queries one of ``columns`` has a score for (none: a judge-only item no judge graded)."""
     if not len(columns):
         return np.zeros(len(correct), bool)
-    return ~np.isnan(correct[:, list(columns)]).all(axis=1)
+    return cast(np.ndarray, ~np.isnan(correct[:, list(columns)]).all(axis=1))
 
 
 def _share(hit: np.ndarray, among: np.ndarray) -> float:
@@ -228,22 +228,24 @@ def oracle_queries(m: QueryMatrix, local: Sequence[int], cloud: int) -> OracleQu
     """
     local = list(local)
     n = m.n_queries
+    judged: np.ndarray
+    win_covered: np.ndarray
     judged = win_covered = np.zeros(n, bool)
     if local:
         ok = solved(m.correct[:, local])
         energy = m.energy_j[:, local]
         rank = np.where(ok, np.where(np.isnan(energy), np.finfo(float).max, energy), np.inf)
-        covered = ok.any(axis=1)
+        covered = cast(np.ndarray, ok.any(axis=1))
         choice = np.where(covered, np.asarray(local)[rank.argmin(axis=1)], cloud)
         if m.win_tie is not None:
             win = m.win_tie[:, local]
-            judged, win_covered = ~np.isnan(win).all(axis=1), (win >= SOLVED_AT).any(axis=1)
+            judged, win_covered = ~np.isnan(win).all(axis=1), cast(np.ndarray, (win >= SOLVED_AT).any(axis=1))
     else:
         covered, choice = np.zeros(n, bool), np.full(n, cloud)
     scored = scored_rows(m.correct, local)
     rows = np.arange(n)
 
-    def pick(x):
+    def pick(x: Any) -> Any:
         return None if x is None else x[rows, choice]
 
     return OracleQueries(
@@ -322,10 +324,11 @@ def best_local_energy(m: QueryMatrix, local: Sequence[int]) -> np.ndarray:
     if not len(local):
         return np.full(m.n_queries, np.inf)
     e = np.where(solved(m.correct[:, list(local)]), m.energy_j[:, list(local)], np.inf)
-    return np.where(np.isnan(e), np.inf, e).min(axis=1)
+    best: np.ndarray = np.where(np.isnan(e), np.inf, e).min(axis=1)
+    return best
 
 
-def energy_budget(m: QueryMatrix, local: Sequence[int], budgets_j: Sequence[float] | None = None,
+def energy_budget(m: QueryMatrix, local: Sequence[int], budgets_j: Sequence[float] | np.ndarray | None = None,
                   n_points: int = 12) -> tuple[BudgetPoint, ...]:
     """Coverage within a per-query energy budget; by default at ``n_points`` log-spaced budgets from
     the least to the greatest energy any local backend needed for a query it solved."""
@@ -335,9 +338,9 @@ def energy_budget(m: QueryMatrix, local: Sequence[int], budgets_j: Sequence[floa
         if not len(finite):
             return ()
         lo, hi = float(finite[0]), float(finite[-1])
-        budgets_j = np.geomspace(lo, hi, n_points) if lo > 0 else np.linspace(lo, hi, n_points)
-        budgets_j[0], budgets_j[-1] = lo, hi
-        budgets_j = np.unique(np.clip(budgets_j, lo, hi))
+        grid = np.geomspace(lo, hi, n_points) if lo > 0 else np.linspace(lo, hi, n_points)
+        grid[0], grid[-1] = lo, hi
+        budgets_j = np.unique(np.clip(grid, lo, hi))
     n = max(int(scored_rows(m.correct, local).sum()), 1)
     return tuple(BudgetPoint(float(b), float(np.searchsorted(finite, b, side="right") / n)) for b in budgets_j)
 
@@ -349,7 +352,9 @@ def by_category(m: QueryMatrix, q: OracleQueries) -> tuple[CategoryRouting, ...]
         rows = codes == code
         if not rows.any():
             continue
-        sub = lambda x: None if x is None else x[rows]  # noqa: E731 - a one-line local helper
+        def sub(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x[rows]
+
         out.append(CategoryRouting(
             category=name, n_queries=int(rows.sum()), coverage=coverage_of(q, rows),
             cloud_accuracy=_mean(q.cloud_correct[rows]),
