@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence, cast
 
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
-from ipw.analysis.routing import QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
+from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
@@ -179,6 +179,7 @@ def cost_matrix(pq: PerQuery, labels: Sequence[str], roles: Sequence[str], usd_p
     for j, (label, role) in enumerate(zip(labels, roles)):
         if label in api_prices:
             pin, pout = api_prices[label]
+            assert pq.prompt_tokens is not None  # load(prompt_tokens=True): a field of every record
             cost[j] = (pq.prompt_tokens[j] * pin + pq.completion_tokens[j] * pout) / 1e6
         elif usd_per_kwh is not None and role == "local":
             cost[j] = pq.energy_j[j] / J_PER_KWH * usd_per_kwh
@@ -187,12 +188,12 @@ def cost_matrix(pq: PerQuery, labels: Sequence[str], roles: Sequence[str], usd_p
 
 # --- the comparison -----------------------------------------------------------------------------------
 
-def _ratio(a, b):
+def _ratio(a: Any, b: Any) -> Any:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
 
 
-def _metric_values(s: np.ndarray, q: np.ndarray, col: dict, j: int) -> dict[str, np.ndarray]:
+def _metric_values(s: np.ndarray, q: np.ndarray, col: dict[Any, int], j: int) -> dict[str, np.ndarray]:
     """Backend j's metrics (ipw.analysis.metrics) from sums ``s`` (shape (..., n_columns)) and quantiles ``q``
     (shape (..., n_quantiles))."""
     g = {key[1]: s[..., i] for key, i in col.items() if isinstance(key, tuple) and key[0] == j}
@@ -216,14 +217,14 @@ class _Columns:
         self.index: dict[Any, int] = {}
         self.makers: list[Any] = []
 
-    def add(self, name, make=None, same_as=None) -> None:
+    def add(self, name: Any, make: Any = None, same_as: Any = None) -> None:
         if same_as is not None:
             self.index[name] = self.index[same_as]
         else:
             self.index[name] = len(self.makers)
             self.makers.append(make)
 
-    def add_backend(self, j: int, v: dict) -> None:
+    def add_backend(self, j: int, v: dict[str, np.ndarray | None]) -> None:
         """Backend j's columns (ipw.analysis.metrics.query_columns), keyed (j, name)."""
         for name, make in metric_table.query_columns(v).items():
             if name == "queries" and "one" in self.index:
@@ -233,12 +234,13 @@ class _Columns:
             else:
                 self.add((j, name), make)
 
-    def made(self):
+    def made(self) -> Iterator[np.ndarray]:
         for make in self.makers:
             yield make()
 
 
-def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int, envelope: list[list[int]] = ()) -> _Columns:
+def _columns(pq: PerQuery, cost: np.ndarray | None, oq: OracleQueries | None, ri: int,
+             envelope: Sequence[list[int]] = ()) -> _Columns:
     """Per backend j: its metric columns (ipw.analysis.metrics.query_columns); ("route", ...) the oracle's
     per-query values; ("envelope", i, ...) the coverage of the local backends ``envelope[i]``."""
     cols = _Columns()
@@ -262,7 +264,8 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq, ri: int, envelope: list[
     return cols
 
 
-def measurement_errors(pq: PerQuery, col: dict, oq=None) -> tuple[list[MeasurementError], str]:
+def measurement_errors(pq: PerQuery, col: dict[Any, int], oq: OracleQueries | None = None,
+                       ) -> tuple[list[MeasurementError], str]:
     """Each backend's energy column with its queries' measurement errors (``PerQuery.energy_sd_j`` and
     ``energy_shared_sd_j``), and the routed energy with the error of the backend each query goes to; and
     one line that says what the CIs carry.  The routed and the cloud-only energy draw their errors apart
@@ -282,10 +285,11 @@ def measurement_errors(pq: PerQuery, col: dict, oq=None) -> tuple[list[Measureme
                  f"{stated} of {pq.energy_j.shape[0]} backends state one)")
 
 
-def quantiles_of(pq: PerQuery) -> list:
+def quantiles_of(pq: PerQuery) -> list[tuple[np.ndarray, tuple[float, ...]]]:
     """The quantile inputs of every backend, in ``_metric_values``' order."""
+    # the quantiles' values (ttft_s, latency_s) are never None in a PerQuery
     return [(x, ps) for j in range(pq.correct.shape[0])
-            for _, x, ps in metric_table.quantile_inputs(backend_values(pq, j))]
+            for _, x, ps in metric_table.quantile_inputs(cast(Mapping[str, np.ndarray], backend_values(pq, j)))]
 
 
 def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
@@ -305,7 +309,10 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
-    names = lambda xs, opt: [x for n_ in xs for x in resolve_levels(n_, infos, opt)]  # noqa: E731 - a one-line local helper
+
+    def names(xs: Sequence[str], opt: str) -> list[str]:
+        return [x for n_ in xs for x in resolve_levels(n_, infos, opt)]
+
     roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"),
                           cloud=names(cloud, "--cloud"))
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
@@ -377,11 +384,13 @@ def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:
     """Backend j's OLS fits over its queries without errors: energy (J) and latency (s) against prompt
     and completion tokens (repeats averaged)."""
     ok = pq.errors[j] == 0
+    assert pq.prompt_tokens is not None  # load(prompt_tokens=True): a field of every record
     p, k = pq.prompt_tokens[j][ok], pq.completion_tokens[j][ok]
     return {"energy": fit_linear(p, k, pq.energy_j[j][ok]), "latency": fit_linear(p, k, pq.latency_s[j][ok])}
 
 
-def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
+def _estimates(draws: Draws, col: dict[Any, int], labels: Sequence[str], ri: int,
+               ) -> tuple[dict[str, dict[str, Estimate]], dict[str, dict[str, Estimate]]]:
     m = len(labels)
     point = [_metric_values(draws.point_sums, np.asarray(draws.point_quantiles), col, j) for j in range(m)]
     boot = [_metric_values(draws.sums, draws.quantiles, col, j) for j in range(m)]
@@ -396,8 +405,8 @@ def _estimates(draws: Draws, col: dict, labels: Sequence[str], ri: int):
     return metrics, vs_ref
 
 
-def _routing_estimates(draws: Draws, col: dict, routing: Routing) -> dict[str, Estimate]:
-    def sums(key):
+def _routing_estimates(draws: Draws, col: dict[Any, int], routing: Routing) -> dict[str, Estimate]:
+    def sums(key: str) -> Any:  # (point sum, resampled sums); None: no such column
         i = col.get(("route", key))
         return None if i is None else (draws.point_sums[i], draws.sums[:, i])
 
