@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -116,7 +118,7 @@ def _greedy(manifest: RunManifest) -> bool | None:
     return None if temperature is None else float(temperature) == 0.0
 
 
-def work_verdicts(name: str, vb: dict, vc: dict, n: int) -> list[Verdict]:
+def work_verdicts(name: str, vb: dict[str, Any], vc: dict[str, Any], n: int) -> list[Verdict]:
     """The work gate: each query's prompt tokens, output tokens and errors compared exactly. Any query whose
     count differs is reported; more in total is a regression, fewer (or as many, moved) is ``changed``."""
     out = []
@@ -142,6 +144,7 @@ def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_
         if m.status != "complete":  # an interrupted run covers only some queries of some backends
             reasons.append(f"the {role} run is {m.status or 'of unknown status'}, not complete "
                            f"(finish it with: ipw run --resume RUN_DIR)")
+    assert base_manifest.dataset is not None and cand_manifest.dataset is not None  # load_run(require=...)
     fb, fc = base_manifest.dataset["fingerprint"], cand_manifest.dataset["fingerprint"]
     if fb != fc:
         reasons.append(f"dataset fingerprints differ ({fb} vs {fc})")
@@ -159,13 +162,14 @@ def comparability(base_manifest: RunManifest, cand_manifest: RunManifest, allow_
     return reasons
 
 
-def _per_query(manifest: RunManifest, frame) -> dict:
+def _per_query(manifest: RunManifest, frame: Any) -> dict[str, Any]:
     from ipw.analysis.load import parts_of
 
-    return {p.info.label: p for p in parts_of(manifest.run_id or "run", manifest, frame)}  # NAME or NAME@cN
+    return {p.info.label: p for p in parts_of(Path(manifest.run_id or "run"), manifest, frame)}  # NAME or NAME@cN
 
 
-def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: int, q_offset: int) -> dict:
+def _sums(names: list[str], cols: dict[str, Any], s: np.ndarray, q: np.ndarray, offset: int, q_offset: int,
+          ) -> dict[str, Any]:
     """One run's metric inputs (ipw.analysis.metrics.values) from the draws' sums and quantiles."""
     g = {}
     for k, make in cols.items():
@@ -174,10 +178,11 @@ def _sums(names: list[str], cols: dict, s: np.ndarray, q: np.ndarray, offset: in
     return g
 
 
-def check_runs(base_manifest: RunManifest, base, cand_manifest: RunManifest, cand, thresholds: list[Threshold], *,
+def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest, cand: Any,
+               thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
-               n_boot: int | None = None, seed: int = 0, floors: dict | None = None, work_gate: bool = True,
-               unsteady: dict[str, str] | None = None) -> CheckResult:
+               n_boot: int | None = None, seed: int = 0, floors: dict[tuple[str, str], tuple[float, str]] | None = None,
+               work_gate: bool = True, unsteady: dict[str, str] | None = None) -> CheckResult:
     """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others.
@@ -207,8 +212,10 @@ def check_runs(base_manifest: RunManifest, base, cand_manifest: RunManifest, can
         if bool(qb & measured) != bool(qc & measured) or bool(qb - measured) != bool(qc - measured):
             raise IpwError(f"not comparable: backend {name}: energy bases differ ({sorted(qb)} vs {sorted(qc)})")
         common = pb.query_id[pb.present].intersection(pc.query_id[pc.present], sort=False)
-        vb = {k: (None if x is None else x[pb.query_id.get_indexer(common)]) for k, x in pb.values.items()}
-        vc = {k: (None if x is None else x[pc.query_id.get_indexer(common)]) for k, x in pc.values.items()}
+        vb: dict[str, Any] = {k: (None if x is None else x[pb.query_id.get_indexer(common)])
+                              for k, x in pb.values.items()}
+        vc: dict[str, Any] = {k: (None if x is None else x[pc.query_id.get_indexer(common)])
+                              for k, x in pc.values.items()}
         n = len(common)
         if n == 0:
             raise IpwError(f"not comparable: backend {name}: the runs share no query")
@@ -222,9 +229,10 @@ def check_runs(base_manifest: RunManifest, base, cand_manifest: RunManifest, can
                 notes.append(f"{name}: {no_energy} of {n} {role} queries have no energy (missing from the "
                              "energy metrics)")
         cb, cc = query_columns(vb), query_columns(vc)
-        nb_ = [k for k, m in cb.items() if not isinstance(m, str)]  # the columns to make (others: equal to one)
-        nc_ = [k for k, m in cc.items() if not isinstance(m, str)]
-        columns = [cb[k]() for k in nb_] + [cc[k]() for k in nc_]
+        make_b = {k: m for k, m in cb.items() if not isinstance(m, str)}  # the columns to make (others: equal to one)
+        make_c = {k: m for k, m in cc.items() if not isinstance(m, str)}
+        nb_, nc_ = list(make_b), list(make_c)
+        columns = [m() for m in make_b.values()] + [m() for m in make_c.values()]
         quantiles = [(x, ps) for v in (vb, vc) for _, x, ps in quantile_inputs(v)]
         errors = _measurement(name, vb, vc, nb_.index("energy_j"), len(nb_) + nc_.index("energy_j"), notes)
         # paired: one set of resample weights; each query's independent energy error drawn on every resample
@@ -240,6 +248,7 @@ def check_runs(base_manifest: RunManifest, base, cand_manifest: RunManifest, can
             exact_c = values(_sums(nc_, cc, d0.sums, d0.quantiles, len(nb_), nq))
         for t in thresholds:
             metric = gated_metric(t.metric)
+            assert metric is not None  # parse_threshold checked the name
             bv, cv = float(point_b[metric.name]), float(point_c[metric.name])
             if metric.needs and not (np.isfinite(bv) or np.isfinite(cv)) and _none_known(vb, metric.needs) \
                     and _none_known(vc, metric.needs):  # e.g. a chat run without a judge, against itself
@@ -307,7 +316,8 @@ def _status(t: Threshold, change: float, p_worse: float, p_better: float, alpha:
     return "pass"
 
 
-def _measurement(name: str, vb: dict, vc: dict, col_b: int, col_c: int, notes: list) -> list[MeasurementError]:
+def _measurement(name: str, vb: dict[str, Any], vc: dict[str, Any], col_b: int, col_c: int, notes: list[str],
+                 ) -> list[MeasurementError]:
     """The energy columns' measurement errors (ipw.analysis.stats): each query's independent error, drawn for
     each run apart. The shared part (one calibration, or the estimated model's error, the same for every
     query) is one error common to both runs: they ran on one machine (``comparability``) with one energy
@@ -333,7 +343,7 @@ def _shard_of(manifest: RunManifest) -> tuple[int, int]:
     return (int(manifest.shard["index"]), int(manifest.shard["count"])) if manifest.shard else (1, 1)
 
 
-def _pool(blocks: list) -> tuple[RunManifest, object]:
+def _pool(blocks: list[tuple[RunManifest, Any]]) -> tuple[RunManifest, Any]:
     """Blocks as one run whose blocks are repeats: each query's value is the mean over the blocks that ran it.
     Blocks of shards pool into one run of the whole query set (every shard must be there)."""
     import pandas as pd
@@ -356,7 +366,7 @@ def _pool(blocks: list) -> tuple[RunManifest, object]:
     return first, frame
 
 
-def _machine_bound(metric) -> bool:
+def _machine_bound(metric: Any) -> bool:
     """Energy, power and time follow the machine's speed and load, which drift during a job and shift a whole
     block at once; answers, errors, tokens and costs are each query's own."""
     return bool(metric and (metric.energy or metric.unit in ("s", "tokens/s")))
@@ -390,8 +400,9 @@ def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float
     return back(mean), back(lo), back(hi), worse, better
 
 
-def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list[Threshold], *, alpha: float = 0.01,
-                      strict: bool = False, floors: dict | None = None, work_gate: bool = True, n_boot: int | None = None,
+def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: list[Threshold], *, alpha: float = 0.01,
+                      strict: bool = False, floors: dict[tuple[str, str], tuple[float, str]] | None = None,
+                      work_gate: bool = True, n_boot: int | None = None,
                       seed: int = 0) -> CheckResult:
     """One interleaved job (``ipw.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
     order they ran; each two consecutive blocks are a pair, one A and one B over the same shard of the queries.
@@ -413,7 +424,8 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     for a, b in pairs:
         if _shard_of(a[1]) != _shard_of(b[1]):
             raise IpwError(f"not comparable: a pair of blocks ran different shards ({a[1].run_id}, {b[1].run_id})")
-    runs: dict[tuple[str, tuple[int, int]], list] = {}  # (side, shard) -> its blocks in time order
+    # (side, shard) -> its blocks in time order
+    runs: dict[tuple[str, tuple[int, int]], list[tuple[RunManifest, Any]]] = {}
     for side, m, f in blocks:
         runs.setdefault((side, _shard_of(m)), []).append((m, f))
     # whether the blocks of one side agree exactly on every query's tokens and errors (a batching server need not)
@@ -463,7 +475,8 @@ def check_interleaved(blocks: list[tuple[str, object, object]], thresholds: list
     return CheckResult(tuple(verdicts), alpha, strict, pooled.notes + tuple(notes), drift, order)
 
 
-def calibrate(runs: list[tuple[RunManifest, object]], thresholds: list[Threshold], *, n_boot: int = 1000) -> dict:
+def calibrate(runs: list[tuple[RunManifest, object]], thresholds: list[Threshold], *, n_boot: int = 1000,
+              ) -> dict[str, Any]:
     """The noise floor of identical runs: per backend and gated metric, the largest change between any two of
     them (the earlier one as baseline). Returns the JSON object ``ipw check --floor`` reads."""
     if len(runs) < 2:
@@ -479,10 +492,8 @@ def calibrate(runs: list[tuple[RunManifest, object]], thresholds: list[Threshold
             "floors": floors, "changes": changes}
 
 
-def read_floors(path) -> dict:
+def read_floors(path: str | Path) -> dict[tuple[str, str], tuple[float, str]]:
     """{(backend, metric): (floor, source)} from a file written by ``ipw check --calibrate``."""
-    from pathlib import Path
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         floors = data["floors"]
@@ -497,7 +508,7 @@ def read_floors(path) -> dict:
 NEEDS_TEXT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}
 
 
-def _none_known(v: dict, key: str) -> bool:
+def _none_known(v: dict[str, Any], key: str) -> bool:
     return v.get(key) is None or bool(np.isnan(v[key]).all())
 
 
@@ -511,7 +522,9 @@ def cells(v: Verdict) -> tuple[str, ...]:
     if v.threshold == "exact":  # the work gate: counts, compared query by query
         return (v.backend, v.metric, v.threshold, fmt.value(v.baseline, fmt.COUNT), fmt.value(v.candidate, fmt.COUNT),
                 f"{fmt.change(v.change, v.unit)} ({v.detail})", "0", "-", v.status)
-    f = gated_metric(v.metric).format
+    metric = gated_metric(v.metric)
+    assert metric is not None  # a threshold's metric (parse_threshold checked it)
+    f = metric.format
     floor = "±" + fmt.change(v.floor, v.unit, sign=False) if np.isfinite(v.floor) else "-"
     return (v.backend, v.metric, v.threshold, fmt.value(v.baseline, f), fmt.value(v.candidate, f),
             fmt.change_interval(v.change, v.ci_lo, v.ci_hi, v.unit), floor, fmt.value(v.p_value), v.status)
