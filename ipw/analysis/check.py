@@ -366,12 +366,6 @@ def _pool(blocks: list[tuple[RunManifest, Any]]) -> tuple[RunManifest, Any]:
     return first, frame
 
 
-def _machine_bound(metric: Any) -> bool:
-    """Energy, power and time follow the machine's speed and load, which drift during a job and shift a whole
-    block at once; answers, errors, tokens and costs are each query's own."""
-    return bool(metric and (metric.energy or metric.unit in ("s", "tokens/s")))
-
-
 def _over_pairs(changes: list[float], t: Threshold) -> tuple[float, float, float, float, float]:
     """A change, its CI (``LEVEL``) and its one-sided p-values (worse, better) from each block pair's change:
     Student's t over the pairs, on log ratios for a relative (%) change."""
@@ -407,7 +401,7 @@ def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: li
     """One interleaved job (``ipw.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
     order they ran; each two consecutive blocks are a pair, one A and one B over the same shard of the queries.
 
-    Energy, power and time (``_machine_bound``) are judged over the pairs: each pair's change, then Student's
+    Energy, power and time (``Metric.follows_machine``) are judged over the pairs: each pair's change, then Student's
     t over the pairs. Another tenant's burst or a slower minute shifts a whole block, every query of it alike:
     a bootstrap over queries reads that as a change, while the pairs see it as the noise it is, and the two
     blocks of a pair ran back to back. Answers, errors and tokens are each query's own, so they are judged over
@@ -455,7 +449,8 @@ def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: li
     pooled = check_runs(*_pool([(m, f) for side, m, f in blocks if side == "A"]),
                         *_pool([(m, f) for side, m, f in blocks if side == "B"]), thresholds, alpha=alpha,
                         strict=strict, floors=merged, work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
-    by_pairs = {t.text: t for t in thresholds if _machine_bound(gated_metric(t.metric))}
+    gated = {t.text: (t, gated_metric(t.metric)) for t in thresholds}  # parse_threshold made sure each is gated
+    by_pairs = {text: t for text, (t, metric) in gated.items() if metric is not None and metric.follows_machine}
     changes: dict[tuple[str, str], list[float]] = {}
     for a, b in pairs:
         for v in check_runs(*a[1:], *b[1:], list(by_pairs.values()), n_boot=1, seed=seed, work_gate=False).verdicts:

@@ -51,6 +51,14 @@ class Metric:
     aliases: tuple[str, ...] = ()  # older ``--fail-if`` names
     energy: bool = False  # computed from energy (an estimated energy makes it estimated)
     needs: str = ""  # the per-query value it cannot do without: correct (a score) or win_tie (a judge's verdict)
+    timed: bool = False  # computed from wall-clock time (latency, TTFT, throughput)
+
+    @property
+    def follows_machine(self) -> bool:
+        """Energy and time follow the machine's speed and load, which drift during a job and shift a whole block
+        of queries at once (``ipw check --rerun`` judges them over block pairs); answers, errors, tokens and
+        costs are each query's own."""
+        return self.energy or self.timed
 
     @property
     def change_unit(self) -> str:
@@ -87,12 +95,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("output_tokens_per_s", "output tok/s", "tokens/s", "higher",
            "queries with a time window: output tokens over the wall span of the backend's (level's) records, "
            "first start to last end, on one machine's clock",
-           lambda g: _ratio(g["output_tokens_with_span"], g["wall_share_s"])),
+           lambda g: _ratio(g["output_tokens_with_span"], g["wall_share_s"]), timed=True),
     Metric("ttft_p50_s", "TTFT p50 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p50"],
-           aliases=("ttft_p50",)),
-    Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"]),
-    Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"]),
-    Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"]),
+           aliases=("ttft_p50",), timed=True),
+    Metric("ttft_p95_s", "TTFT p95 (s)", "s", "lower", "queries with a TTFT", lambda g: g["ttft_p95"], timed=True),
+    Metric("latency_p50_s", "latency p50 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p50"], timed=True),
+    Metric("latency_p95_s", "latency p95 (s)", "s", "lower", "queries with a latency", lambda g: g["latency_p95"], timed=True),
     Metric("errors", "errors", "records", "", "every record that ended in an error", lambda g: g["error_records"],
            format=COUNT, summary=True),
     Metric("unscored", "unscored", "queries", "", "queries without a score (a judge item no judge graded)",
