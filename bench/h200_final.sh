@@ -7,10 +7,10 @@
 # 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
 #    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
 # 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
-#    a. 300 queries a round, 5 rounds, the two processes of a round back to back (`--slice-s 0`: the
-#       machine has cores to spare, and a CUDA process stopped with SIGSTOP in mid-query distorts both);
-#    b. the same with both sides on the CPUs local to the GPU (`--cpus gpu`);
-#    c. the issue's own command: 60 queries, 3 rounds, taking turns of 0.5 s.
+#    a. the issue's own command (60 queries a round, taking turns of 0.5 s) with 21 rounds: its first 3
+#       rounds are the issue's figure, all 21 say how far one round's ratio moves on this host;
+#    b. 300 queries a round, 5 rounds, the two processes of a round back to back (`--slice-s 0`).
+#    (Both sides on the GPU's local CPUs, `--cpus gpu`, moved nothing in session 7: not repeated.)
 # Each step runs only while SECONDS (default 540) allow.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,8 +37,7 @@ overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a $R/o/steps.txt
   grep -E "ratio" $R/o/$name.log
 }
+overhead issue-command-21 240 --queries 60 --rounds 21
 overhead long-back-to-back 180 --queries 300 --rounds 5 --slice-s 0
-overhead long-gpu-cpus 180 --queries 300 --rounds 5 --slice-s 0 --cpus gpu
-overhead issue-command 50 --queries 60 --rounds 3
 tar czf $OUT/overhead.tgz -C $R/o .
 echo "all done at $(( $(date +%s) - T0 )) s"; ls -la $OUT

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -272,6 +273,8 @@ def bare_worker(args) -> int:
                               eos_token=model.token_get_text(eos) if eos != -1 else "",
                               bos_token=model.token_get_text(bos) if bos != -1 else "")
     vocab = model.vocab
+    # whether a token ends the generation, asked of llama.cpp once per distinct token (as ipw's backend does)
+    is_eog = functools.cache(lambda tok: bool(llama_cpp.llama_vocab_is_eog(vocab, tok)))
     t_load = time.monotonic()
 
     def one(prompt: str) -> tuple[dict, str]:
@@ -285,7 +288,7 @@ def bare_worker(args) -> int:
         out, first = [], None
         for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             now = time.monotonic()
-            if llama_cpp.llama_vocab_is_eog(vocab, tok):
+            if is_eog(tok):
                 break
             if first is None:
                 first = now
