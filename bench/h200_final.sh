@@ -7,10 +7,13 @@
 # 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
 #    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
 # 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
-#    a. the issue's own command (60 queries a round, taking turns of 0.5 s) with 21 rounds: its first 3
-#       rounds are the issue's figure, all 21 say how far one round's ratio moves on this host;
-#    b. 300 queries a round, 5 rounds, the two processes of a round back to back (`--slice-s 0`).
-#    (Both sides on the GPU's local CPUs, `--cpus gpu`, moved nothing in session 7: not repeated.)
+#    a. where ipw's cost lies: 12 rounds of four processes back to back (`--slice-s 0`: the machine has
+#       cores to spare), bare, `inproc` (ipw's llama.cpp engine code called directly), `worker` (the same
+#       through ipw's engine worker and its pipe) and `ipw run`; each against bare;
+#    b. the issue's own command (60 queries a round, taking turns of 0.5 s) with 21 rounds: its first 3
+#       rounds are the issue's figure, all 21 say how far one round's ratio moves on this host.
+#    (Session 7 also ran 300 queries a round back to back, and both sides pinned to the GPU's local CPUs
+#    with `--cpus gpu`: one round still moved by ±6%, pinned or not.)
 # Each step runs only while SECONDS (default 540) allow.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,7 +40,7 @@ overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a $R/o/steps.txt
   grep -E "ratio" $R/o/$name.log
 }
-overhead issue-command-21 240 --queries 60 --rounds 21
-overhead long-back-to-back 180 --queries 300 --rounds 5 --slice-s 0
+overhead sides 250 --queries 60 --rounds 12 --slice-s 0 --sides bare,inproc,worker,ipw
+overhead issue-command-21 220 --queries 60 --rounds 21
 tar czf $OUT/overhead.tgz -C $R/o .
 echo "all done at $(( $(date +%s) - T0 )) s"; ls -la $OUT

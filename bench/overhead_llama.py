@@ -313,6 +313,43 @@ def bare_worker(args) -> int:
     return 0
 
 
+def engine_worker(args) -> int:
+    """Side ``inproc`` or ``worker`` (``--engine-side``): ipw's llama.cpp engine (``LlamaCppEngine``) called
+    directly in this process, or through ipw's engine worker process and its pipe (``LlamaCppBackend``),
+    with the run's generation settings, and nothing of ipw's measuring process (no sensor, record or
+    progress).  Between ``bare`` and ``ipw`` they tell which part of ipw costs: the engine's own code,
+    the worker process and its round trip, or the measuring process."""
+    t_start = time.monotonic()
+    from ipw.backends.base import BackendSpec, GenerationSettings
+    from ipw.backends.llama_cpp import LlamaCppBackend, LlamaCppEngine
+    from ipw.datasets import load_queries
+
+    prompts = [q.render() for q in load_queries(args.dataset)[: args.queries + args.warmup]]
+    warm, prompts = prompts[: args.warmup], prompts[: args.queries]
+    spec = BackendSpec(name=MODEL, kind="llama-cpp", model=MODEL, mode="chat",
+                       options={"n_threads": args.n_threads, "n_ctx": args.n_ctx, "n_gpu_layers": args.n_gpu_layers})
+    engine = LlamaCppEngine(spec) if args.engine_side == "inproc" else LlamaCppBackend(spec)
+    settings = GenerationSettings(max_tokens=args.max_tokens, temperature=0.0)
+    t_import = time.monotonic()
+    engine.load()
+    t_load = time.monotonic()
+    for p in warm:
+        engine.generate(p, settings)
+    rows, outputs = [], []
+    for p in prompts:
+        start = time.monotonic()
+        c = engine.generate(p, settings)
+        end = time.monotonic()
+        rows.append({"start": start, "first": c.first_token_s, "decode_end": c.end_s, "end": end,
+                     "tokens": c.completion_tokens})
+        outputs.append(c.text)
+    engine.close()
+    Path(args.bare_worker).write_text(json.dumps({
+        "t_start": t_start, "import_s": t_import - t_start, "load_s": t_load - t_import, "rows": rows,
+        "outputs": outputs}), encoding="utf-8")
+    return 0
+
+
 # --- one trial of each side ------------------------------------------------------------------------------
 
 def config_toml(args, out_dir: Path) -> str:
@@ -339,20 +376,21 @@ n_gpu_layers = {args.n_gpu_layers}
 """
 
 
-def bare_cmd(args, out: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--bare-worker", str(out), "--queries", str(args.queries),
+def bare_cmd(args, out: Path, side: str = "bare") -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--bare-worker", str(out), "--engine-side", side,
+            "--queries", str(args.queries),
             "--warmup", str(args.warmup), "--n-threads", str(args.n_threads),
             "--n-gpu-layers", str(args.n_gpu_layers), "--max-tokens", str(args.max_tokens),
             "--n-ctx", str(args.n_ctx), "--dataset", args.dataset]
 
 
-def bare_result(child: Child, out: Path, load: float) -> dict:
+def bare_result(child: Child, out: Path, load: float, side: str = "bare") -> dict:
     if child.rc != 0:
-        raise SystemExit(f"bare worker failed:\n{child.output()}")
+        raise SystemExit(f"{side} worker failed:\n{child.output()}")
     data = json.loads(out.read_text(encoding="utf-8"))
     stats = query_stats(data["rows"], child.active)
     first = min(r["start"] for r in data["rows"])
-    stats.update(side="bare", load_avg=load, process_s=child.active(child.spawn, child.end), load_s=data["load_s"],
+    stats.update(side=side, load_avg=load, process_s=child.active(child.spawn, child.end), load_s=data["load_s"],
                  startup_s=child.active(child.spawn, first), cpu_s=child.cpu_s, outputs=data["outputs"])
     return stats
 
@@ -374,28 +412,31 @@ def ipw_result(child: Child, runs: Path, load: float) -> dict:
 
 
 def one_round(args, tmp: Path, r: int) -> dict:
-    """One bare process and one ``ipw run`` process: taking turns of ``--slice-s`` seconds, or (0) one
-    after the other; who starts alternates between rounds."""
-    bare_out = tmp / f"bare-{r}.json"
+    """One process per side (``--sides``: bare and ``ipw run``, and the engine sides of ``engine_worker``):
+    taking turns of ``--slice-s`` seconds, or (0) one after the other; who starts rotates between rounds."""
     runs = tmp / f"ipw-{r}"
     cfg = tmp / f"ipw-{r}.toml"
     cfg.write_text(config_toml(args, runs), encoding="utf-8")
-    order = ("bare", "ipw") if r % 2 == 0 else ("ipw", "bare")
-    make = {"bare": lambda: Child(bare_cmd(args, bare_out), pty=False, cpus=args.cpus),
-            "ipw": lambda: Child([*IPW, "run", str(cfg)], pty=args.pty, cpus=args.cpus)}
+    order = tuple(args.sides[r % len(args.sides):] + args.sides[: r % len(args.sides)])
+    outs = {side: tmp / f"{side}-{r}.json" for side in order}
+
+    def make(side: str) -> Child:
+        if side == "ipw":
+            return Child([*IPW, "run", str(cfg)], pty=args.pty, cpus=args.cpus)
+        return Child(bare_cmd(args, outs[side], side), pty=False, cpus=args.cpus)
     load = loads()
     children = {}
     if args.slice_s > 0:
         for side in order:
-            children[side] = make[side]()
+            children[side] = make(side)
         alternate([children[side] for side in order], args.slice_s)
     else:
         for side in order:
-            children[side] = make[side]()
+            children[side] = make(side)
             children[side].wait()
     load = round((load + loads()) / 2, 2)
-    return {"order": order, "bare": bare_result(children["bare"], bare_out, load),
-            "ipw": ipw_result(children["ipw"], runs, load)}
+    return {"order": order, **{side: ipw_result(children[side], runs, load) if side == "ipw" else
+                                bare_result(children[side], outs[side], load, side) for side in order}}
 
 
 def paired_query_ratio(b: dict, w: dict, key: str) -> float:
@@ -406,13 +447,14 @@ def paired_query_ratio(b: dict, w: dict, key: str) -> float:
 
 def measure(args) -> dict:
     trials = []
+    others = [side for side in args.sides if side not in ("bare", "ipw")]
     with tempfile.TemporaryDirectory(prefix="ipw-overhead-llama-") as tmp_name:
         tmp = Path(tmp_name)
         for r in range(args.rounds):
             pair = one_round(args, tmp, r)
             for side in pair["order"]:
                 t = pair[side]
-                print(f"round {r + 1} {side:4s}: decode {t['decode_tps']:.1f} tok/s, loop {t['loop_wall_s']:.2f} s, "
+                print(f"round {r + 1} {side:6s}: decode {t['decode_tps']:.1f} tok/s, loop {t['loop_wall_s']:.2f} s, "
                       f"{t['tokens']} tokens, start-up {t['startup_s']:.2f} s, CPU {t['cpu_s']:.1f} s, "
                       f"load avg {t['load_avg']}", file=sys.stderr, flush=True)
             b, w = pair["bare"], pair["ipw"]
@@ -421,16 +463,25 @@ def measure(args) -> dict:
             pair["wall_ratio"] = w["loop_wall_s"] / b["loop_wall_s"]
             pair["query_decode_ratio"] = paired_query_ratio(b, w, "query_decode_s")
             pair["query_time_ratio"] = 1.0 / paired_query_ratio(b, w, "query_s")
+            # the engine sides against bare: the same two ratios
+            pair["sides"] = {side: {"decode_ratio": pair[side]["decode_tps"] / b["decode_tps"],
+                                    "wall_ratio": pair[side]["loop_wall_s"] / b["loop_wall_s"],
+                                    "same_outputs": sum(x == y for x, y in zip(b["outputs"], pair[side]["outputs"]))}
+                             for side in others}
             print(f"round {r + 1}: decode ratio {pair['decode_ratio']:.4f}, wall ratio {pair['wall_ratio']:.4f} "
                   f"(per query medians: decode {pair['query_decode_ratio']:.4f}, time {pair['query_time_ratio']:.4f}), "
-                  f"identical outputs {pair['same_outputs']}/{args.queries}", file=sys.stderr, flush=True)
-            for side in ("bare", "ipw"):
+                  f"identical outputs {pair['same_outputs']}/{args.queries}"
+                  + "".join(f"; {side}: decode {x['decode_ratio']:.4f}, wall {x['wall_ratio']:.4f}, identical "
+                            f"{x['same_outputs']}" for side, x in pair["sides"].items()), file=sys.stderr, flush=True)
+            for side in pair["order"]:
                 pair[side].pop("outputs")
             trials.append(pair)
     return {"trials": trials, "decode_ratio": median([p["decode_ratio"] for p in trials]),
             "wall_ratio": median([p["wall_ratio"] for p in trials]),
             "query_decode_ratio": median([p["query_decode_ratio"] for p in trials]),
-            "query_time_ratio": median([p["query_time_ratio"] for p in trials])}
+            "query_time_ratio": median([p["query_time_ratio"] for p in trials]),
+            "sides": {side: {k: median([p["sides"][side][k] for p in trials]) for k in ("decode_ratio", "wall_ratio")}
+                      for side in others}}
 
 
 def command(args) -> str:
@@ -541,11 +592,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pty", dest="pty", action="store_false", help="ipw's stdio not a terminal")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--sides", type=lambda t: t.split(","), default=["bare", "ipw"],
+                        help="which processes a round runs, of bare, inproc (ipw's llama.cpp engine called "
+                             "directly), worker (the same through ipw's engine worker) and ipw (ipw run); "
+                             "bare and ipw always")
     parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-side", default="bare", help=argparse.SUPPRESS)
     parser.add_argument("--from-json", type=Path, help="write the doc from a saved --json result (no run)")
     args = parser.parse_args(argv)
     if args.bare_worker:
-        return bare_worker(args)
+        return bare_worker(args) if args.engine_side == "bare" else engine_worker(args)
+    if not {"bare", "ipw"} <= set(args.sides) <= {"bare", "inproc", "worker", "ipw"}:
+        parser.error(f"--sides: bare and ipw, and any of inproc and worker; got {','.join(args.sides)}")
     if args.from_json:
         res = json.loads(args.from_json.read_text(encoding="utf-8"))
         args = argparse.Namespace(**(res["args"] | {"no_write": args.no_write, "json": None}))
@@ -555,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "cpus": sorted(args.cpus) if args.cpus else None}
     if args.json:
         args.json.write_text(json.dumps(res, indent=1), encoding="utf-8")
-    print(json.dumps({k: res[k] for k in ("decode_ratio", "wall_ratio")}))
+    print(json.dumps({k: res[k] for k in ("decode_ratio", "wall_ratio", "sides") if k in res}))
     if not args.no_write:
         write_doc(args, res)
     return 0
