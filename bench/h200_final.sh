@@ -12,8 +12,8 @@
 #       through ipw's engine worker and its pipe) and `ipw run`; each against bare;
 #    b. the issue's own command (60 queries a round, taking turns of 0.5 s) with 21 rounds: its first 3
 #       rounds are the issue's figure, all 21 say how far one round's ratio moves on this host.
-#    (Session 7 also ran 300 queries a round back to back, and both sides pinned to the GPU's local CPUs
-#    with `--cpus gpu`: one round still moved by ±6%, pinned or not.)
+#    (Session 7 also ran 300 queries a round back to back: one round still moved by ±6%.  Its `--cpus gpu`
+#    pinned nothing: the GPU's local CPUs were all 16 of the machine's, one NUMA node.)
 # Each step runs only while SECONDS (default 540) allow.
 set -u
 cd "$(dirname "$0")/.."
