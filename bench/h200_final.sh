@@ -7,11 +7,12 @@
 # 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
 #    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
 # 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
-#    a. where ipw's cost lies: 12 rounds of four processes back to back (`--slice-s 0`: the machine has
+#    a. where ipw's cost lies: 10 rounds of five processes back to back (`--slice-s 0`: the machine has
 #       cores to spare), bare, `inproc` (ipw's llama.cpp engine code called directly), `worker` (the same
-#       through ipw's engine worker and its pipe) and `ipw run`; each against bare;
-#    b. the issue's own command (60 queries a round, taking turns of 0.5 s) with 21 rounds: its first 3
-#       rounds are the issue's figure, all 21 say how far one round's ratio moves on this host.
+#       through ipw's engine worker and its pipe), `ipw run` in a pseudo-terminal, and `ipw run` with its
+#       output not a terminal (as the validation runs above); each against bare;
+#    b. the issue's own command (60 queries a round, taking turns of 0.5 s) with 15 rounds: its first 3
+#       rounds are the issue's figure, all 15 say how far one round's ratio moves on this host.
 #    (Session 7 also ran 300 queries a round back to back: one round still moved by ±6%.  Its `--cpus gpu`
 #    pinned nothing: the GPU's local CPUs were all 16 of the machine's, one NUMA node.)
 # Each step runs only while SECONDS (default 540) allow.
@@ -40,7 +41,7 @@ overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a $R/o/steps.txt
   grep -E "ratio" $R/o/$name.log
 }
-overhead sides 250 --queries 60 --rounds 12 --slice-s 0 --sides bare,inproc,worker,ipw
-overhead issue-command-21 220 --queries 60 --rounds 21
+overhead sides 280 --queries 60 --rounds 10 --slice-s 0 --sides bare,inproc,worker,ipw,ipw-nopty
+overhead issue-command-15 160 --queries 60 --rounds 15
 tar czf $OUT/overhead.tgz -C $R/o .
 echo "all done at $(( $(date +%s) - T0 )) s"; ls -la $OUT

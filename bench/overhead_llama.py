@@ -395,7 +395,7 @@ def bare_result(child: Child, out: Path, load: float, side: str = "bare") -> dic
     return stats
 
 
-def ipw_result(child: Child, runs: Path, load: float) -> dict:
+def ipw_result(child: Child, runs: Path, load: float, side: str = "ipw") -> dict:
     if child.rc != 0:
         raise SystemExit(f"ipw run failed:\n{child.output()[-3000:]}")
     (run_dir,) = [p for p in runs.iterdir() if p.is_dir()]
@@ -405,7 +405,7 @@ def ipw_result(child: Child, runs: Path, load: float) -> dict:
     stats = query_stats(rows, child.active)
     backend = manifest["backends"][0]
     first = min(r["start"] for r in rows)
-    stats.update(side="ipw", load_avg=load, process_s=child.active(child.spawn, child.end), load_s=backend["load_s"],
+    stats.update(side=side, load_avg=load, process_s=child.active(child.spawn, child.end), load_s=backend["load_s"],
                  startup_s=child.active(child.spawn, first), cpu_s=child.cpu_s, outputs=outputs,
                  sampler_overhead=backend.get("sampler_overhead"))
     return stats
@@ -414,15 +414,14 @@ def ipw_result(child: Child, runs: Path, load: float) -> dict:
 def one_round(args, tmp: Path, r: int) -> dict:
     """One process per side (``--sides``: bare and ``ipw run``, and the engine sides of ``engine_worker``):
     taking turns of ``--slice-s`` seconds, or (0) one after the other; who starts rotates between rounds."""
-    runs = tmp / f"ipw-{r}"
-    cfg = tmp / f"ipw-{r}.toml"
-    cfg.write_text(config_toml(args, runs), encoding="utf-8")
     order = tuple(args.sides[r % len(args.sides):] + args.sides[: r % len(args.sides)])
-    outs = {side: tmp / f"{side}-{r}.json" for side in order}
+    outs = {side: tmp / f"{side}-{r}" for side in order}  # a run folder's parent, or a JSON file
 
     def make(side: str) -> Child:
-        if side == "ipw":
-            return Child([*IPW, "run", str(cfg)], pty=args.pty, cpus=args.cpus)
+        if side.startswith("ipw"):  # ipw-nopty: its output not a terminal (no live display), as in CI
+            cfg = tmp / f"{side}-{r}.toml"
+            cfg.write_text(config_toml(args, outs[side]), encoding="utf-8")
+            return Child([*IPW, "run", str(cfg)], pty=args.pty and side == "ipw", cpus=args.cpus)
         return Child(bare_cmd(args, outs[side], side), pty=False, cpus=args.cpus)
     load = loads()
     children = {}
@@ -435,8 +434,8 @@ def one_round(args, tmp: Path, r: int) -> dict:
             children[side] = make(side)
             children[side].wait()
     load = round((load + loads()) / 2, 2)
-    return {"order": order, **{side: ipw_result(children[side], runs, load) if side == "ipw" else
-                                bare_result(children[side], outs[side], load, side) for side in order}}
+    return {"order": order, **{side: ipw_result(children[side], outs[side], load, side) if side.startswith("ipw")
+                                else bare_result(children[side], outs[side], load, side) for side in order}}
 
 
 def paired_query_ratio(b: dict, w: dict, key: str) -> float:
@@ -594,16 +593,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--sides", type=lambda t: t.split(","), default=["bare", "ipw"],
                         help="which processes a round runs, of bare, inproc (ipw's llama.cpp engine called "
-                             "directly), worker (the same through ipw's engine worker) and ipw (ipw run); "
-                             "bare and ipw always")
+                             "directly), worker (the same through ipw's engine worker), ipw (ipw run) and "
+                             "ipw-nopty (ipw run, its output not a terminal); bare and ipw always")
     parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
     parser.add_argument("--engine-side", default="bare", help=argparse.SUPPRESS)
     parser.add_argument("--from-json", type=Path, help="write the doc from a saved --json result (no run)")
     args = parser.parse_args(argv)
     if args.bare_worker:
         return bare_worker(args) if args.engine_side == "bare" else engine_worker(args)
-    if not {"bare", "ipw"} <= set(args.sides) <= {"bare", "inproc", "worker", "ipw"}:
-        parser.error(f"--sides: bare and ipw, and any of inproc and worker; got {','.join(args.sides)}")
+    if not {"bare", "ipw"} <= set(args.sides) <= {"bare", "inproc", "worker", "ipw", "ipw-nopty"}:
+        parser.error(f"--sides: bare and ipw, and any of inproc, worker and ipw-nopty; got {','.join(args.sides)}")
     if args.from_json:
         res = json.loads(args.from_json.read_text(encoding="utf-8"))
         args = argparse.Namespace(**(res["args"] | {"no_write": args.no_write, "json": None}))
