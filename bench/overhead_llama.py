@@ -295,8 +295,9 @@ def bare_worker(args) -> int:
             out.append(tok)
             if len(out) >= args.max_tokens:
                 break
-        end = time.monotonic()
+        # the answer's text is the engine's work too: ipw's engine ends its call (Completion.end_s) after it
         text = llm.detokenize(out).decode("utf-8", errors="ignore").strip()
+        end = time.monotonic()
         return {"start": start, "first": first, "decode_end": end, "end": end, "tokens": len(out)}, text
 
     for p in warm:
