@@ -130,6 +130,22 @@ def test_an_edge_is_a_timestamp_and_the_reads_are_on_the_sensors_thread(monkeypa
     assert "edges interpolated" in reading.note
 
 
+def test_end_leaves_no_window_open():
+    """``end`` closes its window and opens none: a window left open would take every later read (each read
+    costs more with every query, and memory grows; a million-query run slowed to 60 queries/s)."""
+    sensor = CpuModelSensor(lambda: [os.getpid()], watts_per_core=2.0)
+    try:
+        for _ in range(20):
+            sensor.end(sensor.begin(time.monotonic()), time.monotonic()).result()
+        pending, token = sensor.cut(sensor.begin(time.monotonic()), time.monotonic())
+        pending.result()
+        assert sensor.counters._open == [token]  # cut opens the next window, and only that one
+        sensor.end(token, time.monotonic()).result()
+        assert sensor.counters._open == []
+    finally:
+        sensor.close()
+
+
 def test_counters_interpolate_an_edge_within_its_stated_bound():
     """A counter read at 0 s (0) and 1.5 s (0.5) with the edge at 1 s: the true value lies anywhere in
     [0, 0.5]; the interpolation (1/3) and its bound (1/3 + the read's resolution) cover all of it."""

@@ -274,16 +274,18 @@ class CpuModelSensor(SensorBase):
         return self.counters.begin(time.monotonic() if t_s is None else t_s)
 
     def end(self, token: CounterWindow, t_s: float | None = None) -> PendingCpu:
-        return self.cut(token, t_s)[0]
+        """Close the window (no next one: a window left open would take every later read, for ever)."""
+        assert self.counters is not None, "end before begin"
+        self.counters.end(token, time.monotonic() if t_s is None else t_s)
+        return PendingCpu(self, token)
 
     def cut(self, token: CounterWindow, t_s: float | None = None) -> tuple[PendingCpu, CounterWindow]:
         """Close the window and open the next at the same instant (windows that tile time: the CPU time
         at the shared edge is the same interpolation for both)."""
         t = time.monotonic() if t_s is None else t_s
-        counters = self.counters
-        assert counters is not None, "cut before begin"
-        counters.end(token, t)
-        return PendingCpu(self, token), counters.begin(t)
+        pending = self.end(token, t)
+        assert self.counters is not None
+        return pending, self.counters.begin(t)
 
     def reading(self, window: CounterWindow) -> list[EnergyReading]:
         """The window's reading from the reads around its edges (after the window, on whichever thread)."""
