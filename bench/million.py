@@ -181,6 +181,52 @@ def analyse(run_dir: Path, work: Path) -> dict:
             "report": timed([*IPW, "report", str(run_dir), "--out", str(work / "report.html")], work / "report.log")}
 
 
+def first_part(args, work: Path, out_log: Path, mem: Memory, loads: list, t0: float) -> tuple[dict, Path, Path]:
+    """Step 1: the query set, the config, ``ipw run`` killed at ``--kill-at`` records."""
+    summary: dict = {"machine": f"{os.cpu_count()} logical CPUs, {platform.processor() or platform.machine()}, "
+                                f"Python {platform.python_version()}", "nice": os.nice(0),
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": {k: str(v) for k, v in vars(args).items()}}
+    try:
+        from ipw.telemetry.cpu_model import cpu_model_name
+
+        summary["machine"] = f"{os.cpu_count()} logical CPUs, {cpu_model_name()}, Python {platform.python_version()}"
+    except Exception:
+        pass
+    queries = work / "queries.jsonl"
+    tq = time.monotonic()
+    write_queries(queries, args.queries)
+    summary["dataset"] = {"queries": args.queries, "bytes": queries.stat().st_size, "write_s": round(time.monotonic() - tq, 1)}
+    cfg = config(args, work, queries)
+
+    # 1. the run, killed at --kill-at records
+    t_run = time.monotonic()
+    proc = start([*IPW_FAKE, "run", str(cfg)], out_log)
+    mem.pid = proc.pid
+    run_dir = None
+    while run_dir is None:
+        found = list((work / "runs").glob("*/manifest.json")) if (work / "runs").exists() else []
+        if found:
+            run_dir = found[0].parent
+        elif proc.poll() is not None:
+            raise SystemExit(f"ipw run ended before its folder: {out_log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    log = run_dir / "records.jsonl"
+    mem.log = log
+    while lines(log) < args.kill_at:
+        if proc.poll() is not None:
+            raise SystemExit(f"ipw run ended at {lines(log)} records: {out_log.read_text()[-3000:]}")
+        if not loads or time.monotonic() - t0 - loads[-1][0] > 30:
+            loads.append((round(time.monotonic() - t0), os.getloadavg()[0]))
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = lines(log)
+    summary["first_part"] = {"records_at_kill": killed_at, "wall_s": round(time.monotonic() - t_run, 1),
+                             "queries_per_s": round(killed_at / (time.monotonic() - t_run), 1)}
+
+    return summary, run_dir, log
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--queries", type=int, default=1_000_000)
@@ -193,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only time --resume of copies of this finished run cut back to --kill-at records")
     parser.add_argument("--times", type=int, default=2)
     parser.add_argument("--analyse", type=Path, metavar="RUN_DIR", help="only time compare and report of this run")
+    parser.add_argument("--stop-after-kill", action="store_true",
+                        help="stop after the kill (the summary so far goes to --out); --resume-killed goes on")
+    parser.add_argument("--resume-killed", type=Path, metavar="RUN_DIR",
+                        help="resume a run that --stop-after-kill left (perhaps with other code) and go on as usual")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     if args.analyse:
@@ -211,52 +261,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    summary: dict = {"machine": f"{os.cpu_count()} logical CPUs, {platform.processor() or platform.machine()}, "
-                                f"Python {platform.python_version()}", "nice": os.nice(0),
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": {k: str(v) for k, v in vars(args).items()}}
-    try:
-        from ipw.telemetry.cpu_model import cpu_model_name
-
-        summary["machine"] = f"{os.cpu_count()} logical CPUs, {cpu_model_name()}, Python {platform.python_version()}"
-    except Exception:
-        pass
-    queries = work / "queries.jsonl"
-    tq = time.monotonic()
-    write_queries(queries, args.queries)
-    summary["dataset"] = {"queries": args.queries, "bytes": queries.stat().st_size, "write_s": round(time.monotonic() - tq, 1)}
-    cfg = config(args, work, queries)
     out_log = work / "ipw.log"
     loads: list[tuple[float, float]] = []
-
-    # 1. the run, killed at --kill-at records
     mem = Memory(args.every_s, Path("/nonexistent"), t0)
     mem.start()
-    t_run = time.monotonic()
-    proc = start([*IPW_FAKE, "run", str(cfg)], out_log)
-    mem.pid = proc.pid
-    run_dir = None
-    while run_dir is None:
-        found = list((work / "runs").glob("*/manifest.json")) if (work / "runs").exists() else []
-        if found:
-            run_dir = found[0].parent
-        elif proc.poll() is not None:
-            raise SystemExit(f"ipw run ended before its folder: {out_log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    log = run_dir / "records.jsonl"
-    mem.log = log
     last_load = 0.0
-    while lines(log) < args.kill_at:
-        if proc.poll() is not None:
-            raise SystemExit(f"ipw run ended at {lines(log)} records: {out_log.read_text()[-3000:]}")
-        if time.monotonic() - last_load > 30:
-            loads.append((round(time.monotonic() - t0), os.getloadavg()[0]))
-            last_load = time.monotonic()
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_at = lines(log)
-    summary["first_part"] = {"records_at_kill": killed_at, "wall_s": round(time.monotonic() - t_run, 1),
-                             "queries_per_s": round(killed_at / (time.monotonic() - t_run), 1)}
+    if args.resume_killed:
+        summary = json.loads(args.out.read_text(encoding="utf-8"))
+        summary["resumed_separately"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        loads = [tuple(x) for x in summary.pop("load_1min_first_part", [])]
+        mem.samples = [tuple(x) for x in summary.pop("memory_samples_first_part", [])]
+        run_dir = args.resume_killed.resolve()
+        log = run_dir / "records.jsonl"
+        mem.log = log
+    else:
+        summary, run_dir, log = first_part(args, work, out_log, mem, loads, t0)
+        if args.stop_after_kill:
+            summary["run_dir"] = str(run_dir)
+            summary["load_1min_first_part"] = loads
+            summary["memory_samples_first_part"] = mem.samples
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+            print(json.dumps(summary, indent=1))
+            return 0
 
     # 2. resume: time to the first query sent again
     size_before = log.stat().st_size
