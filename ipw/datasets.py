@@ -14,10 +14,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ipw.errors import IpwError, where
 from ipw.resources import resource_path
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 DATASETS_DIR = resource_path("data")  # ships in the package (ipw/data, written by datasets/generate.py)
 # short name -> (file, optional file of the ids to keep)
@@ -316,6 +319,18 @@ class QuerySet:
     @functools.cached_property
     def fingerprint(self) -> str:
         return self.known or fingerprint(self.queries)
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def ids(self) -> pa.Array:
+        """The queries' ids, in order, for ``--resume``'s filter (``results.DoneKeys.left``)."""
+        import pyarrow as pa
+
+        return pa.array([q.id for q in self.queries], pa.string())
+
+    def take(self, rows: Iterable[int]) -> list[Query]:
+        return [self.queries[i] for i in rows]
 
     def entry(self) -> dict[str, object]:
         """The manifest's ``dataset`` entry."""

@@ -36,7 +36,7 @@ from ipw.backends.base import BackendSpec
 from ipw.config import RunConfig
 from ipw.datasets import Query
 from ipw.errors import IpwError, missing_extra
-from ipw.results import QueryRecord, RunFolder, RunManifest
+from ipw.results import DoneKeys, QueryRecord, RunFolder, RunManifest
 from ipw.shard import Shard, combine_backend_infos, shard_items
 
 MAX_ATTEMPTS = 3  # per (backend, shard): the first run and two more
@@ -115,7 +115,7 @@ def shared_node_probe(backend: Any) -> list:
                          rapl=False)
 
 
-def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done: frozenset[tuple[str, str, int, int]],
+def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done: DoneKeys,
                run_id: str) -> Iterator[tuple]:
     """One (backend, shard) on a Ray worker: yields ("node", identity, hardware), then ("record",
     QueryRecord) per query as it finishes, ("power", columns) per trace, and ("backend", info)."""
@@ -189,7 +189,7 @@ def _one_line(exc: BaseException) -> str:
 
 def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progress: Callable[[QueryRecord], None],
                options: RayOptions, levels: dict[str, tuple[int, ...]],
-               done: frozenset[tuple[str, str, int, int]] = frozenset()) -> None:
+               done: DoneKeys = DoneKeys()) -> None:
     """Run every (backend, shard) as a Ray task; records stream into ``folder``.  ``levels``: each backend's
     concurrency levels (``backends.base.check_backends``), for the shards' keys.  Raises IpwError when
     a shard still fails after ``MAX_ATTEMPTS`` (the records so far are kept)."""
@@ -228,7 +228,7 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
             task["attempts"] += 1
             attempts[(spec.name, k)] = attempts.get((spec.name, k), 0) + 1
             gen = remote.options(num_returns="streaming", max_retries=0, name=f"ipw {spec.name} shard {k}/{n}",
-                                 **task_resources(spec)).remote(config, spec, part, frozenset(keys & seen),
+                                 **task_resources(spec)).remote(config, spec, part, DoneKeys.of(keys & seen),
                                                                 folder.manifest.run_id)
             running[gen] = (spec, k)
 

@@ -19,11 +19,12 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, cast
 
 from ipw.errors import IpwError
 
 if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+    import numpy as np
     import pandas as pd
     import pyarrow as pa
 
@@ -426,7 +427,7 @@ class RunFolder:
     manifest: RunManifest
     write_failure: IpwError | None = None  # the first record that could not be written (disk full)
     lock: FolderLock | None = None
-    _keys: list[tuple[str, str, int, int]] | None = field(default=None, repr=False)  # read by reopen
+    _keys: DoneKeys | None = field(default=None, repr=False)  # read by reopen
 
     @classmethod
     def create(cls, out_dir: str | Path, run_id: str, manifest: RunManifest) -> "RunFolder":
@@ -469,15 +470,15 @@ class RunFolder:
         folder._keys = keys
         return folder
 
-    def done_keys(self) -> set[tuple[str, str, int, int]]:
+    def done_keys(self) -> DoneKeys:
         """(backend, query_id, repeat, concurrency) of every record already written (concurrency 1 in
         runs older than the field)."""
         keys = self._keys if self._keys is not None else record_keys(self.path / "records.jsonl")
         if keys is not None:
-            return set(keys)
+            return keys
         frame = load_records_jsonl(self.path / "records.jsonl")
         levels = frame["concurrency"].fillna(1).astype(int)
-        return set(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int), levels))
+        return DoneKeys.of(zip(frame["backend"], frame["query_id"], frame["repeat"].astype(int), levels))
 
     def keep_queries(self, queries: list[Any], source: Path) -> None:
         """A large run's query set as loaded (``queries.parquet``), with the sha256 of its dataset file
@@ -597,7 +598,7 @@ def _append_synced(path: Path, text: str) -> None:
 QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that --resume need not parse it again
 
 
-def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> list[Any] | None:
+def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> KeptQueries | None:
     """A large run's queries as it loaded them (``RunFolder.keep_queries``), when neither the dataset file,
     nor that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
     from ipw import __version__
@@ -614,7 +615,7 @@ def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> list[Any] |
             return None
     except (IpwError, OSError, KeyError):
         return None
-    return read_queries(copy)
+    return KeptQueries.read(copy, entry.get("name", ""), entry["fingerprint"])
 
 
 def file_sha256(path: Path) -> str:
@@ -643,24 +644,120 @@ def write_queries(path: Path, queries: list[Any]) -> str:
 
 def read_queries(path: Path) -> list[Any]:
     """What ``write_queries`` wrote."""
-    import gc
-
-    import pyarrow.parquet as pq
-
-    from ipw.datasets import Query
-
-    cols = pq.ParquetFile(own_file(path)).read().to_pydict()  # (read_table would import pandas)
-    enabled = gc.isenabled()
-    gc.disable()  # a million new objects: the collector would walk them again and again (a third of the time)
-    try:
-        return [Query(i, p, a, tuple(c) if c else None, cat, sc) for i, p, a, c, cat, sc in
-                zip(cols["id"], cols["prompt"], cols["answer"], cols["choices"], cols["category"], cols["scorer"])]
-    finally:
-        if enabled:
-            gc.enable()
+    kept = KeptQueries.read(path, "", "")
+    return kept.take(range(len(kept)))
 
 
-def record_keys(path: Path) -> list[tuple[str, str, int, int]] | None:
+@dataclass(frozen=True)
+class KeptQueries:
+    """A run's copy of its queries (queries.parquet, ``write_queries``) as an Arrow table: ``--resume``
+    builds ``Query`` objects only for the rows it runs (``take``), found by their ``ids`` (``DoneKeys.left``).
+    ``name`` and ``fingerprint``: the manifest's ``dataset`` entry, which the copy was checked against."""
+
+    table: pa.Table
+    name: str
+    fingerprint: str
+
+    @classmethod
+    def read(cls, path: Path, name: str, fingerprint: str) -> "KeptQueries":
+        import pyarrow.parquet as pq
+
+        return cls(pq.ParquetFile(own_file(path)).read(), name, fingerprint)  # (read_table would import pandas)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def ids(self) -> pa.Array[Any]:
+        return self.table.column("id").combine_chunks()
+
+    def take(self, rows: Iterable[int]) -> list[Any]:
+        """The ``ipw.datasets.Query`` of each row, in the order given."""
+        import gc
+
+        import pyarrow as pa
+
+        from ipw.datasets import Query
+
+        cols = self.table.take(pa.array(rows, pa.int64())).to_pydict()
+        enabled = gc.isenabled()
+        gc.disable()  # a million new objects: the collector would walk them again and again (a third of the time)
+        try:
+            return [Query(i, p, a, tuple(c) if c else None, cat, sc) for i, p, a, c, cat, sc in
+                    zip(cols["id"], cols["prompt"], cols["answer"], cols["choices"], cols["category"], cols["scorer"])]
+        finally:
+            if enabled:
+                gc.enable()
+
+
+Group = tuple[str, int, int]  # (backend, repeat, concurrency): the records of one pass over the queries
+
+
+@dataclass(frozen=True)
+class DoneKeys:
+    """What a run's log holds (``record_keys``): the distinct ids of the queries done in each (backend,
+    repeat, concurrency), as Arrow string arrays (a million of them: no Python tuple per record).  As a
+    collection: its (backend, query_id, repeat, concurrency) keys."""
+
+    ids: dict[Group, pa.Array[Any]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, keys: Iterable[tuple[str, str, int, int]]) -> "DoneKeys":
+        """From (backend, query_id, repeat, concurrency) keys."""
+        import pyarrow as pa
+
+        groups: dict[Group, set[str]] = {}
+        for backend, query_id, repeat, level in keys:
+            groups.setdefault((backend, int(repeat), int(level)), set()).add(query_id)
+        return cls({g: pa.array(sorted(ids), pa.string()) for g, ids in groups.items()})
+
+    @classmethod
+    def from_columns(cls, backend: pa.Array[Any], query_id: pa.Array[Any], repeat: pa.Array[Any],
+                     level: pa.Array[Any]) -> "DoneKeys":
+        """From a log's key columns (no nulls), grouped by Arrow."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = pa.table({"backend": backend.cast(pa.string()), "repeat": pc.cast(repeat, pa.int64()),
+                          "concurrency": pc.cast(level, pa.int64()), "query_id": query_id.cast(pa.string())})
+        grouped = table.group_by(["backend", "repeat", "concurrency"], use_threads=False).aggregate(
+            [("query_id", "distinct")])
+        groups = zip(*(grouped.column(k).to_pylist() for k in ("backend", "repeat", "concurrency")))
+        ids = grouped.column("query_id_distinct").combine_chunks()
+        return cls({group: ids[i].values for i, group in enumerate(groups)})
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self.ids.values())
+
+    def __iter__(self) -> Iterator[tuple[str, str, int, int]]:
+        for (backend, repeat, level), ids in self.ids.items():
+            for query_id in cast("list[str]", ids.to_pylist()):
+                yield backend, query_id, repeat, level
+
+    def __contains__(self, key: object) -> bool:
+        backend, query_id, repeat, level = cast("tuple[str, str, int, int]", key)
+        return query_id in self.done_ids(backend, repeat, level)
+
+    def done_ids(self, backend: str, repeat: int, level: int) -> frozenset[str]:
+        """The ids done in one (backend, repeat, concurrency), as a Python set."""
+        ids = self.ids.get((backend, repeat, level))
+        return frozenset() if ids is None else frozenset(cast("list[str]", ids.to_pylist()))
+
+    def left(self, ids: pa.Array[Any], groups: Iterable[Group]) -> np.ndarray:
+        """Which of the queries ``ids`` (a run's, in order) still have a record to make in any of ``groups``
+        (each backend's repeats and concurrency levels): a boolean mask, Arrow's ``is_in`` per group."""
+        import numpy as np
+        import pyarrow.compute as pc
+
+        left = np.zeros(len(ids), dtype=bool)
+        for group in groups:
+            done = self.ids.get(group)
+            if done is None:
+                return np.ones(len(ids), dtype=bool)
+            left |= ~pc.is_in(ids, value_set=done).to_numpy(zero_copy_only=False)
+        return left
+
+
+def record_keys(path: Path) -> DoneKeys | None:
     """(backend, query_id, repeat, concurrency) of every record of a ``records.jsonl`` (``--resume``: what is
     done); None when any line is not a complete record (then ``read_records`` names it).  A torn last line
     is left out, as by ``read_records``.
@@ -676,7 +773,7 @@ def record_keys(path: Path) -> list[tuple[str, str, int, int]] | None:
     try:
         whole = _complete_length(own_file(path))  # a torn last line is left out, as by read_records
         if whole == 0:
-            return []
+            return DoneKeys()
         with pa.memory_map(str(path)) as mm:
             data = mm.read_buffer(whole)
             keys = _framed_keys(data)
@@ -692,7 +789,7 @@ _TAIL = r', "concurrency": (?P<concurrency>\d+), "split_method": ' + _STR + r', 
 _TAIL_BYTES = 160  # the end of a line, which holds concurrency and the fields after it
 
 
-def _framed_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
+def _framed_keys(data: pa.Buffer) -> DoneKeys | None:
     """The keys of the log ``data`` (complete lines) from each line's head and tail (``record_keys``), or
     None when a line does not have the frame ``QueryRecord.to_json`` writes.  Lines are found with numpy and
     matched by Arrow's regular expressions (RE2, anchored: only each line's first and last bytes are read)."""
@@ -710,15 +807,15 @@ def _framed_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
     tail = pc.extract_regex(pc.binary_slice(lines, -_TAIL_BYTES), _TAIL)
     if head.null_count or tail.null_count:
         return None
-    backend, query_id = (head.field(k).to_pylist() for k in ("backend", "query_id"))
-    repeat, level = (pc.cast(column, pa.int64()).to_pylist() for column in (head.field("repeat"), tail.field("concurrency")))
-    return cast("list[tuple[str, str, int, int]]", list(zip(backend, query_id, repeat, level)))  # no nulls (above)
+    return DoneKeys.from_columns(head.field("backend"), head.field("query_id"), head.field("repeat"),
+                                 tail.field("concurrency"))  # no nulls (above)
 
 
-def _json_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
+def _json_keys(data: pa.Buffer) -> DoneKeys | None:
     """The keys of the log ``data`` with every line parsed by Arrow's JSON reader (C++, 10-20x faster
     than Python's json for a large log)."""
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.json as pj
 
     fields: list[tuple[str, pa.DataType]] = [("backend", pa.string()), ("query_id", pa.string()),
@@ -727,10 +824,11 @@ def _json_keys(data: pa.Buffer) -> list[tuple[str, str, int, int]] | None:
     table = pj.read_json(pa.BufferReader(data),  # type: ignore[arg-type]  # pyarrow-stubs 20: any NativeFile works
                          read_options=pj.ReadOptions(block_size=1 << 24),
                          parse_options=pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore"))
-    cols = table.to_pydict()
-    if any(v is None for k in KEY_FIELDS for v in cols[k]):
+    if any(table.column(k).null_count for k in KEY_FIELDS):
         return None
-    return list(zip(cols["backend"], cols["query_id"], cols["repeat"], [c or 1 for c in cols["concurrency"]]))
+    backend, query_id, repeat, given = (table.column(k).combine_chunks() for k in (*KEY_FIELDS, "concurrency"))
+    level = pc.fill_null(pc.if_else(pc.equal(given, pa.scalar(0)), 1, given), 1)  # absent (older runs) or 0: 1
+    return DoneKeys.from_columns(backend, query_id, repeat, level)
 
 
 def _complete_length(log: Path) -> int:

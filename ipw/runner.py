@@ -9,7 +9,7 @@ import json
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -22,7 +22,7 @@ from ipw.datasets import Query, QuerySet
 from ipw.errors import IpwError
 from ipw.overlap import Segments, Share, Tally, request_of, split_share
 from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_many
-from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
+from ipw.results import DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy
@@ -114,8 +114,7 @@ class RecordSink(Protocol):
 
 def run_backend(
     folder: RecordSink, config: RunConfig, spec: BackendSpec, queries: list[Query],
-    progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-    done: frozenset[tuple[str, str, int, int]] = frozenset(),
+    progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe, done: DoneKeys = DoneKeys(),
 ) -> dict[str, Any] | None:
     """Run every query (× repeats) through one backend at each of its concurrency levels, skipping
     ``done`` (backend, query, repeat, concurrency) keys; returns what the manifest records about the
@@ -126,8 +125,7 @@ def run_backend(
     at every request's start and end, whose energy is split among the requests (``run_concurrent``)."""
     backend = create_backend(spec)
     levels = levels_of(backend)
-    todo = {c: [(r, q) for r in range(config.repeats) for q in queries if (spec.name, q.id, r, c) not in done]
-            for c in levels}
+    todo = work_left(spec.name, levels, config.repeats, queries, done)
     if not any(todo.values()):
         return None
     backend.attach(folder.path)  # e.g. a managed server's log goes into the run folder
@@ -198,6 +196,17 @@ def run_backend(
         for sensor in sensors:
             sensor.close()
         backend.close()
+
+
+def work_left(backend: str, levels: tuple[int, ...], repeats: int, queries: list[Query],
+              done: DoneKeys) -> dict[int, list[tuple[int, Query]]]:
+    """A backend's (repeat, query) pairs without a record yet, per concurrency level, in run order."""
+    todo: dict[int, list[tuple[int, Query]]] = {c: [] for c in levels}
+    for c in levels:
+        for r in range(repeats):
+            ids = done.done_ids(backend, r, c)
+            todo[c] += [(r, q) for q in queries if q.id not in ids]
+    return todo
 
 
 def _energy_audit(folder: RecordSink, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
@@ -341,9 +350,9 @@ def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurre
     ``concurrency`` at a time (a failed one is not measured anyway)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    if config.warmup <= 0:
+    batch = queries[: warm_up_count(config, concurrency)]
+    if not batch:
         return
-    batch = queries[: max(config.warmup, concurrency)]
 
     def one(query: Query) -> None:
         try:
@@ -353,6 +362,12 @@ def _warm_up(backend: Backend, queries: list[Query], config: RunConfig, concurre
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ipw-warmup") as pool:
         list(pool.map(one, batch))
+
+
+def warm_up_count(config: RunConfig, concurrency: int) -> int:
+    """The warm-up's queries before a level: the set's first ``warmup``, at least one per request slot (none
+    without ``warmup``)."""
+    return max(config.warmup, concurrency) if config.warmup > 0 else 0
 
 
 def run_concurrent(
@@ -454,26 +469,48 @@ def plan_run(config: RunConfig, query_set: QuerySet, shard: Shard | None = None,
     return folder, mine.queries
 
 
-def plan_resume(run_dir: str | Path, query_set: QuerySet) -> tuple[RunFolder, frozenset[tuple[str, str, int, int]]]:
+@dataclass(frozen=True)
+class ResumePlan:
+    """The plan step of ``--resume`` (``plan_resume``)."""
+
+    folder: RunFolder
+    queries: list[Query]  # the queries with a record still to make, and the warm-up's, in the set's order
+    n_queries: int  # the whole query set's
+    done: DoneKeys
+
+
+def plan_resume(run_dir: str | Path, query_set: QuerySet | KeptQueries, config: RunConfig,
+                levels: dict[str, tuple[int, ...]], every_query: bool = False) -> ResumePlan:
     """The plan step of ``--resume``: the run folder reopened (``RunFolder.reopen``: its only writer again),
-    its query set checked against the one it started with (fingerprints), and what is done."""
+    its query set checked against the one it started with (fingerprints), what is done, and the queries
+    still to run: those with a record left to make in any (backend, repeat, concurrency level), found by id
+    in Arrow (``DoneKeys.left``) before any ``Query`` is built, and the first ones, which the warm-up sends
+    (``warm_up_count``).  ``every_query``: all of them (Ray's shards split the whole list)."""
+    import numpy as np
+
     folder = RunFolder.reopen(run_dir)
     assert folder.manifest.dataset is not None and folder.lock is not None  # read_unfinished, reopen
     if query_set.fingerprint != folder.manifest.dataset["fingerprint"]:
         folder.lock.release()
         raise IpwError(f"{run_dir}: the dataset {query_set.name} changed since the run started "
                        "(fingerprints differ); start a new run")
-    done = frozenset(folder.done_keys())
+    done = folder.done_keys()
+    left = done.left(query_set.ids(), [(spec.name, r, c) for spec in config.backends for c in levels[spec.name]
+                                       for r in range(config.repeats)])
+    left[:max((warm_up_count(config, c) for lv in levels.values() for c in lv), default=0)] = True
+    if every_query:
+        left[:] = True
+    queries = query_set.take(np.flatnonzero(left).tolist())
     identity, hardware = node_identity()
     folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                           + [time.strftime("%Y-%m-%dT%H:%M:%S")],
                           hardware_by_id={**(folder.manifest.hardware_by_id or {}), identity.hardware_id: hardware})
-    return folder, done
+    return ResumePlan(folder, queries, len(query_set), done)
 
 
 def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             progress: Callable[[QueryRecord], None], probe: ProbeFn = default_probe,
-            done: frozenset[tuple[str, str, int, int]] = frozenset(), dispatch: Callable[..., None] | None = None,
+            done: DoneKeys = DoneKeys(), dispatch: Callable[..., None] | None = None,
             notice: Callable[[str], None] = lambda line: None) -> str:
     """Run every backend and return the run's final status, which the manifest records with
     records.parquet in every case: ``complete``; ``failed`` when a backend stopped (its engine kept

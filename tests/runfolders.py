@@ -88,9 +88,9 @@ def start_run(config, command=None, shard=None):
 
 def resume_run(run_dir):
     """``ipw run --resume``'s load and plan steps: the folder, its config, the queries and what is done."""
-    from ipw.commands.run import load_resumed
+    from ipw.commands.run import check_run, load_resumed
     from ipw.runner import plan_resume
 
     config, query_set = load_resumed(run_dir)
-    folder, done = plan_resume(run_dir, query_set)
-    return folder, config, query_set.queries, done
+    plan = plan_resume(run_dir, query_set, config, check_run(config))
+    return plan.folder, config, plan.queries, plan.done

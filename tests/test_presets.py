@@ -253,6 +253,8 @@ def test_each_preset_scores_a_run(name, oracle, tmp_path):
 def test_a_run_with_category_and_sample_resumes_the_same_queries(oracle, tmp_path):
     from runfolders import resume_run
 
+    from ipw.commands.run import load_resumed
+
     run_dir = _run(str(DATA / "mmlu.parquet"), tmp_path, category=["chemistry"], sample=2, seed=4)
     frame = pd.read_parquet(run_dir / "records.parquet")
     expected = [q.id for q in load_queries(str(DATA / "mmlu.parquet"), categories=("chemistry",), sample=2, seed=4)]
@@ -260,8 +262,10 @@ def test_a_run_with_category_and_sample_resumes_the_same_queries(oracle, tmp_pat
     manifest = json.loads((run_dir / "manifest.json").read_text())
     manifest["status"] = "interrupted"
     (run_dir / "manifest.json").write_text(json.dumps(manifest))
-    _, config, queries, done = resume_run(str(run_dir))  # same selection: the fingerprint check passes
-    assert [q.id for q in queries] == expected and len(done) == 2
+    _, query_set = load_resumed(str(run_dir))
+    assert [q.id for q in query_set.queries] == expected  # the same selection
+    _, config, queries, done = resume_run(str(run_dir))  # so the fingerprint check passes
+    assert queries == [] and len(done) == 2  # both done: nothing left to run
 
 
 def test_every_preset_is_covered():

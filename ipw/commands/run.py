@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ipw.analysis.render import Table
     from ipw.config import RunConfig
     from ipw.datasets import QuerySet
-    from ipw.results import RunManifest
+    from ipw.results import KeptQueries, RunManifest
 
 
 def _progress_columns():
@@ -109,6 +109,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
 
     from ipw.config import apply_overrides, load_config
     from ipw.datasets import load_query_set
+    from ipw.results import DoneKeys
     from ipw.runner import execute, plan_resume, plan_run
 
     # 1. load
@@ -119,7 +120,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
         if repair:
             _repair(Path(resume))
-        config, query_set = load_resumed(resume)
+        config, kept = load_resumed(resume)
     else:
         config = apply_overrides(load_config(str(config_path) if config_path else None), overrides)
         query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
@@ -127,11 +128,11 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
 
     # 2. plan
     if resume is not None:
-        folder, done = plan_resume(resume, query_set)
-        queries = query_set.queries
+        plan = plan_resume(resume, kept, config, levels, every_query=ray_options is not None)
+        folder, queries, n_queries, done = plan.folder, plan.queries, plan.n_queries, plan.done
     else:
         folder, queries = plan_run(config, query_set, the_shard)
-        done = frozenset()
+        n_queries, done = len(queries), DoneKeys()
 
     # 3. execute
     _sigterm_as_interrupt()
@@ -142,12 +143,12 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     if ray_options is not None:
         verb += f" on Ray ({ray_options.address})"
     sweeps = "".join(f"; {name} at concurrency {', '.join(map(str, lv))}" for name, lv in levels.items() if len(lv) > 1)
-    console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {len(queries)} queries x {config.repeats} "
+    console.print(f"{verb} [bold]{folder.manifest.run_id}[/]: {n_queries} queries x {config.repeats} "
                   f"repeat(s) x {len(config.backends)} backend(s){sweeps} -> {folder.path}")
     state: dict[str, Any] = {"n": 0, "energy": 0.0, "n_e": 0, "correct": 0.0, "scored": 0, "t0": time.monotonic(),
                              "shown": 0.0, "last": None}
     with _progress_columns() as progress:
-        task = progress.add_task("queries", total=len(queries) * config.repeats * sum(map(len, levels.values())),
+        task = progress.add_task("queries", total=n_queries * config.repeats * sum(map(len, levels.values())),
                                  completed=len(done), rate="-", jpq="-", acc="-")
 
         def show() -> None:
@@ -214,9 +215,10 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     return 1 if judge_failed else 0
 
 
-def load_resumed(run_dir) -> tuple[RunConfig, QuerySet]:
+def load_resumed(run_dir) -> tuple[RunConfig, QuerySet | KeptQueries]:
     """The load step of ``--resume``: the unfinished run's config and its queries (a large run's checked
-    copy, else its dataset loaded again and cut to its shard)."""
+    copy, as an Arrow table: ``plan_resume`` builds only the queries left; else its dataset loaded again and
+    cut to its shard)."""
     from ipw.config import RunConfig
     from ipw.datasets import QuerySet, load_query_set
     from ipw.results import RunManifest, manifest_field, read_kept_queries
@@ -227,7 +229,7 @@ def load_resumed(run_dir) -> tuple[RunConfig, QuerySet]:
     config = RunConfig.from_dict(manifest.config, where=manifest_field(run_dir, "config"))
     kept = read_kept_queries(run_dir, manifest)
     if kept is not None:
-        return config, QuerySet(config.dataset, kept, known=manifest.dataset["fingerprint"])
+        return config, kept
     query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
     if manifest.shard:
         shard = Shard(manifest.shard["index"], manifest.shard["count"])
