@@ -14,12 +14,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ipw.errors import IpwError, where
 from ipw.resources import resource_path
 
 if TYPE_CHECKING:
+    import numpy as np
     import pyarrow as pa
 
 DATASETS_DIR = resource_path("data")  # ships in the package (ipw/data, written by datasets/generate.py)
@@ -329,8 +330,8 @@ class QuerySet:
 
         return pa.array([q.id for q in self.queries], pa.string())
 
-    def take(self, rows: Iterable[int]) -> list[Query]:
-        return [self.queries[i] for i in rows]
+    def take(self, rows: np.ndarray) -> list[Query]:
+        return [self.queries[i] for i in rows.tolist()]
 
     def entry(self) -> dict[str, object]:
         """The manifest's ``dataset`` entry."""

@@ -644,8 +644,10 @@ def write_queries(path: Path, queries: list[Any]) -> str:
 
 def read_queries(path: Path) -> list[Any]:
     """What ``write_queries`` wrote."""
+    import numpy as np
+
     kept = KeptQueries.read(path, "", "")
-    return kept.take(range(len(kept)))
+    return kept.take(np.arange(len(kept)))
 
 
 @dataclass(frozen=True)
@@ -670,15 +672,17 @@ class KeptQueries:
     def ids(self) -> pa.Array[Any]:
         return self.table.column("id").combine_chunks()
 
-    def take(self, rows: Iterable[int]) -> list[Any]:
-        """The ``ipw.datasets.Query`` of each row, in the order given."""
+    def take(self, rows: np.ndarray) -> list[Any]:
+        """The ``ipw.datasets.Query`` of each row (numpy integers), in the order given."""
         import gc
 
+        import numpy as np
         import pyarrow as pa
 
         from ipw.datasets import Query
 
-        cols = self.table.take(pa.array(rows, pa.int64())).to_pydict()
+        index = pa.py_buffer(np.asarray(rows, np.int64).tobytes())  # as Arrow's (pa.array would import pandas)
+        cols = self.table.take(pa.Array.from_buffers(pa.int64(), len(rows), [None, index])).to_pydict()
         enabled = gc.isenabled()
         gc.disable()  # a million new objects: the collector would walk them again and again (a third of the time)
         try:
@@ -713,17 +717,22 @@ class DoneKeys:
     @classmethod
     def from_columns(cls, backend: pa.Array[Any], query_id: pa.Array[Any], repeat: pa.Array[Any],
                      level: pa.Array[Any]) -> "DoneKeys":
-        """From a log's key columns (no nulls), grouped by Arrow."""
+        """From a log's key columns (no nulls): Arrow's kernels once per (backend, repeat, level) there is
+        (a few).  Only Arrow values go in: Arrow's group_by, or a Python value given to a kernel, would
+        import pandas (half a second of a resume)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        table = pa.table({"backend": backend.cast(pa.string()), "repeat": pc.cast(repeat, pa.int64()),
-                          "concurrency": pc.cast(level, pa.int64()), "query_id": query_id.cast(pa.string())})
-        grouped = table.group_by(["backend", "repeat", "concurrency"], use_threads=False).aggregate(
-            [("query_id", "distinct")])
-        groups = zip(*(grouped.column(k).to_pylist() for k in ("backend", "repeat", "concurrency")))
-        ids = grouped.column("query_id_distinct").combine_chunks()
-        return cls({group: ids[i].values for i, group in enumerate(groups)})
+        repeat, level = pc.cast(repeat, pa.int64()), pc.cast(level, pa.int64())
+        ids: dict[Group, pa.Array[Any]] = {}
+        for b in pc.unique(backend):
+            of_b = pc.equal(backend, b)
+            for r in pc.unique(repeat.filter(of_b)):
+                of_br = pc.and_(of_b, pc.equal(repeat, r))
+                for c in pc.unique(level.filter(of_br)):
+                    group = (cast(str, b.as_py()), cast(int, r.as_py()), cast(int, c.as_py()))
+                    ids[group] = pc.unique(query_id.filter(pc.and_(of_br, pc.equal(level, c))))
+        return cls(ids)
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self.ids.values())
@@ -748,12 +757,15 @@ class DoneKeys:
         import numpy as np
         import pyarrow.compute as pc
 
+        import pyarrow as pa
+
         left = np.zeros(len(ids), dtype=bool)
         for group in groups:
             done = self.ids.get(group)
             if done is None:
                 return np.ones(len(ids), dtype=bool)
-            left |= ~pc.is_in(ids, value_set=done).to_numpy(zero_copy_only=False)
+            found = pc.cast(pc.is_in(ids, value_set=done), pa.uint8())  # (to_numpy would import pandas)
+            left |= np.frombuffer(memoryview(cast("pa.Buffer", found.buffers()[1])), np.uint8, len(found), found.offset) == 0
         return left
 
 

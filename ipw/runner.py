@@ -500,7 +500,7 @@ def plan_resume(run_dir: str | Path, query_set: QuerySet | KeptQueries, config: 
     left[:max((warm_up_count(config, c) for lv in levels.values() for c in lv), default=0)] = True
     if every_query:
         left[:] = True
-    queries = query_set.take(np.flatnonzero(left).tolist())
+    queries = query_set.take(np.flatnonzero(left))
     identity, hardware = node_identity()
     folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                           + [time.strftime("%Y-%m-%dT%H:%M:%S")],
