@@ -229,18 +229,40 @@ class _Live:
         return Request(self.start, max(now, self.start), tuple(self.times), self.prefill, self.prompt_tokens)
 
 
+#: how often the meter's thread looks again whether the windows of ended requests are final (NVML: until
+#: its sampler has read past their ends), and how long it waits for them at most
+READY_POLL_S = 0.001
+READY_WAIT_S = 10.0
+
+
+@dataclass
+class _Pending:
+    """An ended request, until its share is taken: what the meter's thread has made of it."""
+
+    ended_s: float
+    windows: list[Slice] | None = None  # its windows (fixed once it has ended), found by the meter's thread
+    share: Share | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class Meter:
     """``ipw serve``'s open-ended span: requests start and end at any time, and each gets its share
     when it ends (``end``, then ``share``), without waiting for the requests it overlapped.
 
-    A window is split once, when the first of its requests ends: a request still in flight then counts
+    A window is split once, when the first of its requests has ended: a request still in flight then counts
     with its token times so far (they are exactly its work in that window: a token is timed under the
     lock that cuts windows) and with its prefill once the server has reported it (``prefill``:
     llama-server does with the first token when asked for ``timings_per_token``).  A peer whose prefill
     is not known yet (still prefilling, or a server that reports timings only at the end) has its
-    prefill charged to the requests decoding beside it, as ``decode_tokens`` does.  The weights of each window are kept until every request in
-    it has taken its part: the parts of all requests and the windows with none in flight add up to the
-    span's measured energy (``tally``)."""
+    prefill charged to the requests decoding beside it, as ``decode_tokens`` does.  The weights of each
+    window are kept until every request in it has taken its part: the parts of all requests and the
+    windows with none in flight add up to the span's measured energy (``tally``).
+
+    The shares are made on one thread of the meter's own (``open`` starts it), not on the requests'
+    threads: the requests that ended by the time their windows are final are settled in one batch (one
+    ``resolve``, one ``slice_weights`` over the windows not split yet), and a request waits for its own
+    share only, never for a lock held while another request's windows are split."""
 
     def __init__(self, window: Window) -> None:
         self.segments = Segments(window, None)
@@ -250,15 +272,21 @@ class Meter:
         self._windows: dict[int, tuple[float, float]] = {}  # ended jobs not yet shared: their start and end
         self._weights: dict[int, dict[int, tuple[float, float]]] = {}  # id(window) -> job -> (work, time)
         self._taken: dict[int, set[int]] = {}  # id(window) -> jobs that took their part
-        self._split_lock = threading.Lock()
-        self._resolve_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}  # ended jobs whose share is not taken yet
+        self._wake = threading.Condition()  # guards _pending and _stopping; wakes the meter's thread
+        self._stopping = self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._settle_lock = threading.Lock()  # the meter's thread's, or (once it stopped) a late request's
         self._next = 0
         self.in_flight_peak = 0
-        #: wall seconds the requests' threads spent making sensor readings final and splitting windows
-        self.cost = {"shares": 0, "readings_s": 0.0, "split_s": 0.0}
+        #: wall seconds the meter's thread spent making sensor readings final and splitting windows, in
+        #: how many batches
+        self.cost = {"shares": 0, "batches": 0, "readings_s": 0.0, "split_s": 0.0}
 
     def open(self) -> None:
         self.segments.start()
+        self._thread = threading.Thread(target=self._run, name="ipw-meter", daemon=True)
+        self._thread.start()
 
     def start(self) -> int:
         """A request starts now: its job number."""
@@ -295,7 +323,8 @@ class Meter:
             return tuple(self._live[job].times)
 
     def end(self, job: int, completion: Completion | None) -> tuple[float, float]:
-        """``job`` ended now (its window is cut here): its start and end.  Its energy: ``share``."""
+        """``job`` ended now (its window is cut here): its start and end.  The meter's thread makes its
+        share (``share`` waits for it)."""
         def ended(now: float) -> None:  # under the lock that cut the window
             live = self._live.pop(job)
             self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
@@ -303,61 +332,115 @@ class Meter:
 
         self.segments.event(remove=job, then=ended)
         with self.segments.lock:
-            return self._windows[job]
+            window = self._windows[job]
+        with self._wake:
+            self._pending[job] = _Pending(ended_s=window[1])
+            self._wake.notify()
+        return window
 
     def share(self, job: int) -> Share:
-        """The energy of an ended ``job``: its part of every window it was in flight for, each window
-        split once, when the first of its requests asks (after the sensors have covered its end)."""
-        with self.segments.lock:
-            request = self._ended[job]
-            self._windows.pop(job)
-        mine = self.segments.of(job)
-        deadline = time.monotonic() + 10.0
-        while not all(seg[2].ready() for seg in mine) and time.monotonic() < deadline:
-            time.sleep(0.01)  # NVML: until the sampler has read past the request's end
+        """The energy of an ended ``job``: its part of every window it was in flight for.  The meter's
+        thread makes it, once the sensors have covered the job's end, in one batch with the other jobs
+        ended by then (``_settle``); this waits for it."""
+        with self._wake:
+            pending = self._pending[job]
+            alone = (self._thread is None or self._stopped) and not pending.done.is_set()
+        if alone:  # no meter thread: never opened, or the request ended after it stopped (past the grace period)
+            with self._settle_lock:
+                pending.share = self._settle({job: self.segments.of(job)})[job]
+                pending.done.set()
+        pending.done.wait()
+        with self._wake:
+            del self._pending[job]
+        if pending.error is not None:
+            raise pending.error
+        assert pending.share is not None
+        return pending.share
+
+    def _run(self) -> None:
+        """The meter's thread: the ended jobs whose windows are ready (or that waited ``READY_WAIT_S``),
+        settled together; until ``close`` and every ended job settled."""
+        while True:
+            with self._wake:
+                while not self._stopping and not any(p.share is None and p.error is None for p in self._pending.values()):
+                    self._wake.wait()
+                due = {j: p for j, p in self._pending.items() if p.share is None and p.error is None}
+                if not due and self._stopping:
+                    self._stopped = True  # a job that ends from now on is settled by its own thread
+                    return
+            for job, p in due.items():
+                if p.windows is None:  # a job's windows are fixed once it ended
+                    p.windows = self.segments.of(job)
+            now = time.monotonic()
+            batch = [j for j, p in due.items() if p.windows is not None
+                     and (now - p.ended_s > READY_WAIT_S or all(seg[2].ready() for seg in p.windows))]
+            if not batch:  # NVML: until the sampler has read past the jobs' ends
+                with self._wake:
+                    self._wake.wait(READY_POLL_S)
+                continue
+            try:
+                with self._settle_lock:
+                    shares = self._settle({j: cast(list[Slice], due[j].windows) for j in sorted(batch)})
+            except BaseException as exc:  # the waiting requests get the error, not a hang
+                for j in batch:
+                    due[j].error = exc
+                    due[j].done.set()
+                continue
+            for j in batch:
+                due[j].share = shares[j]
+                due[j].done.set()
+
+    def _settle(self, batch: dict[int, list[Slice]]) -> dict[int, Share]:
+        """The shares of ended jobs (``batch``: each one's windows): every window of the span that is ready
+        made final at once, the windows not split yet split in one go, each job's parts taken."""
         t0 = time.perf_counter()
         self._resolve()
-        readings = {id(seg[2]): seg[2].readings() for seg in mine}  # outside every lock
+        segs = list({id(seg[2]): seg for mine in batch.values() for seg in mine}.values())
+        readings = {id(seg[2]): seg[2].readings() for seg in segs}  # outside every lock
         t1 = time.perf_counter()
-        parts = []
-        peers: set[int] = set()
-        with self._split_lock:
-            new = [seg for seg in mine if id(seg[2]) not in self._weights]
-            if new:
-                self._split(new)
-                for seg in new:
-                    self.tally.add(readings[id(seg[2])], "span_j")
+        new = sorted((seg for seg in segs if id(seg[2]) not in self._weights), key=lambda seg: seg[0])
+        if new:
+            self._split(new)
+            for seg in new:
+                self.tally.add(readings[id(seg[2])], "span_j")
+        shares = {}
+        for job, mine in batch.items():
+            parts = []
+            peers: set[int] = set()
             for lo, hi, closed, active in mine:
                 key = id(closed)
                 w_work, w_time = self._weights[key][job]
                 parts.append((lo, hi, readings[key], w_work, w_time))
                 peers |= active
                 self._taken[key].add(job)
-            done = [seg for seg in mine if self._taken[id(seg[2])] >= seg[3]]
-            for seg in done:
-                del self._weights[id(seg[2])], self._taken[id(seg[2])]
-            gone = {id(seg[2]) for seg in done}
-            with self.segments.lock:
+            shares[job] = assemble(parts, split_method(self._ended[job]) if len(peers) > 1 else "", len(peers))
+            self.tally.add(shares[job].readings, "parts_j")
+        done = [seg for seg in segs if self._taken[id(seg[2])] >= seg[3]]
+        for seg in done:
+            del self._weights[id(seg[2])], self._taken[id(seg[2])]
+        gone = {id(seg[2]) for seg in done}
+        with self.segments.lock:
+            for job in batch:
+                del self._windows[job]
+            if gone:
                 self.segments.closed = [seg for seg in self.segments.closed if id(seg[2]) not in gone]
-                still = set().union(*(seg[3] for seg in self.segments.closed))
-                for j in [j for j in self._ended if j not in still and j not in self._windows]:
-                    del self._ended[j]
-        share = assemble(parts, split_method(request) if len(peers) > 1 else "", len(peers))
-        self.tally.add(share.readings, "parts_j")
+            still = set().union(*(seg[3] for seg in self.segments.closed))
+            for j in [j for j in self._ended if j not in still and j not in self._windows]:
+                del self._ended[j]
         self._drain_idle(wait=False)
-        with self._split_lock:  # what the meter costs (the session line's meter_cost)
-            self.cost["shares"] += 1
-            self.cost["readings_s"] += t1 - t0
-            self.cost["split_s"] += time.perf_counter() - t1
-        return share
+        # what the meter costs (the session line's meter_cost): its thread's time, not the requests'
+        self.cost["shares"] += len(batch)
+        self.cost["batches"] += 1
+        self.cost["readings_s"] += t1 - t0
+        self.cost["split_s"] += time.perf_counter() - t1
+        return shares
 
     def _resolve(self) -> None:
         """Every window of the span that is ready, made final in one go (``window.resolve``): under load
         a window ends every few ms, and one estimate each would cost more than the proxy may."""
-        with self._resolve_lock:
-            with self.segments.lock:
-                pending = [seg[2] for seg in self.segments.closed] + list(self.segments.idle)
-            resolve(pending)
+        with self.segments.lock:
+            pending = [seg[2] for seg in self.segments.closed] + list(self.segments.idle)
+        resolve(pending)
 
     def _split(self, segs: list[Slice]) -> None:
         """Weigh the requests of windows not split yet, all in one go (``slice_weights``: a request is in a
@@ -399,7 +482,13 @@ class Meter:
             return len(self._live)
 
     def close(self) -> dict[str, dict[str, float | None]]:
-        """End the span (after the last request has finished) and return the conservation tally."""
+        """End the span (after the last request has finished) and return the conservation tally; the
+        meter's thread stops once it has settled every ended request."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * READY_WAIT_S)
         self.segments.finish()
         self._drain_idle(wait=True)
         for _lo, _hi, closed, _active in self.segments.closed:  # requests that never finished (should be none)

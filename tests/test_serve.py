@@ -493,6 +493,83 @@ def test_meter_splits_every_window_once_and_conserves_energy():
     assert not meter.segments.closed and not meter._weights, "every window was split and let go"
 
 
+def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_own_windows_only():
+    """The meter's thread makes the shares: requests whose windows are final are settled together (one
+    batch), a request whose window is not final yet does not hold up one whose windows are, and a request
+    that ends after the thread stopped is settled on its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ipw.overlap import Meter
+    from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
+    from ipw.telemetry.window import Window
+
+    released = [0.0]  # a window is final once its end is at or before this (as NVML's buffer catches up)
+
+    class Part(Deferred):
+        def __init__(self, start: float, end: float) -> None:
+            self.start, self.end = start, end
+
+        def ready(self) -> bool:
+            return self.end <= released[0]
+
+        def result(self) -> list[EnergyReading]:
+            return [EnergyReading("pkg", 50.0 * (self.end - self.start), "test.gate", "measured", "cpu_package",
+                                  self.end - self.start)]
+
+    class Gated(SensorBase):
+        name = "gated"
+        supports_cut = True
+
+        def info(self):
+            return SensorInfo("gated", True, "test.gate", "measured", "cpu_package", ("pkg",))
+
+        def begin(self, t_s=None):
+            return t_s
+
+        def end(self, token, t_s=None):
+            return Part(token, t_s)
+
+        def cut(self, token, t_s=None):
+            return Part(token, t_s), t_s
+
+        def close(self):
+            pass
+
+    meter = Meter(Window([Gated()]))
+    meter.open()
+    pool = ThreadPoolExecutor(4)
+    a, b = meter.start(), meter.start()
+    meter.token(a)
+    meter.token(b)
+    a_end = meter.end(a, None)[1]
+    c = meter.start()
+    meter.token(c)
+    meter.end(b, None)
+    meter.end(c, None)
+    shares = {j: pool.submit(meter.share, j) for j in (a, b, c)}
+    time.sleep(0.05)
+    assert not any(f.done() for f in shares.values()), "no window is final yet"
+    released[0] = a_end  # a's windows are final, b's and c's last ones are not
+    share_a = shares[a].result(timeout=5)
+    time.sleep(0.05)
+    assert not shares[b].done() and not shares[c].done()
+    released[0] = float("inf")
+    share_b, share_c = shares[b].result(timeout=5), shares[c].result(timeout=5)
+    assert meter.cost["shares"] == 3 and meter.cost["batches"] == 2, "b and c were settled together"
+    assert all(s.method for s in (share_a, share_b, share_c)), "each overlapped another"
+    late = meter.start()  # in flight when the meter closes: its window is in the span, unsplit
+    late_start = meter.started_s(late)
+    meter.close()
+    row = meter.tally.sums["pkg"]  # unrounded
+    parts = sum(r.energy_j for s in (share_a, share_b, share_c) for r in s.readings)
+    assert row["parts_j"] == pytest.approx(parts, rel=1e-9)
+    unsplit = 50.0 * (meter.segments.ended_s - late_start)
+    assert parts + row["unattributed_j"] + unsplit == pytest.approx(row["span_j"], rel=1e-9)
+    meter.end(late, None)
+    assert pool.submit(meter.share, late).result(timeout=5).readings, "settled on its own thread"
+    pool.shutdown()
+
+
 def test_without_energy_in_response_answers_pass_unchanged_and_the_folder_has_the_energy(tmp_path):
     stub = Stub()
     stub.llama_server = True
