@@ -15,6 +15,8 @@ and through the measuring proxy in front of it, in one run, in alternating order
     .venv/bin/python bench/serve_overhead.py --out bench/results/serve-overhead-cpu.json      # CPU, levels 1 and 64
     python3 bench/serve_overhead.py --n-gpu-layers -1 --server-threads 4 --max-tokens 64 --out o.json  # a GPU
     (bench/serving_h200.sh serve runs it on the H200 with and without --no-energy-in-response)
+    git archive main | tar -x -C /tmp/ipw-main && .venv/bin/python bench/serve_overhead.py --baseline-src /tmp/ipw-main
+    (a second proxy, from another source tree, in the same rounds: before and after a change under one load)
 """
 
 from __future__ import annotations
@@ -94,10 +96,12 @@ def load(url: str, concurrency: int, prompts: list[str], max_tokens: int) -> dic
             "requests": len(results)}
 
 
-def start_proxy(upstream: str, pid: int, out: str, options: list[str]) -> tuple[subprocess.Popen, str]:
+def start_proxy(upstream: str, pid: int, out: str, options: list[str], src: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``ipw serve`` from the source tree ``src`` (this checkout, or --baseline-src)."""
     proc = subprocess.Popen([sys.executable, "-m", "ipw.cli", "serve", "--upstream", upstream, "--port", "0",
                              "--upstream-pid", str(pid), "--idle-s", "1", "--out", out, *options],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=src,
+                            env={**os.environ, "PYTHONPATH": str(src)})
     line = proc.stderr.readline()
     match = re.search(r"(http://127\.0\.0\.1:\d+/v1) ->", line)
     if not match:
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--proxy-option", action="append", default=[], help="an option for ipw serve (repeat)")
     ap.add_argument("--runs", help="folder for the proxy's run folder (default: a temporary one)")
+    ap.add_argument("--baseline-src", help="also run an ipw serve from this source tree (e.g. a git archive of an "
+                    "earlier commit) in the same rounds, so that both proxies see the same machine load")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -130,32 +136,47 @@ def main() -> None:
                           alias="m", timeout_s=300, parallel=max(levels), n_gpu_layers=args.n_gpu_layers)
     runs_dir = Path(args.runs) if args.runs else tmp / "runs"
     proxy, proxy_url = start_proxy(server.base_url, server.pid, str(runs_dir), args.proxy_option)
+    urls = {"direct": server.base_url, "proxy": proxy_url}
+    baseline = None
+    if args.baseline_src:
+        baseline, urls["baseline"] = start_proxy(server.base_url, server.pid, str(runs_dir / "baseline"),
+                                                 args.proxy_option, Path(args.baseline_src).resolve())
     counter = iter(range(10**9))
     rounds: dict[int, list[dict]] = {c: [] for c in levels}
     try:
-        for c in levels:  # warm both paths
-            load(server.base_url, c, [f"Warm up {next(counter)}." for _ in range(c)], args.max_tokens)
-            load(proxy_url, c, [f"Warm up {next(counter)}." for _ in range(c)], args.max_tokens)
+        for c in levels:  # warm every path
+            for url in urls.values():
+                load(url, c, [f"Warm up {next(counter)}." for _ in range(c)], args.max_tokens)
         for r in range(args.rounds):
             for c in levels:
                 n = args.requests or (24 if c == 1 else 2 * c)
-                order = ("direct", "proxy") if r % 2 == 0 else ("proxy", "direct")
+                order = list(urls) if r % 2 == 0 else list(urls)[::-1]
                 row = {}
                 for mode in order:
                     prompts = [f"Write one sentence about the number {next(counter)}." for _ in range(n)]
-                    row[mode] = load(server.base_url if mode == "direct" else proxy_url, c, prompts, args.max_tokens)
-                row["added_latency_ms"] = 1000 * (row["proxy"]["latency_s"] - row["direct"]["latency_s"])
-                row["added_ttft_ms"] = 1000 * (row["proxy"]["ttft_s"] - row["direct"]["ttft_s"])
-                row["throughput_ratio"] = row["proxy"]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+                    row[mode] = load(urls[mode], c, prompts, args.max_tokens)
+                row["load_average"] = os.getloadavg()[0]
+                for mode, prefix in (("proxy", ""), ("baseline", "baseline_")):
+                    if mode in row:
+                        row[prefix + "added_latency_ms"] = 1000 * (row[mode]["latency_s"] - row["direct"]["latency_s"])
+                        row[prefix + "added_ttft_ms"] = 1000 * (row[mode]["ttft_s"] - row["direct"]["ttft_s"])
+                        row[prefix + "throughput_ratio"] = row[mode]["tokens_per_s"] / row["direct"]["tokens_per_s"]
+                        print(f"round {r + 1} c={c} {mode}: added latency {row[prefix + 'added_latency_ms']:+.2f} ms, "
+                              f"ttft {row[prefix + 'added_ttft_ms']:+.2f} ms, throughput ratio "
+                              f"{row[prefix + 'throughput_ratio']:.4f} (load {row['load_average']:.2f})", flush=True)
                 rounds[c].append(row)
-                print(f"round {r + 1} c={c}: added latency {row['added_latency_ms']:+.2f} ms, ttft "
-                      f"{row['added_ttft_ms']:+.2f} ms, throughput ratio {row['throughput_ratio']:.4f}", flush=True)
     finally:
-        proxy.terminate()
-        proxy.wait(timeout=120)
+        for proc in (proxy, baseline):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=120)
         server.stop()
-    runs = sorted(runs_dir.iterdir())
+    runs = sorted(p for p in runs_dir.iterdir() if p.name != "baseline")
     manifest = json.loads((runs[-1] / "manifest.json").read_text())
+
+    def session_line(run: Path) -> dict:
+        line = json.loads((run / "manifest.json").read_text())["backends"][0]["sessions"][-1]
+        return {k: v for k, v in line.items() if k in ("requests", "in_flight_peak", "meter_cost", "sampler_overhead", "wall_s")}
     summary = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "model": "smollm2-135m",
         "server_threads": args.server_threads, "n_gpu_layers": args.n_gpu_layers, "max_tokens": args.max_tokens,
@@ -166,9 +187,13 @@ def main() -> None:
                        "direct_latency_s": statistics.median(x["direct"]["latency_s"] for x in rows),
                        "direct_tokens_per_s": statistics.median(x["direct"]["tokens_per_s"] for x in rows),
                        "requests_per_mode": rows[0]["direct"]["requests"], "rounds": rows} for c, rows in rounds.items()},
+        **({"baseline_src": args.baseline_src, "baseline": {
+            c: {k: statistics.median(x["baseline_" + k] for x in rows)
+                for k in ("added_latency_ms", "added_ttft_ms", "throughput_ratio")} for c, rows in rounds.items()}}
+           if args.baseline_src else {}),
         "proxy_records": sum(1 for _ in open(runs[-1] / "records.jsonl")),
-        "proxy_session": {k: v for k, v in manifest["backends"][0]["sessions"][-1].items()
-                          if k in ("requests", "in_flight_peak", "meter_cost", "sampler_overhead", "wall_s")},
+        "proxy_session": session_line(runs[-1]),
+        **({"baseline_session": session_line(sorted((runs_dir / "baseline").iterdir())[-1])} if args.baseline_src else {}),
     }
     print(json.dumps({c: {k: v for k, v in x.items() if k != "rounds"} for c, x in summary["levels"].items()}, indent=1))
     if args.out:
