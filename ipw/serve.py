@@ -16,13 +16,14 @@ import hashlib
 import hmac
 import http.client
 import json
+import re
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 from urllib.parse import urlsplit
 
 from ipw import __version__
@@ -128,6 +129,9 @@ class Session:
     def __init__(self, folder: RunFolder, options: ServeOptions, upstream: Upstream, meter: Meter,
                  idle: IdleBaseline, estimate: Any = None, key: str | None = None, token: str | None = None,
                  notice: Callable[[str], None] = lambda line: None, llama_timings: bool = False) -> None:
+        from ipw.runner import make_record  # imported now (~0.15 s), not by the first request
+
+        self.make_record = make_record
         self.folder, self.options, self.upstream = folder, options, upstream
         self.llama_timings = llama_timings  # the upstream is llama.cpp's server: ask for timings_per_token
         self.meter, self.idle, self.estimate = meter, idle, estimate
@@ -156,8 +160,6 @@ class Session:
               error: Exception | None, window: tuple[float, float]) -> QueryRecord:
         """The record of an ended ``job`` (``window``: its start and end): its energy waits for the sensors
         to cover its end."""
-        from ipw.runner import make_record
-
         share = self.meter.share(job)
         query_id, text = prompt_digest(body)
         if not self.options.log_prompts:
@@ -165,7 +167,7 @@ class Session:
             if completion is not None:
                 completion = dataclasses.replace(completion, text=_hashed(completion.text))
         query = Query(id=query_id, prompt=text, answer="", category=api, scorer="judge")
-        return make_record(self.folder.manifest.run_id, self.spec, query, self.next_repeat(query_id), completion,
+        return self.make_record(self.folder.manifest.run_id, self.spec, query, self.next_repeat(query_id), completion,
                            error, window[0], window[1], share.readings, idle=self.idle, estimate=self.estimate,
                            busy_s=share.busy_s, split=share)
 
@@ -222,6 +224,34 @@ class _Stream:
             completion_tokens=int(self.usage.get("completion_tokens") or len(times)), start_s=start,
             first_token_s=times[0] if times else None, end_s=end, token_times_s=times,
             finish_reason=self.finish, server_timings=server_timings(self.timings))
+
+
+#: at most this much of an upstream stream is read at once (a read returns what has come, up to the end of
+#: its current HTTP chunk: usually one event)
+READ_BYTES = 1 << 16
+_BLANK_LINES = re.compile(rb"(?:[ \t\r\x0b\x0c]*\n)*")  # lines that are empty once stripped
+_EVENT_END = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")  # a line's end, then an empty line
+
+
+def sse_events(read: Callable[[], bytes]) -> Iterator[bytes]:
+    """The events of a server-sent event stream, each as its lines (their line ends kept) without the
+    empty line that ends it; ``read`` gives the stream's next bytes, b"" at its end (a last event that no
+    empty line ended is dropped).  One search per event, not one ``readline`` per line."""
+    buf = b""
+    while True:
+        data = read()
+        if not data:
+            return
+        buf += data
+        at = 0
+        while True:
+            at = cast(re.Match[bytes], _BLANK_LINES.match(buf, at)).end()  # empty lines between events
+            end = _EVENT_END.search(buf, at)
+            if end is None:
+                break
+            yield buf[at:end.start() + 1]
+            at = end.end()
+        buf = buf[at:]
 
 
 class _ClientGone(Exception):
@@ -460,20 +490,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         ended = False
         last: dict[str, Any] = {}
-        lines: list[bytes] = []
         prefilled = False
-        while True:
-            raw = resp.readline(1 << 20)
+
+        def read() -> bytes:  # what has come of the stream (of its current HTTP chunk), b"" at its end
+            data = resp.read1(READ_BYTES)
             if self._deadline is not None and self._deadline.expired:  # it shut the socket: the read ended
                 raise TimeoutError(f"no [DONE] within --timeout-s {session.options.timeout_s:g}")
-            if not raw:
-                break  # the upstream closed the stream
-            if raw.strip():
-                lines.append(raw)
-                continue
-            if not lines:
-                continue
-            event, lines = b"".join(lines), []
+            return cast(bytes, data)
+
+        for event in sse_events(read):
             data_lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
             data = b"\n".join(data_lines)
             if data == b"[DONE]":

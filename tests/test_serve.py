@@ -426,6 +426,38 @@ def test_bad_options_exit_2_before_anything_starts(tmp_path, run_cli):
     assert code == 2 and "give the command" in err
 
 
+def test_sse_events_finds_the_events_that_reading_line_by_line_does_whatever_the_reads_cut():
+    """``sse_events`` (one search per event) against the line-by-line reading it replaced: the same events,
+    with LF or CRLF line ends, blank lines of spaces, leading blank lines and a last event left unended,
+    however the stream arrives in pieces."""
+    import io
+    import random
+
+    from ipw.serve import sse_events
+
+    def by_lines(stream: bytes) -> list[bytes]:
+        out, lines = [], []
+        for raw in io.BytesIO(stream):
+            if raw.strip():
+                lines.append(raw)
+            elif lines:
+                out.append(b"".join(lines))
+                lines = []
+        return out
+
+    rng = random.Random(3)
+    streams = [b"data: {\"a\": 1}\n\ndata: [DONE]\n\n",
+               b"\n\r\n: ping\r\n\r\nevent: x\r\ndata: 1\r\ndata: 2\r\n \t\r\ndata: [DONE]\n\n",
+               b"data: a\n\n\n\ndata: b\n  \ndata: unended\n"]
+    for _ in range(200):
+        streams.append(b"".join(rng.choice([b"data: x\n", b"data: {\"k\": \"v\"}\r\n", b"\n", b"\r\n", b" \n", b"id: 7\n"])
+                                for _ in range(rng.randint(0, 12))))
+    for stream in streams:
+        cuts = sorted(rng.sample(range(len(stream) + 1), min(len(stream) + 1, rng.randint(0, 6))))
+        pieces = iter([stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)]) if b > a])
+        assert list(sse_events(lambda: next(pieces, b""))) == by_lines(stream), stream
+
+
 def test_meter_splits_every_window_once_and_conserves_energy():
     """Requests that start and end at random in threads: each window is split once, when its first
     request ends; the parts and the idle windows add up to the span exactly (a sensor with a constant
