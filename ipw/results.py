@@ -642,14 +642,6 @@ def write_queries(path: Path, queries: list[Any]) -> str:
     return file_sha256(path)
 
 
-def read_queries(path: Path) -> list[Any]:
-    """What ``write_queries`` wrote."""
-    import numpy as np
-
-    kept = KeptQueries.read(path, "", "")
-    return kept.take(np.arange(len(kept)))
-
-
 @dataclass(frozen=True)
 class KeptQueries:
     """A run's copy of its queries (queries.parquet, ``write_queries``) as an Arrow table: ``--resume``
