@@ -372,8 +372,15 @@ class Meter:
                 if p.windows is None:  # a job's windows are fixed once it ended
                     p.windows = self.segments.of(job)
             now = time.monotonic()
-            batch = [j for j, p in due.items() if p.windows is not None
-                     and (now - p.ended_s > READY_WAIT_S or all(seg[2].ready() for seg in p.windows))]
+            batch = []
+            # oldest end first: the sensors cover time in order, so once a job's windows are not ready,
+            # a job that ended later is not either (asking each of 64 jobs every ms would hold the lock)
+            for j, p in sorted(due.items(), key=lambda item: item[1].ended_s):
+                if p.windows is None:
+                    continue
+                if not (now - p.ended_s > READY_WAIT_S or all(seg[2].ready() for seg in p.windows)):
+                    break
+                batch.append(j)
             if not batch:  # NVML: until the sampler has read past the jobs' ends
                 with self._wake:
                     self._wake.wait(READY_POLL_S)
