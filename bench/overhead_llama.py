@@ -424,7 +424,7 @@ VARIANTS = {
     # the CPU model reads the worker's CPU time at the window edges only (no 20 ms snapshot thread)
     "ipw-nosnap": "from ipw.telemetry import cpu_model; cpu_model.CpuModelSensor.__init__.__defaults__ = (None, None)",
 }
-SIDES = ("bare", "inproc", "worker", "ipw", "ipw-nopty", *VARIANTS)
+SIDES = ("bare", "bare-again", "inproc", "worker", "ipw", "ipw-nopty", *VARIANTS)
 
 
 def ipw_cmd(side: str, cfg: Path) -> list[str]:
@@ -445,7 +445,9 @@ def one_round(args, tmp: Path, r: int) -> dict:
             cfg = tmp / f"{side}-{r}.toml"
             cfg.write_text(config_toml(args, outs[side]), encoding="utf-8")
             return Child(ipw_cmd(side, cfg), pty=args.pty and side != "ipw-nopty", cpus=args.cpus)
-        return Child(bare_cmd(args, outs[side], side), pty=False, cpus=args.cpus)
+        # bare-again: a second bare process, the control (how far two runs of the same loop differ)
+        return Child(bare_cmd(args, outs[side], "bare" if side.startswith("bare") else side), pty=False,
+                     cpus=args.cpus)
     load = loads()
     children = {}
     if args.slice_s > 0:

@@ -173,3 +173,62 @@ def test_counter_over_the_span_on_the_h200_runs():
         e = counter_span_j(grid.t_s, grid.j, st, sw, lo, hi, sample_shift_s=0.011)
         assert e == pytest.approx(dense.window(lo, hi)[0], rel=0.001)
 
+
+
+class _LateReadSampler:
+    """A threaded NVML sampler as the audit sees it (``_thread``, ``_clock``, ``mark``, ``arrays``,
+    ``settled_until``, ``components``), on the real monotonic clock: a constant 100 W, the counter read
+    every 0.6 s until the last query and then only when asked (at once), samples every 20 ms up to now.
+    ``drop`` asked-for reads are lost (a read that failed or came too late)."""
+
+    sample_shift_s = 0.0
+    _thread = object()
+
+    def __init__(self, reads_s, drop):
+        import time
+
+        self._clock = time.monotonic_ns
+        self.t0 = reads_s[0] - 5.0
+        self.reads, self.drop = list(reads_s), drop
+
+    def components(self):
+        return ["gpu0"]
+
+    def mark(self, t_s, *, counter=False):
+        if counter and self.drop:
+            self.drop -= 1
+        elif counter:
+            self.reads.append(max(t_s, self._clock() / 1e9))
+
+    def settled_until(self):
+        return self._clock() / 1e9
+
+    def arrays(self, component, lo_s=None):
+        import numpy as np
+
+        t = np.array(self.reads)
+        st = np.arange(self.t0, self._clock() / 1e9, 0.02)
+        keep = t >= (lo_s if lo_s is not None else -np.inf)
+        return {"counter_t_s": t[keep], "counter_j": 100.0 * (t[keep] - self.t0), "samples_t_s": st,
+                "samples_w": np.full(st.size, 100.0)}
+
+
+@pytest.mark.parametrize("drop", [0, 1])
+def test_the_counter_is_read_past_the_span_until_it_encloses_it(drop):
+    """The run's last query ended 0.4 s after the last regular counter read: the audit has the counter
+    read past the end, and reads it again when that read did not come (``drop``), until the counter
+    over the span is known: 100 W x the span, to the read's step.  Without a read past the end the
+    note says where the reads stop."""
+    import time
+
+    from ipw.telemetry import audit as audit_mod
+
+    end = time.monotonic()
+    start = end - 3.0
+    sampler = _LateReadSampler([end - 0.4 - 0.6 * k for k in range(8, -1, -1)], drop)
+    assert audit_mod.counter_over(sampler, "gpu0", start, end)[0] is None
+    assert "to -0.40 s of its end" in audit_mod.reads_around(sampler, "gpu0", start, end)
+    audit_mod._counter_past(sampler, start, end)
+    energy, _ = audit_mod.counter_over(sampler, "gpu0", start, end)
+    assert energy == pytest.approx(300.0, rel=0.01)
+    assert len(sampler.reads) == 10 and sampler.drop == 0

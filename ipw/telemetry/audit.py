@@ -78,7 +78,8 @@ def gaps(windows: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def audit(component: str, windows: Sequence[tuple[float, float]], energy_j: Sequence[float | None],
           energy_sd_j: Sequence[tuple[float, float]], idle_between_j: float | None,
-          idle_sd_j: tuple[float, float], counter_j: float | None, counter_sd_j: float) -> EnergyAudit:
+          idle_sd_j: tuple[float, float], counter_j: float | None, counter_sd_j: float,
+          no_counter_why: str = "") -> EnergyAudit:
     """The balance of one component over its queries (pure).  ``energy_sd_j`` and ``idle_sd_j`` are
     (independent, shared) 1-sd errors per query and of the gaps together; ``counter_sd_j`` the counter's
     own 1 sd over the span."""
@@ -96,7 +97,7 @@ def audit(component: str, windows: Sequence[tuple[float, float]], energy_j: Sequ
     if counter_j is not None and idle_between_j is not None:
         diff = counter_j - queries_j - idle_between_j
     elif counter_j is None:
-        notes.append("no counter over the span")
+        notes.append("no counter over the span" + (f" ({no_counter_why})" if no_counter_why else ""))
     else:
         notes.append("idle between queries unknown")
     return EnergyAudit(component, float(start), float(end), len(known), missing, queries_j, idle_between_j,
@@ -120,8 +121,8 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
         if not isinstance(sensor, NvmlSensor) or not windows:
             continue  # the NVML sampler: a counter beside the samples
         sampler = sensor.sampler
-        end_s = max(b for _, b in windows)
-        _counter_past(sampler, end_s)
+        start_s, end_s = min(a for a, _ in windows), max(b for _, b in windows)
+        _counter_past(sampler, start_s, end_s)
         between = gaps(windows)
         gap_est = sensor.energy_windows(between) if between else {}
         for component in sampler.components():
@@ -140,8 +141,9 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
                 per = [measurement_sd([{"energy_j": e.energy_j, "uncertainty_j": e.uncertainty_j, "source": e.source,
                                         "quality": e.quality, "calibration_sd_j": e.calibration_sd_j}]) for e in ests]
                 idle_sd = (math.sqrt(sum(a * a for a, _ in per)), sum(b for _, b in per))
-            counter_j, counter_sd = counter_over(sampler, component, min(a for a, _ in windows), max(b for _, b in windows))
-            out.append(audit(component, windows, energy, sds, idle, idle_sd, counter_j, counter_sd))
+            counter_j, counter_sd = counter_over(sampler, component, start_s, end_s)
+            why = "" if counter_j is not None else reads_around(sampler, component, start_s, end_s)
+            out.append(audit(component, windows, energy, sds, idle, idle_sd, counter_j, counter_sd, why))
     return out
 
 
@@ -157,32 +159,54 @@ def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since
 
 
 #: The counter is read once more this long after the last query ends (its next update, 100 ms on the
-#: H200, then falls inside the reads: the span's end is between two of them).
+#: H200, then falls inside the reads: the span's end is between two of them) ...
 COUNTER_PAST_S = 0.15
+#: ... and again, this long after each read that did not yet enclose the span, for at most this long.
+COUNTER_PAST_ATTEMPT_S = 0.5
+COUNTER_PAST_TIMEOUT_S = 2.0
 
 
-def _counter_past(sampler: Any, end_s: float, timeout_s: float = 2.0) -> None:
-    """Have a threaded sampler read the counter ``COUNTER_PAST_S`` after ``end_s`` (it reads it only every
-    0.25-0.6 s otherwise), and wait until its samples reach that read too (``counter_span_j`` needs both:
-    on the H200, 2 of 3 runs said "no counter over the span" when only the read was waited for); waits
-    at most ``timeout_s``.  An unthreaded sampler (tests drive it) is left
-    alone."""
+def _counter_past(sampler: Any, start_s: float, end_s: float, timeout_s: float = COUNTER_PAST_TIMEOUT_S) -> None:
+    """Have a threaded sampler read the counter past ``end_s`` (it reads it only every 0.25-0.6 s
+    otherwise) and poll its samples up to that read, until the counter's energy over the span is known
+    for every GPU (``counter_over``), at most ``timeout_s``.  One read ``COUNTER_PAST_S`` after the end was
+    not always enough: on the H200 (2026-12-02) 2 of 3 runs still said "no counter over the span", so
+    each attempt waits at most ``COUNTER_PAST_ATTEMPT_S`` for its read and samples and is checked; the
+    next one reads again.  An unthreaded sampler (tests drive it) is left alone."""
     import time
 
     if sampler._thread is None:
         return
     clock = sampler._clock
-    target = end_s + COUNTER_PAST_S
-    now = clock() / 1e9
-    if now < target:
-        time.sleep(target - now)
-    sampler.mark(max(target, clock() / 1e9), counter=True)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:  # a counter read past the span, and the samples up to it (both needed)
-        if (any(sampler.arrays(c, target)["counter_t_s"].size for c in sampler.components())
-                and sampler.settled_until() >= target):
+    target = end_s + COUNTER_PAST_S
+    while time.monotonic() < deadline:
+        now = clock() / 1e9
+        if now < target:
+            time.sleep(target - now)
+        target = max(target, clock() / 1e9)
+        sampler.mark(target, counter=True)
+        attempt_end = min(deadline, time.monotonic() + COUNTER_PAST_ATTEMPT_S)
+        while time.monotonic() < attempt_end:  # a counter read past the target, and the samples up to it
+            if (any(sampler.arrays(c, target)["counter_t_s"].size for c in sampler.components())
+                    and sampler.settled_until() >= target):
+                break
+            time.sleep(0.02)
+        if all(counter_over(sampler, c, start_s, end_s)[0] is not None for c in sampler.components()):
             return
-        time.sleep(0.02)
+        target = clock() / 1e9 + COUNTER_PAST_S
+
+
+def reads_around(sampler: Any, component: str, start_s: float, end_s: float) -> str:
+    """Why the counter does not enclose a span, in a few words: the sampler's first and last counter
+    read and its last sample, relative to the span's start and end."""
+    a = sampler.arrays(component)
+    ct, st = a["counter_t_s"], a["samples_t_s"]
+    if ct.size < 2:
+        return f"{ct.size} counter reads"
+    last_sample = f"{st[-1] - end_s:+.2f} s" if st.size else "none"
+    return (f"counter reads from {ct[0] - start_s:+.2f} s of its start to {ct[-1] - end_s:+.2f} s of its end, "
+            f"samples to {last_sample}")
 
 
 def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: np.ndarray, samples_w: np.ndarray,
