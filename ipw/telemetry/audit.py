@@ -210,16 +210,21 @@ def reads_around(sampler: Any, component: str, start_s: float, end_s: float) -> 
 
 
 def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: np.ndarray, samples_w: np.ndarray,
-                   start_s: float, end_s: float, *, sample_shift_s: float = 0.0) -> float | None:
+                   start_s: float, end_s: float, *, sample_shift_s: float = 0.0,
+                   first_knot: tuple[float, float] | None = None) -> float | None:
     """The counter's energy over ``[start_s, end_s]`` (pure): its exact increment between the last change
     at or before ``start_s`` and the first at or after ``end_s``, less the samples' share (scaled to that
     increment) of the parts outside the span.  Linear interpolation between changes 0.5 s apart instead
     put the span 0.4% low on the H200 (a run ends, and begins, at a change of load: idle after the last
     query).  None when the changes do not enclose the span, the counter went backwards inside, or the
-    samples do not cover it."""
+    samples do not cover it.  ``first_knot``: (time, value) of the first read, placed where its value
+    was reached (a change point needs a read before it: a run that starts right after the sampler has
+    only one read before its first query)."""
     from ipw.telemetry.estimator import MAX_SAMPLE_GAP_S, _PowerIntegral, counter_change_points
 
     kt, kj = counter_change_points(counter_t_s, counter_j)
+    if first_knot is not None and (kt.size == 0 or first_knot[0] < kt[0]):
+        kt, kj = np.concatenate(([first_knot[0]], kt)), np.concatenate(([first_knot[1]], kj))
     if kt.size < 2 or kt[0] > start_s or kt[-1] < end_s:
         return None
     a = int(np.searchsorted(kt, start_s, side="right") - 1)
@@ -238,9 +243,10 @@ def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: 
 def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> tuple[float | None, float]:
     """The counter's energy over ``[start_s, end_s]`` from an NVML sampler's reads (placed on the update
     grid when found, else held; ``counter_span_j``), and its 1 sd: each end's placement in time at the
-    power there."""
+    power there.  The first read counts as a knot too: on the grid at its update, held half a step
+    before it (as ``hold_counter_reads`` places every change)."""
     from ipw.telemetry.estimator import COUNTER_TIME_SD_GRID_S, COUNTER_TIME_SD_HELD_S, grid_counter_reads
-    from ipw.telemetry.sampler import hold_counter_reads
+    from ipw.telemetry.sampler import COUNTER_STEP_S, hold_counter_reads
 
     a = sampler.arrays(component)
     ct, cj, st, sw = a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"]
@@ -248,7 +254,8 @@ def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> 
         return None, 0.0
     grid = grid_counter_reads(ct, cj, st, sw, sample_shift_s=sampler.sample_shift_s)
     t, j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(ct, cj)
-    energy = counter_span_j(t, j, st, sw, start_s, end_s, sample_shift_s=sampler.sample_shift_s)
+    first = (float(t[0]), float(j[0])) if grid is not None else (float(ct[0]) - COUNTER_STEP_S / 2, float(cj[0]))
+    energy = counter_span_j(t, j, st, sw, start_s, end_s, sample_shift_s=sampler.sample_shift_s, first_knot=first)
     if energy is None:
         return None, 0.0
     tsd = COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S
