@@ -6,7 +6,8 @@
 #   bash bench/gpu_e2e.sh build WHEELS_DIR      # starts the CUDA build in the background (~5 min, 16 cores)
 #   bash bench/gpu_e2e.sh install WHEELS_DIR    # waits for it, installs it and the wheels of WHEELS_DIR
 #   bash bench/gpu_e2e.sh run WHEELS_DIR OUT    # installs WHEELS_DIR's wheels, runs everything, packs OUT/gpu-runs.tgz
-#   bash bench/gpu_e2e.sh pack WHEELS_DIR OUT   # after install: the built wheel in 15 MiB pieces into OUT; carried
+#   bash bench/gpu_e2e.sh pack WHEELS_DIR OUT   # after install: the built wheel (265 MB for sm_90: more calls than
+#                                               # the 5-min build saves) in 15 MiB pieces into OUT; carried
 #                                               # in a later session's WHEELS_DIR, install uses them (no build)
 # (three stages because a lent machine takes at most 64 MiB of files per call: the wheels come in parts)
 #
