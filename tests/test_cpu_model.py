@@ -171,3 +171,56 @@ def test_counters_interpolate_an_edge_within_its_stated_bound():
     assert y == pytest.approx(0.75) and ybound == pytest.approx(0.05 + 0.01)
     trace = window.trace(1.0)
     assert trace.t_s == [1.0, 1.5, 1.9, 2.0] and trace.values[0] == (pytest.approx(1 / 3),)
+
+
+def test_the_tree_follows_births_and_deaths_by_listing_proc(monkeypatch):
+    """``ProcessTree.refresh`` (Linux) finds the processes born into the tree since the last look (a child,
+    and a grandchild born in the same interval), drops those that ended, and leaves out a process that is
+    not a descendant (an orphan, re-parented away); it agrees with a full scan each time."""
+    from ipw.telemetry.cpu_model import PROC_STAT, ProcessTree, process_tree
+
+    if not PROC_STAT:
+        pytest.skip("/proc only")
+    from ipw.telemetry import cpu_model
+
+    me = os.getpid()
+    tree = ProcessTree([me])
+
+    def no_scan(pids):
+        raise AssertionError("refresh scanned every process")
+
+    monkeypatch.setattr(cpu_model, "process_tree", no_scan)  # refresh must not; the test's own name still scans
+
+    def pids() -> set[int]:
+        return {p.pid for p in tree.procs}
+
+    def refresh_agrees() -> set[int]:
+        tree.refresh()
+        assert pids() == {p.pid for p in process_tree([me])}
+        return pids()
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    child = subprocess.Popen(sleeper)
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen({sleeper!r})\n"
+        "print(p.pid, flush=True)\n"
+        "p.wait()\n")], stdout=subprocess.PIPE, text=True)
+    grandchild = int(launcher.stdout.readline())
+    orphan = int(subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
+                                check=True).stdout)
+    try:
+        found = refresh_agrees()
+        assert {me, child.pid, launcher.pid, grandchild} <= found
+        assert orphan not in found
+        child.kill()
+        child.wait()
+        assert child.pid not in refresh_agrees() and grandchild in pids()
+    finally:
+        for pid in (child.pid, grandchild, launcher.pid, orphan):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        child.wait()
+        launcher.wait()

@@ -99,11 +99,69 @@ def core_power_for(model_name: str) -> CorePower:
     return GENERIC_CORE_POWER
 
 
+#: Linux: a process's CPU times (and parent) are read from /proc/PID/stat directly
+PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+
 #: How often the measured processes' descendants are looked for again (a scan of every process in
 #: /proc: ~1 ms per 70 processes, ~11 ms per begin/end pair with 470; it ran twice per window, which
 #: took 2-3% of a core at 10 queries a second, docs/PERFORMANCE.md).  In between, the processes found
 #: last time are read again (cheap); a process born into the tree is found within this time.
 TREE_RESCAN_S = 1.0
+
+
+class ProcessTree:
+    """The measured processes (``roots``) and their live descendants, kept up to date cheaply.
+
+    Made with one scan of every process (``process_tree``: psutil reads every /proc/PID/stat, ~4 ms with
+    75 processes, ~11 ms with 470).  ``refresh`` then lists /proc (~0.1 ms) and asks only the processes
+    born since the last look for their parent, so its cost follows the machine's new processes, not all
+    of them.  A member whose process ended (or whose pid now names another process) leaves; a member
+    whose parent ended stays (it was born into the tree).  Elsewhere than Linux ``refresh`` scans again."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self.roots = list(roots)
+        self.looked_s = time.monotonic()
+        self._seen = _proc_pids()  # before the scan: a process born during it is looked at next time
+        self.procs = process_tree(self.roots)
+
+    def refresh(self) -> None:
+        self.looked_s = time.monotonic()
+        now = _proc_pids()
+        if now is None or self._seen is None:
+            self.procs = process_tree(self.roots)
+            return
+        born, self._seen = now - self._seen, now
+        members = {p.pid: p for p in self.procs if p.pid in now and p.is_running()}
+        parents = {pid: _parent_pid(pid) for pid in born}
+        joined = True
+        while joined:  # a child born after its parent in the same interval joins after it
+            joined = False
+            for pid, parent in list(parents.items()):
+                if parent in members:
+                    del parents[pid]
+                    try:
+                        members[pid] = psutil.Process(pid)
+                        joined = True
+                    except psutil.NoSuchProcess:
+                        pass
+        self.procs = list(members.values())
+
+
+def _proc_pids() -> set[int] | None:
+    """The pids in /proc now (Linux), else None."""
+    if not PROC_STAT:
+        return None
+    return {int(name) for name in os.listdir("/proc") if name.isdigit()}
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent pid of ``pid`` from /proc/PID/stat; None when it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2:].split()[1])  # after the command name: state, ppid
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_tree_cpu_s(pids: list[int]) -> float:
@@ -126,8 +184,6 @@ def process_tree(pids: list[int]) -> list[psutil.Process]:
     return list(procs.values())
 
 
-#: Linux: a process's CPU times are read from /proc/PID/stat directly
-PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
 
 
 def stat_cpu_s(pid: int) -> float:
@@ -218,7 +274,7 @@ class CpuModelSensor(SensorBase):
         """``snapshot_period_s``: how often the tree's CPU time is read while a window is open, besides
         the reads at its edges (the phase split interpolates them); None: at the edges only."""
         self.pids_fn = pids_fn
-        self._tree: tuple[float, list[int], list[psutil.Process]] | None = None  # (scanned at, roots, processes)
+        self._tree: ProcessTree | None = None
         self.period_s = snapshot_period_s
         self.counters: Counters | None = None  # its thread starts with the first window
         self.max_rate = float(os.cpu_count() or 1)  # CPU seconds per second the tree can use at most
@@ -253,13 +309,14 @@ class CpuModelSensor(SensorBase):
         )
 
     def processes(self, rescan: bool = True) -> list[psutil.Process]:
-        """The measured processes and their descendants, scanned again at most every ``TREE_RESCAN_S``
-        (``rescan``: also when due; else only when the measured processes changed)."""
-        now, pids = time.monotonic(), list(self.pids_fn())
-        due = rescan and self._tree is not None and now - self._tree[0] >= TREE_RESCAN_S
-        if self._tree is None or due or self._tree[1] != pids:
-            self._tree = (now, pids, process_tree(pids))
-        return self._tree[2]
+        """The measured processes and their descendants (``ProcessTree``): scanned when the measured
+        processes change, looked at again at most every ``TREE_RESCAN_S`` (``rescan``: when due)."""
+        pids = list(self.pids_fn())
+        if self._tree is None or self._tree.roots != pids:
+            self._tree = ProcessTree(pids)
+        elif rescan and time.monotonic() - self._tree.looked_s >= TREE_RESCAN_S:
+            self._tree.refresh()
+        return self._tree.procs
 
     def _read(self) -> tuple[tuple[float], float]:
         """The tree's CPU seconds and the read's resolution (on the sensor's thread; the first read, made
