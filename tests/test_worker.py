@@ -346,3 +346,18 @@ def test_a_worker_gets_no_secrets(monkeypatch):
     env = worker_env(sys.executable)
     assert "OPENAI_API_KEY" not in env and "SENTINEL" not in " ".join(env.values())
     assert env["IPW_MODEL_CACHE"] == "/tmp/models" and env["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_worker_started_beside_another_ipw_runs_this_one(tmp_path, monkeypatch):
+    """ipw run from a folder that holds another ``ipw`` package (a second checkout): the worker imports
+    this ipw, not that one (``python -m`` puts the current folder first on the path)."""
+    from ipw.backends import llama_cpp
+
+    decoy = tmp_path / "ipw"
+    (decoy / "backends").mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise SystemExit(17)\n")
+    (decoy / "backends" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(llama_cpp, "_PROBED", {})
+    info = probe_engine()
+    assert "llama_cpp.llama_cpp" in info["modules"] and info["cpu_variant"]

@@ -94,20 +94,21 @@ def _tail(path: Path, limit: int = 200) -> str:
 
 def worker_env(python: str) -> dict[str, str]:
     """The worker's environment: what an engine needs of ours (``servers.server_env``: no API keys,
-    tokens or credentials) and ipw's own settings; where the interpreter is not this one, a folder on its
-    path that holds only this ``ipw`` package (a link), so the worker runs this very code and nothing
-    else of this environment."""
+    tokens or credentials) and ipw's own settings, and first on its path a folder that holds only this
+    ``ipw`` package (a link), so the worker runs this very code: under another interpreter, nothing else
+    of this environment; started from a folder that holds another ``ipw`` (a second checkout), not that
+    one (``PYTHONSAFEPATH``: ``python -m`` would put the current folder first)."""
     from ipw.backends.servers import server_env
 
     env = server_env(extra_prefixes=("IPW_",))
     env["PYTHONUNBUFFERED"] = "1"
-    if os.path.realpath(python) != os.path.realpath(sys.executable):
-        link_dir = Path(tempfile.gettempdir()) / f"ipw-worker-path-{os.getuid()}-{os.getpid()}"
-        link_dir.mkdir(exist_ok=True)
-        link = link_dir / "ipw"
-        if not link.exists():
-            link.symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
-        env["PYTHONPATH"] = os.pathsep.join([str(link_dir), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONSAFEPATH"] = "1"  # Python 3.11+; an older interpreter ignores it, and the link still comes first
+    link_dir = Path(tempfile.gettempdir()) / f"ipw-worker-path-{os.getuid()}-{os.getpid()}"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / "ipw"
+    if not link.exists():
+        link.symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    env["PYTHONPATH"] = os.pathsep.join([str(link_dir), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
