@@ -58,7 +58,7 @@ def _workers(root: int | None = None, exclude: frozenset[int] = frozenset()) -> 
         return []
     for proc in children:
         try:
-            if "ipw.backends.worker" in proc.cmdline() and proc.status() != psutil.STATUS_ZOMBIE:
+            if "ipw.backends.worker" in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
                 out.append(proc)
         except psutil.Error:
             continue

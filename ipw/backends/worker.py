@@ -4,7 +4,8 @@ An engine's native libraries (llama.cpp, vLLM and its torch) and ipw's measuring
 (numpy, pandas, pyarrow) corrupt each other's heap when they share a process on a real GPU image
 (DESIGN.md §5).  So every engine runs in a worker process that ipw starts, feeds and stops:
 
-- the worker is ``PYTHON -m ipw.backends.worker FD_IN FD_OUT``, under this interpreter or another one
+- the worker is ``PYTHON HOME/ipw.backends.worker.py FD_IN FD_OUT`` (``worker_home``: this module, run from
+  a folder that holds only this ipw), under this interpreter or another one
   (e.g. ``.venv-vllm/bin/python``), in a session of its own (Ctrl-C reaches ipw, not the engine);
 - it imports only this module (standard library), then the engine class named by ``load``, whose module
   imports the engine before anything else; it never imports pandas or pyarrow;
@@ -20,8 +21,10 @@ An engine's native libraries (llama.cpp, vLLM and its torch) and ipw's measuring
 from __future__ import annotations
 
 import array
+import atexit
 import base64
 import dataclasses
+import functools
 import importlib
 import itertools
 import json
@@ -92,23 +95,39 @@ def _tail(path: Path, limit: int = 200) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+#: The file a worker runs (in ``worker_home()``): the worker module, found through that folder's link.
+WORKER_SCRIPT = "ipw.backends.worker.py"
+
+
+@functools.cache
+def worker_home() -> Path:
+    """A folder of this process's own (``mkdtemp``, removed at exit) that holds only a link to this ``ipw``
+    package and ``WORKER_SCRIPT``.  A worker runs that script by its path, so this folder comes first on
+    its path on every Python version: it imports this very code, not an ``ipw`` of the folder it was
+    started from (``python -m`` puts the current folder first) nor, under another interpreter, one of
+    that environment."""
+    home = Path(tempfile.mkdtemp(prefix="ipw-worker-home-"))
+    (home / "ipw").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    (home / WORKER_SCRIPT).write_text('import runpy\nrunpy.run_module("ipw.backends.worker", run_name="__main__", '
+                                      'alter_sys=True)\n', encoding="utf-8")
+
+    def remove() -> None:
+        for name in ("ipw", WORKER_SCRIPT):
+            (home / name).unlink(missing_ok=True)
+        home.rmdir()
+    atexit.register(remove)
+    return home
+
+
 def worker_env(python: str) -> dict[str, str]:
     """The worker's environment: what an engine needs of ours (``servers.server_env``: no API keys,
-    tokens or credentials) and ipw's own settings, and first on its path a folder that holds only this
-    ``ipw`` package (a link), so the worker runs this very code: under another interpreter, nothing else
-    of this environment; started from a folder that holds another ``ipw`` (a second checkout), not that
-    one (``PYTHONSAFEPATH``: ``python -m`` would put the current folder first)."""
+    tokens or credentials) and ipw's own settings, with ``worker_home()`` first on ``PYTHONPATH`` too (for
+    what the worker itself starts, e.g. vLLM's engine process, which imports the worker module again)."""
     from ipw.backends.servers import server_env
 
     env = server_env(extra_prefixes=("IPW_",))
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONSAFEPATH"] = "1"  # Python 3.11+; an older interpreter ignores it, and the link still comes first
-    link_dir = Path(tempfile.gettempdir()) / f"ipw-worker-path-{os.getuid()}-{os.getpid()}"
-    link_dir.mkdir(exist_ok=True)
-    link = link_dir / "ipw"
-    if not link.exists():
-        link.symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
-    env["PYTHONPATH"] = os.pathsep.join([str(link_dir), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(worker_home()), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -141,7 +160,7 @@ class Worker:
         log = open(log_path, "ab")
         try:
             self.proc = subprocess.Popen(
-                [python, "-m", "ipw.backends.worker", str(req_r), str(resp_w)], pass_fds=(req_r, resp_w),
+                [python, str(worker_home() / WORKER_SCRIPT), str(req_r), str(resp_w)], pass_fds=(req_r, resp_w),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=worker_env(python), start_new_session=True)
         except OSError as exc:
             for fd in (req_r, req_w, resp_r, resp_w):
