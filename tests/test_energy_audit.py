@@ -183,6 +183,7 @@ class _LateReadSampler:
 
     sample_shift_s = 0.0
     _thread = object()
+    alive = True
 
     def __init__(self, reads_s, drop):
         import time
@@ -228,7 +229,7 @@ def test_the_counter_is_read_past_the_span_until_it_encloses_it(drop):
     sampler = _LateReadSampler([end - 0.4 - 0.6 * k for k in range(8, -1, -1)], drop)
     assert audit_mod.counter_over(sampler, "gpu0", start, end)[0] is None
     assert "to -0.40 s of its end" in audit_mod.reads_around(sampler, "gpu0", start, end)
-    audit_mod._counter_past(sampler, start, end)
+    audit_mod._counter_past(sampler, end)
     energy, _ = audit_mod.counter_over(sampler, "gpu0", start, end)
     assert energy == pytest.approx(300.0, rel=0.01)
     assert len(sampler.reads) == 10 and sampler.drop == 0
@@ -246,7 +247,7 @@ def test_a_run_that_starts_right_after_the_sampler_is_audited():
     start = end - 3.0
     sampler = _LateReadSampler([start - 0.125, *(start + 0.1 + 0.6 * k for k in range(5))], 0)
     sampler.t0 = start - 3.0  # the sample buffer reaches back before the sampler's first read
-    audit_mod._counter_past(sampler, start, end)
+    audit_mod._counter_past(sampler, end)
     energy, _ = audit_mod.counter_over(sampler, "gpu0", start, end)
     assert energy == pytest.approx(300.0, rel=0.01)
 

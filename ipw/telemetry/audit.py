@@ -122,7 +122,7 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
             continue  # the NVML sampler: a counter beside the samples
         sampler = sensor.sampler
         start_s, end_s = min(a for a, _ in windows), max(b for _, b in windows)
-        _counter_past(sampler, start_s, end_s)
+        _counter_past(sampler, end_s)
         between = gaps(windows)
         gap_est = sensor.energy_windows(between) if between else {}
         for component in sampler.components():
@@ -159,42 +159,61 @@ def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since
 
 
 #: The counter is read once more this long after the last query ends (its next update, 100 ms on the
-#: H200, then falls inside the reads: the span's end is between two of them) ...
+#: H200, then falls inside the reads: the span's end is between two of them).  When that read and the
+#: samples up to it do not come within ``COUNTER_PAST_ATTEMPT_S``, or do not show a change of the counter
+#: past the end, it is read again ``COUNTER_PAST_S`` later, for at most ``COUNTER_PAST_TIMEOUT_S``.
 COUNTER_PAST_S = 0.15
-#: ... and again, this long after each read that did not yet enclose the span, for at most this long.
 COUNTER_PAST_ATTEMPT_S = 0.5
 COUNTER_PAST_TIMEOUT_S = 2.0
+#: The reads looked at for that: those of the last seconds before the end (a run's whole history would
+#: cost more the longer it ran; the counter is read at least every 2 s).
+COUNTER_PAST_LOOKBACK_S = 10.0
 
 
-def _counter_past(sampler: Any, start_s: float, end_s: float, timeout_s: float = COUNTER_PAST_TIMEOUT_S) -> None:
+def _counter_past(sampler: Any, end_s: float, timeout_s: float = COUNTER_PAST_TIMEOUT_S) -> None:
     """Have a threaded sampler read the counter past ``end_s`` (it reads it only every 0.25-0.6 s
-    otherwise) and poll its samples up to that read, until the counter's energy over the span is known
-    for every GPU (``counter_over``), at most ``timeout_s``.  One read ``COUNTER_PAST_S`` after the end was
-    not always enough: on the H200 (2026-12-02) 2 of 3 runs still said "no counter over the span", so
-    each attempt waits at most ``COUNTER_PAST_ATTEMPT_S`` for its read and samples and is checked; the
-    next one reads again.  An unthreaded sampler (tests drive it) is left alone."""
+    otherwise) and poll its samples up to that read, until every GPU whose counter it reads shows a change
+    past the end (``_past_the_end``), at most ``timeout_s``.  One read ``COUNTER_PAST_S`` after the end was
+    not always enough: on the H200 (2026-12-02) 2 of 3 runs still said "no counter over the span".  A
+    sampler that has stopped, or an unthreaded one (tests drive it), is left alone."""
     import time
 
-    if sampler._thread is None:
+    if sampler._thread is None or not sampler.alive:
         return
     clock = sampler._clock
+    waiting = [c for c in sampler.components()
+               if sampler.arrays(c, end_s - COUNTER_PAST_LOOKBACK_S)["counter_t_s"].size]  # its counter works
     deadline = time.monotonic() + timeout_s
     target = end_s + COUNTER_PAST_S
-    while time.monotonic() < deadline:
+    while waiting and time.monotonic() < deadline and sampler.alive:
         now = clock() / 1e9
         if now < target:
             time.sleep(target - now)
         target = max(target, clock() / 1e9)
         sampler.mark(target, counter=True)
         attempt_end = min(deadline, time.monotonic() + COUNTER_PAST_ATTEMPT_S)
-        while time.monotonic() < attempt_end:  # a counter read past the target, and the samples up to it
-            if (any(sampler.arrays(c, target)["counter_t_s"].size for c in sampler.components())
-                    and sampler.settled_until() >= target):
-                break
+        while time.monotonic() < attempt_end and not (  # the read, and the samples up to it
+                any(sampler.arrays(c, target)["counter_t_s"].size for c in waiting)
+                and sampler.settled_until() >= target):
             time.sleep(0.02)
-        if all(counter_over(sampler, c, start_s, end_s)[0] is not None for c in sampler.components()):
-            return
+        waiting = [c for c in waiting if not _past_the_end(sampler, c, end_s)]
         target = clock() / 1e9 + COUNTER_PAST_S
+
+
+def _past_the_end(sampler: Any, component: str, end_s: float) -> bool:
+    """Whether a change of the counter is known to lie past ``end_s`` and the samples reach it: a read at
+    least one update (``COUNTER_STEP_S``) after the end shows more than the last read before it (the
+    value it shows was reached at an update after the end), and the samples go as far as that change
+    placed half a step before the read (``hold_counter_reads``; the span's check allows 1% less)."""
+    from ipw.telemetry.sampler import COUNTER_STEP_S
+
+    a = sampler.arrays(component, end_s - COUNTER_PAST_LOOKBACK_S)
+    ct, cj, st = a["counter_t_s"], a["counter_j"], a["samples_t_s"]
+    before = cj[ct <= end_s]
+    if not before.size or not st.size:
+        return False
+    past = ct[(ct >= end_s + COUNTER_STEP_S) & (cj > before[-1])]
+    return bool(past.size) and float(st[-1]) - sampler.sample_shift_s >= float(past[0]) - COUNTER_STEP_S / 2
 
 
 def reads_around(sampler: Any, component: str, start_s: float, end_s: float) -> str:

@@ -109,29 +109,38 @@ PROC_STAT = sys.platform.startswith("linux") and os.path.isdir("/proc/self")
 TREE_RESCAN_S = 1.0
 
 
+#: ... and every so often by a full scan again (a process missed between two looks: a pid reused within
+#: the interval, a parent gone before its new child was asked), whose finds join those kept.
+FULL_SCAN_S = 60.0
+
+
 class ProcessTree:
     """The measured processes (``roots``) and their live descendants, kept up to date cheaply.
 
-    Made with one scan of every process (``process_tree``: psutil reads every /proc/PID/stat, ~4 ms with
-    75 processes, ~11 ms with 470).  ``refresh`` then lists /proc (~0.1 ms) and asks only the processes
-    born since the last look for their parent, so its cost follows the machine's new processes, not all
-    of them.  A member whose process ended (or whose pid now names another process) leaves; a member
-    whose parent ended stays (it was born into the tree).  Elsewhere than Linux ``refresh`` scans again."""
+    Made with one scan of every process (``process_tree``: psutil reads every /proc/PID/stat, ~2 ms with
+    73 processes, ~16 ms with 572).  ``refresh`` then lists /proc (~0.2-0.7 ms) and asks only the
+    processes born since the last look for their parent, so its cost follows the machine's new
+    processes, not all of them; every ``FULL_SCAN_S`` it scans in full again.  A member whose process
+    ended (or whose pid now names another process) leaves.  A member whose parent ended after a look had
+    found it stays (it was born into the tree); one born and orphaned between two looks is found by
+    neither way.  Elsewhere than Linux ``refresh`` always scans.  One thread at a time (the sensor's)."""
 
     def __init__(self, roots: list[int]) -> None:
         self.roots = list(roots)
-        self.looked_s = time.monotonic()
+        self.looked_s = self._scanned_s = time.monotonic()
         self._seen = _proc_pids()  # before the scan: a process born during it is looked at next time
         self.procs = process_tree(self.roots)
 
     def refresh(self) -> None:
         self.looked_s = time.monotonic()
+        members = {p.pid: p for p in self.procs if p.is_running()}  # psutil: the same process (its start time)
         now = _proc_pids()
-        if now is None or self._seen is None:
-            self.procs = process_tree(self.roots)
+        if now is None or self._seen is None or self.looked_s - self._scanned_s >= FULL_SCAN_S:
+            self._seen, self._scanned_s = now, self.looked_s
+            members.update((p.pid, p) for p in process_tree(self.roots))
+            self.procs = list(members.values())
             return
         born, self._seen = now - self._seen, now
-        members = {p.pid: p for p in self.procs if p.pid in now and p.is_running()}
         parents = {pid: _parent_pid(pid) for pid in born}
         joined = True
         while joined:  # a child born after its parent in the same interval joins after it
