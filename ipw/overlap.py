@@ -229,9 +229,8 @@ class _Live:
         return Request(self.start, max(now, self.start), tuple(self.times), self.prefill, self.prompt_tokens)
 
 
-#: how often the meter's thread looks again whether the windows of ended requests are final (NVML: until
-#: its sampler has read past their ends), and how long it waits for them at most
-READY_POLL_S = 0.001
+#: how long the meter's thread waits at most for the windows of an ended request to become final (NVML:
+#: until its sampler has read past their ends; the CPU model: its read after the end)
 READY_WAIT_S = 10.0
 
 
@@ -373,17 +372,19 @@ class Meter:
                     p.windows = self.segments.of(job)
             now = time.monotonic()
             batch = []
+            oldest: list[Slice] = []  # the windows of the oldest job that are not ready, and until when
+            deadline = now
             # oldest end first: the sensors cover time in order, so once a job's windows are not ready,
             # a job that ended later is not either (asking each of 64 jobs every ms would hold the lock)
             for j, p in sorted(due.items(), key=lambda item: item[1].ended_s):
-                if p.windows is None:
-                    continue
-                if not (now - p.ended_s > READY_WAIT_S or all(seg[2].ready() for seg in p.windows)):
+                windows = cast(list[Slice], p.windows)
+                if not (now - p.ended_s > READY_WAIT_S or all(seg[2].ready() for seg in windows)):
+                    oldest, deadline = windows, p.ended_s + READY_WAIT_S
                     break
                 batch.append(j)
-            if not batch:  # NVML: until the sampler has read past the jobs' ends
-                with self._wake:
-                    self._wake.wait(READY_POLL_S)
+            if not batch:  # until the sensors have read past the oldest job's end: the CPU model's read after
+                # it wakes this thread (an event); NVML's sampler is asked every ms (``Deferred.wait``)
+                all(seg[2].wait(max(0.0, deadline - time.monotonic())) for seg in oldest)
                 continue
             try:
                 with self._settle_lock:
@@ -452,6 +453,13 @@ class Meter:
     def _split(self, segs: list[Slice]) -> None:
         """Weigh the requests of windows not split yet, all in one go (``slice_weights``: a request is in a
         window exactly when it was in flight then, so one call over their union gives each window's own)."""
+        for seg in segs:
+            self._taken[id(seg[2])] = set()
+            if len(seg[3]) == 1:  # one request in flight: all of the window is its own, by work and by time alike
+                self._weights[id(seg[2])] = {j: (1.0, 1.0) for j in seg[3]}  # (what slice_weights gives it)
+        segs = [seg for seg in segs if len(seg[3]) > 1]
+        if not segs:
+            return
         jobs = sorted(set().union(*(seg[3] for seg in segs)))
         now = max(seg[1] for seg in segs)
         with self.segments.lock:
@@ -470,7 +478,6 @@ class Meter:
                 if not by_t.sum() > 0:  # a window of no length: equal parts, so that its energy is not lost
                     work = by_t = np.full(len(members), 1.0 / len(members))
             self._weights[id(seg[2])] = {j: (float(work[i]), float(by_t[i])) for i, j in enumerate(members)}
-            self._taken[id(seg[2])] = set()
 
     def _drain_idle(self, wait: bool) -> None:
         """Add the windows with no request in flight to the unattributed energy (those whose readings are

@@ -602,6 +602,80 @@ def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_o
     pool.shutdown()
 
 
+def test_meter_thread_waits_on_the_sensors_event_and_a_lone_request_has_its_whole_window():
+    """A window whose result is final on an event (the CPU model's read after the end) is waited for on
+    that event (``Deferred.wait``), and the share comes once it is set; a request alone in its window
+    has all of it, by work and by time alike."""
+    from ipw.overlap import Meter
+    from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
+    from ipw.telemetry.window import Window
+
+    read = threading.Event()  # the sensor's read after the request's end
+    waited = threading.Event()
+
+    class Part(Deferred):
+        def __init__(self, start: float, end: float) -> None:
+            self.start, self.end = start, end
+
+        def ready(self) -> bool:
+            return read.is_set()
+
+        def wait(self, timeout_s: float) -> bool:
+            waited.set()
+            return read.wait(timeout_s)
+
+        def result(self) -> list[EnergyReading]:
+            return [EnergyReading("pkg", 50.0 * (self.end - self.start), "test.gate", "measured", "cpu_package",
+                                  self.end - self.start)]
+
+    class Gated(SensorBase):
+        name = "gated"
+        supports_cut = True
+
+        def info(self):
+            return SensorInfo("gated", True, "test.gate", "measured", "cpu_package", ("pkg",))
+
+        def begin(self, t_s=None):
+            return t_s
+
+        def end(self, token, t_s=None):
+            return Part(token, t_s)
+
+        def cut(self, token, t_s=None):
+            return Part(token, t_s), t_s
+
+        def close(self):
+            pass
+
+    meter = Meter(Window([Gated()]))
+    meter.open()
+    job = meter.start()
+    meter.token(job)
+    start, end = meter.end(job, None)
+    assert waited.wait(5), "the meter's thread waits on the sensor's event"
+    read.set()
+    share = meter.share(job)
+    meter.close()
+    (reading,) = share.readings
+    assert reading.energy_j == pytest.approx(50.0 * (end - start), rel=1e-12)
+    assert share.method == "" and share.uncertainty_j == {"pkg": 0.0}
+    assert share.busy_s == pytest.approx(end - start, rel=1e-12)
+
+
+def test_cpu_model_window_wait_is_its_read_after_the_end():
+    from ipw.telemetry.cpu_model import CpuModelSensor
+
+    sensor = CpuModelSensor(lambda: [os.getpid()])
+    try:
+        token = sensor.begin()
+        pending = sensor.end(token)
+        assert pending.wait(5) and pending.ready()
+        (reading,) = pending.result()
+        assert reading.energy_j is not None
+    finally:
+        sensor.close()
+
+
 def test_without_energy_in_response_answers_pass_unchanged_and_the_folder_has_the_energy(tmp_path):
     stub = Stub()
     stub.llama_server = True

@@ -8,6 +8,7 @@ source, quality and scope (DESIGN.md §2), so a measured number is never confuse
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -52,6 +53,10 @@ class SensorInfo:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+#: how often ``Deferred.wait`` asks ``ready`` again by default
+WAIT_POLL_S = 0.001
+
+
 class Deferred:
     """Readings that become final later (e.g. once the driver's sample buffer covers the window and
     its edges).  The runner appends the query's record only when every sensor's result is ready."""
@@ -61,6 +66,17 @@ class Deferred:
 
     def result(self) -> list[EnergyReading]:
         raise NotImplementedError
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until ``ready`` (at most ``timeout_s``); whether it is.  By default ``ready`` is asked again
+        every ``WAIT_POLL_S``; a class whose readiness is an event waits on that (the CPU model's)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(WAIT_POLL_S, left))
+        return True
 
     @classmethod
     def resolve_all(cls, pending: list[Any]) -> None:

@@ -255,6 +255,9 @@ class PendingCpu(Deferred):
     def ready(self) -> bool:
         return self.window.done.is_set()
 
+    def wait(self, timeout_s: float) -> bool:
+        return self.window.done.wait(timeout_s)  # set by the sensor's thread as it reads past the end
+
     def result(self) -> list[EnergyReading]:
         if self._result is None:
             self.window.done.wait(RESULT_WAIT_S)

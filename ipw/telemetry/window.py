@@ -22,6 +22,11 @@ class Closed:
     def ready(self) -> bool:
         return all(isinstance(p, list) or p.ready() for p in self.parts)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until ``ready`` (at most ``timeout_s``, each deferred part in turn); whether it is."""
+        deadline = time.monotonic() + timeout_s
+        return all(isinstance(p, list) or p.wait(max(0.0, deadline - time.monotonic())) for p in self.parts)
+
     def readings(self, timeout_s: float = 10.0) -> list[EnergyReading]:
         """All readings; waits (sleeping, not spinning) for deferred parts, at most ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
