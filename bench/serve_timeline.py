@@ -86,6 +86,16 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
                 stamps.setdefault(key, time.monotonic())
 
     serve.Handler._send_chunk = send_chunk  # type: ignore[method-assign]
+    original_events = serve.sse_events
+
+    def sse_events(read: Any) -> Any:  # when each upstream event was found
+        for event in original_events(read):
+            stamps = getattr(local, "stamps", None)
+            if stamps is not None:
+                stamps.setdefault("events", []).append(time.monotonic())
+            yield event
+
+    serve.sse_events = sse_events
     wrap(Meter, "start", None, "job_started")
     wrap(serve.Handler, "_open", "upstream_open", "upstream_headers")
     wrap(http.client.HTTPConnection, "connect", "connect_begin", "connected")
@@ -124,12 +134,12 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
 
 # -- the client ------------------------------------------------------------------------------------------
 
-def one_request(url: str, n: int) -> dict[str, float]:
+def one_request(url: str, n: int) -> dict[str, Any]:
     """One streamed chat request read to [DONE], as ``bench/serve_cpu.py`` sends it, with its times."""
     parts = urlsplit(url)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"prompt {n}"}], "max_tokens": 16,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
-    t: dict[str, float] = {"sent": time.monotonic()}
+    t: dict[str, Any] = {"sent": time.monotonic(), "client_events": []}
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
     conn.request("POST", parts.path.rstrip("/") + "/chat/completions", body=body,
                  headers={"Content-Type": "application/json"})
@@ -137,6 +147,7 @@ def one_request(url: str, n: int) -> dict[str, float]:
         if line.startswith(b"data:"):
             data = line[5:].strip()
             t.setdefault("client_first_event", time.monotonic())
+            t["client_events"].append(time.monotonic())
             if b'"usage"' in data:
                 t["client_usage"] = time.monotonic()
             if data == b"[DONE]":
@@ -193,8 +204,8 @@ def main() -> None:
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
     load0 = os.getloadavg()[0]
-    clients: list[dict[str, float]] = []
-    directs: list[dict[str, float]] = []
+    clients: list[dict[str, Any]] = []
+    directs: list[dict[str, Any]] = []
     try:
         for i in range(4):  # warm both paths
             one_request(url, -1 - i)
@@ -252,12 +263,15 @@ def main() -> None:
              "added_first_event_to_done_ms": 1000 * (
                  statistics.median(r["client_done"] - r["client_first_event"] for r in rows)
                  - statistics.median(d["client_done"] - d["client_first_event"] for d in directs))}
+    split["added_first_event_to_usage_ms"] = 1000 * (
+        statistics.median(r["client_usage"] - r["client_first_event"] for r in rows)
+        - statistics.median(d["client_usage"] - d["client_first_event"] for d in directs))
     print(", ".join(f"{k} {v:+.2f}" for k, v in split.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "src": root, "load_average": [load0, load1], "cores": os.cpu_count(),
             "direct_median_s": statistics.median(direct_s), "proxy_median_s": statistics.median(proxy_s),
-            "gap_medians_ms": medians, **split, "requests": rows}, indent=1))
+            "gap_medians_ms": medians, **split, "requests": rows, "direct": directs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 MODELS = "/v1/models"
 MAX_ERROR_BODY = 1 << 20  # an upstream error body passed through, at most
 MAX_RESPONSE_BODY = 64 << 20  # a non-streamed upstream answer, at most
+MAX_IDLE_UPSTREAM = 256  # upstream connections kept alive for the next requests, at most
+DRAIN_S = 1.0  # after [DONE], how long the rest of the upstream's body (its last chunk) is waited for
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,8 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "ProxyServer"
     server_version = f"ipw-serve/{__version__}"
-    _up: "http.client.HTTPConnection | None" = None  # this client connection's upstream connection
+    _up: "http.client.HTTPConnection | None" = None  # this request's upstream connection
+    _resp: "http.client.HTTPResponse | None" = None  # and its answer
     _deadline: Deadline | None = None  # the request's total deadline (--timeout-s)
 
     def log_message(self, format: str, *args: Any) -> None:  # no access log on stderr (bodies never logged)
@@ -304,14 +307,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _open(self, method: str, path: str, body: bytes | None, stream: bool,
               deadline: float | None = None) -> tuple[http.client.HTTPConnection, Any]:
-        """Send the request upstream on this client connection's upstream connection (one retry on a fresh
-        connection when a kept-alive one was closed by the server)."""
+        """Send the request upstream on a kept-alive upstream connection if one is idle, else a new one (one
+        retry on a new connection when a kept-alive one was closed by the server)."""
         session = self.server.session
         for attempt in (0, 1):
-            conn = self._up
-            fresh = conn is None
-            if conn is None:
-                conn = self._up = session.upstream.connection(session.options.timeout_s)
+            conn, reused = self.server.upstream_connection(idle=attempt == 0)
+            self._up = conn
             try:
                 conn.request(method, session.upstream.prefix + path[len("/v1"):], body=body,
                              headers=self._upstream_headers(stream))
@@ -319,11 +320,11 @@ class Handler(BaseHTTPRequestHandler):
                     if self._deadline is not None:
                         self._deadline.cancel()  # a kept-alive connection's, that failed
                     self._deadline = Deadline(conn, deadline)
-                return conn, conn.getresponse()
+                self._resp = conn.getresponse()
+                return conn, self._resp
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                conn.close()
-                self._up = None
-                if fresh or attempt:
+                self._drop_upstream()
+                if not reused:
                     raise
         raise AssertionError("unreachable")
 
@@ -331,7 +332,30 @@ class Handler(BaseHTTPRequestHandler):
         conn = self._up
         if conn is not None:
             conn.close()  # the server sees the connection close and stops generating
-            self._up = None
+        self._up = self._resp = None
+
+    def _release_upstream(self) -> None:
+        """The request is over: its upstream connection goes back to the server's idle ones when its answer
+        was read to the end (and the upstream keeps it open), else it is closed."""
+        conn, resp = self._up, self._resp
+        self._up = self._resp = None
+        if conn is not None and resp is not None and resp.isclosed() and conn.sock is not None:
+            self.server.keep_upstream(conn)
+        elif conn is not None:
+            conn.close()
+
+    def _drain_upstream(self, resp: Any) -> None:
+        """After [DONE] (the client's answer is complete): the rest of the upstream's body, its last chunk,
+        read for ``DRAIN_S`` at most, so that its connection can serve another request (else it is closed)."""
+        sock = self._up.sock if self._up is not None else None
+        if sock is None:
+            return
+        try:
+            sock.settimeout(DRAIN_S)
+            resp.read(MAX_ERROR_BODY)
+            sock.settimeout(self.server.session.options.timeout_s)
+        except (OSError, http.client.HTTPException):
+            self._drop_upstream()
 
     def _send_chunk(self, data: bytes) -> None:
         try:
@@ -357,6 +381,7 @@ class Handler(BaseHTTPRequestHandler):
             self._drop_upstream()
             return self._error(502, f"ipw serve: upstream {self.server.session.upstream.url}: {type(exc).__name__}",
                                "upstream_unreachable")
+        self._release_upstream()
         self._send(resp.status, payload, resp.getheader("Content-Type"))
 
     def do_POST(self) -> None:
@@ -437,7 +462,10 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             if self._deadline is not None:
                 self._deadline.cancel()
+                if self._deadline.expired:  # it shut the upstream's socket
+                    self._drop_upstream()
                 self._deadline = None
+            self._release_upstream()
             if self._outcome is None:  # ended by an error before the answer was complete
                 self._end(job, body, api, seen.completion(start, time.monotonic(), session.meter.token_times(job))
                           if seen.parts else None, error or QueryError("no answer", "connection"))
@@ -542,6 +570,8 @@ class Handler(BaseHTTPRequestHandler):
             if record is not None:
                 self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
         self._send_chunk(b"")  # the end of the chunked body
+        if not resp.isclosed():  # ended at [DONE]
+            self._drain_upstream(resp)
 
     def _end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
                     error: Exception | None = None) -> QueryRecord | None:
@@ -567,7 +597,34 @@ class ProxyServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], session: Session) -> None:
         self.session = session
+        self._idle: list[http.client.HTTPConnection] = []  # upstream connections kept alive, the last used last
+        self._idle_lock = threading.Lock()
+        self._closed = False
         super().__init__(address, Handler)
+
+    def upstream_connection(self, idle: bool = True) -> tuple[http.client.HTTPConnection, bool]:
+        """An upstream connection for a request: the idle one used last (``idle``), else a new one; and
+        whether it was kept alive from an earlier request (the upstream may have closed it since)."""
+        with self._idle_lock:
+            if idle and self._idle:
+                return self._idle.pop(), True
+        return self.session.upstream.connection(self.session.options.timeout_s), False
+
+    def keep_upstream(self, conn: http.client.HTTPConnection) -> None:
+        """An upstream connection whose answer was read to the end, kept for the next request."""
+        with self._idle_lock:
+            if not self._closed and len(self._idle) < MAX_IDLE_UPSTREAM:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._idle_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that went away is not an error of the proxy; anything else is one line on stderr."""

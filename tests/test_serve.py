@@ -321,6 +321,81 @@ def test_an_upstream_that_trickles_is_cut_at_the_timeout(tmp_path):
     assert record["error_category"] == "timeout"
 
 
+class _Chunked:
+    """An upstream that streams as llama-server does, in HTTP chunks: its events (usage and [DONE] last),
+    then the chunked body's end; counts the connections it accepted.  ``drop``: it closes each connection
+    after its answer without saying so (as a server whose keep-alive timed out)."""
+
+    def __init__(self, drop: bool = False) -> None:
+        self.connections = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def setup(self):
+                super().setup()
+                outer.connections += 1
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                events = [{"choices": [{"index": 0, "delta": {"content": "w "}, "finish_reason": None}]},
+                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                          {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
+                for data in [json.dumps(e).encode() for e in events] + [b"[DONE]"]:
+                    line = b"data: " + data + b"\n\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.write(b"0\r\n\r\n")
+                self.close_connection = drop
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_upstream_connections_are_kept_alive_across_requests_and_client_connections(tmp_path, drop):
+    """A stream's upstream connection serves the next request, on the same client connection or another,
+    once the upstream's body was read to its end after [DONE]; one that the upstream closed meanwhile is
+    replaced by a new one (the request is sent again), and the client never sees it."""
+    import http.client
+
+    upstream = _Chunked(drop=drop)
+    proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
+    host, port = proxy.server.server_address[:2]
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True})
+    answers = []
+    before = upstream.connections  # the proxy's look at /v1/models when it started
+    try:
+        for _client in range(2):
+            conn = http.client.HTTPConnection(host, port, timeout=30)  # kept alive by the client: 3 requests
+            for _ in range(3):
+                conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                answers.append((resp.status, resp.read()))
+            conn.close()
+    finally:
+        proxy.stop()
+        upstream.close()
+    assert all(status == 200 and b'"energy"' in data and data.endswith(b"data: [DONE]\n\n")
+               for status, data in answers), answers
+    assert upstream.connections - before == (6 if drop else 1)
+    records = _records(proxy.session.folder.path)
+    assert len(records) == 6 and all(r["error"] is None and r["energy_j"] is not None for r in records)
+
+
 def test_serve_stops_on_sigterm_and_resume_recovers_a_killed_folder(tmp_path):
     stub = Stub()
     stub.llama_server = True
