@@ -75,9 +75,11 @@ def upstream(port: int, tokens: int, delay_s: float) -> None:
             done = b"data: [DONE]\n\n"
             self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    server.daemon_threads = True
-    server.request_queue_size = 256
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 256  # the listen backlog: set before the socket listens (64 clients connect at once)
+
+    server = Server(("127.0.0.1", port), Handler)
     print("ready", flush=True)
     server.serve_forever()
 

@@ -134,16 +134,20 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
 
 # -- the client ------------------------------------------------------------------------------------------
 
-def one_request(url: str, n: int) -> dict[str, Any]:
-    """One streamed chat request read to [DONE], as ``bench/serve_cpu.py`` sends it, with its times."""
+def one_request(url: str, n: int, kept: dict[str, http.client.HTTPConnection] | None = None) -> dict[str, Any]:
+    """One streamed chat request read to [DONE], as ``bench/serve_cpu.py`` sends it, with its times; on a new
+    connection, or on the one ``kept`` holds for ``url`` (kept alive: the body is read to its end)."""
     parts = urlsplit(url)
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"prompt {n}"}], "max_tokens": 16,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     t: dict[str, Any] = {"sent": time.monotonic(), "client_events": []}
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    conn = kept.get(url) if kept is not None else None
+    if conn is None:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
     conn.request("POST", parts.path.rstrip("/") + "/chat/completions", body=body,
                  headers={"Content-Type": "application/json"})
-    for line in conn.getresponse():
+    resp = conn.getresponse()
+    for line in resp:
         if line.startswith(b"data:"):
             data = line[5:].strip()
             t.setdefault("client_first_event", time.monotonic())
@@ -153,7 +157,11 @@ def one_request(url: str, n: int) -> dict[str, Any]:
             if data == b"[DONE]":
                 t["client_done"] = time.monotonic()
                 break
-    conn.close()
+    if kept is not None:
+        resp.read()  # the chunked body's end
+        kept[url] = conn
+    else:
+        conn.close()
     t["client_closed"] = time.monotonic()
     return t
 
@@ -185,6 +193,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=40, help="through the proxy, and as many direct")
     ap.add_argument("--delay-ms", type=float, default=30.0)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--keep-alive", action="store_true", help="each path's requests on one client connection")
     ap.add_argument("--out", help="write the per-request timelines and the medians here (JSON)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
@@ -207,12 +216,13 @@ def main() -> None:
     clients: list[dict[str, Any]] = []
     directs: list[dict[str, Any]] = []
     try:
+        kept: dict[str, http.client.HTTPConnection] | None = {} if args.keep_alive else None
         for i in range(4):  # warm both paths
-            one_request(url, -1 - i)
-            one_request(direct, -1 - i)
+            one_request(url, -1 - i, kept)
+            one_request(direct, -1 - i, kept)
         for i in range(args.requests):
-            directs.append(one_request(direct, 2 * i))
-            clients.append(one_request(url, 2 * i + 1))
+            directs.append(one_request(direct, 2 * i, kept))
+            clients.append(one_request(url, 2 * i + 1, kept))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -269,7 +279,7 @@ def main() -> None:
     print(", ".join(f"{k} {v:+.2f}" for k, v in split.items()))
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "src": root, "load_average": [load0, load1], "cores": os.cpu_count(),
+            "src": root, "keep_alive": args.keep_alive, "load_average": [load0, load1], "cores": os.cpu_count(),
             "direct_median_s": statistics.median(direct_s), "proxy_median_s": statistics.median(proxy_s),
             "gap_medians_ms": medians, **split, "requests": rows, "direct": directs}, indent=1))
 
