@@ -75,10 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=10)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    # started by a shell that exits at once: re-parented, in no measured tree
-    started = subprocess.run(["sh", "-c", f"for i in $(seq {args.extra}); do sleep 3600 >/dev/null 2>&1 & echo $!; done"],
-                             capture_output=True, text=True, check=True)
-    sleepers = [int(x) for x in started.stdout.split()]
+    from sampler_cpu import kill_all, start_sleepers  # this folder's
+
+    sleepers = start_sleepers(args.extra)
     time.sleep(0.5)
     try:
         out: dict = {"processes": n_procs(), "cpus": os.cpu_count(), "alone": alone(), "rounds": []}
@@ -93,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             out["rounds"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        for pid in sleepers:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_all(sleepers)
     out["median_thread_ms_per_window"] = {
         str(t): statistics.median(r[str(t)]["thread_ms_per_window"] for r in out["rounds"]) for t in args.trees}
     print(json.dumps({k: out[k] for k in ("processes", "alone", "median_thread_ms_per_window")}))

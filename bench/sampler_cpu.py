@@ -165,6 +165,21 @@ def scenario(tmp: Path, name: str, query_s: float, seconds: float, tree: bool) -
             "process_cpu_s_per_min": total, "threads_cpu_s_per_min": threads, "manifest_overhead": overhead}
 
 
+def start_sleepers(n: int) -> list[int]:
+    """``n`` sleeping processes started by a shell that exits at once: re-parented, in no measured tree."""
+    started = subprocess.run(["sh", "-c", f"for i in $(seq {n}); do sleep 3600 >/dev/null 2>&1 & echo $!; done"],
+                             capture_output=True, text=True, check=True)
+    return [int(x) for x in started.stdout.split()]
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
 def sensor_micro(extra_procs: int, cadences: list[float], windows: int = 30) -> dict:
     """CPU time of CpuModelSensor's begin + end per window, windows opened every ``cadence`` seconds
     (begin, sleep, end: the descendants are looked for again at most every TREE_RESCAN_S, so the cost
@@ -210,10 +225,7 @@ def sensor_micro(extra_procs: int, cadences: list[float], windows: int = 30) -> 
     try:
         for c in cadences:
             out["cost"][f"tree@{c:g}"] = window_cost([child.pid], c)
-        # sleepers started by a shell that exits at once: re-parented, in no measured tree
-        started = subprocess.run(["sh", "-c", f"for i in $(seq {extra_procs}); do sleep 600 >/dev/null 2>&1 & echo $!; done"],
-                                 capture_output=True, text=True, check=True)
-        sleepers = [int(x) for x in started.stdout.split()]
+        sleepers = start_sleepers(extra_procs)
         time.sleep(0.5)
         out["processes_extra"] = n_procs()
         for c in cadences:
@@ -223,11 +235,7 @@ def sensor_micro(extra_procs: int, cadences: list[float], windows: int = 30) -> 
         for c in cadences:
             out["cost"][f"in-process+@{c:g}"] = window_cost([os.getpid()], c)
     finally:
-        for pid in sleepers:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
+        kill_all(sleepers)
         if child is not None:
             kill_tree(child)
     return out

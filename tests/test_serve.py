@@ -600,24 +600,20 @@ def test_meter_splits_every_window_once_and_conserves_energy():
     assert not meter.segments.closed and not meter._weights, "every window was split and let go"
 
 
-def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_own_windows_only():
-    """The meter's thread makes the shares: requests whose windows are final are settled together (one
-    batch), a request whose window is not final yet does not hold up one whose windows are, and a request
-    that ends after the thread stopped is settled on its own thread."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ipw.overlap import Meter
+def _gated(ready, wait=None):
+    """A sensor of a constant 50 W whose windows are final when ``ready(part)`` says so, and, with ``wait``,
+    are waited for by ``wait(part, timeout_s)`` (else ``Deferred.wait``)."""
     from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
-    from ipw.telemetry.window import Window
-
-    released = [0.0]  # a window is final once its end is at or before this (as NVML's buffer catches up)
 
     class Part(Deferred):
         def __init__(self, start: float, end: float) -> None:
             self.start, self.end = start, end
 
         def ready(self) -> bool:
-            return self.end <= released[0]
+            return ready(self)
+
+        def wait(self, timeout_s: float) -> bool:
+            return wait(self, timeout_s) if wait is not None else super().wait(timeout_s)
 
         def result(self) -> list[EnergyReading]:
             return [EnergyReading("pkg", 50.0 * (self.end - self.start), "test.gate", "measured", "cpu_package",
@@ -642,7 +638,21 @@ def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_o
         def close(self):
             pass
 
-    meter = Meter(Window([Gated()]))
+    return Gated()
+
+
+def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_own_windows_only():
+    """The meter's thread makes the shares: requests whose windows are final are settled together (one
+    batch), a request whose window is not final yet does not hold up one whose windows are, and a request
+    that ends after the thread stopped is settled on its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ipw.overlap import Meter
+    from ipw.telemetry.window import Window
+
+    released = [0.0]  # a window is final once its end is at or before this (as NVML's buffer catches up)
+
+    meter = Meter(Window([_gated(lambda part: part.end <= released[0])]))
     meter.open()
     pool = ThreadPoolExecutor(4)
     a, b = meter.start(), meter.start()
@@ -682,47 +692,16 @@ def test_meter_thread_waits_on_the_sensors_event_and_a_lone_request_has_its_whol
     that event (``Deferred.wait``), and the share comes once it is set; a request alone in its window
     has all of it, by work and by time alike."""
     from ipw.overlap import Meter
-    from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
     from ipw.telemetry.window import Window
 
     read = threading.Event()  # the sensor's read after the request's end
     waited = threading.Event()
 
-    class Part(Deferred):
-        def __init__(self, start: float, end: float) -> None:
-            self.start, self.end = start, end
+    def wait(part, timeout_s: float) -> bool:
+        waited.set()
+        return read.wait(timeout_s)
 
-        def ready(self) -> bool:
-            return read.is_set()
-
-        def wait(self, timeout_s: float) -> bool:
-            waited.set()
-            return read.wait(timeout_s)
-
-        def result(self) -> list[EnergyReading]:
-            return [EnergyReading("pkg", 50.0 * (self.end - self.start), "test.gate", "measured", "cpu_package",
-                                  self.end - self.start)]
-
-    class Gated(SensorBase):
-        name = "gated"
-        supports_cut = True
-
-        def info(self):
-            return SensorInfo("gated", True, "test.gate", "measured", "cpu_package", ("pkg",))
-
-        def begin(self, t_s=None):
-            return t_s
-
-        def end(self, token, t_s=None):
-            return Part(token, t_s)
-
-        def cut(self, token, t_s=None):
-            return Part(token, t_s), t_s
-
-        def close(self):
-            pass
-
-    meter = Meter(Window([Gated()]))
+    meter = Meter(Window([_gated(lambda part: read.is_set(), wait)]))
     meter.open()
     job = meter.start()
     meter.token(job)
