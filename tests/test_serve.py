@@ -228,12 +228,15 @@ def test_token_body_limit_routes_and_upstream_errors(tmp_path, monkeypatch):
         assert key not in path.read_bytes().decode("utf-8", errors="replace"), path.name
 
 
-class _SlowStream:
-    """An upstream that streams one chunk every ``period_s`` (``events`` of them), or with ``trickle``
-    one byte at a time and never a whole event; records when a write to the proxy failed."""
+class _ChunkedUpstream:
+    """An upstream that answers every POST with a chunked event stream: ``write(out)`` writes its chunks
+    (``_chunk``), then the chunked body's end; counts the connections it accepted and records when a
+    write to the proxy failed (``cancelled``).  ``drop``: it closes each connection after its answer
+    without saying so (as a server whose keep-alive timed out)."""
 
-    def __init__(self, events: int = 200, period_s: float = 0.05, trickle: bool = False) -> None:
+    def __init__(self, write, drop: bool = False) -> None:
         self.cancelled = threading.Event()
+        self.connections = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -242,6 +245,10 @@ class _SlowStream:
             def log_message(self, *args):
                 pass
 
+            def setup(self):
+                super().setup()
+                outer.connections += 1
+
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 self.send_response(200)
@@ -249,14 +256,11 @@ class _SlowStream:
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 try:
-                    for i in range(events):
-                        data = b"d" if trickle else (
-                            b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i)
-                        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                        time.sleep(period_s)
+                    write(self.wfile)
                     self.wfile.write(b"0\r\n\r\n")
                 except OSError:
                     outer.cancelled.set()
+                self.close_connection = drop
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -266,6 +270,22 @@ class _SlowStream:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _chunk(out, data: bytes) -> None:
+    out.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def _slow_stream(events: int = 200, period_s: float = 0.05, trickle: bool = False) -> _ChunkedUpstream:
+    """An upstream that streams one chunk every ``period_s`` (``events`` of them), or with ``trickle``
+    one byte at a time and never a whole event."""
+
+    def write(out) -> None:
+        for i in range(events):
+            _chunk(out, b"d" if trickle else b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i)
+            time.sleep(period_s)
+
+    return _ChunkedUpstream(write)
 
 
 def _open_stream(proxy) -> socket.socket:
@@ -278,7 +298,7 @@ def _open_stream(proxy) -> socket.socket:
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(tmp_path):
-    slow = _SlowStream()
+    slow = _slow_stream()
     proxy = _proxy(tmp_path, slow.url, [os.getpid()])
     try:
         sock = _open_stream(proxy)
@@ -300,7 +320,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(tmp_p
 
 
 def test_an_upstream_that_trickles_is_cut_at_the_timeout(tmp_path):
-    slow = _SlowStream(events=400, period_s=0.05, trickle=True)  # 20 s of single bytes, never an event
+    slow = _slow_stream(events=400, period_s=0.05, trickle=True)  # 20 s of single bytes, never an event
     proxy = _proxy(tmp_path, slow.url, [os.getpid()], timeout_s=1.0)
     try:
         sock = _open_stream(proxy)
@@ -321,48 +341,17 @@ def test_an_upstream_that_trickles_is_cut_at_the_timeout(tmp_path):
     assert record["error_category"] == "timeout"
 
 
-class _Chunked:
-    """An upstream that streams as llama-server does, in HTTP chunks: its events (usage and [DONE] last),
-    then the chunked body's end; counts the connections it accepted.  ``drop``: it closes each connection
-    after its answer without saying so (as a server whose keep-alive timed out)."""
+def _chunked_stream(drop: bool = False) -> _ChunkedUpstream:
+    """An upstream that streams as llama-server does, in HTTP chunks: its events (usage and [DONE] last)."""
+    events = [{"choices": [{"index": 0, "delta": {"content": "w "}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
 
-    def __init__(self, drop: bool = False) -> None:
-        self.connections = 0
-        outer = self
+    def write(out) -> None:
+        for data in [json.dumps(e).encode() for e in events] + [b"[DONE]"]:
+            _chunk(out, b"data: " + data + b"\n\n")
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def setup(self):
-                super().setup()
-                outer.connections += 1
-
-            def do_POST(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                events = [{"choices": [{"index": 0, "delta": {"content": "w "}, "finish_reason": None}]},
-                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-                          {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
-                for data in [json.dumps(e).encode() for e in events] + [b"[DONE]"]:
-                    line = b"data: " + data + b"\n\n"
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-                self.wfile.write(b"0\r\n\r\n")
-                self.close_connection = drop
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return _ChunkedUpstream(write, drop)
 
 
 @pytest.mark.parametrize("drop", [False, True])
@@ -372,7 +361,7 @@ def test_upstream_connections_are_kept_alive_across_requests_and_client_connecti
     replaced by a new one (the request is sent again), and the client never sees it."""
     import http.client
 
-    upstream = _Chunked(drop=drop)
+    upstream = _chunked_stream(drop=drop)
     proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
     host, port = proxy.server.server_address[:2]
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True})
