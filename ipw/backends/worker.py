@@ -111,7 +111,11 @@ def worker_home() -> Path:
     (home / WORKER_SCRIPT).write_text('import runpy\nrunpy.run_module("ipw.backends.worker", run_name="__main__", '
                                       'alter_sys=True)\n', encoding="utf-8")
 
+    owner = os.getpid()
+
     def remove() -> None:
+        if os.getpid() != owner:  # a forked child exiting: the folder is its parent's
+            return
         for name in ("ipw", WORKER_SCRIPT):
             (home / name).unlink(missing_ok=True)
         home.rmdir()
