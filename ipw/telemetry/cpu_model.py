@@ -166,9 +166,7 @@ def _proc_pids() -> set[int] | None:
 def _parent_pid(pid: int) -> int | None:
     """The parent pid of ``pid`` from /proc/PID/stat; None when it has ended."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-        return int(data[data.rindex(b")") + 2:].split()[1])  # after the command name: state, ppid
+        return int(stat_fields(pid)[1])  # state, ppid
     except (OSError, ValueError, IndexError):
         return None
 
@@ -195,14 +193,19 @@ def process_tree(pids: list[int]) -> list[psutil.Process]:
 
 
 
-def stat_cpu_s(pid: int) -> float:
-    """utime + stime + cutime + cstime of ``pid`` (/proc/PID/stat, in clock ticks), in seconds."""
+def stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): state, ppid, ..."""
     fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     try:
         data = os.read(fd, 4096)
     finally:
         os.close(fd)
-    fields = data[data.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+    return data[data.rindex(b")") + 2:].split()
+
+
+def stat_cpu_s(pid: int) -> float:
+    """utime + stime + cutime + cstime of ``pid`` (/proc/PID/stat, in clock ticks), in seconds."""
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) * CPU_TICK_S
 
 
