@@ -72,7 +72,7 @@ class measure:
 
     def __enter__(self) -> "measure":
         from ipw.telemetry.probe import probe_sensors
-        from ipw.telemetry.window import Window
+        from ipw.metering.window import Window
 
         if self._open is not None:
             raise RuntimeError("ipw.measure: this block is already being measured")

@@ -284,10 +284,17 @@ _N_THREADS = typer.Option(None, "--n-threads", help="With --backend: the server'
 _NGL = typer.Option(None, "--n-gpu-layers", help="With --backend llama-server: layers offloaded (default: all with a GPU).")
 _N_CTX = typer.Option(None, "--n-ctx", help="With --backend: context tokens per slot (default 4096).")
 _SERVE_OUT = typer.Option(None, "--out", "-o", help="Folder that receives the run folder (default results/).")
-_ENERGY_IN_RESPONSE = typer.Option(True, "--energy-in-response/--no-energy-in-response", help="Hold each answer's "
-                                   "last event until the sensors cover its end, to put its energy in it (on NVML "
-                                   "~0.06-0.26 s; RAPL and the CPU model: none). With --no-energy-in-response answers "
-                                   "pass at once and the energy is in the run folder only.")
+_ENERGY_IN_RESPONSE = typer.Option(True, "--energy-in-response/--no-energy-in-response", help="Put each answer's "
+                                   "energy in usage.energy: a provisional value with its ±90% at once (settled later "
+                                   "in the run folder and at GET /v1/ipw/energy/ID). With --no-energy-in-response "
+                                   "answers carry none: the energy is in the run folder only.")
+_ENERGY_WAIT = typer.Option(False, "--energy-wait", help="Hold each answer's last event until its energy is settled "
+                            "(the sensors cover its end and its accounting period is split: on NVML ~0.1 s alone, up "
+                            "to a period of 5 s under continuous load with the priced split; with --energy-split "
+                            "local, ~0.1 s), and put the settled value in it instead of a provisional one.")
+_ENERGY_SPLIT = typer.Option("priced", "--energy-split", help="How overlapping requests' energy is split: priced "
+                             "(each accounting period by priced work: identical work costs the same) or local (each "
+                             "moment by the work done in it). docs/SERVING.md.")
 _UPSTREAM_PID = typer.Option(None, "--upstream-pid", help="PID of the upstream server, for the CPU model on a machine "
                              "without RAPL (default: the process listening on the upstream's port). Repeat for several.")
 
@@ -301,7 +308,8 @@ def serve(
     max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
     parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
     n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
-    energy_in_response: bool = _ENERGY_IN_RESPONSE,
+    energy_in_response: bool = _ENERGY_IN_RESPONSE, energy_wait: bool = _ENERGY_WAIT,
+    energy_split: str = _ENERGY_SPLIT,
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run folder of an ipw serve that was "
                                           "killed: new requests are added to it."),
 ) -> None:
@@ -324,7 +332,8 @@ def wrap(
     max_body_mb: float = _MAX_BODY, timeout_s: float = _TIMEOUT, idle_s: float = _SERVE_IDLE, role: str = _ROLE,
     parallel: int = _PARALLEL, n_threads: Optional[int] = _N_THREADS, n_gpu_layers: Optional[int] = _NGL,
     n_ctx: Optional[int] = _N_CTX, upstream_pid: Optional[List[int]] = _UPSTREAM_PID,
-    energy_in_response: bool = _ENERGY_IN_RESPONSE,
+    energy_in_response: bool = _ENERGY_IN_RESPONSE, energy_wait: bool = _ENERGY_WAIT,
+    energy_split: str = _ENERGY_SPLIT,
 ) -> None:
     """Run COMMAND behind the measuring proxy of ipw serve: it gets OPENAI_BASE_URL (and OPENAI_API_BASE)
     pointing at the proxy, and the energy summary is printed when it exits (with its exit code)."""

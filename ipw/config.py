@@ -42,6 +42,7 @@ class RunConfig:
     split: str | None = None  # a split of a Hugging Face DatasetDict folder; None = test/validation/train
     categories: tuple[str, ...] = ()  # keep only these categories; () = all
     sample: int = 0  # a random sample of this many queries, seeded by `seed`; 0 = all
+    energy_split: str = "priced"  # how overlapping requests' energy is split (ipw.metering.split.SPLITS)
     judge: JudgeSpec | None = None  # the [judge] table: grades the run when it ends; `ipw rescore`'s default judge
 
     def to_dict(self) -> dict[str, Any]:

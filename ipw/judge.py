@@ -257,7 +257,7 @@ class Judge:
 
     def __enter__(self) -> "Judge":
         from ipw.telemetry.probe import default_probe
-        from ipw.telemetry.window import Window
+        from ipw.metering.window import Window
 
         t0 = time.monotonic()
         self.backend.load()
@@ -273,7 +273,7 @@ class Judge:
 
     def call(self, prompt: str) -> JudgeCall:
         from ipw.telemetry.base import total_energy
-        from ipw.telemetry.window import with_estimate
+        from ipw.metering.window import with_estimate
 
         start = time.monotonic()  # the window's edges are the call's start and end
         tokens = self.window.begin(start)

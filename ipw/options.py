@@ -36,6 +36,7 @@ class Option:
     high: float | None = None
     low_open: bool = False
     many: bool = False
+    choices: tuple[str, ...] = ()  # the values it takes (none: any)
 
     @property
     def name(self) -> str:
@@ -54,6 +55,8 @@ class Option:
         """``value`` within the bounds, else an IpwError at ``loc``; returns it (None: not given)."""
         if value is not None and (self.low is not None or self.high is not None):
             check_range(value, loc, low=self.low, high=self.high, low_open=self.low_open, whole=self.value_type is int)
+        if value is not None and self.choices and value not in self.choices:
+            raise IpwError(f"{loc}: must be one of {', '.join(self.choices)}, got {value!r}")
         return value
 
 
@@ -100,6 +103,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
            key="categories", many=True),
     Option(("--sample",), int, "Run a random sample of N queries, the same for the same --seed (0 = all).",
            key="sample", low=0),
+    Option(("--energy-split",), str, "How the energy of overlapping requests is split: priced (default: each "
+           "accounting period by priced work, prompt and output tokens, so that identical work costs the same) or "
+           "local (each moment by the work done in it). docs/SERVING.md.", key="energy_split", choices=("priced", "local")),
     Option(("--concurrency",), str, "LEVELS: requests in flight, e.g. 1,4,16,64, swept on every backend that serves "
            "concurrent requests (kind openai, e.g. a managed llama-server); each level gets its own warm-up and idle "
            "baseline, and records carry their level. In-process engines stay at 1."),

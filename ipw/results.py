@@ -82,10 +82,14 @@ class QueryRecord:
     win_tie: float | None = None
     vs_backend: str = ""
     judge_verdicts: tuple[str, ...] = ()  # per order: response | reference | tie | unparsed | error
+    # ipw serve: the provisional energy its answer carried (J) and that value's ±90% band around the settled
+    # energy_j (docs/SERVING.md); None where the answer carried none
+    provisional_energy_j: float | None = None
+    provisional_uncertainty_j: float | None = None
     # serving under load (docs/SERVING.md): the requests in flight at the record's level of a concurrency
     # sweep (1 in older runs); how energy measured while requests overlapped was split among them
-    # ("" when the window was the request's alone; ipw.telemetry.estimator.SPLIT_METHODS), and how far the
-    # weighting alone could move this record's share (J)
+    # ("" when the window was the request's alone; ipw.metering.split.SPLIT_METHODS), and how far the
+    # other split (priced or local) would move this record's share (J)
     concurrency: int = 1
     split_method: str = ""
     split_uncertainty_j: float | None = None

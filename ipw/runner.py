@@ -20,7 +20,7 @@ from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
 from ipw.datasets import Query, QuerySet
 from ipw.errors import IpwError
-from ipw.overlap import Segments, Share, Tally, request_of, split_share
+from ipw.metering.meter import Meter, Share
 from ipw.telemetry.phases import first_token_s, record_phases, sensor_splits_many
 from ipw.results import DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.scoring import record_score
@@ -28,7 +28,7 @@ from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import EnergyReading, Sensor, total_energy
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
-from ipw.telemetry.window import Closed, IdleBaseline, Window, measure_idle, resolve, with_estimate
+from ipw.metering.window import Closed, IdleBaseline, Window, measure_idle, resolve, with_estimate
 
 
 def make_record(
@@ -375,68 +375,44 @@ def run_concurrent(
     idle: IdleBaseline, work: list[tuple[int, Query]], recorder: "RecordWriter", concurrency: int,
 ) -> dict[str, Any]:
     """Keep ``concurrency`` requests in flight; every request has its own window ([start, end] in its
-    record) and its split of the energy measured while it ran.  Records are appended in query order.
-    Returns the level's line for the manifest: its span, requests, split methods and, per component,
-    the span's energy, the unattributed part and the sum of the requests' parts.  ``recorder`` writes and
-    reports the records (``RecordWriter``)."""
+    record) and its share of the energy measured while it ran (``ipw.metering.meter.Meter``, split by
+    ``config.split``).  Records are appended in query order.  Returns the level's line for the manifest:
+    its span, requests, split methods, the prices of the priced split and, per component, the span's
+    energy, the unattributed part and the sum of the requests' parts.  ``recorder`` writes and reports
+    the records (``RecordWriter``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    segments = Segments(window, len(work))
-    tally = Tally()
+    meter = Meter(window, split=config.energy_split, requests=len(work), idle_w=idle.power_w)
     methods: dict[str, int] = {}
     estimate = backend.energy_estimate
 
     def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
-        start = segments.event(add=job)
+        meter.start(job)
+        completion: Completion | None = None
         try:
             completion, error = _generate(backend, query, config)
         finally:
-            end = segments.event(remove=job)
+            start, end = meter.end(job, completion)
         return completion, error, start, end
 
-    segments.start()
+    meter.open()
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ipw-request")
     futures = {i: pool.submit(one, i, query) for i, (_, query) in enumerate(work)}
-    kept: list[int] = []  # recorded requests whose results a later record's energy split may still need
     try:
         for job, (repeat, query) in enumerate(work):
-            completion, error, start, end = futures[job].result()
-            segs = segments.of(job)
-            _resolve_ready([seg[2] for seg in segs])
-            share = split_share(job, segs, {j: _request_of(futures[j]) for j in set().union(*(seg[3] for seg in segs))})
+            completion, error, start, end = futures.pop(job).result()
+            share = meter.share(job)
             record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
                                  share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
                                  concurrency=concurrency, split=share)
             recorder.put_record(record)
-            tally.add(share.readings, "parts_j")
             methods[record.split_method or "none"] = methods.get(record.split_method or "none", 0) + 1
-            # memory stays flat over long runs: drop what no later record needs (docs/RELIABILITY.md)
-            needed = segments.release(job, tally)
-            for j in kept + [job]:
-                if j not in needed:
-                    del futures[j]
-            kept = [j for j in kept + [job] if j in needed]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        segments.finish()
-    segments.release(len(work), tally)
-    return {"concurrency": concurrency, "requests": len(work), "start_s": segments.started_s, "end_s": segments.ended_s,
-            "wall_s": round(segments.ended_s - segments.started_s, 6),
-            "split_methods": methods, "energy": tally.summary()}
-
-
-def _resolve_ready(mine: list[Closed], timeout_s: float = 10.0) -> None:
-    """Once a request's windows are final (NVML: the sampler has read past them; at most ``timeout_s``),
-    make them final in one estimate (``window.resolve``), not one each."""
-    deadline = time.monotonic() + timeout_s
-    while not all(c.ready() for c in mine) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    resolve(mine)
-
-
-def _request_of(future) -> Any:
-    completion, _, start, end = future.result()
-    return request_of(completion, start, end)
+        energy = meter.close()
+    return {"concurrency": concurrency, "requests": len(work), "start_s": meter.started_s, "end_s": meter.ended_s,
+            "wall_s": round(meter.ended_s - meter.started_s, 6), "energy_split": config.energy_split,
+            "split_methods": methods, "pricing": asdict(meter.pricing()), "energy": energy}
 
 
 def plan_run(config: RunConfig, query_set: QuerySet, shard: Shard | None = None,

@@ -2,7 +2,7 @@
 talk to it as to any OpenAI endpoint; it forwards ``/v1/chat/completions``, ``/v1/completions`` and
 ``/v1/models`` to an upstream server, meters this machine's devices with the sensors of ``ipw run``
 while requests are in flight, and hands each response its own energy (``usage.energy``), split from
-overlapping requests' as under ``ipw run``'s concurrent load (``ipw.overlap.Meter``).  Every request
+overlapping requests' as under ``ipw run``'s concurrent load (``ipw.metering.meter.Meter``).  Every request
 becomes a record of a run folder that ``compare``, ``report`` and ``check`` read.
 
 Standard library only (``http.server`` threads, ``http.client`` upstream): a stream passes through
@@ -11,6 +11,7 @@ event by event, unbuffered; only its last usage event waits for the sensors to c
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import hmac
@@ -31,14 +32,15 @@ from ipw.backends.base import BackendSpec, Completion, QueryError
 from ipw.backends.openai_http import Deadline, choice_text, server_timings
 from ipw.datasets import Query
 from ipw.errors import IpwError
-from ipw.overlap import Meter
+from ipw.metering.meter import Meter
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.sanitize import read_key, redact_url, scrub
-from ipw.telemetry.window import IdleBaseline, Window, measure_idle
+from ipw.metering.window import IdleBaseline, Window, measure_idle
 
 #: the paths a client may call (under /v1); the first two are metered
 METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 MODELS = "/v1/models"
+ENERGY_PATH = "/v1/ipw/energy/"  # + a request id: its settled energy
 MAX_ERROR_BODY = 1 << 20  # an upstream error body passed through, at most
 MAX_RESPONSE_BODY = 64 << 20  # a non-streamed upstream answer, at most
 MAX_IDLE_UPSTREAM = 256  # upstream connections kept alive for the next requests, at most
@@ -58,7 +60,9 @@ class ServeOptions:
     log_prompts: bool = False  # keep prompts and outputs in the records (else their SHA-256)
     max_body_bytes: int = 16 << 20
     timeout_s: float = 600.0  # per upstream request, from its start to its last byte
-    energy_in_response: bool = True  # else the answer is not held for the sensors: energy in the run folder only
+    energy_in_response: bool = True  # else the answer carries no energy: in the run folder only
+    energy_wait: bool = False  # the answer waits for its settled energy (else it carries a provisional one)
+    energy_split: str = "priced"  # how overlapping requests' energy is split (ipw.metering.split.SPLITS)
     idle_s: float = 3.0
     role: str = "local"
     model: str = ""  # what the upstream serves, when known (a managed server's model)
@@ -111,27 +115,55 @@ def _hashed(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
-def energy_object(record: QueryRecord) -> dict[str, Any]:
-    """``usage.energy`` of a response: its record's energy, labeled as the record is."""
-    return {
-        "energy_j": record.energy_j, "net_energy_j": record.net_energy_j,
-        # the ± that the split among overlapping requests adds (|by work - by time|); null when the
-        # request ran alone; the sensors' own error is not in it (docs/SERVING.md)
-        "uncertainty_j": record.split_uncertainty_j,
+def energy_object(record: QueryRecord, provisional: bool = False) -> dict[str, Any]:
+    """``usage.energy`` of a response: its record's energy, labeled as the record is.  ``provisional``: the
+    record holds the provisional energy given at the answer (``Meter.provisional``), whose ±90% band is
+    ``uncertainty_j``; the settled value follows in the run folder and at ``settled_url``."""
+    request_id = f"{record.query_id}/{record.repeat}"
+    out: dict[str, Any] = {
+        "energy_j": record.energy_j, "net_energy_j": record.net_energy_j, "provisional": provisional,
         "quality": record.energy_quality, "source": record.energy_source, "scope": record.energy_scope,
-        "split_method": record.split_method or "none",
-        "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
-        "duration_s": round(record.end_s - record.start_s, 6), "request_id": f"{record.query_id}/{record.repeat}",
     }
+    if provisional:
+        out["uncertainty_j"] = record.provisional_uncertainty_j  # ±90% around the settled value to come
+    else:
+        # the ± that the choice of split adds (|priced - local|); null when the request ran alone; the
+        # sensors' own error is in measurement_uncertainty_j (±90%; docs/SERVING.md)
+        out["uncertainty_j"] = record.split_uncertainty_j
+        out["measurement_uncertainty_j"] = measurement_90(record)
+    out.update({"split_method": record.split_method or "none",
+                "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
+                "duration_s": round(record.end_s - record.start_s, 6), "request_id": request_id,
+                "settled_url": f"/v1/ipw/energy/{request_id}"})
+    return out
+
+
+def measurement_90(record: QueryRecord) -> float | None:
+    """The ±90% of a record's energy that its sensors state (independent and shared parts together), or None."""
+    from ipw.telemetry.uncertainty import Z90, measurement_sd
+
+    parts = json.loads(record.energy_parts)
+    if record.energy_j is None or not any(p.get("uncertainty_j") is not None for p in parts):
+        return None
+    independent, shared = measurement_sd(parts)
+    return round(Z90 * (independent ** 2 + shared ** 2) ** 0.5, 6)
+
+
+#: settled energies kept for ``GET /v1/ipw/energy/{id}``, the newest
+SETTLED_KEEP = 100_000
 
 
 class Session:
-    """The measuring side of a proxy: the meter, the run folder and the records (thread-safe)."""
+    """The measuring side of a proxy: the meter, the run folder and the records (thread-safe).
+
+    A request's record is made once its share is settled (``settle``: on the meter's thread, or on the
+    request's with ``--energy-wait``) and written by a writer thread of its own (``RecordWriter``: one
+    write and one fsync per batch, never on a request's path)."""
 
     def __init__(self, folder: RunFolder, options: ServeOptions, upstream: Upstream, meter: Meter,
                  idle: IdleBaseline, estimate: Any = None, key: str | None = None, token: str | None = None,
                  notice: Callable[[str], None] = lambda line: None, llama_timings: bool = False) -> None:
-        from ipw.runner import make_record  # imported now (~0.15 s), not by the first request
+        from ipw.runner import RecordWriter, make_record  # imported now (~0.15 s), not by the first request
 
         self.make_record = make_record
         self.folder, self.options, self.upstream = folder, options, upstream
@@ -147,9 +179,12 @@ class Session:
         self.split_methods: dict[str, int] = {}
         self.energy_j = 0.0
         self.energy_quality: set[str] = set()
+        self.settled: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.pending: set[str] = set()  # request ids answered whose energy is not settled yet
         for row in folder.log_frame().to_dict("records"):  # a resumed folder
             self.repeats[row["query_id"]] = max(self.repeats.get(row["query_id"], 0), int(row["repeat"]) + 1)
             self.queries.add(row["query_id"])
+        self.writer = RecordWriter(folder, self._written)
 
     def next_repeat(self, query_id: str) -> int:
         with self._lock:
@@ -158,24 +193,86 @@ class Session:
             self.queries.add(query_id)
             return n
 
-    def build(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
-              error: Exception | None, window: tuple[float, float]) -> QueryRecord:
-        """The record of an ended ``job`` (``window``: its start and end): its energy waits for the sensors
-        to cover its end."""
-        share = self.meter.share(job)
-        query_id, text = prompt_digest(body)
+    def build(self, ended: "Ended", readings: list[Any], busy_s: float | None = None, split: Any = None,
+              provisional: QueryRecord | None = None) -> QueryRecord:
+        """The record of an ended request with these readings (its settled share, or its provisional energy);
+        ``provisional``: the provisional record the answer carried, whose energy the settled one keeps beside its own."""
+        query_id, text = prompt_digest(ended.body)
+        completion = ended.completion
         if not self.options.log_prompts:
             text = _hashed(text)
             if completion is not None:
                 completion = dataclasses.replace(completion, text=_hashed(completion.text))
-        query = Query(id=query_id, prompt=text, answer="", category=api, scorer="judge")
-        return self.make_record(self.folder.manifest.run_id, self.spec, query, self.next_repeat(query_id), completion,
-                           error, window[0], window[1], share.readings, idle=self.idle, estimate=self.estimate,
-                           busy_s=share.busy_s, split=share)
+        query = Query(id=query_id, prompt=text, answer="", category=ended.api, scorer="judge")
+        record = self.make_record(self.folder.manifest.run_id, self.spec, query, ended.repeat, completion, ended.error,
+                                  ended.window[0], ended.window[1], readings, idle=self.idle, estimate=self.estimate,
+                                  busy_s=busy_s, split=split)
+        if provisional is not None:
+            record = dataclasses.replace(record, provisional_energy_j=provisional.provisional_energy_j,
+                                         provisional_uncertainty_j=provisional.provisional_uncertainty_j)
+        return record
 
-    def write(self, record: QueryRecord) -> None:
+    def provisional(self, job: int, ended: "Ended") -> QueryRecord:
+        """The record an answer carries at once: its energy the meter's provisional value (``Meter.provisional``)."""
+        estimate = self.meter.provisional(job)
+        record = self.build(ended, estimate.readings, busy_s=None)
+        band = None if record.energy_j is None else round(record.energy_j * estimate.rel_90, 6)
+        return dataclasses.replace(record, provisional_energy_j=record.energy_j, provisional_uncertainty_j=band)
+
+    def settle(self, job: int, ended: "Ended", provisional: QueryRecord | None, wait: bool = False) -> QueryRecord | None:
+        """Make ``job``'s record once its share is final and hand it to the writer: now (``wait``: this
+        thread waits for the share, and gets the record), else on the meter's thread when the share is final."""
+        request_id = f"{prompt_digest(ended.body)[0]}/{ended.repeat}"
         with self._lock:
-            self.folder.append(record)
+            self.pending.add(request_id)
+
+        def done(share: Any, error: BaseException | None) -> QueryRecord | None:
+            try:
+                if share is None:
+                    raise error or RuntimeError("no share")
+                record = self.build(ended, share.readings, busy_s=share.busy_s, split=share, provisional=provisional)
+                if not wait:
+                    self.keep(record, ended.override)
+                return record
+            except Exception as exc:  # never on a client's path: one line, and the record is lost
+                with self._lock:
+                    self.pending.discard(request_id)
+                self.notice(f"ipw serve: the energy of request {request_id} was not settled: {type(exc).__name__}: "
+                            f"{scrub(str(exc))[:200]}")
+                return None
+
+        if wait:
+            return done(self.meter.share(job), None)
+        self.meter.on_share(job, done)
+        return None
+
+    def keep(self, record: QueryRecord, override: QueryError | None) -> None:
+        """A settled record: with ``override`` as its error (the client went away after its end), kept for
+        ``GET /v1/ipw/energy/{id}`` and handed to the writer."""
+        if override is not None and record.error is None:
+            record = dataclasses.replace(record, error=f"QueryError: {override}", error_category=override.category)
+        request_id = f"{record.query_id}/{record.repeat}"
+        with self._lock:
+            self.pending.discard(request_id)
+            self.settled[request_id] = energy_object(record)
+            while len(self.settled) > SETTLED_KEEP:
+                self.settled.popitem(last=False)
+        self.writer.put_record(record)
+
+    def lookup(self, request_id: str) -> tuple[int, dict[str, Any]]:
+        """``GET /v1/ipw/energy/{id}``: the settled energy (200), pending (202), or unknown (404)."""
+        with self._lock:
+            if request_id in self.settled:
+                return 200, self.settled[request_id]
+            if request_id in self.pending:
+                return 202, {"request_id": request_id, "status": "pending"}
+        return 404, {"error": {"message": f"ipw serve: no request {request_id} in this session (or settled too long "
+                               f"ago: the last {SETTLED_KEEP} are kept; every record is in the run folder)",
+                               "type": "not_found", "code": 404}}
+
+    def _written(self, record: QueryRecord) -> None:
+        """A record is on disk (the writer's thread)."""
+        with self._lock:
             self.requests += 1
             self.errors += record.error is not None
             method = record.split_method or "none"
@@ -193,6 +290,20 @@ class Session:
             return True
         expected = f"Bearer {self.token}".encode()
         return hmac.compare_digest((header or "").encode(errors="replace"), expected)
+
+
+@dataclass
+class Ended:
+    """What a metered request was once it ended: its body, API, repeat, outcome and window; ``override``: an
+    error that came after its end (the client went away while the answer was written)."""
+
+    body: dict[str, Any]
+    api: str
+    repeat: int
+    completion: Completion | None
+    error: Exception | None
+    window: tuple[float, float]
+    override: QueryError | None = None
 
 
 class _Stream:
@@ -369,6 +480,11 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/health":
             return self._json(200, {"status": "ok", "in_flight": self.server.session.meter.in_flight()})
+        if path.startswith(ENERGY_PATH):
+            if not self._authorized():
+                return
+            status, data = self.server.session.lookup(path[len(ENERGY_PATH):])
+            return self._json(status, data)
         if path.rstrip("/") != MODELS:
             return self._error(404, f"ipw serve: no route {path} (it serves /v1/chat/completions, "
                                "/v1/completions and /v1/models)", "not_found")
@@ -421,12 +537,13 @@ class Handler(BaseHTTPRequestHandler):
         payload = json.dumps(body).encode()
         seen = _Stream()
         job = session.meter.start()
-        start = session.meter.started_s(job)
+        start = session.meter.started_s_of(job)
         error: QueryError | None = None
-        # (completion, error, window) once the request has ended; its record, once made (at its end with
-        # --energy-in-response, else after the answer)
-        self._outcome: tuple[Completion | None, Exception | None, tuple[float, float]] | None = None
+        # the request once it has ended; the record its answer carries (provisional, or with --energy-wait
+        # settled), if any
+        self._ended: Ended | None = None
         self._record: QueryRecord | None = None
+        self._settled: QueryRecord | None = None
         try:
             try:
                 conn, resp = self._open("POST", path, payload, stream, deadline=start + session.options.timeout_s)
@@ -466,25 +583,29 @@ class Handler(BaseHTTPRequestHandler):
                     self._drop_upstream()
                 self._deadline = None
             self._release_upstream()
-            if self._outcome is None:  # ended by an error before the answer was complete
+            if self._ended is None:  # ended by an error before the answer was complete
                 self._end(job, body, api, seen.completion(start, time.monotonic(), session.meter.token_times(job))
                           if seen.parts else None, error or QueryError("no answer", "connection"))
-            record = self._record
-            if record is None:  # --no-energy-in-response: the energy is waited for now, after the answer
-                assert self._outcome is not None  # _end set it
-                record = session.build(job, body, api, *self._outcome)
-            if error is not None and error.category == "client_disconnect" and record.error is None:
-                record = dataclasses.replace(record, error=f"QueryError: {error}", error_category=error.category)
-            session.write(record)  # after the answer went out: the client never waits for the disk
+            ended = cast(Ended, self._ended)
+            if error is not None and error.category == "client_disconnect":
+                ended.override = error
+            if self._settled is None:  # settled on the meter's thread, and written, after the answer
+                session.settle(job, ended, self._record)
+            else:  # --energy-wait: settled before the answer; written after it (the client never waits for the disk)
+                session.keep(self._settled, ended.override)
 
     def _end(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
              error: Exception | None) -> QueryRecord | None:
-        """The request ended now: cut its window; with energy in the response, make its record now."""
+        """The request ended now: cut its window; with the energy in the response, its record now: provisional
+        (the default), or settled (``--energy-wait``: waits for the sensors and the split)."""
         session = self.server.session
         window = session.meter.end(job, completion)
-        self._outcome = (completion, error, window)
+        self._ended = Ended(body, api, session.next_repeat(prompt_digest(body)[0]), completion, error, window)
         if session.options.energy_in_response:
-            self._record = session.build(job, body, api, completion, error, window)
+            if session.options.energy_wait:
+                self._settled = self._record = session.settle(job, self._ended, None, wait=True)
+            else:
+                self._record = session.provisional(job, self._ended)
         return self._record
 
     def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream, start: float) -> None:
@@ -503,7 +624,7 @@ class Handler(BaseHTTPRequestHandler):
         if record is None:  # passed through as it came
             return self._send(200, raw, resp.getheader("Content-Type"))
         data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}),
-                         "energy": energy_object(record)}
+                         "energy": self._energy(record)}
         self._json(200, data, {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
                                "x-ipw-energy-quality": record.energy_quality})
 
@@ -551,7 +672,7 @@ class Handler(BaseHTTPRequestHandler):
                     seen.take(chunk, api)
                     ended, record = True, self._end_stream(job, body, api, seen, start)
                     if record is not None:
-                        chunk["usage"] = {**chunk["usage"], "energy": energy_object(record)}
+                        chunk["usage"] = {**chunk["usage"], "energy": self._energy(record)}
                         self._send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
                     elif asked_usage:
                         self._send_chunk(event + b"\n")
@@ -580,15 +701,18 @@ class Handler(BaseHTTPRequestHandler):
             error = QueryError(f"empty answer (finish_reason={seen.finish or 'none'})", "empty_answer")
         return self._end(job, body, api, completion, error)
 
-    @staticmethod
-    def _usage_chunk(last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
+    def _energy(self, record: QueryRecord) -> dict[str, Any]:
+        """The answer's ``usage.energy``: provisional unless it waited for the settled value."""
+        return energy_object(record, provisional=self._settled is None)
+
+    def _usage_chunk(self, last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
         """A chunk as a server sends for ``stream_options.include_usage``: no choices, and usage (with
         the request's energy)."""
         return {"id": last.get("id", f"ipw-{record.query_id}"), "object": last.get("object", "chat.completion.chunk"),
                 "created": last.get("created", int(time.time())), "model": last.get("model", ""), "choices": [],
                 "usage": {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
                           "total_tokens": record.prompt_tokens + record.completion_tokens,
-                          "energy": energy_object(record)}}
+                          "energy": self._energy(record)}}
 
 
 class ProxyServer(ThreadingHTTPServer):
@@ -660,8 +784,9 @@ class Proxy:
         while self.session.meter.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         left = self.session.meter.in_flight()
-        energy = self.session.meter.close()
+        energy = self.session.meter.close()  # every ended request settled: its record is with the writer
         session = self.session
+        session.writer.close()
         folder = session.folder
         try:
             for sensor in self.sensors:
@@ -669,9 +794,10 @@ class Proxy:
                     folder.add_power(session.spec.name, sensor.trace())
             line = {
                 "started_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - (time.monotonic() - self.started_s))),
-                "start_s": session.meter.segments.started_s, "end_s": session.meter.segments.ended_s,
+                "start_s": session.meter.started_s, "end_s": session.meter.ended_s,
                 "wall_s": round(time.monotonic() - self.started_s, 3), "requests": session.requests,
-                "split_methods": dict(session.split_methods),
+                "energy_split": session.options.energy_split, "split_methods": dict(session.split_methods),
+                "pricing": asdict(session.meter.pricing()),
                 "errors": session.errors, "in_flight_peak": session.meter.in_flight_peak,
                 "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
                 "sampler_overhead": {s.name: s.overhead() for s in self.sensors},
@@ -769,8 +895,9 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
             estimate = ApiEnergyEstimate.load(None)
         window = Window(sensors)
         idle = measure_idle(window, options.idle_s) if options.idle_s > 0 and sensors else IdleBaseline({}, {}, 0.0)
-        meter = Meter(window)
         llama = (backend.server_kind == "llama-server") if backend is not None else is_llama_server(upstream, key)
+        # tokens are timed as they pass, and llama-server reports each prefill at the first token
+        meter = Meter(window, split=options.energy_split, live_tokens=True, expect_prefill=llama, idle_w=idle.power_w)
         session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama)
         identity, hardware = node_identity()
         entry = {"name": options.name, "kind": "serve", "model": session.spec.model, "role": options.role,

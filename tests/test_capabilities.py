@@ -9,7 +9,7 @@ import pytest
 
 from ipw.backends.base import BackendBase, BackendSpec, create_backend, register_backend, unregister_backend
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
-from ipw.telemetry.window import Window
+from ipw.metering.window import Window
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ipw"
 PROBE = re.compile(r"\b(hasattr|getattr)\(\s*([^,()]+(?:\([^()]*\))?[^,()]*)\s*,")

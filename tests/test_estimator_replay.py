@@ -16,7 +16,6 @@ import pytest
 
 from ipw.telemetry.estimator import (
     CALIBRATION_BOUNDS,
-    Request,
     calibration_ratio,
     counter_change_points,
     counter_energy_between,
@@ -26,9 +25,9 @@ from ipw.telemetry.estimator import (
     net_energy_j,
     sample_coverage,
     slice_energies,
-    split_concurrent,
     wall_us_to_mono_s,
 )
+from ipw.metering.split import Request, split_concurrent
 
 DATA = Path(__file__).parent / "data"
 

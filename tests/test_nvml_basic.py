@@ -230,7 +230,7 @@ def test_many_windows_resolved_at_once_read_as_one_at_a_time(monkeypatch):
     from nvml_fakes import drive
 
     from ipw.telemetry.nvml import PendingWindow
-    from ipw.telemetry.window import Closed, resolve
+    from ipw.metering.window import Closed, resolve
 
     sig, clock = synthetic(idle_w=100.0, load_w=400.0, load=(10.3, 11.1))
     make_fake(monkeypatch, [sig], clock)

@@ -767,7 +767,7 @@ def test_a_polled_sensor_in_a_window_on_the_real_clock(tmp_path):
     """The runner's path (telemetry.window.Window) with the polling thread on the real clock: a board
     held at 25 W (the Orin trace's load values, 5 V x 5 A) for ~0.4 s."""
     from ipw.telemetry import jetson
-    from ipw.telemetry.window import Window
+    from ipw.metering.window import Window
 
     FakeHwmon(orin_entry(), tmp_path / "hwmon", PollClock(T0 + int(6e9)))
     sensor = jetson.probe(tmp_path / "hwmon")

@@ -528,9 +528,9 @@ def test_meter_splits_every_window_once_and_conserves_energy():
     power and a cut, as RAPL has)."""
     import random
 
-    from ipw.overlap import Meter
+    from ipw.metering.meter import Meter
     from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
-    from ipw.telemetry.window import Window
+    from ipw.metering.window import Window
 
     class Clock(SensorBase):
         name = "clock"
@@ -636,8 +636,8 @@ def test_meter_thread_settles_ended_requests_in_batches_and_each_waits_for_its_o
     that ends after the thread stopped is settled on its own thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ipw.overlap import Meter
-    from ipw.telemetry.window import Window
+    from ipw.metering.meter import Meter
+    from ipw.metering.window import Window
 
     released = [0.0]  # a window is final once its end is at or before this (as NVML's buffer catches up)
 
@@ -680,8 +680,8 @@ def test_meter_thread_waits_on_the_sensors_event_and_a_lone_request_has_its_whol
     """A window whose result is final on an event (the CPU model's read after the end) is waited for on
     that event (``Deferred.wait``), and the share comes once it is set; a request alone in its window
     has all of it, by work and by time alike."""
-    from ipw.overlap import Meter
-    from ipw.telemetry.window import Window
+    from ipw.metering.meter import Meter
+    from ipw.metering.window import Window
 
     read = threading.Event()  # the sensor's read after the request's end
     waited = threading.Event()

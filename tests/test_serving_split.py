@@ -11,7 +11,7 @@ import pytest
 
 from ipw.backends.base import BackendBase, Completion, ServerTimings
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
-from ipw.telemetry.estimator import Request, by_time, split_concurrent, split_method
+from ipw.metering.split import Request, by_time, split_concurrent, split_method
 
 
 def test_prefill_beside_decode_hand_made():
@@ -109,7 +109,10 @@ class PrefillBesideDecode(BackendBase):
         pass
 
 
-def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
+@pytest.mark.parametrize("split", ["local", "priced"])
+def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path, split):
+    """``local``: the shared slice by the work done in it; ``priced``: the one accounting period (A alone, both,
+    B alone: no gap) by each request's priced work, prompt tokens at the default weight (too few bins for a fit)."""
     from ipw.backends.base import register_backend, unregister_backend
     from ipw.config import load_config
     from ipw.runner import execute
@@ -119,7 +122,8 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     data.write_text("".join(json.dumps({"id": q, "prompt": f"{q}: 2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"
                             for q in ("q-decode", "q-prefill")))
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n\n'
+    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n'
+                   f'energy_split = "{split}"\n\n'
                    '[[backends]]\nname = "srv"\nkind = "scripted-server"\nmodel = "m"\nrole = "cloud"\n')
     register_backend("scripted-server", PrefillBesideDecode, replace=True)
     try:
@@ -132,7 +136,8 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     frame = pd.read_parquet(folder.path / "records.parquet").set_index("query_id")
     a, b = frame.loc["q-decode"], frame.loc["q-prefill"]
     assert b.start_s < a.end_s and a.start_s < b.end_s  # they overlap
-    assert set(frame["concurrency"]) == {2} and set(frame["split_method"]) == {"work"}
+    method = "work" if split == "local" else "priced"
+    assert set(frame["concurrency"]) == {2} and set(frame["split_method"]) == {method}
     # the sensor's windows: before A, A alone until B's request starts, both until A ends, B alone (the span
     # ends with the last request, not when the records are built)
     windows = sorted(sensor.windows)
@@ -145,15 +150,18 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path):
     work_a = sum(b.start_s <= t < a.end_s for t in times["decode"])
     work_b = 300 + sum(b.start_s <= t < a.end_s for t in times["prefill"])
     p = 100.0
-    expected_a = p * first + p * both * work_a / (work_a + work_b)
-    expected_b = p * both * work_b / (work_a + work_b) + p * last
+    local_a = p * first + p * both * work_a / (work_a + work_b)
+    local_b = p * both * work_b / (work_a + work_b) + p * last
+    priced_a = p * (first + both + last) * 19 / (19 + 300 + 12)  # all of A's outputs; all of B's work
+    priced_b = p * (first + both + last) * (300 + 12) / (19 + 300 + 12)
+    expected_a, expected_b = (local_a, local_b) if split == "local" else (priced_a, priced_b)
     assert a.energy_j == pytest.approx(expected_a, rel=1e-9)
     assert b.energy_j == pytest.approx(expected_b, rel=1e-9)
-    # the weighting's own uncertainty: the distance to an equal split of the shared slice
-    assert a.split_uncertainty_j == pytest.approx(abs(p * both * (work_a / (work_a + work_b) - 0.5)), rel=1e-3)
+    # the split's own uncertainty: the distance to the other split
+    assert a.split_uncertainty_j == pytest.approx(abs(local_a - priced_a), rel=1e-3)
     # conserved: the records' parts plus the unattributed time equal the span the sensor measured
     level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
-    assert level["concurrency"] == 2 and level["requests"] == 2 and level["split_methods"] == {"work": 2}
+    assert level["concurrency"] == 2 and level["requests"] == 2 and level["split_methods"] == {method: 2}
     tally = level["energy"]["cpu"]
     span = sum(p * (t1 - t0) for t0, t1 in sensor.windows)
     assert tally["span_j"] == pytest.approx(span, rel=1e-6)

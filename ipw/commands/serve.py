@@ -19,7 +19,8 @@ from ipw.errors import IpwError
 def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
                   api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
                   timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
-                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, **_: Any):
+                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, energy_wait: bool = False,
+                  energy_split: str = "priced", **_: Any):
     """Check the options (before anything starts) and make the proxy's options and managed server (the
     commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
     from ipw.config import check_idle_s
@@ -41,6 +42,10 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
     if token is not None and len(token) < 8:
         raise IpwError("--token: use at least 8 characters")
     check_idle_s(idle_s, "--idle-s")
+    if energy_split not in ("priced", "local"):
+        raise IpwError(f"--energy-split: must be priced or local, got {energy_split!r}")
+    if energy_wait and not energy_in_response:
+        raise IpwError("--energy-wait holds answers for an energy that --no-energy-in-response leaves out: give one")
     managed = None
     if upstream is not None:
         parsed = Upstream.parse(upstream)
@@ -52,7 +57,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
     options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
                            api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
                            max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role,
-                           energy_in_response=energy_in_response)
+                           energy_in_response=energy_in_response, energy_wait=energy_wait, energy_split=energy_split)
     return options, managed
 
 

@@ -1,0 +1,590 @@
+"""The energy of requests that overlap (docs/SERVING.md): one span of time cut into sensor windows
+(slices) at every request's start and end, grouped into accounting periods, and each period's energy
+split among its requests (``ipw.metering.split``).
+
+One :class:`Meter` serves both users:
+
+- ``ipw run`` at a concurrency level (``requests``: the level's count; its span ends with its last
+  request).  Token times and server timings come with each request's completion, so a period is split
+  once every request in it has ended;
+- ``ipw serve`` (open-ended; ``live_tokens``): the proxy times each output token as it passes (``token``)
+  and, from llama-server, each prefill at the first token (``prefill``), so a period is split as soon as
+  the sensors cover its end and every request in it has reported its prefill.
+
+A period ends where no request is in flight, or at the first request event once ``period_s`` long, for
+either split (the ``local`` split's shares are its slices', and the period gives the priced alternative that
+a record's ``split_uncertainty_j`` measures the distance to).  Periods are split in time order on the meter's own
+thread, and a request's share is final once the period that holds its end is split (``share`` waits for
+it; ``on_share`` calls back).  Every slice belongs to exactly one period or to the unattributed energy
+(no request in flight), so the parts and the unattributed energy add up to the span's measured energy
+(``Tally``).
+
+At a request's end, before its periods are split, ``provisional`` gives an estimate of its energy at once:
+its priced work at the energy per unit of work of the periods split in the last seconds, corrected by the
+ratio of settled to provisional energy seen so far, with a ±90% band taken from how far settled values fell
+from their provisional ones (``Provisional``).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, cast
+
+import numpy as np
+
+from ipw.backends.base import Completion
+from ipw.metering.split import (PERIOD_S, PriceFit, Pricing, Request, fit_bins, split_method, token_work)
+from ipw.metering.window import Closed, Window, resolve
+from ipw.telemetry.base import EnergyReading, Quality, worst_quality
+from ipw.telemetry.uncertainty import Z90
+
+#: one slice of a span: its start and end (monotonic s), its sensors' result, the requests in flight in it
+Slice = tuple[float, float, Closed, frozenset[int]]
+
+#: how long the meter's thread waits at most for a period's sensors to become final (NVML: until its sampler
+#: has read past the period's end; the CPU model: its read after the end)
+READY_WAIT_S = 10.0
+#: the energy per unit of work for provisional values: the periods split in the last this many seconds
+RATE_WINDOW_S = 10.0
+#: the provisional ±90% band: from the last this many settled requests, once there are at least CAL_MIN
+CAL_N = 400
+CAL_MIN = 20
+#: the band before that (relative), and when no period was split yet (the idle power is all there is)
+PROVISIONAL_REL_DEFAULT = 0.5
+PROVISIONAL_REL_COLD = 1.0
+
+
+class Tally:
+    """Per-component sums of a span: its energy (``span_j``), the part no request was in flight for
+    (``unattributed_j``) and the requests' parts (``parts_j``); None once a slice lacks it."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[str, float | None]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, readings: list[EnergyReading], key: str) -> None:
+        with self.lock:
+            for r in readings:
+                row = self.sums.setdefault(r.component, {"span_j": 0.0, "unattributed_j": 0.0, "parts_j": 0.0})
+                so_far = row[key]
+                row[key] = None if r.energy_j is None or so_far is None else so_far + r.energy_j
+                if key == "unattributed_j":  # idle slices are part of the span too
+                    row["span_j"] = None if r.energy_j is None or row["span_j"] is None else row["span_j"] + r.energy_j
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        with self.lock:
+            return {c: {k: (None if v is None else round(v, 6)) for k, v in row.items()} for c, row in self.sums.items()}
+
+
+def request_of(completion: Completion | None, start: float, end: float) -> Request:
+    """A request of the split: its window, token times, output token count and, where the server timed
+    it, its prefill, placed so that it ends when the first token arrived."""
+    if completion is None:
+        return Request(start, end)
+    timings = completion.server_timings
+    prefill = None
+    if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
+        prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
+    return Request(start, end, completion.token_times_s, prefill,
+                   timings.prompt_n if prefill and timings is not None else 0, completion.completion_tokens)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One request's part of the energy measured while it ran."""
+
+    readings: list[EnergyReading]
+    busy_s: float  # its share of the busy time (for the idle part of net energy)
+    method: str  # "" when it shared no period with another request; else split.split_method
+    uncertainty_j: dict[str, float]  # per component: |its share by this split - by the other split|
+
+
+@dataclass(frozen=True)
+class Provisional:
+    """A request's energy at its end, before its periods are split: per component, and the relative ±90%
+    half-width within which its settled value is expected (``source``: ``rate`` from recently split periods,
+    ``idle`` from the idle power alone)."""
+
+    readings: list[EnergyReading]
+    rel_90: float
+    source: str
+
+
+@dataclass
+class _Live:
+    """What is known of a request in flight."""
+
+    start: float
+    times: list[float] = field(default_factory=list)  # its output tokens so far
+    prefill: tuple[float, float] | None = None
+    prompt_tokens: int = 0
+
+    def request(self, now: float) -> Request:
+        """The request as known now (in flight until at least ``now``)."""
+        return Request(self.start, max(now, self.start), tuple(self.times), self.prefill, self.prompt_tokens)
+
+
+@dataclass
+class _Period:
+    slices: list[Slice] = field(default_factory=list)
+    members: set[int] = field(default_factory=set)
+    closed_s: float = 0.0  # when it stopped taking slices (0: still open)
+
+
+class _Account:
+    """A request's parts so far, period by period: per component ``[chosen split, other split, measurement
+    variance (independent, sd^2), calibration sd (shared), qualities, source, scope, missing]``."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[Any]] = {}
+        self.busy_s = 0.0
+        self.shared = False
+        self.periods = 0
+        self.last_period: _Period | None = None  # the period that holds its end, once it ended
+        self.ended = False
+        self.share: Share | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.callbacks: list[Callable[[Share | None, BaseException | None], None]] = []
+        self.provisional_j: float | None = None  # the raw provisional total, for the band's calibration
+
+    def add(self, reading: EnergyReading, chosen: float | None, other: float | None, var: float | None,
+            cal: float | None) -> None:
+        row = self.parts.setdefault(reading.component, [0.0, 0.0, 0.0, 0.0, [], reading.source, reading.scope, False])
+        if chosen is None or other is None:
+            row[7] = True
+        else:
+            row[0] += chosen
+            row[1] += other
+        row[2] = None if var is None or row[2] is None else row[2] + var
+        row[3] = None if cal is None or row[3] is None else row[3] + cal
+        row[4].append(reading.quality)
+
+
+class Meter:
+    """A span of requests that start and end at any time; each gets its share of the energy measured
+    while it ran (the module's docstring says how).
+
+    ``split``: ``priced`` or ``local`` (``ipw.metering.split``); ``requests``: how many requests the span
+    holds (it ends with the last), or None (open-ended: ``close`` ends it); ``live_tokens``: output tokens
+    are timed as they arrive (``token``), so a request in flight counts with its tokens so far;
+    ``expect_prefill``: the server reports each prefill at the first token (``prefill``), so a period waits
+    for that of every request in flight; ``idle_w``: idle power per component (provisional values before
+    any period was split)."""
+
+    def __init__(self, window: Window, *, split: str = "priced", requests: int | None = None,
+                 live_tokens: bool = False, expect_prefill: bool = False, period_s: float | None = None,
+                 idle_w: dict[str, float] | None = None) -> None:
+        self.window, self.split = window, split
+        self.period_s = PERIOD_S if period_s is None else period_s
+        self.live_tokens, self.expect_prefill = live_tokens, expect_prefill
+        self.idle_w = dict(idle_w or {})
+        self.remaining = requests
+        self.lock = threading.Lock()  # guards the span's state; request threads cut slices under it
+        self._wake = threading.Condition(self.lock)
+        self.tokens: Any = None
+        self.opened_s = self.started_s = self.ended_s = 0.0
+        self.active: set[int] = set()
+        self._live: dict[int, _Live] = {}
+        self._ended: dict[int, Request] = {}  # ended jobs whose last period is not split yet
+        self._accounts: dict[int, _Account] = {}
+        self._open: _Period | None = None
+        self._periods: collections.deque[_Period] = collections.deque()  # closed, not split yet, in time order
+        self._idle: list[Closed] = []  # slices with no request in flight, until their readings are final
+        self.tally = Tally()
+        self.fit = PriceFit()
+        self._pricing = self.fit.pricing()  # as of the last period split
+        # provisional values: recent periods' (end, energy per component, priced work, request-seconds)
+        self._rates: collections.deque[tuple[float, dict[str, float], float, float]] = collections.deque()
+        self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
+        self._ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=CAL_N)  # (provisional, settled)
+        self._stopping = self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._next = 0
+        self.in_flight_peak = 0
+        #: wall seconds the meter's thread spent making sensor readings final and splitting periods
+        self.cost = {"shares": 0, "periods": 0, "readings_s": 0.0, "split_s": 0.0}
+
+    # -- the span, cut at every request event (request threads) -----------------------------------
+
+    def open(self) -> None:
+        """Start the span and the meter's thread."""
+        self.started_s = self.opened_s = time.monotonic()
+        self.tokens = self.window.begin(self.started_s)
+        self._thread = threading.Thread(target=self._run, name="ipw-meter", daemon=True)
+        self._thread.start()
+
+    def _cut(self, now: float, last: bool = False) -> None:
+        """Close the slice that ends ``now`` (under the lock) and put it in the open period, or with the
+        unattributed energy when no request was in flight."""
+        if last:
+            closed, self.tokens = self.window.end(self.tokens, now), None
+            self.ended_s = now
+        else:
+            closed, self.tokens = self.window.cut(self.tokens, now)
+        if self.active:
+            if self._open is None:
+                self._open = _Period()
+            self._open.slices.append((self.opened_s, now, closed, frozenset(self.active)))
+            self._open.members |= self.active
+        else:
+            self._idle.append(closed)
+        self.opened_s = now
+
+    def _close_period(self, now: float) -> None:
+        if self._open is not None:
+            self._open.closed_s = now
+            self._periods.append(self._open)
+            self._open = None
+            self._wake.notify_all()
+
+    def start(self, job: int | None = None) -> int:
+        """A request starts now: its job number (``job``, or the next one)."""
+        with self.lock:
+            if job is None:
+                job, self._next = self._next, self._next + 1
+            now = time.monotonic()
+            if self.tokens is not None:
+                self._cut(now)
+                if self._open is not None and now - self._open.slices[0][0] >= self.period_s:
+                    self._close_period(now)
+            self.active.add(job)
+            self._live[job] = _Live(now)
+            self._accounts[job] = _Account()
+            self.in_flight_peak = max(self.in_flight_peak, len(self._live))
+        return job
+
+    def token(self, job: int) -> None:
+        """An output token of ``job`` arrived now (timed under the lock that cuts slices)."""
+        with self.lock:
+            self._live[job].times.append(time.monotonic())
+
+    def prefill(self, job: int, prompt_ms: float, prompt_tokens: int) -> None:
+        """The server reported ``job``'s prefill (its prompt tokens, and how long they took): it ended
+        when the first token arrived."""
+        with self.lock:
+            live = self._live[job]
+            if live.times and live.prefill is None:
+                live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
+                live.prompt_tokens = prompt_tokens
+                self._wake.notify_all()
+
+    def started_s_of(self, job: int) -> float:
+        with self.lock:
+            return self._live[job].start
+
+    def token_times(self, job: int) -> tuple[float, ...]:
+        with self.lock:
+            return tuple(self._live[job].times)
+
+    def end(self, job: int, completion: Completion | None) -> tuple[float, float]:
+        """``job`` ended now (its slice is cut here): its start and end.  Its share is made on the meter's
+        thread (``share`` waits for it, ``on_share`` calls back)."""
+        with self.lock:
+            now = time.monotonic()
+            live = self._live.pop(job)
+            account = self._accounts[job]
+            if self.tokens is not None:
+                if self.remaining is not None:
+                    self.remaining -= 1
+                self._cut(now, last=self.remaining == 0)
+                account.last_period = self._open
+            self.active.discard(job)
+            self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
+            account.ended = True
+            if self._open is not None and (not self.active or now - self._open.slices[0][0] >= self.period_s):
+                self._close_period(now)
+            late = account.last_period is None
+            if late:  # the span had ended: nothing of it was measured
+                self._finish(job, Share([], 0.0, "", {}), None)
+            self._wake.notify_all()
+        if late:
+            for fn in account.callbacks:
+                fn(account.share, None)
+            account.callbacks.clear()
+        return live.start, now
+
+    def in_flight(self) -> int:
+        with self.lock:
+            return len(self._live)
+
+    # -- shares --------------------------------------------------------------------------------
+
+    def share(self, job: int, timeout_s: float | None = None) -> Share:
+        """The energy of an ended ``job`` once the period that holds its end is split (waits for it)."""
+        with self.lock:
+            account = self._accounts[job]
+            alone = (self._thread is None or self._stopped) and not account.done.is_set()
+        if alone:  # no meter thread (never opened, or stopped): split what is left here
+            self._settle_all()
+        account.done.wait(timeout_s)
+        if account.error is not None:
+            raise account.error
+        if account.share is None:
+            raise TimeoutError(f"the energy of request {job} was not settled within {timeout_s} s")
+        with self.lock:
+            self._accounts.pop(job, None)
+        return account.share
+
+    def on_share(self, job: int, fn: Callable[[Share | None, BaseException | None], None]) -> None:
+        """Call ``fn(share, error)`` once ``job``'s share is final (now, if it is; else on the meter's thread)."""
+        with self.lock:
+            account = self._accounts[job]
+            if not account.done.is_set():
+                account.callbacks.append(fn)
+                return
+            self._accounts.pop(job, None)
+        fn(account.share, account.error)
+
+    def provisional(self, job: int) -> Provisional:
+        """An ended ``job``'s energy now, before its periods are split (the module's docstring)."""
+        with self.lock:
+            request = self._ended.get(job)
+            account = self._accounts[job]
+            weight = self._pricing.prefill_weight if self.split == "priced" else 1.0
+            now = time.monotonic()
+            recent = [r for r in self._rates if r[0] >= now - RATE_WINDOW_S] or list(self._rates)[-1:]
+            ratios = list(self._ratios)
+        duration = 0.0 if request is None else request.end_s - request.start_s
+        if request is None or (not recent and not self.idle_w):
+            return Provisional([], PROVISIONAL_REL_COLD, "none")
+        if recent:
+            work = weight * request.prefill_tokens + max(request.output_tokens, len(request.token_times_s))
+            # the components a settled total will sum (``energy_basis``: the measured ones, where there are)
+            energy = {c: sum(r[1].get(c, 0.0) for r in recent) for c in recent[-1][1]
+                      if not self._measured or c in self._measured}
+            total_work, total_s = sum(r[2] for r in recent), sum(r[3] for r in recent)
+            if work > 0 and total_work > 0:
+                values = {c: e * work / total_work for c, e in energy.items()}
+            else:
+                values = {c: e * duration / total_s if total_s > 0 else 0.0 for c, e in energy.items()}
+            source = "rate"
+        else:  # no period split yet: the idle power over its time alone
+            values = {c: w * duration for c, w in self.idle_w.items()}
+            source = "idle"
+        raw = sum(values.values())
+        account.provisional_j = raw
+        factor, rel = 1.0, PROVISIONAL_REL_DEFAULT if source == "rate" else PROVISIONAL_REL_COLD
+        if len(ratios) >= CAL_MIN and source == "rate":
+            prov, settled = np.array(ratios).T
+            factor = float(settled.sum() / prov.sum()) if prov.sum() > 0 else 1.0
+            rel = float(np.quantile(np.abs(settled / (prov * factor) - 1.0), 0.9)) if factor > 0 else rel
+        readings = [EnergyReading(component=c, energy_j=v * factor, source="provisional", quality="estimated",
+                                  scope="system_estimate", duration_s=duration,
+                                  note=f"provisional ({source}): settled later in the run folder",
+                                  uncertainty_j=v * factor * rel) for c, v in values.items()]
+        return Provisional(readings, rel, source)
+
+    def pricing(self) -> Pricing:
+        with self.lock:
+            return self._pricing
+
+    def _finish(self, job: int, share: Share | None, error: BaseException | None) -> None:
+        """``job``'s share is final (under the lock): wake its waiter, run its callbacks outside the lock."""
+        account = self._accounts[job]
+        account.share, account.error = share, error
+        if share is not None and account.provisional_j is not None:
+            settled = sum(r.energy_j for r in share.readings if r.energy_j is not None)
+            if account.provisional_j > 0 and settled > 0:
+                self._ratios.append((account.provisional_j, settled))
+        self._ended.pop(job, None)
+        account.done.set()
+
+    # -- the meter's thread ------------------------------------------------------------------------
+
+    def _known(self, period: _Period) -> bool:
+        """Whether the work of every request in ``period`` is known up to its end (under the lock)."""
+        for j in period.members:
+            if j in self._ended:
+                continue
+            live = self._live.get(j)
+            if live is None or not self.live_tokens or (self.expect_prefill and live.prefill is None):
+                return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while True:
+                    period = self._periods[0] if self._periods else None
+                    if period is not None and (self._known(period) or self._stopping):
+                        break
+                    if period is None and self._stopping:
+                        self._stopped = True
+                        return
+                    self._wake.wait(0.05 if period is not None else None)
+            deadline = period.closed_s + READY_WAIT_S
+            if not all(s[2].ready() for s in period.slices):
+                all(s[2].wait(max(0.0, deadline - time.monotonic())) for s in period.slices)
+                if not all(s[2].ready() for s in period.slices) and time.monotonic() < deadline and not self._stopping:
+                    continue
+            self._settle(period)
+
+    def _settle_all(self) -> None:
+        """Split every closed period now, with what is known (no meter thread)."""
+        while True:
+            with self.lock:
+                if not self._periods:
+                    return
+                period = self._periods[0]
+            self._settle(period)
+
+    def _settle(self, period: _Period) -> None:
+        """Split one period (the oldest closed one) among its requests, make the shares of the requests that
+        ended in it final, and add what is ready of the idle slices to the unattributed energy."""
+        t0 = time.perf_counter()
+        with self.lock:
+            idle = list(self._idle)
+        resolve([s[2] for s in period.slices] + idle)
+        readings = [s[2].readings() for s in period.slices]  # outside every lock
+        t1 = time.perf_counter()
+        finished: list[tuple[_Account, Share | None, BaseException | None]] = []
+        with self.lock:
+            assert self._periods and self._periods[0] is period
+            self._periods.popleft()
+            jobs = sorted(period.members)
+            try:
+                self._split(period, jobs, readings)
+            except Exception as exc:  # the waiting requests get the error, not a hang
+                for j in jobs:
+                    account = self._accounts.get(j)
+                    if account is not None and account.ended and account.last_period is period:
+                        self._finish(j, None, exc)
+                        finished.append((account, None, exc))
+            else:
+                for j in jobs:
+                    account = self._accounts.get(j)
+                    if account is not None and account.ended and account.last_period is period:
+                        share = self._share_of(j, account)
+                        self._finish(j, share, None)
+                        finished.append((account, share, None))
+            for r in readings:
+                self.tally.add(r, "span_j")
+            for account, share, _ in finished:
+                if share is not None:
+                    self.tally.add(share.readings, "parts_j")
+            self._drain_idle(wait=False)
+            self.cost["periods"] += 1
+            self.cost["shares"] += len(finished)
+            self.cost["readings_s"] += t1 - t0
+            self.cost["split_s"] += time.perf_counter() - t1
+        for account, share, error in finished:  # outside the lock: a callback may build and write a record
+            for fn in account.callbacks:
+                fn(share, error)
+            account.callbacks.clear()
+
+    def _split(self, period: _Period, jobs: list[int], readings: list[list[EnergyReading]]) -> None:
+        """Each request's part of ``period``, added to its account (under the lock)."""
+        end = period.slices[-1][1]
+        reqs = [self._ended[j] if j in self._ended else self._live[j].request(end) for j in jobs]
+        lo = np.array([s[0] for s in period.slices])
+        hi = np.array([s[1] for s in period.slices])
+        dur = hi - lo
+        prefill, decode, active = token_work(lo, hi, reqs)
+        components = list(dict.fromkeys(r.component for rs in readings for r in rs))
+        by_comp = {c: [next((r for r in rs if r.component == c), None) for rs in readings] for c in components}
+        energy = {c: np.array([np.nan if r is None or r.energy_j is None else r.energy_j for r in rs])
+                  for c, rs in by_comp.items()}
+        total = sum(energy.values()) if energy else np.full(len(readings), np.nan)
+        if np.isfinite(total).all() and total.size:
+            self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))
+        self._pricing = pricing = self.fit.pricing()
+        weight = pricing.prefill_weight if self.split == "priced" else 1.0
+        # the priced split: the period's energy by priced work (by time in flight where no work was seen)
+        priced_work = (pricing.prefill_weight * prefill + decode).sum(axis=1)
+        act = active.sum(axis=1)
+        if priced_work.sum() > 0:
+            w_priced = priced_work / priced_work.sum()
+        elif act.sum() > 0:
+            w_priced = act / act.sum()
+        else:
+            w_priced = np.full(len(jobs), 1.0 / len(jobs))
+        # the local split: each slice by the work done in it (by time in flight where none; equal parts
+        # among its requests where it has no length)
+        work = prefill + decode
+        work_sum, act_sum = work.sum(axis=0), active.sum(axis=0)
+        w_local = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
+                           active / np.where(act_sum > 0, act_sum, 1.0))
+        for k in np.flatnonzero(act_sum <= 0):  # a slice of no length: equal parts, so that its energy is not lost
+            members = [i for i, j in enumerate(jobs) if j in period.slices[k][3]]
+            w_local[members, k] = 1.0 / len(members)
+        busy_time = dur.sum()
+        busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
+        work_total = float((weight * prefill + decode).sum())
+        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, work_total, float(act.sum())))
+        self._measured = {c for c, rs in by_comp.items()
+                          if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}
+        while self._rates and self._rates[0][0] < end - RATE_WINDOW_S and len(self._rates) > 1:
+            self._rates.popleft()
+        priced = self.split == "priced"
+        for i, j in enumerate(jobs):
+            account = self._accounts.get(j)
+            if account is None:
+                continue
+            account.periods += 1
+            account.shared |= len(jobs) > 1
+            account.busy_s += float(w_priced[i] * busy_time) if priced else float(cast(np.ndarray, busy_local)[i])
+            for c in components:
+                e = energy[c]
+                rs = by_comp[c]
+                first = next(r for r in rs if r is not None)
+                missing = bool(np.isnan(e).any())
+                p_share = None if missing else float(w_priced[i] * e.sum())
+                l_share = None if missing else float((w_local[i] * e).sum())
+                unc = [None if r is None else r.uncertainty_j for r in rs]
+                cal = [None if r is None else r.calibration_sd_j for r in rs]
+                w = np.full(len(rs), w_priced[i]) if priced else w_local[i]
+                # the slices' errors as independent (1 sd, squared), the calibration's as shared: weighted by its part
+                var = None if any(u is None for u in unc) else float(sum((wk * cast(float, u) / Z90) ** 2
+                                                                         for wk, u in zip(w, unc)))
+                cal_sd = None if any(x is None for x in cal) else float(sum(wk * cast(float, x) for wk, x in zip(w, cal)))
+                account.add(first, p_share if priced else l_share, l_share if priced else p_share, var, cal_sd)
+
+    def _share_of(self, job: int, account: _Account) -> Share:
+        request = self._ended[job]
+        readings, uncertainty = [], {}
+        for c, (chosen, other, var, cal, qualities, source, scope, missing) in account.parts.items():
+            uncertainty[c] = 0.0 if missing else abs(chosen - other)
+            readings.append(EnergyReading(
+                component=c, energy_j=None if missing else chosen, source=source, scope=scope,
+                quality="unavailable" if missing else cast(Quality, worst_quality(qualities)),
+                duration_s=request.end_s - request.start_s,
+                note=(f"share of {account.periods} accounting period(s) split {self.split}"
+                      + (" among overlapping requests" if account.shared else " (alone)")),
+                uncertainty_j=None if var is None or missing else math.sqrt(var) * Z90,
+                calibration_sd_j=None if cal is None or missing else cal,
+            ))
+        method = split_method(request, self.split) if account.shared else ""
+        return Share(readings, account.busy_s, method, uncertainty)
+
+    def _drain_idle(self, wait: bool) -> None:
+        """Add the slices with no request in flight to the unattributed energy (those whose readings are
+        final, or all of them with ``wait``; under the lock)."""
+        later = []
+        for closed in self._idle:
+            if wait or closed.ready():
+                self.tally.add(closed.readings(), "unattributed_j")
+            else:
+                later.append(closed)
+        self._idle = later
+
+    def close(self) -> dict[str, dict[str, float | None]]:
+        """End the span (after the last request has finished), split what is left and return the
+        conservation tally; the meter's thread stops once every closed period is split."""
+        with self.lock:
+            if self.tokens is not None:
+                self.ended_s = time.monotonic()
+                self._cut(self.ended_s, last=True)
+            self._close_period(self.ended_s)
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * READY_WAIT_S)
+        self._settle_all()
+        with self.lock:
+            self._drain_idle(wait=True)
+        return self.tally.summary()
