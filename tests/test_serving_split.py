@@ -182,3 +182,75 @@ def test_bad_concurrency_is_a_usage_error(run_cli, args, message):
     code, _, err = run_cli("run", *args)
     assert code == 2 and re.search(message, " ".join(err.split())), err
     assert "Traceback" not in err
+
+
+class Waves(BackendBase):
+    """A scripted batching server with 3 slots: identical requests (20 prompt tokens prefilled in 5 ms, then 10
+    output tokens 20 ms apart) queue for a slot, so 8 requests in flight run in waves of 3, 3 and 2, and the
+    last wave decodes with fewer co-decoders."""
+
+    concurrency = 8
+    slots = threading.Semaphore(3)
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def load(self):
+        pass
+
+    def generate(self, prompt, settings):
+        start = time.monotonic()
+        with self.slots:
+            first = time.monotonic() + 0.005
+            times = tuple(first + 0.02 * k for k in range(10))
+            time.sleep(max(0.0, times[-1] - time.monotonic()))
+        return Completion("4", 20, 10, start, times[0], time.monotonic(), times, "stop",
+                          ServerTimings(20, 5.0, 10, 200.0))
+
+    def pids(self):
+        return []
+
+    def describe(self):
+        return {"engine": "waves"}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("split", ["priced", "local"])
+def test_identical_requests_in_two_waves_get_equal_shares(tmp_path, split):
+    """Identical work gets an identical share whichever scheduling wave it ran in (the priced split, within
+    1%); the time-local split charges the last wave, which decodes with fewer co-decoders, more.  Both conserve
+    exactly."""
+    from ipw.backends.base import register_backend, unregister_backend
+    from ipw.config import load_config
+    from ipw.runner import execute
+    from runfolders import start_run
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"
+                            for i in range(8)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n'
+                   f'energy_split = "{split}"\n\n[[backends]]\nname = "srv"\nkind = "waves"\nmodel = "m"\nrole = "cloud"\n')
+    register_backend("waves", Waves, replace=True)
+    try:
+        config = load_config(str(cfg))
+        folder, queries = start_run(config, command=["test"])
+        assert execute(folder, config, queries, lambda r: None, probe=lambda backend: [ConstantPower(100.0)]) == "complete"
+    finally:
+        unregister_backend("waves")
+    frame = pd.read_parquet(folder.path / "records.parquet")
+    shares = frame["energy_j"].to_numpy()
+    spread = (shares.max() - shares.min()) / shares.mean()
+    level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
+    tally = level["energy"]["cpu"]
+    assert tally["parts_j"] + tally["unattributed_j"] == pytest.approx(tally["span_j"], rel=1e-6)
+    assert shares.sum() == pytest.approx(tally["parts_j"], rel=1e-6)
+    if split == "priced":
+        assert set(frame["split_method"]) == {"priced"}
+        assert spread < 0.01, shares
+        assert level["pricing"]["prefill_weight"] > 0
+    else:
+        assert set(frame["split_method"]) == {"work"}
+        assert spread > 0.2, shares  # the last wave's two requests pay the static power of a wave of three

@@ -151,6 +151,7 @@ class _Account:
         self.done = threading.Event()
         self.callbacks: list[Callable[[Share | None, BaseException | None], None]] = []
         self.provisional_j: float | None = None  # the raw provisional total, for the band's calibration
+        self.request: Request | None = None  # once it ended
 
     def add(self, reading: EnergyReading, chosen: float | None, other: float | None, var: float | None,
             cal: float | None) -> None:
@@ -295,6 +296,7 @@ class Meter:
                 account.last_period = self._open
             self.active.discard(job)
             self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
+            account.request = self._ended[job]
             account.ended = True
             if self._open is not None and (not self.active or now - self._open.slices[0][0] >= self.period_s):
                 self._close_period(now)
@@ -343,8 +345,8 @@ class Meter:
     def provisional(self, job: int) -> Provisional:
         """An ended ``job``'s energy now, before its periods are split (the module's docstring)."""
         with self.lock:
-            request = self._ended.get(job)
             account = self._accounts[job]
+            request = account.request
             weight = self._pricing.prefill_weight if self.split == "priced" else 1.0
             now = time.monotonic()
             recent = [r for r in self._rates if r[0] >= now - RATE_WINDOW_S] or list(self._rates)[-1:]
@@ -367,7 +369,10 @@ class Meter:
             values = {c: w * duration for c, w in self.idle_w.items()}
             source = "idle"
         raw = sum(values.values())
-        account.provisional_j = raw
+        with self.lock:
+            account.provisional_j = raw
+            if account.share is not None:  # settled already (a sensor that is final at once)
+                self._calibrate(account)
         factor, rel = 1.0, PROVISIONAL_REL_DEFAULT if source == "rate" else PROVISIONAL_REL_COLD
         if len(ratios) >= CAL_MIN and source == "rate":
             prov, settled = np.array(ratios).T
@@ -387,12 +392,16 @@ class Meter:
         """``job``'s share is final (under the lock): wake its waiter, run its callbacks outside the lock."""
         account = self._accounts[job]
         account.share, account.error = share, error
-        if share is not None and account.provisional_j is not None:
-            settled = sum(r.energy_j for r in share.readings if r.energy_j is not None)
-            if account.provisional_j > 0 and settled > 0:
-                self._ratios.append((account.provisional_j, settled))
+        self._calibrate(account)
         self._ended.pop(job, None)
         account.done.set()
+
+    def _calibrate(self, account: _Account) -> None:
+        """A settled request that had a provisional value: their ratio, for the next bands (under the lock)."""
+        if account.share is not None and account.provisional_j is not None:
+            settled = sum(r.energy_j for r in account.share.readings if r.energy_j is not None)
+            if account.provisional_j > 0 and settled > 0:
+                self._ratios.append((account.provisional_j, settled))
 
     # -- the meter's thread ------------------------------------------------------------------------
 
