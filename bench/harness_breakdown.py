@@ -140,18 +140,18 @@ def instrument(prof: Prof) -> None:
     """Timers around the parts of a query's path (whatever of them this checkout has)."""
     import rich.live
 
-    import ipw.overlap
+    import ipw.metering.meter
     import ipw.results
     import ipw.runner
     import ipw.telemetry.nvml
     import ipw.telemetry.snapshots
-    import ipw.telemetry.window
+    import ipw.metering.window
     from ipw.telemetry.cpu_model import CpuModelSensor
 
     w = prof.wrap
-    w(ipw.telemetry.window.Window, "begin", "edge")
-    w(ipw.telemetry.window.Window, "end", "edge")
-    w(ipw.telemetry.window.Window, "cut", "edge")
+    w(ipw.metering.window.Window, "begin", "edge")
+    w(ipw.metering.window.Window, "end", "edge")
+    w(ipw.metering.window.Window, "cut", "edge")
     w(ipw.telemetry.nvml.NvmlSensor, "begin", "edge: nvml")
     w(ipw.telemetry.nvml.NvmlSensor, "end", "edge: nvml")
     w(CpuModelSensor, "begin", "edge: cpu model")
@@ -160,7 +160,7 @@ def instrument(prof: Prof) -> None:
     counters = getattr(ipw.telemetry.snapshots, "Counters", None)
     if counters is not None:  # the CPU model's reads on its own thread (not in an old checkout)
         w(counters, "snap", "counter reads")
-    w(ipw.overlap.Segments, "event", "edge")
+    w(ipw.metering.meter.Segments, "event", "edge")
     w(ipw.runner, "_generate", "round trip", moved=engine_time)
     w(ipw.telemetry.nvml.PendingWindow, "result", "estimate")
     w(ipw.telemetry.nvml.PendingWindow, "resolve_all", "estimate")

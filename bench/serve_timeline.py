@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 
 def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) -> None:
     import ipw.serve as serve
-    from ipw.overlap import Meter
+    from ipw.metering.meter import Meter
     from ipw.telemetry import snapshots
 
     local = threading.local()

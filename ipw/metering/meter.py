@@ -149,7 +149,7 @@ class _Account:
         self.share: Share | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
-        self.callbacks: list[Callable[[Share | None, BaseException | None], None]] = []
+        self.callbacks: list[Callable[[Share | None, BaseException | None], object]] = []
         self.provisional_j: float | None = None  # the raw provisional total, for the band's calibration
         self.request: Request | None = None  # once it ended
 
@@ -332,7 +332,7 @@ class Meter:
             self._accounts.pop(job, None)
         return account.share
 
-    def on_share(self, job: int, fn: Callable[[Share | None, BaseException | None], None]) -> None:
+    def on_share(self, job: int, fn: Callable[[Share | None, BaseException | None], object]) -> None:
         """Call ``fn(share, error)`` once ``job``'s share is final (now, if it is; else on the meter's thread)."""
         with self.lock:
             account = self._accounts[job]
@@ -468,14 +468,14 @@ class Meter:
                 for j in jobs:
                     account = self._accounts.get(j)
                     if account is not None and account.ended and account.last_period is period:
-                        share = self._share_of(j, account)
-                        self._finish(j, share, None)
-                        finished.append((account, share, None))
+                        made = self._share_of(j, account)
+                        self._finish(j, made, None)
+                        finished.append((account, made, None))
             for r in readings:
                 self.tally.add(r, "span_j")
-            for account, share, _ in finished:
-                if share is not None:
-                    self.tally.add(share.readings, "parts_j")
+            for _, part, _ in finished:
+                if part is not None:
+                    self.tally.add(part.readings, "parts_j")
             self._drain_idle(wait=False)
             self.cost["periods"] += 1
             self.cost["shares"] += len(finished)
@@ -498,7 +498,7 @@ class Meter:
         by_comp = {c: [next((r for r in rs if r.component == c), None) for rs in readings] for c in components}
         energy = {c: np.array([np.nan if r is None or r.energy_j is None else r.energy_j for r in rs])
                   for c, rs in by_comp.items()}
-        total = sum(energy.values()) if energy else np.full(len(readings), np.nan)
+        total = np.sum(list(energy.values()), axis=0) if energy else np.full(len(readings), np.nan)
         if np.isfinite(total).all() and total.size:
             self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))
         self._pricing = pricing = self.fit.pricing()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence, TypeGuard
+from typing import Sequence, TypeGuard
 
 import numpy as np
 
