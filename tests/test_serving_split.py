@@ -152,8 +152,9 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path, split):
     p = 100.0
     local_a = p * first + p * both * work_a / (work_a + work_b)
     local_b = p * both * work_b / (work_a + work_b) + p * last
-    priced_a = p * (first + both + last) * 19 / (19 + 300 + 12)  # all of A's outputs; all of B's work
-    priced_b = p * (first + both + last) * (300 + 12) / (19 + 300 + 12)
+    # all of A's work (its 12-token prompt, cached, is priced whole, and 19 outputs); all of B's (300 + 12)
+    priced_a = p * (first + both + last) * (12 + 19) / (12 + 19 + 300 + 12)
+    priced_b = p * (first + both + last) * (300 + 12) / (12 + 19 + 300 + 12)
     expected_a, expected_b = (local_a, local_b) if split == "local" else (priced_a, priced_b)
     assert a.energy_j == pytest.approx(expected_a, rel=1e-9)
     assert b.energy_j == pytest.approx(expected_b, rel=1e-9)
@@ -254,3 +255,21 @@ def test_identical_requests_in_two_waves_get_equal_shares(tmp_path, split):
     else:
         assert set(frame["split_method"]) == {"work"}
         assert spread > 0.2, shares  # the last wave's two requests pay the static power of a wave of three
+
+
+def test_priced_split_prices_whole_prompts_and_conserves():
+    """The priced split spreads the busy slices' energy by priced work over the whole span: a request whose
+    prompt was in its slot's cache (1 prompt token computed of 40) costs what an identical uncached one costs,
+    whatever slices each ran in; a prompt without server timings is placed from the start to the first token
+    and priced too; the parts and the idle slices add up."""
+    edges = [0.0, 1.0, 2.0, 3.0]
+    energy = [30.0, 10.0, 5.0]  # the last slice has no request in flight
+    cached = Request(0.0, 1.5, (0.3, 0.6, 0.9, 1.2), prefill_s=(0.0, 0.3), prefill_tokens=1, prompt_tokens=40)
+    fresh = Request(0.5, 2.0, (0.8, 1.1, 1.4, 1.7), prefill_s=(0.5, 0.8), prefill_tokens=40, prompt_tokens=40)
+    untimed = Request(0.2, 1.0, (0.4, 0.6), prompt_tokens=10)  # a server without timings (vLLM)
+    split = split_concurrent(edges, energy, [cached, fresh, untimed], split="priced", prefill_weight=0.5)
+    work = [0.5 * 40 + 4, 0.5 * 40 + 4, 0.5 * 10 + 2]
+    assert split.per_request_j == pytest.approx(tuple(40.0 * w / sum(work) for w in work))
+    assert split.unattributed_j == 5.0 and sum(split.per_request_j) + 5.0 == pytest.approx(45.0)
+    assert [split_method(r, "priced") for r in (cached, untimed, Request(0, 1, (0.5,)), Request(0, 1))] == [
+        "priced", "priced", "priced_decode", "time"]

@@ -90,7 +90,8 @@ def request_of(completion: Completion | None, start: float, end: float) -> Reque
     if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
         prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
     return Request(start, end, completion.token_times_s, prefill,
-                   timings.prompt_n if prefill and timings is not None else 0, completion.completion_tokens)
+                   timings.prompt_n if prefill and timings is not None else 0, completion.completion_tokens,
+                   completion.prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,8 @@ class Meter:
             if live.times and live.prefill is None:
                 live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
                 live.prompt_tokens = prompt_tokens
-                self._wake.notify_all()
+                if self._periods:  # a closed period may have waited for it
+                    self._wake.notify_all()
 
     def started_s_of(self, job: int) -> float:
         with self.lock:
@@ -303,7 +305,8 @@ class Meter:
             late = account.last_period is None
             if late:  # the span had ended: nothing of it was measured
                 self._finish(job, Share([], 0.0, "", {}), None)
-            self._wake.notify_all()
+            if self._periods:  # a closed period may have waited for it (closing one notifies too)
+                self._wake.notify_all()
         if late:
             for fn in account.callbacks:
                 fn(account.share, None)
@@ -355,7 +358,8 @@ class Meter:
         if request is None or (not recent and not self.idle_w):
             return Provisional([], PROVISIONAL_REL_COLD, "none")
         if recent:
-            work = weight * request.prefill_tokens + max(request.output_tokens, len(request.token_times_s))
+            prompt = max(request.prompt_tokens, request.prefill_tokens) if self.split == "priced" else request.prefill_tokens
+            work = weight * prompt + max(request.output_tokens, len(request.token_times_s))
             # the components a settled total will sum (``energy_basis``: the measured ones, where there are)
             energy = {c: sum(r[1].get(c, 0.0) for r in recent) for c in recent[-1][1]
                       if not self._measured or c in self._measured}
@@ -493,18 +497,20 @@ class Meter:
         lo = np.array([s[0] for s in period.slices])
         hi = np.array([s[1] for s in period.slices])
         dur = hi - lo
-        prefill, decode, active = token_work(lo, hi, reqs)
+        prefill, decode, active = token_work(lo, hi, reqs)  # the local split's: the prompt tokens computed
+        whole = (token_work(lo, hi, reqs, whole_prompt=True)[0]  # the priced split's: whole prompts
+                 if any(r.prompt_tokens > r.prefill_tokens for r in reqs) else prefill)
         components = list(dict.fromkeys(r.component for rs in readings for r in rs))
         by_comp = {c: [next((r for r in rs if r.component == c), None) for rs in readings] for c in components}
         energy = {c: np.array([np.nan if r is None or r.energy_j is None else r.energy_j for r in rs])
                   for c, rs in by_comp.items()}
         total = np.sum(list(energy.values()), axis=0) if energy else np.full(len(readings), np.nan)
         if np.isfinite(total).all() and total.size:
-            self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))
+            self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))  # the work done
         self._pricing = pricing = self.fit.pricing()
         weight = pricing.prefill_weight if self.split == "priced" else 1.0
         # the priced split: the period's energy by priced work (by time in flight where no work was seen)
-        priced_work = (pricing.prefill_weight * prefill + decode).sum(axis=1)
+        priced_work = (pricing.prefill_weight * whole + decode).sum(axis=1)
         act = active.sum(axis=1)
         if priced_work.sum() > 0:
             w_priced = priced_work / priced_work.sum()
@@ -523,7 +529,7 @@ class Meter:
             w_local[members, k] = 1.0 / len(members)
         busy_time = dur.sum()
         busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
-        work_total = float((weight * prefill + decode).sum())
+        work_total = float((weight * (whole if self.split == "priced" else prefill) + decode).sum())
         self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, work_total, float(act.sum())))
         self._measured = {c for c, rs in by_comp.items()
                           if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}

@@ -33,7 +33,9 @@ class Request:
     the server reported it, when it processed the prompt (``prefill_s``: start, end) and how many prompt
     tokens that was (``prefill_tokens``: those its prompt cache did not already hold).  ``output_tokens``:
     how many output tokens it produced where the server counted more than it sent times for (a plain JSON
-    answer has one time, its end); 0: one per token time."""
+    answer has one time, its end); 0: one per token time.  ``prompt_tokens``: its whole prompt (cached
+    tokens included; 0: unknown), which the priced split prices, so that a request whose prompt happened to
+    be in its slot's cache costs what an identical one costs."""
 
     start_s: float
     end_s: float
@@ -41,15 +43,17 @@ class Request:
     prefill_s: tuple[float, float] | None = None
     prefill_tokens: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 #: The splits a run or a proxy can use (``split`` in a config, ``--split``): see the module's docstring.
 SPLITS = ("priced", "local")
 
 #: How overlapping requests' energy was split (a record's ``split_method``):
-#: - ``priced``: by priced work over an accounting period, prompt tokens timed by the server (llama-server's
-#:   ``timings``) and output tokens;
-#: - ``priced_decode``: by priced work of output tokens only (no server timings: a prefill is not priced);
+#: - ``priced``: by priced work over an accounting period: its whole prompt, placed over the prefill as the
+#:   server timed it (llama-server's ``timings``; else from the request's start to its first token), and
+#:   its output tokens;
+#: - ``priced_decode``: by priced work of output tokens only (no prompt token count: a prefill is not priced);
 #: - ``work``: the time-local split by the tokens each request put through the model in each slice, its
 #:   prompt tokens spread over its prefill as the server timed it;
 #: - ``decode_tokens``: the time-local split by output tokens only (no server timings: a prefill is
@@ -60,11 +64,13 @@ SPLIT_METHODS = ("priced", "priced_decode", "work", "decode_tokens", "time")
 
 def split_method(request: Request, split: str = "local") -> str:
     """The weighting ``split`` (``priced`` or ``local``) gives this request: the best its data allows."""
+    if split == "priced":
+        if request.token_times_s:
+            return "priced" if request.prefill_s is not None or request.prompt_tokens > 0 else "priced_decode"
+        return "time"
     if request.prefill_s is not None:
-        return "priced" if split == "priced" else "work"
-    if request.token_times_s:
-        return "priced_decode" if split == "priced" else "decode_tokens"
-    return "time"
+        return "work"
+    return "decode_tokens" if request.token_times_s else "time"
 
 
 @dataclass(frozen=True)
@@ -118,14 +124,16 @@ def split_concurrent(
     return ConcurrencySplit(tuple(float(x) for x in parts), unattributed, total)
 
 
-def token_work(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request]
+def token_work(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request], whole_prompt: bool = False
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each request's work in each slice ``[lo_s[k], hi_s[k])`` (the last one closed): ``(prefill, decode,
     active_s)``, three ``(requests, slices)`` arrays: its prompt tokens spread evenly over its prefill as the
     server timed it (an instant prefill: all in the slice that holds that instant), its output tokens that
     arrived there (inside its own window; each token time counts ``output_tokens / len(token_times_s)``
     where the server counted more), and the seconds it was in flight there.  The slices are in time order
-    and do not overlap, but need not touch (a token between two slices is in none)."""
+    and do not overlap, but need not touch (a token between two slices is in none).  ``whole_prompt`` (the
+    priced split): the prefill counts the request's whole prompt where it is known (``prompt_tokens``), placed
+    from its start to its first token where the server did not time it."""
     lo, hi = np.asarray(lo_s, dtype=np.float64), np.asarray(hi_s, dtype=np.float64)
     n_s, n_r = lo.size, len(requests)
     active_s = np.zeros((n_r, n_s))
@@ -144,16 +152,21 @@ def token_work(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request]
             j = np.clip(j, 0, n_s - 1)
             ok &= (tt < hi[j]) | ((tt == hi[j]) & (j == n_s - 1))
             np.add.at(decode[k], j[ok], each)
-        if r.prefill_s is not None and r.prefill_tokens > 0:
-            p0, p1 = max(r.prefill_s[0], r.start_s), min(r.prefill_s[1], r.end_s)
+        span, count = r.prefill_s, r.prefill_tokens
+        if whole_prompt and r.prompt_tokens > 0:
+            count = max(count, r.prompt_tokens)
+            if span is None and r.token_times_s:
+                span = (r.start_s, min(r.token_times_s))
+        if span is not None and count > 0:
+            p0, p1 = max(span[0], r.start_s), min(span[1], r.end_s)
             if p1 > p0:  # the prompt tokens, spread evenly over the prefill
-                prefill[k] += r.prefill_tokens * np.clip(np.minimum(hi, p1) - np.maximum(lo, p0), 0.0, None) / (p1 - p0)
+                prefill[k] += count * np.clip(np.minimum(hi, p1) - np.maximum(lo, p0), 0.0, None) / (p1 - p0)
             elif n_s:  # an instant prefill: all of it in the slice that holds that instant
                 at = np.nonzero((p1 >= lo) & (p1 < hi))[0]
                 if at.size:
-                    prefill[k, at[0]] += r.prefill_tokens
+                    prefill[k, at[0]] += count
                 elif p1 == hi[-1]:
-                    prefill[k, n_s - 1] += r.prefill_tokens
+                    prefill[k, n_s - 1] += count
     inactive = active_s <= 0
     prefill[inactive] = 0.0
     decode[inactive] = 0.0
@@ -180,7 +193,7 @@ def priced_weights(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Reques
     share of the period's energy, ``prefill_weight x its prefill tokens + its output tokens`` in the period
     over the sum of everyone's (by active time when no request did work); sums to 1 where a request was
     active."""
-    prefill, decode, active_s = token_work(lo_s, hi_s, requests)
+    prefill, decode, active_s = token_work(lo_s, hi_s, requests, whole_prompt=True)
     work = (prefill_weight * prefill + decode).sum(axis=1)
     if work.sum() > 0:
         return work / work.sum()
