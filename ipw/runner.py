@@ -17,7 +17,8 @@ from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
 from ipw.datasets import Query, QuerySet
 from ipw.errors import IpwError
-from ipw.metering.meter import Meter
+from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
+from ipw.metering.split import RUN_PERIOD_S
 from ipw.metering.record import RecordSink, RecordWriter, make_record
 from ipw.telemetry.phases import first_token_s
 from ipw.results import DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
@@ -40,10 +41,6 @@ def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Comple
 
 
 ProbeFn = Callable[[Backend], list[Sensor]]
-#: the interpreter's switch interval while a backend is measured (CPython's default is 5 ms): a thread
-#: woken by the engine's answer waits up to this long for the lock held by another thread (the NVML
-#: sampler, the snapshots, the record writer); bench/harness_breakdown.py, docs/PERFORMANCE.md
-SWITCH_INTERVAL_S = 0.0005
 QUERY_CACHE_MIN = 10_000  # a run of this many queries keeps a copy of them (below it, parsing them again is quick)
 
 
@@ -196,7 +193,7 @@ def run_concurrent(
     the records (``RecordWriter``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    meter = Meter(window, split=config.energy_split, requests=len(work), idle_w=idle.power_w)
+    meter = Meter(window, split=config.energy_split, requests=len(work), idle_w=idle.power_w, period_s=RUN_PERIOD_S)
     methods: dict[str, int] = {}
     estimate = backend.energy_estimate
 

@@ -33,7 +33,7 @@ from ipw.backends.base import BackendSpec, Completion, QueryError
 from ipw.backends.openai_http import Deadline, choice_text, server_timings
 from ipw.datasets import Query
 from ipw.errors import IpwError
-from ipw.metering.meter import Meter
+from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.sanitize import read_key, redact_url, scrub
 from ipw.metering.window import IdleBaseline, Window, measure_idle
@@ -779,6 +779,7 @@ class Proxy:
     sensors: list[Any]
     thread: threading.Thread
     started_s: float
+    switch_interval_s: float = 0.005  # the interpreter's, restored at stop
 
     @property
     def url(self) -> str:
@@ -790,6 +791,7 @@ class Proxy:
         and finish the run folder; returns the session's manifest line."""
         self.server.shutdown()
         self.server.server_close()
+        sys.setswitchinterval(self.switch_interval_s)
         deadline = time.monotonic() + grace_s
         while self.session.meter.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -927,9 +929,11 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         _abandon(folder, sensors, backend, f"{type(exc).__name__}: {exc}")
         raise
     meter.open()
+    switch_interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # a streamed token waits less for the interpreter lock
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ipw-serve", daemon=True)
     thread.start()
-    return Proxy(server, session, backend, sensors, thread, time.monotonic())
+    return Proxy(server, session, backend, sensors, thread, time.monotonic(), switch_interval_s)
 
 
 def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -> None:

@@ -447,11 +447,15 @@ class _Discard(list):
         pass
 
 
-def test_long_concurrent_run_keeps_memory_flat(endpoint, tmp_path):
+def test_long_concurrent_run_keeps_memory_flat(endpoint, tmp_path, monkeypatch):
     """What the runner holds while 8 requests are in flight does not grow with the number of queries:
-    each request's energy segments and result are dropped once no later record needs them. Python heap
+    each accounting period's slices and requests are dropped once it is split and its records are taken,
+    so memory is bounded by one period's requests (here periods of 0.2 s; a level's are 30 s). Python heap
     (tracemalloc) after 200 and after 1,200 records; before the fix it grew by ~2 KB a query. The
     5,335-query run against a real llama.cpp server is in docs/RELIABILITY.md."""
+    import ipw.runner
+
+    monkeypatch.setattr(ipw.runner, "RUN_PERIOD_S", 0.2)
     import tracemalloc
 
     from ipw.config import load_config

@@ -45,13 +45,18 @@ from ipw.telemetry.uncertainty import Z90
 #: one slice of a span: its start and end (monotonic s), its sensors' result, the requests in flight in it
 Slice = tuple[float, float, Closed, frozenset[int]]
 
+#: the interpreter's switch interval while requests are measured (CPython's default is 5 ms): a thread woken
+#: by an answer, or by a streamed token, waits up to this long for the lock held by another thread (the NVML
+#: sampler, the snapshots, the meter's split, the record writer); ``ipw run`` and ``ipw serve`` set it;
+#: bench/harness_breakdown.py, docs/PERFORMANCE.md
+SWITCH_INTERVAL_S = 0.0005
 #: how long the meter's thread waits at most for a period's sensors to become final (NVML: until its sampler
 #: has read past the period's end; the CPU model: its read after the end)
 READY_WAIT_S = 10.0
-#: the energy per unit of work for provisional values: the periods split in the last this many seconds
+#: the power for provisional values: that of the periods split in the last this many seconds
 RATE_WINDOW_S = 10.0
 #: the provisional ±90% band: from the last this many settled requests, once there are at least CAL_MIN
-CAL_N = 400
+CAL_N = 200
 CAL_MIN = 20
 #: the band before that (relative), and when no period was split yet (the idle power is all there is)
 PROVISIONAL_REL_DEFAULT = 0.5
@@ -134,6 +139,13 @@ class _Period:
     slices: list[Slice] = field(default_factory=list)
     members: set[int] = field(default_factory=set)
     closed_s: float = 0.0  # when it stopped taking slices (0: still open)
+    # priced work seen so far, counted as tokens pass (for provisional values): by job, and in all
+    work: dict[int, float] = field(default_factory=dict)
+    work_total: float = 0.0
+
+    def add_work(self, job: int, units: float) -> None:
+        self.work[job] = self.work.get(job, 0.0) + units
+        self.work_total += units
 
 
 class _Account:
@@ -201,7 +213,8 @@ class Meter:
         self.fit = PriceFit()
         self._pricing = self.fit.pricing()  # as of the last period split
         # provisional values: recent periods' (end, energy per component, priced work, request-seconds)
-        self._rates: collections.deque[tuple[float, dict[str, float], float, float]] = collections.deque()
+        # the periods split in the last RATE_WINDOW_S: (end, energy per component, busy seconds)
+        self._rates: collections.deque[tuple[float, dict[str, float], float]] = collections.deque()
         self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
         self._ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=CAL_N)  # (provisional, settled)
         self._stopping = self._stopped = False
@@ -255,6 +268,8 @@ class Meter:
                 if self._open is not None and now - self._open.slices[0][0] >= self.period_s:
                     self._close_period(now)
             self.active.add(job)
+            if self._open is None and self.tokens is not None:  # its tokens count in the period they arrive in
+                self._open = _Period()
             self._live[job] = _Live(now)
             self._accounts[job] = _Account()
             self.in_flight_peak = max(self.in_flight_peak, len(self._live))
@@ -264,6 +279,8 @@ class Meter:
         """An output token of ``job`` arrived now (timed under the lock that cuts slices)."""
         with self.lock:
             self._live[job].times.append(time.monotonic())
+            if self._open is not None:
+                self._open.add_work(job, 1.0)
 
     def prefill(self, job: int, prompt_ms: float, prompt_tokens: int) -> None:
         """The server reported ``job``'s prefill (its prompt tokens, and how long they took): it ended
@@ -273,6 +290,8 @@ class Meter:
             if live.times and live.prefill is None:
                 live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
                 live.prompt_tokens = prompt_tokens
+                if self._open is not None:
+                    self._open.add_work(job, self._weight() * prompt_tokens)
                 if self._periods:  # a closed period may have waited for it
                     self._wake.notify_all()
 
@@ -296,6 +315,12 @@ class Meter:
                     self.remaining -= 1
                 self._cut(now, last=self.remaining == 0)
                 account.last_period = self._open
+                if self._open is not None and completion is not None:  # the work the stream did not show
+                    seen = len(live.times) + self._weight() * live.prompt_tokens
+                    whole = (self._weight() * max(completion.prompt_tokens, live.prompt_tokens)
+                             + max(completion.completion_tokens, len(live.times)))
+                    if whole > seen:
+                        self._open.add_work(job, whole - seen)
             self.active.discard(job)
             self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
             account.request = self._ended[job]
@@ -346,32 +371,36 @@ class Meter:
         fn(account.share, account.error)
 
     def provisional(self, job: int) -> Provisional:
-        """An ended ``job``'s energy now, before its periods are split (the module's docstring)."""
+        """An ended ``job``'s energy now, before all its periods are split: its parts of the periods already
+        split, plus, for each period not split yet, the energy the period has cost so far (its busy seconds at
+        the power of the periods split in the last ``RATE_WINDOW_S``; the idle power before any) times the
+        job's share of the priced work seen in it so far (tokens are counted as they pass).  Corrected by the
+        ratio of settled to provisional energy of the last ``CAL_N`` requests, with a ±90% band from how far
+        they fell from it."""
         with self.lock:
             account = self._accounts[job]
             request = account.request
-            weight = self._pricing.prefill_weight if self.split == "priced" else 1.0
             now = time.monotonic()
             recent = [r for r in self._rates if r[0] >= now - RATE_WINDOW_S] or list(self._rates)[-1:]
+            busy_s = sum(r[2] for r in recent)
+            power = ({c: sum(r[1].get(c, 0.0) for r in recent) / busy_s for c in recent[-1][1]} if busy_s > 0
+                     else dict(self.idle_w))
+            if self._measured:  # the components a settled total sums (``energy_basis``: the measured ones)
+                power = {c: w for c, w in power.items() if c in self._measured}
+            values = {c: row[0] for c, row in account.parts.items() if not row[7]}  # periods split already
+            for period in [*self._periods, *([self._open] if self._open is not None else [])]:
+                mine = period.work.get(job)
+                if mine is None or not period.slices:
+                    continue
+                seconds = (period.closed_s or now) - period.slices[0][0]
+                share = mine / period.work_total if period.work_total > 0 else 1.0 / len(period.members)
+                for c, w in power.items():
+                    values[c] = values.get(c, 0.0) + w * seconds * share
             ratios = list(self._ratios)
+            source = "rate" if recent else "idle" if self.idle_w else "none"
         duration = 0.0 if request is None else request.end_s - request.start_s
-        if request is None or (not recent and not self.idle_w):
+        if request is None or source == "none" or not values:
             return Provisional([], PROVISIONAL_REL_COLD, "none")
-        if recent:
-            prompt = max(request.prompt_tokens, request.prefill_tokens) if self.split == "priced" else request.prefill_tokens
-            work = weight * prompt + max(request.output_tokens, len(request.token_times_s))
-            # the components a settled total will sum (``energy_basis``: the measured ones, where there are)
-            energy = {c: sum(r[1].get(c, 0.0) for r in recent) for c in recent[-1][1]
-                      if not self._measured or c in self._measured}
-            total_work, total_s = sum(r[2] for r in recent), sum(r[3] for r in recent)
-            if work > 0 and total_work > 0:
-                values = {c: e * work / total_work for c, e in energy.items()}
-            else:
-                values = {c: e * duration / total_s if total_s > 0 else 0.0 for c, e in energy.items()}
-            source = "rate"
-        else:  # no period split yet: the idle power over its time alone
-            values = {c: w * duration for c, w in self.idle_w.items()}
-            source = "idle"
         raw = sum(values.values())
         with self.lock:
             account.provisional_j = raw
@@ -387,6 +416,10 @@ class Meter:
                                   note=f"provisional ({source}): settled later in the run folder",
                                   uncertainty_j=v * factor * rel) for c, v in values.items()]
         return Provisional(readings, rel, source)
+
+    def _weight(self) -> float:
+        """What a prompt token weighs now in this meter's split (under the lock)."""
+        return self._pricing.prefill_weight if self.split == "priced" else 1.0
 
     def pricing(self) -> Pricing:
         with self.lock:
@@ -508,7 +541,6 @@ class Meter:
         if np.isfinite(total).all() and total.size:
             self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))  # the work done
         self._pricing = pricing = self.fit.pricing()
-        weight = pricing.prefill_weight if self.split == "priced" else 1.0
         # the priced split: the period's energy by priced work (by time in flight where no work was seen)
         priced_work = (pricing.prefill_weight * whole + decode).sum(axis=1)
         act = active.sum(axis=1)
@@ -529,8 +561,7 @@ class Meter:
             w_local[members, k] = 1.0 / len(members)
         busy_time = dur.sum()
         busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
-        work_total = float((weight * (whole if self.split == "priced" else prefill) + decode).sum())
-        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, work_total, float(act.sum())))
+        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, float(dur.sum())))
         self._measured = {c for c, rs in by_comp.items()
                           if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}
         while self._rates and self._rates[0][0] < end - RATE_WINDOW_S and len(self._rates) > 1:

@@ -210,10 +210,15 @@ def by_time(requests: Sequence[Request]) -> list[Request]:
 # prices
 
 
-#: An accounting period of the ``priced`` split ends where no request is in flight, or at the first request
-#: event once it is this long: long enough to hold many scheduling waves (a wave of 64 requests of a small
-#: model on the H200 lasts ~0.1-0.4 s), short enough that the proxy settles an answer's energy within seconds.
+#: An accounting period ends where no request is in flight, or at the first request event once it is this
+#: long.  ``ipw serve``: long enough to hold many scheduling waves (a wave of 64 requests of a small model on
+#: the H200 lasts ~0.1-0.4 s), short enough that an answer's energy settles within seconds.
 PERIOD_S = 5.0
+#: ``ipw run``'s levels: a level is one steady load, so its period is longer, and a sweep level of a few hundred
+#: requests is one period (with 5 s periods, the requests that ended in a level's drain, with few beside them,
+#: paid its static power: on the H200 at 64 in flight, requests of equal tokens up to 51% apart).  A long
+#: level's memory is bounded by one period's requests.
+RUN_PERIOD_S = 30.0
 #: The fit of prices puts consecutive slices together into bins at least this long (NVML's samples are 20 ms
 #: apart: a bin of a few ms is mostly interpolation).
 FIT_BIN_S = 0.1
