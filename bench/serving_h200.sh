@@ -232,10 +232,10 @@ if [ "$stage" = serve ]; then
   counter=$!
   trap 'kill -TERM "$counter" 2> /dev/null || true' EXIT
   sleep 1
-  budget=$(( $(left) - 45 )); [ "$budget" -gt 300 ] && budget=300
+  budget=$(( $(left) - 45 )); [ "$budget" -gt "${SERVE_S:-300}" ] && budget=${SERVE_S:-300}
   echo "serve: $budget s for bench/serve_overhead.py"
   [ "$budget" -ge 100 ] || { echo "serve: too little time left before DEADLINE; skipped" | tee "$OUT/serve.md"; kill -TERM "$counter"; exit 0; }
-  python3 bench/serve_overhead.py --levels 1,32,64 --rounds 3 --n-gpu-layers -1 --server-threads 4 --max-tokens 64 \
+  python3 bench/serve_overhead.py --levels 1,32,64 --rounds "${SERVE_ROUNDS:-3}" --n-gpu-layers -1 --server-threads 4 --max-tokens 64 \
     --kinds stream,plain --proxy provisional= --proxy wait=--energy-wait --proxy none=--no-energy-in-response \
     --deadline-s "$budget" --runs "$R/serve" --out "$R/overhead.json" 2>&1 | tee "$R/overhead.txt" | tail -n 40 || true
   kill -TERM "$counter"; wait "$counter" || true
@@ -258,6 +258,7 @@ cfg=configs/gpu-serving.toml
 t0=$(date +%s)
 runit() {  # NAME ipw-run-options...: one run into $R/NAME, unless DEADLINE is near (the analysis and the tarball first)
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ ^($ONLY)$ ]]; then return 0; fi  # ONLY='sweep|mixed-.*': these runs alone
   if [ "$(left)" -lt 90 ]; then echo "$name: skipped, DEADLINE is near"; return 0; fi
   ipw run "$cfg" "$@" --out "$R/$name" 2>&1 | tail -n 4 || echo "$name FAILED"
   echo "$name: done at $(($(date +%s) - t0)) s"
