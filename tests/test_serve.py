@@ -72,9 +72,13 @@ def _energy(usage) -> dict:
 
 
 @needs_binary
-def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_path):
+@pytest.mark.parametrize("wait", [True, False], ids=["energy-wait", "provisional"])
+def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_path, wait):
+    """With --energy-wait each answer carries its record's settled energy; by default a provisional one (null
+    until the first period is split, on the CPU model, whose idle power is ~0), which the record keeps beside
+    the settled value."""
     url, pids = llama
-    proxy = _proxy(tmp_path, url, pids)
+    proxy = _proxy(tmp_path, url, pids, energy_wait=wait)
     client = openai.OpenAI(base_url=proxy.url, api_key="unused")
     try:
         raw = client.chat.completions.with_raw_response.create(
@@ -98,13 +102,25 @@ def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_p
     assert len(records) == 3
     energies = [_energy(plain.usage)] + [_energy(u) for u in streamed]
     for energy, usage, record in zip(energies, [plain.usage, *streamed], records):
-        assert energy["energy_j"] > 0 and energy["energy_j"] == pytest.approx(record["energy_j"])
-        assert energy["quality"] == record["energy_quality"] and energy["quality"] in QUALITY_ORDER
-        assert energy["source"] == record["energy_source"] and energy["net_energy_j"] == record["net_energy_j"]
+        assert record["energy_j"] > 0 and energy["provisional"] is (not wait)
+        assert energy["request_id"] == f"{record['query_id']}/{record['repeat']}"
+        assert energy["settled_url"] == "/v1/ipw/energy/" + energy["request_id"]
         assert energy["prompt_tokens"] == usage.prompt_tokens == record["prompt_tokens"] > 0
         assert energy["completion_tokens"] == usage.completion_tokens == record["completion_tokens"] > 0
+        if not wait:  # the record keeps the provisional value the answer carried, and its band
+            assert record["provisional_energy_j"] == energy["energy_j"]
+            assert record["provisional_uncertainty_j"] == energy["uncertainty_j"]
+            assert (energy["energy_j"] is None) == (energy["uncertainty_j"] is None)
+            continue
+        assert energy["energy_j"] == pytest.approx(record["energy_j"]) and record["provisional_energy_j"] is None
+        assert energy["quality"] == record["energy_quality"] and energy["quality"] in QUALITY_ORDER
+        assert energy["source"] == record["energy_source"] and energy["net_energy_j"] == record["net_energy_j"]
         assert energy["split_method"] == "none" and energy["uncertainty_j"] is None  # one at a time
-    assert float(header) == pytest.approx(records[0]["energy_j"], rel=1e-5)
+    if wait:
+        assert float(header) == pytest.approx(records[0]["energy_j"], rel=1e-5)
+    else:
+        assert energies[-1]["energy_j"] > 0, "the periods split by then give a provisional value"
+        assert header == ("" if energies[0]["energy_j"] is None else f"{energies[0]['energy_j']:.6g}")
     assert last_chunk.id.startswith("chatcmpl")  # the energy event of a stream that did not ask for usage
     # prompts and outputs are hashed unless --log-prompts; the same prompt pairs across runs by its hash
     assert all(r["prompt"].startswith("sha256:") and r["output"].startswith("sha256:") for r in records)
@@ -123,7 +139,7 @@ def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_p
 @needs_binary
 def test_sixteen_concurrent_streams_conserve_the_measured_energy(llama, tmp_path):
     url, pids = llama
-    proxy = _proxy(tmp_path, url, pids)
+    proxy = _proxy(tmp_path, url, pids, energy_wait=True)  # the answers carry the settled energy
     client = openai.OpenAI(base_url=proxy.url, api_key="unused", max_retries=0, timeout=300)
     results: list = [None] * 16
     barrier = threading.Barrier(16)
@@ -160,7 +176,8 @@ import os, sys, openai
 client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from ipw wrap
 for prompt in ("Say hi.", "Say bye."):
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=4)
-    print("energy_j", r.usage.model_extra["energy"]["energy_j"], flush=True)
+    e = r.usage.model_extra["energy"]  # provisional: null until a first period is split, settled later
+    print("energy_j", e["energy_j"], "provisional", e["provisional"], flush=True)
 sys.exit(int(os.environ.get("CLIENT_EXIT", "0")))
 '''
 
@@ -174,7 +191,8 @@ def test_wrap_runs_a_client_script_end_to_end(llama, tmp_path):
             *[a for pid in pids for a in ("--upstream-pid", str(pid))], "--", sys.executable, str(script)]
     done = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert len(re.findall(r"^energy_j \d", done.stdout, re.M)) == 2
+    lines = re.findall(r"^energy_j (\S+) provisional True$", done.stdout, re.M)
+    assert len(lines) == 2 and float(lines[1]) > 0, done.stdout
     assert "OPENAI_BASE_URL=http://127.0.0.1:" in done.stderr
     folders = list((tmp_path / "out").iterdir())
     manifest = json.loads((folders[0] / "manifest.json").read_text())
@@ -853,9 +871,9 @@ def test_energy_wait_holds_the_answer_for_the_settled_value(tmp_path):
 def test_provisional_band_is_calibrated_on_settled_values():
     """After ``CAL_MIN`` settled requests, a provisional value is corrected by the settled/provisional ratio
     seen so far and its ±90% band is the 90th percentile of the relative misses.  Sequential requests of one
-    output token each, whose windows cost energies drawn at random (a sensor that ignores time: the test
-    does not depend on the machine's timing): the band covers the settled value about 90% of the time, and
-    the provisional values add up to the settled ones within a few percent."""
+    output token each, each window drawing a power at random (80-120 W, seeded: a request's miss is its own
+    window's power against the recent periods', whatever the machine's timing): the band covers the settled
+    value about 90% of the time, and the provisional values add up to the settled ones within a few percent."""
     import random
 
     from ipw.metering import meter as meter_module
@@ -875,8 +893,9 @@ def test_provisional_band_is_calibrated_on_settled_values():
         def begin(self, t_s=None):
             return t_s
 
-        def end(self, token, t_s=None):
-            return [EnergyReading("pkg", rng.uniform(0.8, 1.2), "test.drawn", "measured", "cpu_package", 0.0)]
+        def end(self, token, t_s=None):  # the meter gives every edge its time
+            return [EnergyReading("pkg", rng.uniform(80.0, 120.0) * (t_s - token), "test.drawn", "measured",
+                                  "cpu_package", t_s - token)]
 
         def cut(self, token, t_s=None):
             return self.end(token, t_s), t_s

@@ -402,6 +402,8 @@ class Meter:
         if request is None or source == "none" or not values:
             return Provisional([], PROVISIONAL_REL_COLD, "none")
         raw = sum(values.values())
+        if source == "idle" and raw <= 0:  # no period split yet and no idle power (the CPU model): nothing to go by
+            return Provisional([], PROVISIONAL_REL_COLD, "none")
         with self.lock:
             account.provisional_j = raw
             if account.share is not None:  # settled already (a sensor that is final at once)
@@ -567,6 +569,21 @@ class Meter:
         while self._rates and self._rates[0][0] < end - RATE_WINDOW_S and len(self._rates) > 1:
             self._rates.popleft()
         priced = self.split == "priced"
+        # per component, every request at once: its share by each split, and its sensors' error under the split
+        # used (the slices' errors as independent, 1 sd squared; the calibration's as shared), weighted by its part
+        w = np.repeat(w_priced[:, None], len(period.slices), axis=1) if priced else w_local
+        per: dict[str, tuple[EnergyReading, np.ndarray | None, np.ndarray | None, np.ndarray | None, np.ndarray | None]] = {}
+        for c in components:
+            e, rs = energy[c], by_comp[c]
+            first = next(r for r in rs if r is not None)
+            missing = bool(np.isnan(e).any())
+            unc = [None if r is None else r.uncertainty_j for r in rs]
+            cal = [None if r is None else r.calibration_sd_j for r in rs]
+            per[c] = (first,
+                      None if missing else w_priced * float(e.sum()),
+                      None if missing else w_local @ e,
+                      None if any(u is None for u in unc) else (w ** 2) @ (np.array(unc, dtype=np.float64) / Z90) ** 2,
+                      None if any(x is None for x in cal) else w @ np.array(cal, dtype=np.float64))
         for i, j in enumerate(jobs):
             account = self._accounts.get(j)
             if account is None:
@@ -574,20 +591,11 @@ class Meter:
             account.periods += 1
             account.shared |= len(jobs) > 1
             account.busy_s += float(w_priced[i] * busy_time) if priced else float(cast(np.ndarray, busy_local)[i])
-            for c in components:
-                e = energy[c]
-                rs = by_comp[c]
-                first = next(r for r in rs if r is not None)
-                missing = bool(np.isnan(e).any())
-                p_share = None if missing else float(w_priced[i] * e.sum())
-                l_share = None if missing else float((w_local[i] * e).sum())
-                unc = [None if r is None else r.uncertainty_j for r in rs]
-                cal = [None if r is None else r.calibration_sd_j for r in rs]
-                w = np.full(len(rs), w_priced[i]) if priced else w_local[i]
-                # the slices' errors as independent (1 sd, squared), the calibration's as shared: weighted by its part
-                var = None if any(u is None for u in unc) else float(sum((wk * cast(float, u) / Z90) ** 2
-                                                                         for wk, u in zip(w, unc)))
-                cal_sd = None if any(x is None for x in cal) else float(sum(wk * cast(float, x) for wk, x in zip(w, cal)))
+            for first, p_all, l_all, var_all, cal_all in per.values():
+                p_share = None if p_all is None else float(p_all[i])
+                l_share = None if l_all is None else float(l_all[i])
+                var = None if var_all is None else float(var_all[i])
+                cal_sd = None if cal_all is None else float(cal_all[i])
                 account.add(first, p_share if priced else l_share, l_share if priced else p_share, var, cal_sd)
 
     def _share_of(self, job: int, account: _Account) -> Share:
