@@ -35,11 +35,11 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ipw.backends.base import Completion, ServerTimings  # noqa: E402
-from ipw.metering import meter as meter_module  # noqa: E402
-from ipw.metering.meter import Meter  # noqa: E402
-from ipw.metering.window import Window  # noqa: E402
-from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo  # noqa: E402
+from ipw.backends.base import Completion, ServerTimings
+from ipw.metering import meter as meter_module
+from ipw.metering.meter import Meter
+from ipw.metering.window import Window
+from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
 
 class Clock:
