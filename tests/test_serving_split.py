@@ -73,19 +73,58 @@ class ConstantPower(SensorBase):
         pass
 
 
-class PrefillBesideDecode(BackendBase):
-    """A scripted server: q-decode streams 19 output tokens over 0.6 s (its prompt already cached: no
-    prefill work); q-prefill, sent at the same moment, waits 0.1 s in the queue, prefills 300 prompt
-    tokens in [0.1, 0.2] s (as the server times it) and streams 12 output tokens until 0.9 s."""
-
-    concurrency = 2
-    token_times: dict[str, tuple[float, ...]] = {}  # what each request streamed, for the test's own count
+class ScriptedServer(BackendBase):
+    """What the scripted servers below share: a backend that only answers (``generate``)."""
 
     def __init__(self, spec):
         self.spec = spec
 
     def load(self):
         pass
+
+    def pids(self):
+        return []
+
+    def describe(self):
+        return {"engine": type(self).__name__}
+
+    def close(self):
+        pass
+
+
+def run_scripted(tmp_path, backend: type, prompts: dict[str, str], split: str, sensor) -> tuple:
+    """One ``ipw run`` of ``backend`` on ``prompts`` (id -> prompt) with ``sensor``: its folder's records and
+    the manifest's first level line."""
+    from ipw.backends.base import register_backend, unregister_backend
+    from ipw.config import load_config
+    from ipw.runner import execute
+    from runfolders import start_run
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": q, "prompt": p, "answer": "4", "scorer": "numeric"}) + "\n"
+                            for q, p in prompts.items()))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n'
+                   f'energy_split = "{split}"\n\n[[backends]]\nname = "srv"\nkind = "scripted"\nmodel = "m"\n'
+                   'role = "cloud"\n')
+    register_backend("scripted", backend, replace=True)
+    try:
+        config = load_config(str(cfg))
+        folder, queries = start_run(config, command=["test"])
+        assert execute(folder, config, queries, lambda r: None, probe=lambda backend: [sensor]) == "complete"
+    finally:
+        unregister_backend("scripted")
+    level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
+    return folder, pd.read_parquet(folder.path / "records.parquet"), level
+
+
+class PrefillBesideDecode(ScriptedServer):
+    """A scripted server: q-decode streams 19 output tokens over 0.6 s (its prompt already cached: no
+    prefill work); q-prefill, sent at the same moment, waits 0.1 s in the queue, prefills 300 prompt
+    tokens in [0.1, 0.2] s (as the server times it) and streams 12 output tokens until 0.9 s."""
+
+    concurrency = 2
+    token_times: dict[str, tuple[float, ...]] = {}  # what each request streamed, for the test's own count
 
     def generate(self, prompt, settings):
         start = time.monotonic()
@@ -99,41 +138,15 @@ class PrefillBesideDecode(BackendBase):
         time.sleep(max(0.0, start + length - time.monotonic()))
         return Completion("4", 12, len(times), start, times[0], time.monotonic(), times, "stop", timings)
 
-    def pids(self):
-        return []
-
-    def describe(self):
-        return {"engine": "scripted-server"}
-
-    def close(self):
-        pass
-
 
 @pytest.mark.parametrize("split", ["local", "priced"])
 def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path, split):
     """``local``: the shared slice by the work done in it; ``priced``: the one accounting period (A alone, both,
     B alone: no gap) by each request's priced work, prompt tokens at the default weight (too few bins for a fit)."""
-    from ipw.backends.base import register_backend, unregister_backend
-    from ipw.config import load_config
-    from ipw.runner import execute
-    from runfolders import start_run
-
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": q, "prompt": f"{q}: 2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"
-                            for q in ("q-decode", "q-prefill")))
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n'
-                   f'energy_split = "{split}"\n\n'
-                   '[[backends]]\nname = "srv"\nkind = "scripted-server"\nmodel = "m"\nrole = "cloud"\n')
-    register_backend("scripted-server", PrefillBesideDecode, replace=True)
-    try:
-        config = load_config(str(cfg))
-        folder, queries = start_run(config, command=["test"])
-        sensor = ConstantPower(100.0)
-        assert execute(folder, config, queries, lambda r: None, probe=lambda backend: [sensor]) == "complete"
-    finally:
-        unregister_backend("scripted-server")
-    frame = pd.read_parquet(folder.path / "records.parquet").set_index("query_id")
+    sensor = ConstantPower(100.0)
+    folder, frame, level = run_scripted(tmp_path, PrefillBesideDecode, {q: f"{q}: 2 + 2?" for q in ("q-decode", "q-prefill")},
+                                        split, sensor)
+    frame = frame.set_index("query_id")
     a, b = frame.loc["q-decode"], frame.loc["q-prefill"]
     assert b.start_s < a.end_s and a.start_s < b.end_s  # they overlap
     method = "work" if split == "local" else "priced"
@@ -161,7 +174,6 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path, split):
     # the split's own uncertainty: the distance to the other split
     assert a.split_uncertainty_j == pytest.approx(abs(local_a - priced_a), rel=1e-3)
     # conserved: the records' parts plus the unattributed time equal the span the sensor measured
-    level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
     assert level["concurrency"] == 2 and level["requests"] == 2 and level["split_methods"] == {method: 2}
     tally = level["energy"]["cpu"]
     span = sum(p * (t1 - t0) for t0, t1 in sensor.windows)
@@ -185,19 +197,13 @@ def test_bad_concurrency_is_a_usage_error(run_cli, args, message):
     assert "Traceback" not in err
 
 
-class Waves(BackendBase):
+class Waves(ScriptedServer):
     """A scripted batching server with 3 slots: identical requests (20 prompt tokens prefilled in 5 ms, then 10
     output tokens 20 ms apart) queue for a slot, so 8 requests in flight run in waves of 3, 3 and 2, and the
     last wave decodes with fewer co-decoders."""
 
     concurrency = 8
     slots = threading.Semaphore(3)
-
-    def __init__(self, spec):
-        self.spec = spec
-
-    def load(self):
-        pass
 
     def generate(self, prompt, settings):
         start = time.monotonic()
@@ -208,43 +214,15 @@ class Waves(BackendBase):
         return Completion("4", 20, 10, start, times[0], time.monotonic(), times, "stop",
                           ServerTimings(20, 5.0, 10, 200.0))
 
-    def pids(self):
-        return []
-
-    def describe(self):
-        return {"engine": "waves"}
-
-    def close(self):
-        pass
-
 
 @pytest.mark.parametrize("split", ["priced", "local"])
 def test_identical_requests_in_two_waves_get_equal_shares(tmp_path, split):
     """Identical work gets an identical share whichever scheduling wave it ran in (the priced split, within
     1%); the time-local split charges the last wave, which decodes with fewer co-decoders, more.  Both conserve
     exactly."""
-    from ipw.backends.base import register_backend, unregister_backend
-    from ipw.config import load_config
-    from ipw.runner import execute
-    from runfolders import start_run
-
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "2 + 2?", "answer": "4", "scorer": "numeric"}) + "\n"
-                            for i in range(8)))
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(f'dataset = "{data}"\nwarmup = 0\nidle_s = 0\nout_dir = "{tmp_path / "runs"}"\n'
-                   f'energy_split = "{split}"\n\n[[backends]]\nname = "srv"\nkind = "waves"\nmodel = "m"\nrole = "cloud"\n')
-    register_backend("waves", Waves, replace=True)
-    try:
-        config = load_config(str(cfg))
-        folder, queries = start_run(config, command=["test"])
-        assert execute(folder, config, queries, lambda r: None, probe=lambda backend: [ConstantPower(100.0)]) == "complete"
-    finally:
-        unregister_backend("waves")
-    frame = pd.read_parquet(folder.path / "records.parquet")
+    _, frame, level = run_scripted(tmp_path, Waves, {f"q{i}": "2 + 2?" for i in range(8)}, split, ConstantPower(100.0))
     shares = frame["energy_j"].to_numpy()
     spread = (shares.max() - shares.min()) / shares.mean()
-    level = json.loads((folder.path / "manifest.json").read_text())["backends"][0]["levels"][0]
     tally = level["energy"]["cpu"]
     assert tally["parts_j"] + tally["unattributed_j"] == pytest.approx(tally["span_j"], rel=1e-6)
     assert shares.sum() == pytest.approx(tally["parts_j"], rel=1e-6)
