@@ -289,9 +289,9 @@ _ENERGY_IN_RESPONSE = typer.Option(True, "--energy-in-response/--no-energy-in-re
                                    "in the run folder and at GET /v1/ipw/energy/ID). With --no-energy-in-response "
                                    "answers carry none: the energy is in the run folder only.")
 _ENERGY_WAIT = typer.Option(False, "--energy-wait", help="Hold each answer's last event until its energy is settled "
-                            "(the sensors cover its end and its accounting period is split: on NVML ~0.1 s alone, up "
-                            "to a period of 5 s under continuous load with the priced split; with --energy-split "
-                            "local, ~0.1 s), and put the settled value in it instead of a provisional one.")
+                            "(the sensors cover its end and its accounting period is split: on NVML ~0.1 s when it "
+                            "ran alone, up to a period of 5 s under continuous load), and put the settled value in "
+                            "it instead of a provisional one.")
 _ENERGY_SPLIT = typer.Option("priced", "--energy-split", help="How overlapping requests' energy is split: priced "
                              "(each accounting period by priced work: identical work costs the same) or local (each "
                              "moment by the work done in it). docs/SERVING.md.")

@@ -24,6 +24,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
     """Check the options (before anything starts) and make the proxy's options and managed server (the
     commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
     from ipw.config import check_idle_s
+    from ipw.options import RUN
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
     if (upstream is None) == (backend is None):
@@ -42,8 +43,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
     if token is not None and len(token) < 8:
         raise IpwError("--token: use at least 8 characters")
     check_idle_s(idle_s, "--idle-s")
-    if energy_split not in ("priced", "local"):
-        raise IpwError(f"--energy-split: must be priced or local, got {energy_split!r}")
+    RUN["energy_split"].check(energy_split, "--energy-split")  # ipw run's option, the same values
     if energy_wait and not energy_in_response:
         raise IpwError("--energy-wait holds answers for an energy that --no-energy-in-response leaves out: give one")
     managed = None
