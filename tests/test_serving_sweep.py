@@ -61,9 +61,9 @@ def test_sweep_against_llama_server_overlaps_and_conserves(tmp_path, run_cli):
         else:  # requests overlap: their windows intersect, and up to 4 are in flight
             assert len(overlapping) >= 4
             assert max(sum((s <= t) & (t < e) for s, e in zip(starts, ends)) for t in starts) >= 2
-            # overlapping requests were split by the server's own timings (llama-server's timings)
-            assert set(recs["split_method"]) <= {"work", ""} and "work" in set(recs["split_method"])
-            assert recs.loc[recs["split_method"] == "work", "split_uncertainty_j"].notna().all()
+            # overlapping requests were split by priced work, their prompts timed by llama-server's timings
+            assert set(recs["split_method"]) <= {"priced", ""} and "priced" in set(recs["split_method"])
+            assert recs.loc[recs["split_method"] == "priced", "split_uncertainty_j"].notna().all()
         # conserved, per component: the requests' parts plus the unattributed windows are the span's energy
         for component, tally in line["energy"].items():
             assert tally["span_j"] > 0

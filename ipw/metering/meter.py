@@ -607,8 +607,8 @@ class Meter:
                 component=c, energy_j=None if missing else chosen, source=source, scope=scope,
                 quality="unavailable" if missing else cast(Quality, worst_quality(qualities)),
                 duration_s=request.end_s - request.start_s,
-                note=(f"share of {account.periods} accounting period(s) split {self.split}"
-                      + (" among overlapping requests" if account.shared else " (alone)")),
+                note=(f"share of {account.periods} accounting period(s)"
+                      + (f" split among overlapping requests ({self.split})" if account.shared else " (alone)")),
                 uncertainty_j=None if var is None or missing else math.sqrt(var) * Z90,
                 calibration_sd_j=None if cal is None or missing else cal,
             ))
