@@ -29,7 +29,7 @@ class GenerationSettings:
 class ServerTimings:
     """A server's own account of one request (llama-server's ``timings``): the prompt tokens it processed
     (what its prompt cache did not already hold) and how long that took, and the tokens it generated and
-    how long that took.  The concurrent split places the prefill with them (``ipw.telemetry.estimator``)."""
+    how long that took.  The concurrent split places the prefill with them (``ipw.metering.split``)."""
 
     prompt_n: int
     prompt_ms: float
