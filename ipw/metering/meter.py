@@ -37,7 +37,8 @@ from typing import Any, Callable, cast
 import numpy as np
 
 from ipw.backends.base import Completion
-from ipw.metering.split import (PERIOD_S, PriceFit, Pricing, Request, fit_bins, split_method, token_work)
+from ipw.metering.split import (PERIOD_S, PriceFit, Pricing, Request, fit_bins, local_shares, priced_shares,
+                                split_method, token_work)
 from ipw.metering.window import Closed, Window, resolve
 from ipw.telemetry.base import EnergyReading, Quality, worst_quality
 from ipw.telemetry.uncertainty import Z90
@@ -543,27 +544,15 @@ class Meter:
         if np.isfinite(total).all() and total.size:
             self.fit.add(*fit_bins(lo, hi, prefill.sum(axis=0), decode.sum(axis=0), total))  # the work done
         self._pricing = pricing = self.fit.pricing()
-        # the priced split: the period's energy by priced work (by time in flight where no work was seen)
-        priced_work = (pricing.prefill_weight * whole + decode).sum(axis=1)
-        act = active.sum(axis=1)
-        if priced_work.sum() > 0:
-            w_priced = priced_work / priced_work.sum()
-        elif act.sum() > 0:
-            w_priced = act / act.sum()
-        else:
-            w_priced = np.full(len(jobs), 1.0 / len(jobs))
-        # the local split: each slice by the work done in it (by time in flight where none; equal parts
-        # among its requests where it has no length)
-        work = prefill + decode
-        work_sum, act_sum = work.sum(axis=0), active.sum(axis=0)
-        w_local = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
-                           active / np.where(act_sum > 0, act_sum, 1.0))
+        w_priced = priced_shares(whole, decode, active, pricing.prefill_weight)
+        w_local = local_shares(prefill, decode, active)
+        act_sum = active.sum(axis=0)
         for k in np.flatnonzero(act_sum <= 0):  # a slice of no length: equal parts, so that its energy is not lost
             members = [i for i, j in enumerate(jobs) if j in period.slices[k][3]]
             w_local[members, k] = 1.0 / len(members)
         busy_time = dur.sum()
         busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
-        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, float(dur.sum())))
+        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, float(busy_time)))
         self._measured = {c for c, rs in by_comp.items()
                           if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}
         while self._rates and self._rates[0][0] < end - RATE_WINDOW_S and len(self._rates) > 1:

@@ -174,31 +174,39 @@ def token_work(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request], 
 
 
 def slice_weights(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
-    """The ``local`` split: each request's share of each slice ``[lo_s[k], hi_s[k]]``, by its work there
-    (:func:`token_work`: a prompt token and an output token weigh the same), by active time in a slice in
-    which no request did work: a ``(requests, slices)`` array whose columns sum to 1 where some request is
-    active, and that mask."""
+    """The ``local`` split of the slices ``[lo_s[k], hi_s[k]]`` (:func:`local_shares` of their
+    :func:`token_work`) and the mask of the slices in which some request is active."""
     prefill, decode, active_s = token_work(lo_s, hi_s, requests)
+    return local_shares(prefill, decode, active_s), active_s.sum(axis=0) > 0
+
+
+def local_shares(prefill: np.ndarray, decode: np.ndarray, active_s: np.ndarray) -> np.ndarray:
+    """The ``local`` split, from :func:`token_work`'s arrays: each request's share of each slice, by its work
+    there (a prompt token and an output token weigh the same), by active time in a slice in which no request
+    did work: a ``(requests, slices)`` array whose columns sum to 1 where some request is active."""
     work = prefill + decode
     work_sum = work.sum(axis=0)
     act_sum = active_s.sum(axis=0)
-    weights = np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
-                       active_s / np.where(act_sum > 0, act_sum, 1.0))
-    return weights, act_sum > 0
+    return np.where(work_sum > 0, work / np.where(work_sum > 0, work_sum, 1.0),
+                    active_s / np.where(act_sum > 0, act_sum, 1.0))
 
 
 def priced_weights(lo_s: np.ndarray, hi_s: np.ndarray, requests: Sequence[Request], prefill_weight: float
                    ) -> np.ndarray:
-    """The ``priced`` split of one accounting period (the slices ``[lo_s[k], hi_s[k]]``): each request's
-    share of the period's energy, ``prefill_weight x its prefill tokens + its output tokens`` in the period
-    over the sum of everyone's (by active time when no request did work); sums to 1 where a request was
-    active."""
-    prefill, decode, active_s = token_work(lo_s, hi_s, requests, whole_prompt=True)
+    """The ``priced`` split of one accounting period, the slices ``[lo_s[k], hi_s[k]]`` (:func:`priced_shares`
+    of their :func:`token_work`, whole prompts)."""
+    return priced_shares(*token_work(lo_s, hi_s, requests, whole_prompt=True), prefill_weight)
+
+
+def priced_shares(prefill: np.ndarray, decode: np.ndarray, active_s: np.ndarray, prefill_weight: float) -> np.ndarray:
+    """The ``priced`` split, from :func:`token_work`'s arrays: each request's share of the period's energy,
+    ``prefill_weight x its prefill tokens + its output tokens`` over the sum of everyone's (by active time when
+    no request did work; equal parts when no request was active for any time); sums to 1."""
     work = (prefill_weight * prefill + decode).sum(axis=1)
     if work.sum() > 0:
         return work / work.sum()
     active = active_s.sum(axis=1)
-    return active / active.sum() if active.sum() > 0 else np.full(len(requests), 1.0 / max(1, len(requests)))
+    return active / active.sum() if active.sum() > 0 else np.full(len(work), 1.0 / max(1, len(work)))
 
 
 def by_time(requests: Sequence[Request]) -> list[Request]:
