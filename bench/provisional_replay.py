@@ -18,7 +18,7 @@ the provisional value's ±90% band, and sum(provisional) / sum(settled) - 1, ove
 session.  The replay's settled values are not the recorded ones (another estimator integrates the trace
 live); the comparison is between the replay's own provisional and settled values.
 
-    .venv/bin/python bench/provisional_replay.py RUN_FOLDER [--json OUT.json]
+    .venv/bin/python bench/provisional_replay.py RUN_FOLDER [--period-s S] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Trace(SensorBase):
         return self.end(token, t_s), float(t_s if t_s is not None else token)
 
 
-def replay(folder: Path, sensor_delay_s: float, split: str) -> dict:
+def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | None = None) -> dict:
     records = pd.read_parquet(folder / "records.parquet").sort_values("start_s").reset_index(drop=True)
     power = pd.read_parquet(folder / "power.parquet")
     samples = power[power["kind"] == "sample"].sort_values("t_s")
@@ -91,7 +91,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str) -> dict:
     meter_module.time = types.SimpleNamespace(monotonic=clock.monotonic, perf_counter=time.perf_counter)  # type: ignore
     try:
         sensor = Trace(samples["t_s"].to_numpy(float), samples["power_w"].to_numpy(float), device)
-        meter = Meter(Window([sensor]), split=split, live_tokens=True, expect_prefill=True,
+        meter = Meter(Window([sensor]), split=split, live_tokens=True, expect_prefill=True, period_s=period_s,
                       idle_w={device: float(idle_w.get(device, 0.0))})
         meter.started_s = meter.opened_s = clock.t_s
         meter.tokens = meter.window.begin(clock.t_s)  # the span, without the meter's thread: periods split below
@@ -153,7 +153,8 @@ def replay(folder: Path, sensor_delay_s: float, split: str) -> dict:
                           "requests": int(chunk.size), "coverage_pct": round(100 * float(covered[chunk].mean()), 1),
                           "sum_ratio_minus_1_pct": round(100 * (p[chunk].sum() / s[chunk].sum() - 1), 2),
                           "median_band_pct": round(100 * float(np.median(rel[chunk])), 1)})
-    return {"folder": str(folder), "split": split, "sensor_delay_s": sensor_delay_s, "requests": len(jobs),
+    return {"folder": str(folder), "split": split, "sensor_delay_s": sensor_delay_s, "period_s": meter.period_s,
+            "requests": len(jobs),
             "with_provisional": int(len(p)), "coverage_pct": round(100 * float(covered.mean()), 2),
             "sum_ratio_minus_1_pct": round(100 * (p.sum() / s.sum() - 1), 3),
             "median_abs_error_pct": round(100 * float(np.median(np.abs(s / p - 1))), 2),
@@ -165,9 +166,10 @@ def main() -> None:
     ap.add_argument("folder", type=Path, help="a run folder of ipw serve with records.parquet and power.parquet")
     ap.add_argument("--sensor-delay-s", type=float, default=0.15)
     ap.add_argument("--split", default="priced", choices=("priced", "local"))
+    ap.add_argument("--period-s", type=float, help="accounting periods of this length (default: ipw serve's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    result = replay(args.folder, args.sensor_delay_s, args.split)
+    result = replay(args.folder, args.sensor_delay_s, args.split, args.period_s)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
