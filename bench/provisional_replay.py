@@ -8,7 +8,11 @@ them to ``ipw.metering.meter.Meter`` on a simulated clock:
 - each request starts and ends when it did; a streamed one (first token before its end) gets its output
   tokens evenly from its first token to its end, and its prefill at the first token (as llama-server's
   ``timings_per_token`` reports it); a plain one gets them with its end;
-- each slice's energy is the recorded power samples integrated over it (linear between samples);
+- each slice's energy is the recorded power samples integrated over it (linear between samples); the
+  sensor's latest power (``current_power_w``, which provisional values integrate) is the trace's
+  ``--power-lag-s`` before the clock (NVML's instant field is read 4x a second);
+- a plain answer's server timings put its decode in the second half of its latency (the records do not keep
+  llama-server's timings; a streamed one's are its token times);
 - a period is split once the clock is ``--sensor-delay-s`` past its end (NVML's sample buffer covers a window
   ~0.1-0.15 s after it ends);
 - at each request's end the meter's provisional energy is taken, as ``ipw serve`` answers with it.
@@ -56,12 +60,16 @@ class Trace(SensorBase):
     name = "trace"
     supports_cut = True
 
-    def __init__(self, t_s: np.ndarray, power_w: np.ndarray, component: str) -> None:
-        self.t_s, self.component = t_s, component
+    def __init__(self, t_s: np.ndarray, power_w: np.ndarray, component: str, clock: "Clock", lag_s: float) -> None:
+        self.t_s, self.power_w, self.component, self.clock, self.lag_s = t_s, power_w, component, clock, lag_s
         self.cum_j = np.concatenate([[0.0], np.cumsum(np.diff(t_s) * (power_w[1:] + power_w[:-1]) / 2)])
 
     def info(self) -> SensorInfo:
         return SensorInfo("trace", True, "nvml.samples", "measured_interpolated", "gpu", (self.component,))
+
+    def current_power_w(self) -> dict[str, float | None]:
+        """The power ``lag_s`` ago (NVML's instant field is read 4x a second, its samples in batches)."""
+        return {self.component: float(np.interp(self.clock.t_s - self.lag_s, self.t_s, self.power_w))}
 
     def energy_at(self, t: float) -> float:
         return float(np.interp(t, self.t_s, self.cum_j))
@@ -79,7 +87,8 @@ class Trace(SensorBase):
         return self.end(token, t_s), float(t_s if t_s is not None else token)
 
 
-def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | None = None) -> dict:
+def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | None = None,
+           rows_csv: Path | None = None, power_lag_s: float = 0.25) -> dict:
     records = pd.read_parquet(folder / "records.parquet").sort_values("start_s").reset_index(drop=True)
     power = pd.read_parquet(folder / "power.parquet")
     samples = power[power["kind"] == "sample"].sort_values("t_s")
@@ -90,7 +99,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
     real_time = meter_module.time
     meter_module.time = types.SimpleNamespace(monotonic=clock.monotonic, perf_counter=time.perf_counter)  # type: ignore
     try:
-        sensor = Trace(samples["t_s"].to_numpy(float), samples["power_w"].to_numpy(float), device)
+        sensor = Trace(samples["t_s"].to_numpy(float), samples["power_w"].to_numpy(float), device, clock, power_lag_s)
         meter = Meter(Window([sensor]), split=split, live_tokens=True, expect_prefill=True, period_s=period_s,
                       idle_w={device: float(idle_w.get(device, 0.0))})
         meter.started_s = meter.opened_s = clock.t_s
@@ -108,7 +117,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
         events.sort()
         jobs: dict[int, int] = {}
         times: dict[int, list[float]] = {}
-        provisional: dict[int, tuple[float | None, float]] = {}
+        provisional: dict[int, tuple[float | None, float, str]] = {}
 
         def split_due() -> None:
             while meter._periods and meter._periods[0].closed_s + sensor_delay_s <= clock.t_s \
@@ -129,23 +138,33 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
                     meter.prefill(jobs[i], 5.0, int(r["prompt_tokens"]))
             else:
                 first = times[i][0] if times[i] else t
-                completion = Completion("", int(r["prompt_tokens"]), int(r["completion_tokens"]), r["start_s"], first,
-                                        t, tuple(times[i]) or (t,), "stop",
-                                        ServerTimings(int(r["prompt_tokens"]), 5.0, int(r["completion_tokens"]), 1.0))
+                # a plain answer: llama-server's timings place its decode (taken as the second half of its latency)
+                decode_ms = 1000.0 * (t - first) if times[i] else 500.0 * r["latency_s"]
+                completion = Completion("", int(r["prompt_tokens"]), int(r["completion_tokens"]), r["start_s"],
+                                        first if times[i] else None, t, tuple(times[i]), "stop",
+                                        ServerTimings(int(r["prompt_tokens"]), 5.0, int(r["completion_tokens"]), decode_ms))
                 meter.end(jobs[i], completion)
                 estimate = meter.provisional(jobs[i])
                 value = sum(x.energy_j for x in estimate.readings if x.energy_j is not None) if estimate.readings else None
-                provisional[i] = (value, estimate.rel_90)
+                provisional[i] = (value, estimate.rel_90, estimate.source)
         clock.t_s = float(records["end_s"].max()) + 10.0
         meter._stopping = True
         meter.close()
         settled = {i: sum(x.energy_j for x in meter.share(j).readings if x.energy_j is not None) for i, j in jobs.items()}
     finally:
         meter_module.time = real_time
-    rows = [(records.loc[i, "end_s"], provisional[i][0], provisional[i][1], settled[i]) for i in sorted(jobs)
+    rows = [(records.loc[i, "end_s"], provisional[i][0], provisional[i][1], settled[i], provisional[i][2]) for i in sorted(jobs)
             if provisional[i][0] is not None]
-    t, p, rel, s = (np.array(x, dtype=float) for x in zip(*rows))
+    t, p, rel, s = (np.array(x, dtype=float) for x in list(zip(*rows))[:4])
+    src = np.array([row[4] for row in rows])
     covered = np.abs(s - p) <= p * rel
+    if rows_csv is not None:
+        ids = [i for i in sorted(jobs) if provisional[i][0] is not None]
+        pd.DataFrame({"end_s": t, "provisional_j": p, "rel_90": rel, "settled_j": s,
+                      "streamed": [bool(records.loc[i, "ttft_s"] < records.loc[i, "latency_s"] - 1e-9) for i in ids],
+                      "latency_s": records.loc[ids, "latency_s"].to_numpy(),
+                      "completion_tokens": records.loc[ids, "completion_tokens"].to_numpy(),
+                      "recorded_j": records.loc[ids, "energy_j"].to_numpy()}).to_csv(rows_csv, index=False)
     order = np.argsort(t)
     stretches = []
     for chunk in np.array_split(order, 8):
@@ -153,7 +172,11 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
                           "requests": int(chunk.size), "coverage_pct": round(100 * float(covered[chunk].mean()), 1),
                           "sum_ratio_minus_1_pct": round(100 * (p[chunk].sum() / s[chunk].sum() - 1), 2),
                           "median_band_pct": round(100 * float(np.median(rel[chunk])), 1)})
+    by_source = {k: {"requests": int(n), "coverage_pct": round(100 * float(covered[src == k].mean()), 1),
+                     "sum_ratio_minus_1_pct": round(100 * (p[src == k].sum() / s[src == k].sum() - 1), 2)}
+                 for k, n in zip(*np.unique(src, return_counts=True))}
     return {"folder": str(folder), "split": split, "sensor_delay_s": sensor_delay_s, "period_s": meter.period_s,
+            "power_lag_s": power_lag_s, "by_source": by_source,
             "requests": len(jobs),
             "with_provisional": int(len(p)), "coverage_pct": round(100 * float(covered.mean()), 2),
             "sum_ratio_minus_1_pct": round(100 * (p.sum() / s.sum() - 1), 3),
@@ -167,9 +190,11 @@ def main() -> None:
     ap.add_argument("--sensor-delay-s", type=float, default=0.15)
     ap.add_argument("--split", default="priced", choices=("priced", "local"))
     ap.add_argument("--period-s", type=float, help="accounting periods of this length (default: ipw serve's)")
+    ap.add_argument("--power-lag-s", type=float, default=0.25)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--rows", type=Path, help="each request's provisional and settled energy, as CSV")
     args = ap.parse_args()
-    result = replay(args.folder, args.sensor_delay_s, args.split, args.period_s)
+    result = replay(args.folder, args.sensor_delay_s, args.split, args.period_s, args.rows, args.power_lag_s)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

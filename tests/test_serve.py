@@ -587,8 +587,9 @@ def test_meter_splits_every_window_once_and_conserves_energy(split):
     assert not meter._periods and not meter._ended and meter._open is None, "every period was split and let go"
 
 
-def _powered(power_w):
-    """A sensor that can cut (as RAPL can), drawing ``power_w()`` watts over each window, final at once."""
+def _powered(power_w, live=False):
+    """A sensor that can cut (as RAPL can), drawing ``power_w()`` watts over each window, final at once; with
+    ``live``, it says its latest power (``current_power_w``, as NVML's sampler does)."""
     from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
     class Powered(SensorBase):
@@ -608,6 +609,9 @@ def _powered(power_w):
         def cut(self, token, t_s=None):
             now = time.monotonic() if t_s is None else t_s
             return self.end(token, now), now
+
+        def current_power_w(self):
+            return {"pkg": power_w()} if live else {}
 
     return Powered()
 
@@ -872,6 +876,43 @@ def test_energy_wait_holds_the_answer_for_the_settled_value(tmp_path):
     assert record["energy_j"] == pytest.approx(energy["energy_j"]) and record["provisional_energy_j"] is None
 
 
+def test_provisional_energy_follows_what_the_proxy_saw():
+    """At 100 W, read live: a streamed request's provisional energy is its part of the priced work seen so far
+    in its period (``work``: the only one that showed work, so all of the period's energy so far); a plain
+    one's, its equal part of the power while it was in flight (``time``: half while both ran, all after); one
+    alone, the energy while it ran (``alone``).  Before any settled value, the band is the default."""
+    from ipw.metering import meter as meter_module
+    from ipw.metering.meter import Meter
+    from ipw.metering.window import Window
+
+    meter = Meter(Window([_powered(lambda: 100.0, live=True)]), live_tokens=True)
+    meter.open()
+    try:
+        streamed, plain = meter.start(), meter.start()
+        for _ in range(3):
+            meter.token(streamed)
+            time.sleep(0.01)
+        s_start, s_end = meter.end(streamed, None)
+        work = meter.provisional(streamed)
+        time.sleep(0.03)
+        p_start, p_end = meter.end(plain, None)
+        time_ = meter.provisional(plain)
+        alone_job = meter.start()
+        meter.token(alone_job)
+        meter.token(alone_job)
+        a_start, a_end = meter.end(alone_job, None)
+        alone = meter.provisional(alone_job)
+    finally:
+        meter.close()
+    assert (work.source, time_.source, alone.source) == ("work", "time", "alone")
+    assert work.rel_90 == time_.rel_90 == meter_module.PROVISIONAL_REL_DEFAULT
+    (w,), (t,), (a,) = work.readings, time_.readings, alone.readings
+    assert w.energy_j == pytest.approx(100.0 * (s_end - s_start), rel=1e-6)
+    assert t.energy_j == pytest.approx(100.0 * ((s_end - p_start) / 2 + (p_end - s_end)), rel=1e-6)
+    assert a.energy_j == pytest.approx(100.0 * (a_end - a_start), rel=1e-6)
+    assert w.quality == "estimated" and w.uncertainty_j == pytest.approx(w.energy_j * work.rel_90)
+
+
 def test_provisional_band_is_calibrated_on_settled_values():
     """After ``CAL_MIN`` settled requests, a provisional value is corrected by the settled/provisional ratio
     seen so far and its ±90% band is the 90th percentile of the relative misses.  Sequential requests of one
@@ -898,7 +939,7 @@ def test_provisional_band_is_calibrated_on_settled_values():
             value = sum(r.energy_j for r in prov.readings)
             energy = sum(r.energy_j for r in meter.share(job, timeout_s=5).readings)
             if k >= meter_module.CAL_MIN + 10:
-                assert prov.source == "rate" and prov.rel_90 < meter_module.PROVISIONAL_REL_DEFAULT
+                assert prov.source == "alone" and prov.rel_90 < meter_module.PROVISIONAL_REL_DEFAULT
                 covered.append(abs(energy - value) <= value * prov.rel_90)
                 provisional += value
                 settled += energy

@@ -252,3 +252,21 @@ def test_priced_split_prices_whole_prompts_and_conserves():
     assert split.unattributed_j == 5.0 and sum(split.per_request_j) + 5.0 == pytest.approx(45.0)
     assert [split_method(r, "priced") for r in (cached, untimed, Request(0, 1, (0.5,)), Request(0, 1))] == [
         "priced", "priced", "priced_decode", "time"]
+
+
+def test_a_plain_answer_is_placed_by_the_servers_timings():
+    """A plain answer carries all its tokens at its end; with llama-server's timings its output tokens are
+    spread over the decode time before its end and its prefill placed just before them, so that the priced
+    split sees its work where the server did it (and not one burst at the end)."""
+    from ipw.metering.meter import request_of
+
+    plain = Completion("x", 40, 5, 10.0, None, 12.0, (), "stop", ServerTimings(40, 100.0, 5, 1000.0))
+    r = request_of(plain, 10.0, 12.0)
+    assert r.token_times_s == pytest.approx((11.0, 11.25, 11.5, 11.75, 12.0))
+    assert r.prefill_s == pytest.approx((10.9, 11.0)) and r.prefill_tokens == 40 and r.output_tokens == 5
+    # the server's times longer than the request's window (another clock): they start at its start
+    long = Completion("x", 40, 5, 10.0, None, 12.0, (12.0,), "stop", ServerTimings(40, 100.0, 5, 5000.0))
+    assert request_of(long, 10.0, 12.0).prefill_s == pytest.approx((10.0, 10.0))
+    # a streamed answer keeps its own token times
+    streamed = Completion("x", 40, 2, 10.0, 11.0, 12.0, (11.0, 12.0), "stop", ServerTimings(40, 100.0, 2, 1000.0))
+    assert request_of(streamed, 10.0, 12.0).token_times_s == (11.0, 12.0)

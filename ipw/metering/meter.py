@@ -19,10 +19,8 @@ it; ``on_share`` calls back).  Every slice belongs to exactly one period or to t
 (no request in flight), so the parts and the unattributed energy add up to the span's measured energy
 (``Tally``).
 
-At a request's end, before its periods are split, ``provisional`` gives an estimate of its energy at once:
-its priced work at the energy per unit of work of the periods split in the last seconds, corrected by the
-ratio of settled to provisional energy seen so far, with a ±90% band taken from how far settled values fell
-from their provisional ones (``Provisional``).
+At a request's end, before its periods are split, ``provisional`` gives an estimate of its energy at once,
+from the sensors' latest power integrated between request events (``Provisional``; the method's docstring).
 """
 
 from __future__ import annotations
@@ -54,8 +52,6 @@ SWITCH_INTERVAL_S = 0.0005
 #: how long the meter's thread waits at most for a period's sensors to become final (NVML: until its sampler
 #: has read past the period's end; the CPU model: its read after the end)
 READY_WAIT_S = 10.0
-#: the power for provisional values: that of the periods split in the last this many seconds
-RATE_WINDOW_S = 10.0
 #: the provisional ±90% band: from the last this many settled requests, once there are at least CAL_MIN
 CAL_N = 200
 CAL_MIN = 20
@@ -88,14 +84,20 @@ class Tally:
 
 def request_of(completion: Completion | None, start: float, end: float) -> Request:
     """A request of the split: its window, token times, output token count and, where the server timed
-    it, its prefill, placed so that it ends when the first token arrived."""
+    it, its prefill, placed so that it ends when the first token arrived.  A plain answer (one time, or none,
+    for all its tokens) with the server's timings: its output tokens spread over the server's decode time
+    before its end, its prefill before them."""
     if completion is None:
         return Request(start, end)
     timings = completion.server_timings
+    times, first = completion.token_times_s, completion.first_token_s
+    if (timings is not None and len(times) <= 1 and completion.completion_tokens > 1 and timings.predicted_ms > 0):
+        first = max(start, end - timings.predicted_ms / 1000.0)
+        times = tuple(np.linspace(first, end, completion.completion_tokens).tolist())
     prefill = None
-    if timings is not None and completion.first_token_s is not None:  # prompt_n 0: all of it was cached
-        prefill = (completion.first_token_s - timings.prompt_ms / 1000.0, completion.first_token_s)
-    return Request(start, end, completion.token_times_s, prefill,
+    if timings is not None and first is not None:  # prompt_n 0: all of it was cached
+        prefill = (max(start, first - timings.prompt_ms / 1000.0), first)
+    return Request(start, end, times, prefill,
                    timings.prompt_n if prefill and timings is not None else 0, completion.completion_tokens,
                    completion.prompt_tokens)
 
@@ -129,6 +131,7 @@ class _Live:
     times: list[float] = field(default_factory=list)  # its output tokens so far
     prefill: tuple[float, float] | None = None
     prompt_tokens: int = 0
+    each_j: dict[str, float] = field(default_factory=dict)  # the meter's ``_each_j`` at its start
 
     def request(self, now: float) -> Request:
         """The request as known now (in flight until at least ``now``)."""
@@ -140,13 +143,20 @@ class _Period:
     slices: list[Slice] = field(default_factory=list)
     members: set[int] = field(default_factory=set)
     closed_s: float = 0.0  # when it stopped taking slices (0: still open)
-    # priced work seen so far, counted as tokens pass (for provisional values): by job, and in all
-    work: dict[int, float] = field(default_factory=dict)
-    work_total: float = 0.0
+    # the work seen so far, counted as tokens pass (for provisional values): prompt and output tokens by job
+    prompt: dict[int, float] = field(default_factory=dict)
+    output: dict[int, float] = field(default_factory=dict)
+    live_j: dict[str, float] = field(default_factory=dict)  # its energy so far by the sensors' latest power
 
-    def add_work(self, job: int, units: float) -> None:
-        self.work[job] = self.work.get(job, 0.0) + units
-        self.work_total += units
+    def add_work(self, job: int, prompt: float, output: float) -> None:
+        self.prompt[job] = self.prompt.get(job, 0.0) + prompt
+        self.output[job] = self.output.get(job, 0.0) + output
+
+    def work_of(self, job: int | None, weight: float) -> float:
+        """``job``'s work seen so far (everyone's: None), a prompt token weighing ``weight``."""
+        if job is None:
+            return weight * sum(self.prompt.values()) + sum(self.output.values())
+        return weight * self.prompt.get(job, 0.0) + self.output.get(job, 0.0)
 
 
 class _Account:
@@ -165,6 +175,9 @@ class _Account:
         self.done = threading.Event()
         self.callbacks: list[Callable[[Share | None, BaseException | None], object]] = []
         self.provisional_j: float | None = None  # the raw provisional total, for the band's calibration
+        self.source = ""  # the provisional value's
+        self.each_j: dict[str, float] = {}  # its equal part of the power while it was in flight
+        self.streamed = False  # its output tokens were timed as they passed
         self.request: Request | None = None  # once it ended
 
     def add(self, reading: EnergyReading, chosen: float | None, other: float | None, var: float | None,
@@ -213,11 +226,14 @@ class Meter:
         self.tally = Tally()
         self.fit = PriceFit()
         self._pricing = self.fit.pricing()  # as of the last period split
-        # provisional values: recent periods' (end, energy per component, priced work, request-seconds)
-        # the periods split in the last RATE_WINDOW_S: (end, energy per component, busy seconds)
-        self._rates: collections.deque[tuple[float, dict[str, float], float]] = collections.deque()
+        # provisional values (``live_tokens``): the power at the last cut (the sensors' latest; else that of the
+        # last period split, or the idle power), and its integral over time divided by the requests in flight
+        self._power: dict[str, float] = {}
+        self._recent_w: dict[str, float] = dict(self.idle_w)
+        self._each_j: dict[str, float] = {}
         self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
-        self._ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=CAL_N)  # (provisional, settled)
+        # (provisional, settled) of the last CAL_N requests of each provisional source
+        self._ratios: dict[str, collections.deque[tuple[float, float]]] = {}
         self._stopping = self._stopped = False
         self._thread: threading.Thread | None = None
         self._next = 0
@@ -242,11 +258,20 @@ class Meter:
             self.ended_s = now
         else:
             closed, self.tokens = self.window.cut(self.tokens, now)
+        if self.live_tokens:  # for provisional values: the power between request events, by trapezoids
+            power = self.window.power_w() or self._recent_w
+            dt = now - self.opened_s
+            spent = {c: (self._power.get(c, w) + w) / 2 * dt for c, w in power.items()}
+            self._power = power
         if self.active:
             if self._open is None:
                 self._open = _Period()
             self._open.slices.append((self.opened_s, now, closed, frozenset(self.active)))
             self._open.members |= self.active
+            if self.live_tokens:
+                for c, j in spent.items():
+                    self._open.live_j[c] = self._open.live_j.get(c, 0.0) + j
+                    self._each_j[c] = self._each_j.get(c, 0.0) + j / len(self.active)
         else:
             self._idle.append(closed)
         self.opened_s = now
@@ -271,7 +296,7 @@ class Meter:
             self.active.add(job)
             if self._open is None and self.tokens is not None:  # its tokens count in the period they arrive in
                 self._open = _Period()
-            self._live[job] = _Live(now)
+            self._live[job] = _Live(now, each_j=dict(self._each_j))
             self._accounts[job] = _Account()
             self.in_flight_peak = max(self.in_flight_peak, len(self._live))
         return job
@@ -281,7 +306,7 @@ class Meter:
         with self.lock:
             self._live[job].times.append(time.monotonic())
             if self._open is not None:
-                self._open.add_work(job, 1.0)
+                self._open.add_work(job, 0.0, 1.0)
 
     def prefill(self, job: int, prompt_ms: float, prompt_tokens: int) -> None:
         """The server reported ``job``'s prefill (its prompt tokens, and how long they took): it ended
@@ -292,7 +317,7 @@ class Meter:
                 live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
                 live.prompt_tokens = prompt_tokens
                 if self._open is not None:
-                    self._open.add_work(job, self._weight() * prompt_tokens)
+                    self._open.add_work(job, prompt_tokens, 0.0)
                 if self._periods:  # a closed period may have waited for it
                     self._wake.notify_all()
 
@@ -317,12 +342,12 @@ class Meter:
                 self._cut(now, last=self.remaining == 0)
                 account.last_period = self._open
                 if self._open is not None and completion is not None:  # the work the stream did not show
-                    seen = len(live.times) + self._weight() * live.prompt_tokens
-                    whole = (self._weight() * max(completion.prompt_tokens, live.prompt_tokens)
-                             + max(completion.completion_tokens, len(live.times)))
-                    if whole > seen:
-                        self._open.add_work(job, whole - seen)
+                    self._open.add_work(job, max(0, completion.prompt_tokens - live.prompt_tokens),
+                                        max(0, completion.completion_tokens - len(live.times)))
             self.active.discard(job)
+            if self.live_tokens:
+                account.each_j = {c: j - live.each_j.get(c, 0.0) for c, j in self._each_j.items()}
+                account.streamed = len(live.times) > 1
             self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
             account.request = self._ended[job]
             account.ended = True
@@ -372,48 +397,57 @@ class Meter:
         fn(account.share, account.error)
 
     def provisional(self, job: int) -> Provisional:
-        """An ended ``job``'s energy now, before all its periods are split: its parts of the periods already
-        split, plus, for each period not split yet, the energy the period has cost so far (its busy seconds at
-        the power of the periods split in the last ``RATE_WINDOW_S``; the idle power before any) times the
-        job's share of the priced work seen in it so far (tokens are counted as they pass).  Corrected by the
-        ratio of settled to provisional energy of the last ``CAL_N`` requests, with a ±90% band from how far
-        they fell from it."""
+        """An ended ``job``'s energy now, before all its periods are split (``ipw serve``: ``live_tokens``).
+        The energy of each period not split yet is known so far from the sensors' latest power between request
+        events (``SensorBase.current_power_w``; a sensor with none: the power of the last period split, or the
+        idle power before any).
+
+        - ``alone``: a request that shared no period with another: the energy while it ran;
+        - ``work``: a request whose output tokens were timed as they passed (streamed): its parts of the periods
+          split already, plus, for each period not split yet, the energy the period has cost so far times the
+          job's part of the priced work seen in it so far;
+        - ``time``: a request whose tokens came with its end (a plain answer: nothing of its work was seen while
+          it ran): its equal part, among the requests in flight, of the energy while it was in flight.
+
+        Each source is corrected by the ratio of settled to provisional energy of its last ``CAL_N`` requests,
+        with a ±90% band from how far they fell from it (``PROVISIONAL_REL_DEFAULT`` until ``CAL_MIN``)."""
         with self.lock:
             account = self._accounts[job]
             request = account.request
-            now = time.monotonic()
-            recent = [r for r in self._rates if r[0] >= now - RATE_WINDOW_S] or list(self._rates)[-1:]
-            busy_s = sum(r[2] for r in recent)
-            power = ({c: sum(r[1].get(c, 0.0) for r in recent) / busy_s for c in recent[-1][1]} if busy_s > 0
-                     else dict(self.idle_w))
-            if self._measured:  # the components a settled total sums (``energy_basis``: the measured ones)
-                power = {c: w for c, w in power.items() if c in self._measured}
-            values = {c: row[0] for c, row in account.parts.items() if not row[7]}  # periods split already
-            for period in [*self._periods, *([self._open] if self._open is not None else [])]:
-                mine = period.work.get(job)
-                if mine is None or not period.slices:
-                    continue
-                seconds = (period.closed_s or now) - period.slices[0][0]
-                share = mine / period.work_total if period.work_total > 0 else 1.0 / len(period.members)
-                for c, w in power.items():
-                    values[c] = values.get(c, 0.0) + w * seconds * share
-            ratios = list(self._ratios)
-            source = "rate" if recent else "idle" if self.idle_w else "none"
-        duration = 0.0 if request is None else request.end_s - request.start_s
-        if request is None or source == "none" or not values:
-            return Provisional([], PROVISIONAL_REL_COLD, "none")
-        raw = sum(values.values())
-        if source == "idle" and raw <= 0:  # no period split yet and no idle power (the CPU model): nothing to go by
-            return Provisional([], PROVISIONAL_REL_COLD, "none")
-        with self.lock:
-            account.provisional_j = raw
+            if request is None or not self.live_tokens or not account.each_j:
+                return Provisional([], PROVISIONAL_REL_COLD, "none")
+            keep = self._measured or set(account.each_j)  # the components a settled total sums (the measured ones)
+            unsplit = [p for p in [*self._periods, *([self._open] if self._open is not None else [])]
+                       if job in p.members]
+            if not account.shared and all(p.members == {job} for p in unsplit):
+                source = "alone"  # nothing to split: the energy while it ran
+                values = {c: j for c, j in account.each_j.items() if c in keep}
+            elif account.streamed:
+                source = "work"
+                values = {c: row[0] for c, row in account.parts.items() if not row[7] and c in keep}
+                weight = self._weight()
+                for period in unsplit:
+                    mine, seen = period.work_of(job, weight), period.work_of(None, weight)
+                    if mine > 0:
+                        for c, spent in period.live_j.items():
+                            if c in keep:
+                                values[c] = values.get(c, 0.0) + spent * mine / seen
+            else:
+                source = "time"
+                values = {c: j for c, j in account.each_j.items() if c in keep}
+            raw = sum(values.values())
+            if raw <= 0:  # no power known at all (the CPU model before any period was split)
+                return Provisional([], PROVISIONAL_REL_COLD, "none")
+            account.provisional_j, account.source = raw, source
             if account.share is not None:  # settled already (a sensor that is final at once)
                 self._calibrate(account)
-        factor, rel = 1.0, PROVISIONAL_REL_DEFAULT if source == "rate" else PROVISIONAL_REL_COLD
-        if len(ratios) >= CAL_MIN and source == "rate":
+            ratios = list(self._ratios.get(source, ()))
+        factor, rel = 1.0, PROVISIONAL_REL_DEFAULT
+        if len(ratios) >= CAL_MIN:
             prov, settled = np.array(ratios).T
-            factor = float(settled.sum() / prov.sum()) if prov.sum() > 0 else 1.0
-            rel = float(np.quantile(np.abs(settled / (prov * factor) - 1.0), 0.9)) if factor > 0 else rel
+            factor = float(settled.sum() / prov.sum())
+            rel = float(np.quantile(np.abs(settled / (prov * factor) - 1.0), 0.9))
+        duration = request.end_s - request.start_s
         readings = [EnergyReading(component=c, energy_j=v * factor, source="provisional", quality="estimated",
                                   scope="system_estimate", duration_s=duration,
                                   note=f"provisional ({source}): settled later in the run folder",
@@ -441,7 +475,8 @@ class Meter:
         if account.share is not None and account.provisional_j is not None:
             settled = sum(r.energy_j for r in account.share.readings if r.energy_j is not None)
             if account.provisional_j > 0 and settled > 0:
-                self._ratios.append((account.provisional_j, settled))
+                self._ratios.setdefault(account.source, collections.deque(maxlen=CAL_N)).append(
+                    (account.provisional_j, settled))
 
     # -- the meter's thread ------------------------------------------------------------------------
 
@@ -552,11 +587,10 @@ class Meter:
             w_local[members, k] = 1.0 / len(members)
         busy_time = dur.sum()
         busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
-        self._rates.append((end, {c: float(np.nansum(e)) for c, e in energy.items()}, float(busy_time)))
+        if busy_time > 0:
+            self._recent_w = {c: float(np.nansum(e)) / busy_time for c, e in energy.items()}
         self._measured = {c for c, rs in by_comp.items()
                           if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}
-        while self._rates and self._rates[0][0] < end - RATE_WINDOW_S and len(self._rates) > 1:
-            self._rates.popleft()
         priced = self.split == "priced"
         # per component, every request at once: its share by each split, and its sensors' error under the split
         # used (the slices' errors as independent, 1 sd squared; the calibration's as shared), weighted by its part

@@ -73,6 +73,10 @@ class Window:
         t = time.monotonic() if t_s is None else t_s
         return Closed([sensor.end(token, t) for sensor, token in zip(self.sensors, tokens)])
 
+    def power_w(self) -> dict[str, float]:
+        """The latest power per component that the sensors hold (those with a recent value)."""
+        return {c: w for sensor in self.sensors for c, w in sensor.current_power_w().items() if w is not None}
+
     def cut(self, tokens: list[Any], t_s: float | None = None) -> tuple[Closed, list[Any]]:
         """Close the window and open the next where it ended (at ``t_s``, as in ``begin``), so that consecutive
         windows tile time and their energies add up to the whole span's.  A sensor without ``supports_cut``

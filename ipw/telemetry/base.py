@@ -99,6 +99,7 @@ class SensorBase:
       the fact (the sampled split uses it when the sensor has no ``split``);
     - ``supports_trace``: ``trace()`` returns power columns for ``power.parquet``;
     - ``overhead()``: what the sensor's own threads cost, for the manifest (``{}`` by default);
+    - ``current_power_w()``: the latest power it holds, per component (``{}`` by default);
     - ``close()``: release the device; does nothing by default.
     """
 
@@ -154,6 +155,12 @@ class SensorBase:
 
     def overhead(self) -> dict[str, Any]:
         """The sensor's own cost, for the manifest's ``sampler_overhead``; none by default."""
+        return {}
+
+    def current_power_w(self) -> dict[str, float | None]:
+        """The latest power per component that the sensor already holds (no read of the device: cheap
+        enough for a request's path), None for a component with none recent; none by default.  ``ipw serve``'s
+        provisional energy integrates it between request events (docs/SERVING.md)."""
         return {}
 
     def close(self) -> None:
