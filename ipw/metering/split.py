@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import combinations
 from typing import Any, Sequence
 
 import numpy as np
@@ -240,55 +239,56 @@ DEFAULT_PREFILL_WEIGHT = 1.0
 @dataclass(frozen=True)
 class Pricing:
     """What a prompt token weighs against an output token in the ``priced`` split, and the fit behind it:
-    ``energy of a bin = static_w x its seconds + prefill_j x its prompt tokens + decode_j x its output
-    tokens``, every coefficient >= 0, least squares over the span's bins."""
+    ``energy of a bin = prefill_j x its prompt tokens + decode_j x its output tokens``, both >= 0, least squares
+    over the span's busy bins.  The energy is the whole of it, static power included: a token's price is what
+    it costs at the rate the server gets through such tokens, the seconds of static power it holds the server
+    for with it, so that a class of requests is charged about what it costs when it runs alone (its marginal
+    energy: docs/SERVING.md)."""
 
     prefill_weight: float
     fitted: bool  # False: too few bins (or no prefill among them): DEFAULT_PREFILL_WEIGHT
     bins: int
-    static_w: float | None = None
-    prefill_j: float | None = None  # J per prompt token, beyond the static power
-    decode_j: float | None = None  # J per output token, beyond the static power
+    prefill_j: float | None = None  # J per prompt token, its share of the static power included
+    decode_j: float | None = None  # J per output token, likewise
 
 
 class PriceFit:
     """Running least-squares sums over the bins of a span (``add``), and the prices they give (``pricing``)."""
 
     def __init__(self) -> None:
-        self.xtx = np.zeros((3, 3))
-        self.xty = np.zeros(3)
+        self.xtx = np.zeros((2, 2))
+        self.xty = np.zeros(2)
         self.yty = 0.0
         self.bins = self.prefill_bins = 0
 
     def add(self, seconds: np.ndarray, prefill: np.ndarray, decode: np.ndarray, energy_j: np.ndarray) -> None:
-        x = np.column_stack([seconds, prefill, decode]).astype(np.float64)
+        x = np.column_stack([prefill, decode]).astype(np.float64)
         y = np.asarray(energy_j, dtype=np.float64)
-        keep = np.isfinite(y) & np.isfinite(x).all(axis=1)
+        keep = np.isfinite(y) & np.isfinite(x).all(axis=1) & (np.asarray(seconds) > 0)
         x, y = x[keep], y[keep]
         self.xtx += x.T @ x
         self.xty += x.T @ y
         self.yty += float(y @ y)
         self.bins += int(y.size)
-        self.prefill_bins += int((x[:, 1] > 0).sum())
+        self.prefill_bins += int((x[:, 0] > 0).sum())
 
     def pricing(self) -> Pricing:
         if self.bins < FIT_MIN_BINS or self.prefill_bins < FIT_MIN_PREFILL_BINS:
             return Pricing(DEFAULT_PREFILL_WEIGHT, False, self.bins)
         best: tuple[float, np.ndarray] | None = None
-        for size in (3, 2, 1):  # non-negative least squares over three unknowns: the best feasible subset
-            for keep in combinations(range(3), size):
-                idx = list(keep)
-                coef = np.zeros(3)
-                coef[idx] = np.linalg.lstsq(self.xtx[np.ix_(idx, idx)], self.xty[idx], rcond=None)[0]
-                if (coef < 0).any():
-                    continue
-                sse = self.yty - 2 * coef @ self.xty + coef @ self.xtx @ coef
-                if best is None or sse < best[0] - 1e-12 * max(1.0, abs(self.yty)):
-                    best = (float(sse), coef)
-        if best is None or not best[1][2] > 0:  # no price of an output token: nothing to weigh a prompt token by
+        for keep in ((0, 1), (0,), (1,)):  # non-negative least squares over two unknowns: the best feasible subset
+            idx = list(keep)
+            coef = np.zeros(2)
+            coef[idx] = np.linalg.lstsq(self.xtx[np.ix_(idx, idx)], self.xty[idx], rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            sse = self.yty - 2 * coef @ self.xty + coef @ self.xtx @ coef
+            if best is None or sse < best[0] - 1e-12 * max(1.0, abs(self.yty)):
+                best = (float(sse), coef)
+        if best is None or not best[1][1] > 0:  # no price of an output token: nothing to weigh a prompt token by
             return Pricing(DEFAULT_PREFILL_WEIGHT, False, self.bins)
-        static_w, prefill_j, decode_j = (float(c) for c in best[1])
-        return Pricing(min(1.0, prefill_j / decode_j), True, self.bins, static_w, prefill_j, decode_j)
+        prefill_j, decode_j = (float(c) for c in best[1])
+        return Pricing(min(1.0, prefill_j / decode_j), True, self.bins, prefill_j, decode_j)
 
 
 def fit_bins(lo_s: np.ndarray, hi_s: np.ndarray, prefill: np.ndarray, decode: np.ndarray, energy_j: np.ndarray
