@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# vLLM (the CUDA build) on an NVIDIA GPU machine without a package index (issue 41): the smallest set of
+# wheels beside the machine's torch 2.11.0 + transformers 5.x that imports `vllm.LLM`, runs the OpenAI server
+# ipw manages (python -m vllm.entrypoints.openai.api_server) and ipw's GGUF conversion (gguf, accelerate).
+# vllm 0.26.0 pins torch==2.11.0 (as do 0.20.2-0.25.x); its wheel (290 MiB) is slimmed by `pack` to what a
+# dense model on Hopper runs (FA3, no FA2/MoE/MLA/DeepGEMM/Rust-frontend binaries: PRUNE below; FULL=1 keeps all).
+#
+#   bash bench/vllm_h200.sh download DEST      # here (an index): DEST/wheels/*.whl + DEST/wheels/wheels.sha256
+#   bash bench/vllm_h200.sh pack DEST          # here (~3 min): DEST/v1, v2, ... (one device call's carry each, <= 40 MiB)
+#                                              # and DEST/README (folders, sizes, the package set)
+#   bash bench/vllm_h200.sh stash DIR...       # copy DIR's pieces to $W/parts (checked against parts.sha256)
+#   bash bench/vllm_h200.sh install [DIR...]   # reassemble, pip install --no-index --no-deps --target $W/site,
+#                                              # import check (one line per missing module)
+#   bash bench/vllm_h200.sh check              # PYTHONPATH=$W/site: versions, CUDA, from vllm import LLM
+#
+# The pieces are in .gpufiles/vllm/v1 ... v4 (.gpufiles/vllm/README).  $W (/tmp/ipw-vllm) survives between
+# calls while the machine is warm (~30 s after a call), so the calls follow each other at once:
+#
+# calls 1..3, carry [".gpufiles/vllm/vN"] (seconds each):
+#   bash bench/vllm_h200.sh stash .gpufiles/vllm/vN
+# call 4, carry [".gpufiles/vllm/v4"]:
+#   bash bench/vllm_h200.sh install .gpufiles/vllm/v4 && bash bench/vllm_h200.sh check 2>&1 | tee $OUT/check.txt
+# then ipw with: PYTHONPATH=$W/site:$PWD IPW_VLLM_PYTHON=python3 VLLM_USE_FLASHINFER_SAMPLER=0 (no flashinfer)
+#
+# If a call says a piece is missing, the machine was handed back in between: start again at call 1.
+# The machine's python3 (3.12) brings torch 2.11.0+cu130 (with triton), transformers 5.x and their deps: ASSUMED.
+set -euo pipefail
+stage=${1:-}
+shift || true
+W=${W:-/tmp/ipw-vllm}
+PY=${PY:-python3}
+args=()
+for a in "$@"; do args+=("$(realpath -m "$a")"); done
+cd "$(dirname "$0")/.."
+
+# The set: vllm and what its import paths need (found one import error at a time), each pinned.
+PKGS="vllm==0.26.0
+accelerate==1.16.0 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7
+annotated-types==0.8.0 apache-tvm-ffi==0.1.10 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0
+charset-normalizer==3.5.3 cloudpickle==3.1.3 einops==0.8.2 fastapi==0.136.3 frozenlist==1.8.0 gguf==0.19.0
+httpx2==2.16.2 jmespath==1.1.0 llguidance==1.7.6 model-hosting-container-standards==0.1.16 msgspec==0.23.0
+multidict==7.2.1 openai==3.60.0 openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 pillow==13.0.0
+prometheus-client==0.26.0 prometheus-fastapi-instrumentator==8.1.0 propcache==0.5.4 py-cpuinfo==9.0.0
+pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5 pyzmq==27.3.0 requests==2.34.2 sniffio==1.3.1
+starlette==1.10.0 typing-inspection==0.4.5 urllib3==2.8.0 uvicorn==0.55.0 uvloop==0.23.0 watchfiles==1.3.0
+xgrammar==0.2.7 yarl==1.25.1"
+# their modules (install's import check), and the modules assumed on the machine already
+MODS="vllm accelerate aiohappyeyeballs aiohttp aiosignal annotated_doc annotated_types tvm_ffi attr cachetools cbor2
+charset_normalizer cloudpickle einops fastapi frozenlist gguf httpx2 jmespath llguidance
+model_hosting_container_standards msgspec multidict openai openai_harmony partial_json_parser PIL prometheus_client
+prometheus_fastapi_instrumentator propcache cpuinfo pybase64 pydantic pydantic_core zmq requests sniffio starlette
+typing_inspection urllib3 uvicorn uvloop watchfiles xgrammar yarl"
+ASSUMED="torch triton transformers huggingface_hub tokenizers safetensors regex yaml tqdm filelock numpy packaging
+typing_extensions jinja2 fsspec httpx httpcore h11 anyio idna certifi click setuptools psutil pynvml"
+# dropped from the vllm wheel: FA2 (Hopper runs FA3), MoE kernels, MLA, DeepGEMM/SM100 FMHA, the Rust frontend
+PRUNE="vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/_flashmla_C.abi3.so
+vllm/_flashmla_extension_C.abi3.so vllm/_qutlass_C.abi3.so vllm/vllm-rs vllm/third_party/deep_gemm/
+vllm/third_party/fmha_sm100/"
+PIECE=$((40 * 1048576 - 8192))  # a piece with its parts.sha256 stays under 40 MiB
+
+stash() {  # copy each folder's files to $W/parts and check them against its parts.sha256
+  mkdir -p "$W/parts"
+  local d
+  for d in "$@"; do
+    [ -d "$d" ] || { echo "stash: no folder $d" >&2; exit 2; }
+    find "$d" -maxdepth 1 -type f -exec cp {} "$W/parts/" \;
+    if [ -f "$d/parts.sha256" ]; then
+      (cd "$W/parts" && grep -F -f <(cd "$d" && ls) parts.sha256 | sha256sum -c --quiet -) || { echo "stash: $d: a piece is damaged" >&2; exit 1; }
+    fi
+    echo "stashed $(find "$d" -maxdepth 1 -type f | wc -l) files of $d in $W/parts"
+  done
+}
+
+download() {  # here: the wheels for CPython 3.12 on manylinux x86_64, no dependency resolution
+  local dest=$1 plats="" v
+  # glibc up to 2.35 (the machine's Ubuntu has 2.39; llguidance needs 2_31, vllm 2_28)
+  for v in 2_35 2_34 2_31 2_28 2_27 2_26 2_24 2_17 2014 2_12 2010 2_5 1; do plats+=" --platform manylinux${v/#2_/_2_}_x86_64"; done
+  mkdir -p "$dest/wheels"
+  # shellcheck disable=SC2086
+  $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none $plats -d "$dest/wheels" $PKGS
+  (cd "$dest/wheels" && sha256sum ./*.whl | sed 's# \./# #' > wheels.sha256)
+  echo "$(ls "$dest/wheels"/*.whl | wc -l) wheels, $(du -cm "$dest/wheels"/*.whl | tail -1 | cut -f1) MiB in $dest/wheels"
+}
+
+pack() {  # here: the slim vllm wheel + the rest in one tar, cut into DEST/v1, v2, ... and DEST/README
+  local dest=$1 tmp
+  tmp=$(mktemp -d /tmp/ipw-vllm-pack-XXXX)
+  mkdir "$tmp/wheels"
+  (cd "$dest/wheels" && sha256sum -c --quiet wheels.sha256)
+  cp "$dest/wheels"/*.whl "$tmp/wheels/"
+  # every wheel rewritten uncompressed (ZIP_STORED: one xz stream over all of them packs ~30% smaller than
+  # the wheels' own deflate), the vllm wheel without PRUNE (its RECORD too) unless FULL=1
+  PRUNE="$([ -n "${FULL:-}" ] || echo "$PRUNE")" $PY - "$tmp/wheels"/*.whl <<'EOF'
+import os, sys, zipfile
+prune = os.environ["PRUNE"].split()
+drop = lambda n: any(n == p or (p.endswith("/") and n.startswith(p)) for p in prune)
+for path in sys.argv[1:]:
+    src = zipfile.ZipFile(path); out = zipfile.ZipFile(path + ".new", "w", zipfile.ZIP_STORED)
+    slim = os.path.basename(path).startswith("vllm-"); dropped = 0
+    for info in src.infolist():
+        if slim and drop(info.filename):
+            dropped += info.file_size; continue
+        data = src.read(info)
+        if slim and info.filename.endswith(".dist-info/RECORD"):
+            data = "".join(l for l in data.decode().splitlines(True) if not drop(l.split(",")[0])).encode()
+        info.compress_type = zipfile.ZIP_STORED
+        out.writestr(info, data)
+    out.close(); os.replace(path + ".new", path)
+    if slim:
+        print(f"slim {os.path.basename(path)}: {dropped / 2**20:.0f} MiB (unpacked) dropped")
+EOF
+  (cd "$tmp/wheels" && sha256sum ./*.whl | sed 's# \./# #' > wheels.sha256)
+  tar cf - -C "$tmp" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner wheels | xz -9 -T2 > "$tmp/wheels.tar.xz"
+  (cd "$tmp" && split -b "$PIECE" -d -a 2 wheels.tar.xz wheels.tar.xz.)
+  rm -rf "$dest"/v[0-9]*
+  local n=0 p
+  for p in "$tmp"/wheels.tar.xz.[0-9]*; do n=$((n + 1)); mkdir -p "$dest/v$n"; mv "$p" "$dest/v$n/"; done
+  (cd "$dest" && for d in v[0-9]*; do (cd "$d" && sha256sum ./*); done | sed 's# \./# #' | sort -k 2 > parts.sha256)
+  for p in "$dest"/v[0-9]*; do cp "$dest/parts.sha256" "$p/"; done
+  {
+    echo "Files for bench/vllm_h200.sh (made by: bash bench/vllm_h200.sh download $dest; ... pack $dest)"
+    echo "v*/wheels.tar.xz.NN: split -b $PIECE of tar+xz of wheels/: the wheels below rewritten uncompressed"
+    echo "  (ZIP_STORED) and their wheels.sha256; ${FULL:+the full vllm wheel}${FULL:-the vllm wheel without: $(echo $PRUNE)}"
+    echo "One device call per folder: see the head of bench/vllm_h200.sh."
+    echo
+    for p in "$dest"/v[0-9]*; do
+      echo "$(basename "$p")/ ($(cat "$p"/* | wc -c | awk '{printf "%d bytes, %.1f MiB", $1, $1 / 1048576}')):"
+      (cd "$p" && for f in *; do printf '  %-16s %10s  %s\n' "$f" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"; done)
+    done
+    echo
+    echo "Wheels as downloaded (bytes, sha256 of PyPI's file; packed: $(stat -c %s "$tmp/wheels.tar.xz") bytes in $n folders):"
+    (cd "$dest/wheels" && for f in *.whl; do printf '  %-72s %10s  %s\n' "$f" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"; done)
+    echo "Assumed on the machine (python3 imports): $(echo $ASSUMED)"
+  } > "$dest/README"
+  rm -rf "$tmp"
+  cat "$dest/README"
+}
+
+install() {  # $W/site from the pieces; then one line per module that does not import
+  local pieces=("$W"/parts/wheels.tar.xz.[0-9]*)
+  [ -f "${pieces[0]}" ] || { echo "install: no pieces in $W/parts (stash the folders first)" >&2; exit 3; }
+  (cd "$W/parts" && sha256sum -c --quiet parts.sha256) || { echo "install: a piece is missing or damaged" >&2; exit 3; }
+  rm -rf "$W/wheels" "$W/site"
+  cat "${pieces[@]}" | xz -dc | tar xf - -C "$W"
+  (cd "$W/wheels" && sha256sum -c --quiet wheels.sha256)
+  $PY -m pip install --no-index --no-deps --disable-pip-version-check --no-compile -q --target "$W/site" "$W"/wheels/*.whl
+  echo "installed $(ls "$W"/wheels/*.whl | wc -l) wheels into $W/site"
+  # shellcheck disable=SC2086
+  PYTHONPATH="$W/site" $PY - $MODS -- $ASSUMED <<'EOF'
+import importlib, sys
+args = sys.argv[1:]; cut = args.index("--")
+bad = 0
+for group, mods in (("carried", args[:cut]), ("assumed present", args[cut + 1:])):
+    for m in mods:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # ImportError, or a library that fails to load
+            bad += 1; print(f"MISSING ({group}) {m}: {type(e).__name__}: {e}")
+print(f"import check: {len(args) - 1 - bad} of {len(args) - 1} modules import" + ("" if bad else ", none missing"))
+EOF
+}
+
+check() {  # versions, CUDA, the ipw import paths (engine and OpenAI server)
+  [ -d "$W/site/vllm" ] || { echo "check: no $W/site/vllm (run install)" >&2; exit 3; }
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+  PYTHONPATH="$W/site" $PY -c '
+import importlib.metadata as md, torch, transformers
+print("python", __import__("sys").version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
+print("transformers", transformers.__version__, "triton", md.version("triton") if __import__("importlib").util.find_spec("triton") else "-")
+from vllm import LLM, SamplingParams
+from vllm.sampling_params import RequestOutputKind
+import vllm, vllm.entrypoints.openai.api_server
+from vllm.platforms import current_platform
+print("vllm", vllm.__version__, "platform", type(current_platform).__name__)
+if torch.cuda.is_available():
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    print("flash-attn version", get_flash_attn_version())
+'
+  PYTHONPATH="$W/site" $PY -m vllm.entrypoints.openai.api_server --help > "$W/api_server-help.txt" 2>&1 \
+    && echo "api_server --help: ok ($(wc -l < "$W/api_server-help.txt") lines)" \
+    || { echo "api_server --help failed:"; tail -20 "$W/api_server-help.txt"; exit 1; }
+}
+
+case "$stage" in
+  download) download "${args[0]}" ;;
+  pack) pack "${args[0]}" ;;
+  stash) stash "${args[@]}" ;;
+  install) [ ${#args[@]} -gt 0 ] && stash "${args[@]}"; install ;;
+  check) check ;;
+  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check" >&2; exit 2 ;;
+esac
