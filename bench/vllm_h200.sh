@@ -12,15 +12,20 @@
 #   bash bench/vllm_h200.sh install [DIR...]   # reassemble, pip install --no-index --no-deps --target $W/site,
 #                                              # import check (one line per missing module)
 #   bash bench/vllm_h200.sh check              # PYTHONPATH=$W/site: versions, CUDA, from vllm import LLM
+#   bash bench/vllm_h200.sh generate MODEL_DIR  # the engine on the GPU: MODEL_DIR's config and tokenizer, random
+#                                              # weights (load_format dummy), 64 prompts x 64 tokens
 #
-# The pieces are in .gpufiles/vllm/v1 ... v4 (.gpufiles/vllm/README).  $W (/tmp/ipw-vllm) survives between
-# calls while the machine is warm (~30 s after a call), so the calls follow each other at once:
+# The pieces (87.5 MiB: tar+xz of the wheels, uncompressed inside) are in .gpufiles/vllm/v1, v2 and v3 (PIECE_MIB=30
+# MiB each, to ride with the ~24 MiB checkout; .gpufiles/vllm/README).  $W (/tmp/ipw-vllm) survives between calls
+# while the machine is warm (~30 s after a call), so the calls follow each other at once:
 #
-# calls 1..3, carry [".gpufiles/vllm/vN"] (seconds each):
-#   bash bench/vllm_h200.sh stash .gpufiles/vllm/vN
-# call 4, carry [".gpufiles/vllm/v4"]:
-#   bash bench/vllm_h200.sh install .gpufiles/vllm/v4 && bash bench/vllm_h200.sh check 2>&1 | tee $OUT/check.txt
-# then ipw with: PYTHONPATH=$W/site:$PWD IPW_VLLM_PYTHON=python3 VLLM_USE_FLASHINFER_SAMPLER=0 (no flashinfer)
+# calls 1 and 2, carry [".gpufiles/vllm/v1"], then [".gpufiles/vllm/v2"] (seconds each):
+#   bash bench/vllm_h200.sh stash .gpufiles/vllm/v1     (then v2)
+# call 3, carry [".gpufiles/vllm/v3", ".gpufiles/vllm/smol-cfg"] (~2 min):
+#   bash bench/vllm_h200.sh install .gpufiles/vllm/v3 && bash bench/vllm_h200.sh check && bash bench/vllm_h200.sh generate .gpufiles/vllm/smol-cfg
+#   (smol-cfg: SmolLM2's config and tokenizer from `ipw convert`, without its weights)
+# then ipw in the same call: PYTHONPATH=$W/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m ipw.cli ...
+# (no flashinfer: vLLM's own top-k/top-p sampler; FA3 is the attention backend on Hopper).
 #
 # If a call says a piece is missing, the machine was handed back in between: start again at call 1.
 # The machine's python3 (3.12) brings torch 2.11.0+cu130 (with triton), transformers 5.x and their deps: ASSUMED.
@@ -56,20 +61,10 @@ typing_extensions jinja2 fsspec httpx httpcore h11 anyio idna certifi click setu
 PRUNE="vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/_flashmla_C.abi3.so
 vllm/_flashmla_extension_C.abi3.so vllm/_qutlass_C.abi3.so vllm/vllm-rs vllm/third_party/deep_gemm/
 vllm/third_party/fmha_sm100/"
-PIECE=$((40 * 1048576 - 8192))  # a piece with its parts.sha256 stays under 40 MiB
+PIECE=$((${PIECE_MIB:-30} * 1048576 - 8192))  # a piece with its parts.sha256 stays under PIECE_MIB (30) MiB
 
-stash() {  # copy each folder's files to $W/parts and check them against its parts.sha256
-  mkdir -p "$W/parts"
-  local d
-  for d in "$@"; do
-    [ -d "$d" ] || { echo "stash: no folder $d" >&2; exit 2; }
-    find "$d" -maxdepth 1 -type f -exec cp {} "$W/parts/" \;
-    if [ -f "$d/parts.sha256" ]; then
-      (cd "$W/parts" && grep -F -f <(cd "$d" && ls) parts.sha256 | sha256sum -c --quiet -) || { echo "stash: $d: a piece is damaged" >&2; exit 1; }
-    fi
-    echo "stashed $(find "$d" -maxdepth 1 -type f | wc -l) files of $d in $W/parts"
-  done
-}
+# shellcheck source=bench/pieces.sh
+source bench/pieces.sh  # stash (the working directory is the repository root)
 
 download() {  # here: the wheels for CPython 3.12 on manylinux x86_64, no dependency resolution
   local dest=$1 plats="" v
@@ -183,11 +178,31 @@ if torch.cuda.is_available():
     || { echo "api_server --help failed:"; tail -20 "$W/api_server-help.txt"; exit 1; }
 }
 
+generate() {  # MODEL_DIR: vLLM's engine on the GPU with MODEL_DIR's config and tokenizer and random weights
+  [ -d "$W/site/vllm" ] || { echo "generate: no $W/site/vllm (run install)" >&2; exit 3; }
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+  PYTHONPATH="$W/site" $PY - "$1" <<'EOF'
+import sys, time
+t0 = time.monotonic()
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], load_format="dummy", enforce_eager=True, max_model_len=512, dtype="float32",
+          gpu_memory_utilization=0.3, seed=0)
+t1 = time.monotonic()
+prompts = [f"Question {i}: what is {i} + {i}?" for i in range(64)]
+outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+t2 = time.monotonic()
+n = sum(len(o.outputs[0].token_ids) for o in outs)
+print(f"generate: engine up in {t1 - t0:.1f} s; {len(outs)} prompts, {n} output tokens in {t2 - t1:.2f} s "
+      f"({n / (t2 - t1):.0f} tok/s, random weights)")
+EOF
+}
+
 case "$stage" in
   download) download "${args[0]}" ;;
   pack) pack "${args[0]}" ;;
   stash) stash "${args[@]}" ;;
   install) [ ${#args[@]} -gt 0 ] && stash "${args[@]}"; install ;;
   check) check ;;
-  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check" >&2; exit 2 ;;
+  generate) generate "${args[0]}" ;;
+  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR" >&2; exit 2 ;;
 esac
