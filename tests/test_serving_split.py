@@ -270,3 +270,26 @@ def test_a_plain_answer_is_placed_by_the_servers_timings():
     # a streamed answer keeps its own token times
     streamed = Completion("x", 40, 2, 10.0, 11.0, 12.0, (11.0, 12.0), "stop", ServerTimings(40, 100.0, 2, 1000.0))
     assert request_of(streamed, 10.0, 12.0).token_times_s == (11.0, 12.0)
+
+
+def test_prices_include_the_static_power_a_token_holds_the_server_for():
+    """The fit prices a token by the bins' whole energy: on a server that draws 100 W of static power, spends
+    20 µs and 0.002 J of dynamic energy per prompt token and 2 ms and 0.05 J per output token, a prompt token
+    costs 0.004 J and an output token 0.25 J, so it weighs 0.016 of one (by its dynamic energy alone it
+    would weigh 0.04, and a class of short requests would be charged for less than the time it holds the
+    server)."""
+    import numpy as np
+
+    from ipw.metering.split import PriceFit
+
+    rng = np.random.default_rng(7)
+    prefill = rng.integers(0, 3000, 200).astype(float) * (rng.random(200) < 0.4)
+    decode = rng.integers(5, 60, 200).astype(float)
+    seconds = 20e-6 * prefill + 2e-3 * decode
+    energy = 100.0 * seconds + 0.002 * prefill + 0.05 * decode
+    fit = PriceFit()
+    fit.add(seconds, prefill, decode, energy * (1 + 0.01 * rng.standard_normal(200)))
+    pricing = fit.pricing()
+    assert pricing.fitted
+    assert pricing.prefill_j == pytest.approx(0.004, rel=0.05) and pricing.decode_j == pytest.approx(0.25, rel=0.05)
+    assert pricing.prefill_weight == pytest.approx(0.016, rel=0.05)
