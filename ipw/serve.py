@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from ipw import __version__
 from ipw.backends.base import BackendSpec, Completion, QueryError
-from ipw.backends.openai_http import Deadline, choice_text, server_timings
+from ipw.backends.openai_http import Deadline, choice_text, server_timings, token_count
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
@@ -322,20 +322,23 @@ class _Stream:
             self.usage = data["usage"]
         self.timings = data.get("timings") or self.timings
         got = False
-        for choice in data.get("choices") or []:
+        choices = data.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
             if not isinstance(choice, dict):
                 continue
             piece = choice_text(choice, api)
             if piece:
                 self.parts.append(piece)
                 got = True
-            self.finish = choice.get("finish_reason") or self.finish
+            reason = choice.get("finish_reason")
+            self.finish = reason if isinstance(reason, str) and reason else self.finish
         return got
 
     def completion(self, start: float, end: float, times: tuple[float, ...]) -> Completion:
+        prompt, output = token_count(self.usage.get("prompt_tokens")), token_count(self.usage.get("completion_tokens"))
         return Completion(
-            text="".join(self.parts), prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
-            completion_tokens=int(self.usage.get("completion_tokens") or len(times)), start_s=start,
+            text="".join(self.parts), prompt_tokens=prompt or 0,
+            completion_tokens=len(times) if output is None else output, start_s=start,
             first_token_s=times[0] if times else None, end_s=end, token_times_s=times,
             finish_reason=self.finish, server_timings=server_timings(self.timings))
 
@@ -586,6 +589,11 @@ class Handler(BaseHTTPRequestHandler):
                                + (f" (--timeout-s {session.options.timeout_s:g})" if timeout else ""),
                                "timeout" if timeout else "connection")
             self.close_connection = True
+        except Exception as exc:  # an answer of a shape nothing above expected: the request ends as an error
+            self._drop_upstream()
+            error = QueryError(f"upstream {session.upstream.url}: malformed answer ({type(exc).__name__}: "
+                               f"{scrub(str(exc))[:120]})", "malformed_stream")
+            self.close_connection = True
         finally:
             if self._deadline is not None:
                 self._deadline.cancel()
@@ -593,9 +601,13 @@ class Handler(BaseHTTPRequestHandler):
                     self._drop_upstream()
                 self._deadline = None
             self._release_upstream()
-            if self._ended is None:  # ended by an error before the answer was complete
-                self._end(job, body, api, seen.completion(start, time.monotonic(), session.meter.token_times(job))
-                          if seen.parts else None, error or QueryError("no answer", "connection"))
+            if self._ended is None:  # ended by an error before the answer was complete: never left open in the meter
+                try:
+                    partial = (seen.completion(start, time.monotonic(), session.meter.token_times(job))
+                               if seen.parts else None)
+                except Exception:  # what was seen cannot be read: the request ends without it
+                    partial = None
+                self._end(job, body, api, partial, error or QueryError("no answer", "connection"))
             ended = cast(Ended, self._ended)
             if error is not None and error.category == "client_disconnect":
                 ended.override = error

@@ -59,3 +59,30 @@ def test_runs_made_before_phases_are_checked(tmp_path, run_cli):
                                                                                       index=False)
     code, out, err = run_cli("check", base, base)
     assert code == 0, out + err
+
+
+def test_a_baseline_of_0_j_is_not_comparable(tmp_path, run_cli):
+    """0 J on every baseline query: no energy to compare against (exit 2, one line), not a ZeroDivisionError."""
+    base = write_run(tmp_path / "base", "base", {"smol": {"correct": [1] * N, "energy": [0.0] * N}})
+    cand = write_run(tmp_path / "cand", "cand", {"smol": {"correct": [1] * N, "energy": [2.0] * N}})
+    for thresholds in ([], ["--fail-if", "j_per_token:+5%"], ["--fail-if", "ipj:-5%"]):
+        code, out, err = run_cli("check", base, cand, *thresholds)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in out + err, err
+        assert "the baseline has 0 J on every query, no energy to compare" in err
+
+
+def test_github_notes_cannot_forge_a_workflow_command(tmp_path, run_cli):
+    """A backend name from a run folder (a config refuses it) with a newline and ``::error``: every note and
+    annotation stays one line, escaped as GitHub's workflow commands are (% CR LF as %25 %0D %0A)."""
+    name = "b\n::error::x"
+    energy = [None] + [2.0] * (N - 1)  # a query without energy: a note that names the backend
+    base = write_run(tmp_path / "base", "base", {name: {"correct": [1] * N, "energy": energy}})
+    cand = write_run(tmp_path / "cand", "cand", {name: {"correct": [1] * N, "energy": [None] + [4.0] * (N - 1)}})
+    code, out, err = run_cli("check", base, cand, "--github")
+    assert code == 1, out + err  # twice the energy: an annotation too
+    commands = [line for line in out.splitlines() if line.lstrip().startswith("::")]
+    assert commands and all(line.startswith("::error title=ipw check regression") for line in commands), commands
+    assert f"note: b%0A::error::x: 1 of {N} baseline queries have no energy" in out
+    code, out, err = run_cli("check", base, cand)  # without --github: one line each too
+    assert not [line for line in out.splitlines() if line.lstrip().startswith("::")], out
+    assert f"note: b\\n::error::x: 1 of {N} baseline queries have no energy" in out

@@ -568,3 +568,20 @@ def test_server_timings_parsing():
     for bad in (None, [], "x", {k: v for k, v in full.items() if k != "predicted_ms"}, {**full, "prompt_n": "38"},
                 {**full, "predicted_n": True}):
         assert server_timings(bad) is None
+
+
+def test_an_answer_of_the_wrong_shape_is_read_as_no_text_and_no_count():
+    """What an answer holds is taken only where it has the expected shape: a choice, delta or message that is not
+    an object, text that is not a string, a token count that is not a whole number from 0 to MAX_TOKEN_COUNT
+    (1e30, "9", -1, 2.5, True) and server timings with such counts are read as absent, never as an error later."""
+    from ipw.backends.openai_http import MAX_TOKEN_COUNT, choice_text, server_timings, token_count
+
+    assert [choice_text(c, "chat") for c in ("x", {"delta": "abc"}, {"delta": {"content": 5}}, {"message": [1]},
+                                             {"delta": {"content": "ok"}})] == ["", "", "", "", "ok"]
+    assert [choice_text(c, "completions") for c in ({"text": 5}, {"text": "ok"}, None)] == ["", "ok", ""]
+    assert [token_count(v) for v in (1e30, "9", -1, 2.5, True, None, 7, 7.0, MAX_TOKEN_COUNT)] == \
+        [None, None, None, None, None, None, 7, 7, MAX_TOKEN_COUNT]
+    good = {"prompt_n": 3, "prompt_ms": 1.5, "predicted_n": 2, "predicted_ms": 4.0}
+    assert server_timings(good) is not None
+    for key, bad in (("prompt_n", 1e30), ("predicted_n", -2), ("prompt_ms", float("nan")), ("predicted_ms", 1e12)):
+        assert server_timings({**good, key: bad}) is None, key

@@ -947,3 +947,62 @@ def test_provisional_band_is_calibrated_on_settled_values():
         meter.close()
     assert 0.8 <= sum(covered) / len(covered) <= 0.97
     assert provisional == pytest.approx(settled, rel=0.03)
+
+
+HOSTILE_STREAMS = {  # one malformed upstream answer each (then [DONE])
+    "usage-not-an-object": [b'{"choices":[{"index":0,"delta":{"content":"a"}}]}', b'{"choices":[],"usage":"abc"}'],
+    "token-counts-absurd": [b'{"choices":[{"index":0,"delta":{"content":"a"}}]}',
+                            b'{"choices":[],"usage":{"prompt_tokens":1e30,"completion_tokens":"9"}}'],
+    "delta-a-string": [b'{"choices":[{"index":0,"delta":"abc"}]}'],
+    "content-a-number": [b'{"choices":[{"index":0,"delta":{"content":5}}]}',
+                         b'{"choices":[{"index":0,"delta":{"content":"b"}}]}'],
+    "choice-not-an-object": [b'{"choices":["x"]}'],
+}
+
+
+def test_a_hostile_upstream_never_leaves_a_request_open_in_the_meter(tmp_path):
+    """Each malformed answer (usage not an object, absurd token counts, a string delta, numeric content, a choice
+    that is not an object) ends its request: the client gets its stream, the folder a record, ``/health`` goes
+    back to 0 in flight, and the session's parts plus its unattributed energy still equal its span."""
+    answers = list(HOSTILE_STREAMS.values())
+    served = []
+
+    def write(out) -> None:
+        for data in answers[len(served) % len(answers)]:
+            _chunk(out, b"data: " + data + b"\n\n")
+        _chunk(out, b"data: [DONE]\n\n")
+        served.append(1)
+
+    upstream = _ChunkedUpstream(write)
+    proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
+    try:
+        for _ in answers:
+            sock = _open_stream(proxy)
+            got = b""
+            while b"[DONE]" not in got and b"0\r\n\r\n" not in got:
+                piece = sock.recv(65536)
+                if not piece:
+                    break
+                got += piece
+            sock.close()
+            assert got.startswith(b"HTTP/1.1 200")
+        health_url = proxy.url.removesuffix("/v1") + "/health"
+        import urllib.request
+
+        deadline = time.monotonic() + 10
+        while True:
+            health = json.loads(urllib.request.urlopen(health_url, timeout=5).read())
+            if health["in_flight"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert health["in_flight"] == 0, health
+    finally:
+        proxy.stop(grace_s=5)
+        upstream.close()
+    folder = proxy.session.folder.path
+    records = _records(folder)
+    assert len(records) == len(answers)
+    assert all(0 <= (r["completion_tokens"] or 0) < 10**6 and 0 <= (r["prompt_tokens"] or 0) < 10**6 for r in records)
+    (session,) = json.loads((folder / "manifest.json").read_text())["backends"][0]["sessions"]
+    for component, sums in session["energy"].items():
+        assert sums["parts_j"] + sums["unattributed_j"] == pytest.approx(sums["span_j"], rel=1e-9, abs=1e-9), component

@@ -254,6 +254,12 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
                     and _none_known(vc, metric.needs):  # e.g. a chat run without a judge, against itself
                 notes.append(f"{name}: {t.metric} not checked: no query has {NEEDS_TEXT[metric.needs]} in either run")
                 continue
+            if metric.energy and _all_zero(vb["energy_j"]):  # a change from 0 J is undefined (and IPJ infinite)
+                raise IpwError(f"not comparable: backend {name}: the baseline has 0 J on every query, no energy to "
+                               f"compare {t.metric} against")
+            if t.unit == "%" and bv == 0:
+                raise IpwError(f"not comparable: backend {name}: the baseline's {t.metric} is 0, a change relative "
+                               "to it is undefined")
             if not (np.isfinite(bv) and np.isfinite(cv)):  # nothing to test: a gate that passes on no data would lie
                 empty = [k for k in ("energy_j", "ttft_s", "completion_tokens")
                          if np.isnan(vb[k]).all() or np.isnan(vc[k]).all()]
@@ -505,6 +511,12 @@ NEEDS_TEXT = {"correct": "a score (judge-only items are unscored without a judge
 
 def _none_known(v: dict[str, Any], key: str) -> bool:
     return v.get(key) is None or bool(np.isnan(v[key]).all())
+
+
+def _all_zero(x: Any) -> bool:
+    """Some value is known and every known one is 0 (e.g. 0 J on every query with energy)."""
+    known = np.asarray(x, float)[~np.isnan(np.asarray(x, float))]
+    return len(known) > 0 and not known.any()
 
 
 COLUMNS = ("backend", "metric", "threshold", "baseline", "candidate", f"change [{LEVEL:.0%} CI]", "noise floor", "p",

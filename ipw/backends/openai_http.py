@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import psutil
@@ -72,10 +72,13 @@ def server_timings(data: Any) -> ServerTimings | None:
         values = [data[k] for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")]
     except KeyError:
         return None
-    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+    counts = [token_count(values[0]), token_count(values[2])]
+    times = [values[1], values[3]]
+    if None in counts or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9
+                             for v in times):
         return None
-    return ServerTimings(prompt_n=int(values[0]), prompt_ms=float(values[1]),
-                         predicted_n=int(values[2]), predicted_ms=float(values[3]))
+    return ServerTimings(prompt_n=cast(int, counts[0]), prompt_ms=float(times[0]),
+                         predicted_n=cast(int, counts[1]), predicted_ms=float(times[1]))
 
 
 class Deadline:
@@ -101,11 +104,29 @@ class Deadline:
         self._timer.cancel()
 
 
-def choice_text(choice: dict[str, Any], api: str) -> str:
-    """The text of one choice of a chat (``delta`` or ``message``) or completions answer."""
+def choice_text(choice: Any, api: str) -> str:
+    """The text of one choice of a chat (``delta`` or ``message``) or completions answer; "" where the
+    answer does not have the shape (a choice, delta or message that is not an object, text that is not a
+    string)."""
+    if not isinstance(choice, dict):
+        return ""
     if api == "chat":
-        return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
-    return choice.get("text") or ""
+        part = choice.get("delta") or choice.get("message")
+        text = part.get("content") if isinstance(part, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+#: the most tokens one answer is taken to have: a count above it (or not a whole number) is not believed
+MAX_TOKEN_COUNT = 10**8
+
+
+def token_count(value: Any) -> int | None:
+    """A token count from an answer's ``usage``: a whole number from 0 to ``MAX_TOKEN_COUNT``, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOKEN_COUNT:
+        return None
+    return int(value) if float(value).is_integer() else None
 
 
 def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:
@@ -463,8 +484,8 @@ class OpenAIBackend(BackendBase):
                 if piece:
                     parts.append(piece)
                     times.append(now)
-                if isinstance(choice, dict) and choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+                if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+                    finish = choice["finish_reason"] or finish
         if not done and not finish:
             # the connection closed mid-answer (e.g. the server died): retried like a connection error
             raise _Retryable("stream ended before [DONE] or a finish_reason", "connection")
@@ -478,12 +499,15 @@ class OpenAIBackend(BackendBase):
         try:
             data = json.loads(raw)
             choice = data["choices"][0]
+            if not isinstance(choice, dict):
+                raise TypeError("a choice that is not an object")
         except (ValueError, KeyError, IndexError, TypeError):
             raise QueryError("response is neither an event stream nor a completion JSON", "malformed_stream") from None
         now = time.monotonic()
         text = self._content(choice)
+        finish = choice.get("finish_reason")
         return self._completion(text, data.get("usage") or {}, start, [now] if text else [],
-                                choice.get("finish_reason") or "", stops, data.get("timings"))
+                                finish if isinstance(finish, str) else "", stops, data.get("timings"))
 
     def _completion(self, text: str, usage: dict[str, Any], start: float, times: list[float], finish: str,
                     stops: list[str], timings: Any = None) -> Completion:
@@ -492,10 +516,12 @@ class OpenAIBackend(BackendBase):
             text = text[:cut]
         if not text.strip():
             raise QueryError(f"empty answer (finish_reason={finish or 'none'})", "empty_answer")
+        usage = usage if isinstance(usage, dict) else {}
+        prompt, output = token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
         return Completion(
             text=text.strip(),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or len(times)),
+            prompt_tokens=prompt or 0,
+            completion_tokens=len(times) if output is None else output,
             start_s=start, first_token_s=times[0] if times else None, end_s=time.monotonic(),
             token_times_s=tuple(times), finish_reason=finish, server_timings=server_timings(timings),
         )

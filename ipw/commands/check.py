@@ -12,6 +12,7 @@ from rich.console import Console
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
+from ipw.sanitize import github_escape, one_line
 
 
 def _change_unit(name: str) -> str:
@@ -77,10 +78,11 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
         table.add_row(*rest, f"[{style[v.status]}]{status}[/]")
     out_console = stdout()
     out_console.print(table)
-    for line in gate.drift_lines(result):
-        out_console.print(line)
-    for note in result.notes:
-        out_console.print(f"note: {note}")
+    # a backend name is the user's text: each line stays one line (escaped as GitHub's workflow commands are with
+    # --github), unwrapped and without markup, so that no name starts a line of its own (a forged ::error)
+    for line in (*gate.drift_lines(result), *(f"note: {note}" for note in result.notes)):
+        out_console.print(github_escape(line) if github else one_line(line), markup=False, highlight=False,
+                          soft_wrap=True)
     if markdown_path:
         _write_text(markdown_path, gate.markdown(result), "--markdown")
     if junit_path:

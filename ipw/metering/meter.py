@@ -52,6 +52,8 @@ SWITCH_INTERVAL_S = 0.0005
 #: how long the meter's thread waits at most for a period's sensors to become final (NVML: until its sampler
 #: has read past the period's end; the CPU model: its read after the end)
 READY_WAIT_S = 10.0
+#: a plain answer's output tokens are spread over its decode time at this many times at most (``request_of``)
+SPREAD_TIMES = 1024
 #: the provisional ±90% band: from the last this many settled requests, once there are at least CAL_MIN
 CAL_N = 200
 CAL_MIN = 20
@@ -92,8 +94,8 @@ def request_of(completion: Completion | None, start: float, end: float) -> Reque
     timings = completion.server_timings
     times, first = completion.token_times_s, completion.first_token_s
     if (timings is not None and len(times) <= 1 and completion.completion_tokens > 1 and timings.predicted_ms > 0):
-        first = max(start, end - timings.predicted_ms / 1000.0)
-        times = tuple(np.linspace(first, end, completion.completion_tokens).tolist())
+        first = max(start, end - timings.predicted_ms / 1000.0)  # at most SPREAD_TIMES times: each counts for more
+        times = tuple(np.linspace(first, end, min(completion.completion_tokens, SPREAD_TIMES)).tolist())
     prefill = None
     if timings is not None and first is not None:  # prompt_n 0: all of it was cached
         prefill = (max(start, first - timings.prompt_ms / 1000.0), first)
