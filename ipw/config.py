@@ -111,6 +111,7 @@ class _Where:
     _INLINE_KEY = re.compile(rf"[{{,]\s*({_DOTTED})\s*=")  # keys of inline tables: {{ name = ..., kind = ... }}
     _PARTS = re.compile(_PART)
     _TABLE = re.compile(r"^\s*\[")
+    _HEADER = re.compile(rf"^\s*\[\[?\s*({_DOTTED})\s*\]\]?\s*(?:#.*)?$")  # [table] or [[array]]: its name
 
     def __init__(self, path: str, text: str) -> None:
         self.path, self.lines = path, text.splitlines()
@@ -122,6 +123,9 @@ class _Where:
                 self._index(m.group(1), i)
             elif self._TABLE.match(line):
                 self._headers.setdefault(line.split("#")[0].strip(), []).append(i)
+                header = self._HEADER.match(line)
+                if header:  # an unknown [table] is found by its name, as an unknown key is
+                    self._index(header.group(1), i)
             if "{" in line:  # an inline table (perhaps in an array of them): each of its keys on this line
                 for key in self._INLINE_KEY.findall(line[m.end():] if m else line):
                     self._index(key, i)
@@ -225,7 +229,8 @@ def _check_table(table: dict, allowed: dict[str, type], prefix: str, where: _Whe
     for key, value in table.items():
         field = f"{prefix}{key}"
         if key not in allowed:
-            raise IpwError(f"{where(field, key, after)}: unknown key (allowed: {', '.join(sorted(allowed))})")
+            what = "table" if isinstance(value, dict) else "key"
+            raise IpwError(f"{where(field, key, after)}: unknown {what} (allowed: {', '.join(sorted(allowed))})")
         try:
             out[key] = _check_type(value, allowed[key], "")
         except IpwError as exc:  # the location is found only for an error

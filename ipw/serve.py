@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from ipw import __version__
 from ipw.backends.base import BackendSpec, Completion, QueryError
-from ipw.backends.openai_http import Deadline, choice_text, server_timings, token_count
+from ipw.backends.openai_http import MAX_LINE_BYTES, Deadline, choice_text, server_timings, token_count
 from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
@@ -350,11 +350,15 @@ _BLANK_LINES = re.compile(rb"(?:[ \t\r\x0b\x0c]*\n)*")  # lines that are empty o
 _EVENT_END = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")  # a line's end, then an empty line
 
 
-def sse_events(read: Callable[[], bytes]) -> Iterator[bytes]:
+def sse_events(read: Callable[[], bytes], limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
     """The events of a server-sent event stream, each as its lines (their line ends kept) without the
     empty line that ends it; ``read`` gives the stream's next bytes, b"" at its end (a last event that no
-    empty line ended is dropped).  One search per event, not one ``readline`` per line."""
+    empty line ended is dropped).  One search per event, not one ``readline`` per line, and each byte is
+    searched about once: a read resumes at the last line end already seen.  An event not ended within
+    ``limit`` bytes is a malformed stream (``QueryError``), so that an endless line holds neither memory nor
+    a core."""
     buf = b""
+    seen = 0  # where a search resumes: no event ends before the last line end of the bytes searched so far
     while True:
         data = read()
         if not data:
@@ -363,12 +367,16 @@ def sse_events(read: Callable[[], bytes]) -> Iterator[bytes]:
         at = 0
         while True:
             at = cast(re.Match[bytes], _BLANK_LINES.match(buf, at)).end()  # empty lines between events
-            end = _EVENT_END.search(buf, at)
+            end = _EVENT_END.search(buf, max(at, seen))
             if end is None:
                 break
             yield buf[at:end.start() + 1]
             at = end.end()
         buf = buf[at:]
+        if len(buf) > limit:
+            raise QueryError(f"an upstream event longer than {limit} bytes", "malformed_stream")
+        last = buf.rfind(b"\n")
+        seen = last if last >= 0 else len(buf)
 
 
 class _ClientGone(Exception):
@@ -588,6 +596,10 @@ class Handler(BaseHTTPRequestHandler):
             error = QueryError(f"upstream {session.upstream.url} failed mid-answer: {type(exc).__name__}"
                                + (f" (--timeout-s {session.options.timeout_s:g})" if timeout else ""),
                                "timeout" if timeout else "connection")
+            self.close_connection = True
+        except QueryError as exc:  # the stream broke a limit (an event too long)
+            self._drop_upstream()
+            error = exc
             self.close_connection = True
         except Exception as exc:  # an answer of a shape nothing above expected: the request ends as an error
             self._drop_upstream()

@@ -75,6 +75,10 @@ BACKEND = '[[backends]]\nname = "s"\nkind = "llama-cpp"\nmodel = "smollm2-135m"\
 CONFIG_CASES = {
     "unknown top key": ('dataset = "ipw-core"\nrepets = 2\n' + BACKEND, ":2: field 'repets': unknown key"),
     "unknown backend key": ('dataset = "ipw-core"\n' + BACKEND + 'n_thread = 2\n', ":6: field 'backends[0].n_thread': unknown key"),
+    "unknown top table": ('dataset = "ipw-core"\n' + BACKEND + '\n[genration]\nmax_tokens = 8\n',
+                          "run.toml:7: field 'genration': unknown table"),
+    "unknown dotted table": ('dataset = "ipw-core"\n\n[ extra . sub ]  # a comment\nx = 1\n' + BACKEND,
+                             "run.toml:3: field 'extra': unknown table"),
     "unknown backend kind": ('dataset = "ipw-core"\n[[backends]]\nname = "s"\nkind = "llamacpp"\nmodel = "x"\n',
                              ":4: field 'backends[0].kind': unknown backend kind 'llamacpp'"),
     "wrong type": ('dataset = "ipw-core"\nrepeats = "two"\n' + BACKEND, ":2: field 'repeats': expected int"),

@@ -207,6 +207,40 @@ def test_usage_errors(tmp_path, run_cli):
 STORIES = ["apple", "river", "house", "green"]
 
 
+def test_rerun_compares_the_configs_before_the_first_block(tmp_path, run_cli, monkeypatch):
+    """Configs on other query sets, or a baseline backend the candidate lacks: one line naming what differs,
+    exit 2, before any block runs (not after all of them)."""
+    import ipw.interleave
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("a block ran")
+
+    monkeypatch.setattr(ipw.interleave, "run_blocks", no_blocks)
+    for name, words in (("a", STORIES), ("b", STORIES[:3])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": f"s{i}", "prompt": f"Say {w}.", "answer": w})
+                                                        + "\n" for i, w in enumerate(words)))
+
+    def config(name: str, dataset: str, backend: str) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f'dataset = "{tmp_path / dataset}"\n[[backends]]\nname = "{backend}"\nkind = "llama-cpp"\n'
+                        'model = "smollm2-135m"\n')
+        return path
+
+    base = config("base", "a.jsonl", "smol")
+    for cand, expected in ((config("other-data", "b.jsonl", "smol"), "the query sets differ (dataset "),
+                           (config("other-name", "a.jsonl", "smol2"),
+                            "backend(s) smol of the baseline missing from the candidate (its backends: smol2)")):
+        code, out, err = run_cli("check", "--rerun", base, cand, "--out", tmp_path / "jobs")
+        assert code == 2 and err.count("\n") == 1 and "not comparable" in err and expected in err, out + err
+        assert not (tmp_path / "jobs").exists()
+    code, _, err = run_cli("check", "--rerun", base, config("same", "a.jsonl", "smol"), "--limit", "3",
+                           "--out", tmp_path / "jobs")
+    assert code == 3 and "a block ran" in err  # comparable: on to the blocks
+    code, _, err = run_cli("check", "--rerun", base, config("other-limit", "b.jsonl", "smol"), "--limit", "3",
+                           "--out", tmp_path / "jobs2")
+    assert code == 3 and "a block ran" in err  # the job's --limit: the same 3 queries
+
+
 @pytest.mark.llama
 def test_rerun_catches_doubled_max_tokens_exactly(tmp_path, run_cli):
     """``ipw check --rerun`` with real llama.cpp blocks: max_tokens 8 -> 16 on prompts whose answers run to the

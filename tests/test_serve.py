@@ -509,6 +509,20 @@ def test_bad_options_exit_2_before_anything_starts(tmp_path, run_cli):
     assert code == 2 and "give the command" in err
 
 
+def test_sse_events_stops_at_an_event_over_its_limit():
+    """An event not ended within ``limit`` bytes is a malformed stream, however it arrives; the events before it
+    are given."""
+    from ipw.backends.base import QueryError
+    from ipw.serve import sse_events
+
+    pieces = iter([b"data: a\n\n", b"data: ", *[b"x" * 40] * 10, b"\n\n"])
+    events = sse_events(lambda: next(pieces, b""), limit=100)
+    assert next(events) == b"data: a\n"
+    with pytest.raises(QueryError, match="longer than 100 bytes") as info:
+        next(events)
+    assert info.value.category == "malformed_stream"
+
+
 def test_sse_events_finds_the_events_that_reading_line_by_line_does_whatever_the_reads_cut():
     """``sse_events`` (one search per event) against the line-by-line reading it replaced: the same events,
     with LF or CRLF line ends, blank lines of spaces, leading blank lines and a last event left unended,
@@ -957,21 +971,28 @@ HOSTILE_STREAMS = {  # one malformed upstream answer each (then [DONE])
     "content-a-number": [b'{"choices":[{"index":0,"delta":{"content":5}}]}',
                          b'{"choices":[{"index":0,"delta":{"content":"b"}}]}'],
     "choice-not-an-object": [b'{"choices":["x"]}'],
+    "endless-line": None,  # 3 MiB of one line, never ended
 }
 
 
 def test_a_hostile_upstream_never_leaves_a_request_open_in_the_meter(tmp_path):
     """Each malformed answer (usage not an object, absurd token counts, a string delta, numeric content, a choice
-    that is not an object) ends its request: the client gets its stream, the folder a record, ``/health`` goes
-    back to 0 in flight, and the session's parts plus its unattributed energy still equal its span."""
+    that is not an object, an endless line) ends its request: the client gets its stream (cut after 1 MiB of an
+    unended event), the folder a record, ``/health`` goes back to 0 in flight, and the session's parts plus
+    its unattributed energy still equal its span."""
     answers = list(HOSTILE_STREAMS.values())
     served = []
 
     def write(out) -> None:
-        for data in answers[len(served) % len(answers)]:
+        events = answers[len(served) % len(answers)]
+        served.append(1)
+        if events is None:
+            _chunk(out, b"data: ")
+            for _ in range(48):
+                _chunk(out, b"x" * 65536)
+        for data in events or []:
             _chunk(out, b"data: " + data + b"\n\n")
         _chunk(out, b"data: [DONE]\n\n")
-        served.append(1)
 
     upstream = _ChunkedUpstream(write)
     proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
@@ -1002,6 +1023,7 @@ def test_a_hostile_upstream_never_leaves_a_request_open_in_the_meter(tmp_path):
     folder = proxy.session.folder.path
     records = _records(folder)
     assert len(records) == len(answers)
+    assert sum(r["error_category"] == "malformed_stream" and "longer than" in r["error"] for r in records) == 1
     assert all(0 <= (r["completion_tokens"] or 0) < 10**6 and 0 <= (r["prompt_tokens"] or 0) < 10**6 for r in records)
     (session,) = json.loads((folder / "manifest.json").read_text())["backends"][0]["sessions"]
     for component, sums in session["energy"].items():

@@ -107,6 +107,7 @@ def _rerun(configs, thresholds, *, plan, n_shards, out, pythons, backends, limit
     for config in configs:
         if not Path(config).is_file():
             raise IpwError(f"--rerun {config}: not found (give two config files, baseline then candidate)")
+    _paired(configs, backends, limit)  # before the first block, not after the last
     python = {}
     for side, given, option in (("A", pythons[0], "--base-python"), ("B", pythons[1], "--cand-python")):
         found = shutil.which(given) if given else default_python()
@@ -126,6 +127,31 @@ def _rerun(configs, thresholds, *, plan, n_shards, out, pythons, backends, limit
                       progress=err.print)
     loaded = [(b.side, *load_run(b.run_dir, require=("dataset.fingerprint",))) for b in done]
     return check_interleaved(loaded, thresholds, alpha=alpha, strict=strict, floors=floors, work_gate=work_gate)
+
+
+def _paired(configs, backends, limit) -> None:
+    """What the verdict pairs the blocks on, compared from the two configs as each block's ``ipw run`` loads
+    them (with the job's --backend and --limit): the query set (its fingerprint) and the backends (each of the
+    baseline's, by name, in the candidate). One line naming what differs (exit 2)."""
+    from ipw.config import apply_overrides, load_config
+    from ipw.datasets import load_query_set
+
+    loaded = []
+    for config in configs:
+        c = apply_overrides(load_config(str(config)), {"backend": list(backends), "limit": limit})
+        loaded.append((c, load_query_set(c.dataset, limit=c.limit, **c.dataset_options())))
+    (a, qa), (b, qb) = loaded
+    reasons = []
+    if qa.fingerprint != qb.fingerprint:
+        reasons.append(f"the query sets differ (dataset {a.dataset}: {len(qa)} queries, {qa.fingerprint}; dataset "
+                       f"{b.dataset}: {len(qb)} queries, {qb.fingerprint})")
+    names = [x.name for x in b.backends]
+    missing = [x.name for x in a.backends if x.name not in names]
+    if missing:
+        reasons.append(f"backend(s) {', '.join(missing)} of the baseline missing from the candidate (its backends: "
+                       f"{', '.join(names)})")
+    if reasons:
+        raise IpwError(f"--rerun {configs[0]} {configs[1]}: not comparable: " + "; ".join(reasons))
 
 
 def _check_writable(path: Path, option: str) -> None:
