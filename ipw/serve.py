@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import hashlib
 import hmac
 import http.client
@@ -45,6 +46,11 @@ ENERGY_PATH = "/v1/ipw/energy/"  # + a request id: its settled energy
 MAX_ERROR_BODY = 1 << 20  # an upstream error body passed through, at most
 MAX_RESPONSE_BODY = 64 << 20  # a non-streamed upstream answer, at most
 MAX_IDLE_UPSTREAM = 256  # upstream connections kept alive for the next requests, at most
+#: a client connection that sends nothing for this long is closed (an idle keep-alive connection, or one that
+#: stalls mid-request), so that idle clients cannot hold the proxy's threads and descriptors for ever
+CLIENT_IDLE_S = 60.0
+#: out of file descriptors, the accept loop waits this long before it tries again (else it spins on a core)
+ACCEPT_BACKOFF_S = 0.05
 DRAIN_S = 1.0  # after [DONE], how long the rest of the upstream's body (its last chunk) is waited for
 
 
@@ -385,6 +391,7 @@ class _ClientGone(Exception):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_IDLE_S  # the client socket's: reads and writes
     server: "ProxyServer"
     server_version = f"ipw-serve/{__version__}"
     _up: "http.client.HTTPConnection | None" = None  # this request's upstream connection
@@ -759,6 +766,14 @@ class ProxyServer(ThreadingHTTPServer):
         self._idle_lock = threading.Lock()
         self._closed = False
         super().__init__(address, Handler)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as exc:  # the caller drops the attempt; out of descriptors, wait for some to close first
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(ACCEPT_BACKOFF_S)
+            raise
 
     def upstream_connection(self, idle: bool = True) -> tuple[http.client.HTTPConnection, bool]:
         """An upstream connection for a request: the idle one used last (``idle``), else a new one; and
