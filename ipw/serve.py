@@ -36,7 +36,7 @@ from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
-from ipw.sanitize import read_key, redact_url, scrub
+from ipw.sanitize import read_key, redact_url, register, scrub
 from ipw.metering.window import IdleBaseline, Window, measure_idle
 
 #: the paths a client may call (under /v1); the first two are metered
@@ -921,6 +921,8 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     from ipw.telemetry.probe import probe_sensors
 
     key = read_key(options.api_key_env, options.name) if options.api_key_env else None
+    if token is not None:  # the clients' token is a secret too: scrubbed from every text ipw writes
+        register(token)
     folder = _folder(options, out_dir, resume, command)
     sensors: list[Any] = []
     try:
@@ -999,7 +1001,7 @@ def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | Non
     identity, hardware = node_identity()
     run_id = new_run_id()
     return RunFolder.create(out_dir, run_id, RunManifest(
-        run_id=run_id, ipw_version=__version__, command=list(command if command is not None else sys.argv),
+        run_id=run_id, ipw_version=__version__, command=[scrub(a) for a in (command if command is not None else sys.argv)],
         config=config, dataset={"name": "ipw serve", "n_queries": 0, "fingerprint": "sha256:" + "0" * 16},
         hardware=hardware, hardware_by_id={identity.hardware_id: hardware},
         started_at=time.strftime("%Y-%m-%dT%H:%M:%S"), backends=[]))

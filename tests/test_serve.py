@@ -1066,3 +1066,30 @@ def test_idle_clients_neither_hold_the_proxy_nor_stop_it_answering(tmp_path, mon
     with pytest.raises(OSError):
         serve_module.ProxyServer.get_request(proxy.server)
     assert time.monotonic() - t0 >= serve_module.ACCEPT_BACKOFF_S
+
+
+def test_no_secret_in_the_manifest_command_or_the_wrapped_clients_environment(tmp_path, monkeypatch, run_cli):
+    """``--token`` is not stored in ``manifest.json``'s command (for ``ipw serve`` and ``ipw wrap`` alike), and
+    ``ipw wrap``'s child gets neither the upstream key's variable nor the token under any name but the one
+    its client reads (OPENAI_API_KEY)."""
+    stub = Stub()
+    token = "tok-SECRET-4242"
+    upstream_key = "sk-UPSTREAM-KEY-123456"
+    monkeypatch.setenv("MY_UPSTREAM_KEY", upstream_key)
+    monkeypatch.setenv("IPW_SERVE_TOKEN", token)
+    seen_path = tmp_path / "child-env.json"
+    child = ("import json, os, sys; open(sys.argv[1], 'w').write(json.dumps({k: v for k, v in os.environ.items() "
+             "if k in ('MY_UPSTREAM_KEY', 'IPW_SERVE_TOKEN', 'OPENAI_API_KEY')}))")
+    args = ["wrap", "--upstream", stub.base_url, "--api-key-env", "MY_UPSTREAM_KEY", "--token", token,
+            "--out", str(tmp_path / "runs"), "--", sys.executable, "-c", child, str(seen_path)]
+    monkeypatch.setattr(sys, "argv", ["ipw", *args])  # what the manifest records as the command
+    try:
+        code, out, err = run_cli(*args)
+    finally:
+        stub.close()
+    assert code == 0, err
+    assert json.loads(seen_path.read_text()) == {"OPENAI_API_KEY": token}
+    (folder,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    manifest = (folder / "manifest.json").read_text()
+    assert token not in manifest and upstream_key not in manifest and "tok-SECR" not in manifest
+    assert "wrap" in json.loads(manifest)["command"]

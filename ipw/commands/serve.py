@@ -14,6 +14,7 @@ from rich.console import Console
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
+from ipw.sanitize import is_secret_env
 
 
 def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
@@ -123,7 +124,9 @@ def wrap_command(options, managed, command: list[str], *, out: Path | None, toke
         raise IpwError("ipw wrap: give the command to run after --, e.g. ipw wrap --upstream URL -- python client.py")
     console = Console(stderr=True)
     proxy = _start(options, managed, out, token, upstream_pid, None, console)
-    env = {**os.environ, "OPENAI_BASE_URL": proxy.url, "OPENAI_API_BASE": proxy.url}
+    # the child gets no upstream key: not the variable --api-key-env names, nor any config's api_key_env
+    env = {k: v for k, v in os.environ.items() if k != options.api_key_env and not is_secret_env(k, v)}
+    env.update(OPENAI_BASE_URL=proxy.url, OPENAI_API_BASE=proxy.url)
     if token is not None:
         env["OPENAI_API_KEY"] = token
     else:
