@@ -36,7 +36,7 @@ from ipw.datasets import Query
 from ipw.errors import IpwError
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
-from ipw.sanitize import read_key, redact_url, register, scrub
+from ipw.sanitize import read_key, redact_url, register, scrub, scrub_tail
 from ipw.metering.window import IdleBaseline, Window, measure_idle
 
 #: the paths a client may call (under /v1); the first two are metered
@@ -288,9 +288,12 @@ class Session:
                 self.energy_j += record.energy_j
             self.energy_quality.add(record.energy_quality)
 
-    def hide_key(self, data: bytes) -> bytes:
-        """An upstream's body with the upstream key (should it echo it) replaced, before it reaches a client."""
-        return data.replace(self.key.encode(), b"***") if self.key else data
+    def hide_key(self, data: bytes, cut: bool = False) -> bytes:
+        """An upstream's body with every secret ipw holds (the upstream key, should it echo it, whole or any 8
+        characters of it, shown or masked) replaced before it reaches a client; ``cut``: the body was cut by a
+        read limit, so its tail goes too (the part of a key the cut left is too short to recognise)."""
+        text = scrub(data.decode("utf-8", errors="surrogateescape"))
+        return (scrub_tail(text) if cut else text).encode("utf-8", errors="surrogateescape")
 
     def check_token(self, header: str | None) -> bool:
         if self.token is None:
@@ -582,11 +585,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._end(job, body, api, None, error)
                 return self._error(502, str(error), "upstream_unreachable")
             if resp.status != 200:
-                detail = session.hide_key(resp.read(MAX_ERROR_BODY))  # an echoed header goes no further
+                raw = resp.read(MAX_ERROR_BODY + 1)
+                detail = session.hide_key(raw[:MAX_ERROR_BODY], cut=len(raw) > MAX_ERROR_BODY)  # an echoed key goes no further
                 category = "http_429" if resp.status == 429 else "http_5xx" if resp.status >= 500 else "http_4xx"
-                self._end(job, body, api, None, QueryError(
-                    f"HTTP {resp.status} from {session.upstream.url}: "
-                    f"{scrub(detail.decode('utf-8', errors='replace'))[:300].strip()}", category))
+                shown = (detail.decode("utf-8", errors="replace")[:300].strip() if session.options.log_prompts
+                         else f"a body of {len(detail)} bytes (kept with --log-prompts: it may echo the prompt)")
+                self._end(job, body, api, None, QueryError(f"HTTP {resp.status} from {session.upstream.url}: {shown}",
+                                                           category))
                 return self._send(resp.status, detail, resp.getheader("Content-Type"))  # passed through
             if "text/event-stream" in (resp.getheader("Content-Type") or ""):
                 self._relay_stream(job, body, api, resp, seen, start, asked_usage)

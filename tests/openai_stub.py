@@ -3,7 +3,7 @@
 Every answer is ``ANSWER``, streamed as SSE.  ``modes`` is a list of actions for the next POSTs
 (then ``ok``): ``500:N`` answers HTTP 500 with a body that echoes the request's headers after N
 filler characters (``500s:N``: N spaces), ``401text:TEXT`` answers HTTP 401 with an error message TEXT,
-``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
+``400echo`` answers HTTP 400 with the request body in its message, ``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
 ``errchunk`` an ``{"error": ...}`` chunk holding the headers, ``json`` one JSON body instead of a stream.
 ``required_key`` makes ``GET /models`` answer 401 unless the Authorization header carries that key.
 
@@ -114,6 +114,9 @@ class Stub:
                 if mode.startswith("500"):
                     filler = int(mode.split(":")[1]) if ":" in mode else 0
                     self._send(500, ("x" * filler + "you sent " + echoed).encode(), "text/plain")
+                    return
+                if mode == "400echo":  # an error that echoes the request body (the prompt among it)
+                    self._send(400, json.dumps({"error": {"message": "invalid request: " + body.decode()}}).encode())
                     return
                 if mode.startswith("401text:"):  # an error body of the given text (an API's "incorrect key")
                     self._send(401, json.dumps({"error": {"message": mode[8:]}}).encode())

@@ -1093,3 +1093,43 @@ def test_no_secret_in_the_manifest_command_or_the_wrapped_clients_environment(tm
     manifest = (folder / "manifest.json").read_text()
     assert token not in manifest and upstream_key not in manifest and "tok-SECR" not in manifest
     assert "wrap" in json.loads(manifest)["command"]
+
+
+def test_an_upstream_error_body_gives_no_part_of_the_key_and_no_prompt_to_the_folder(tmp_path, monkeypatch):
+    """An upstream error body with the upstream key cut by the proxy's read limit (12 of its characters before
+    the cut), or with the key masked as an API's "incorrect key" message shows it, reaches the client without
+    any of it; without --log-prompts, a 400 that echoes the request keeps no prompt text in the records."""
+    from ipw.serve import MAX_ERROR_BODY
+
+    stub = Stub()
+    key = "sk-SNTL9f3Kq7Zx2Lp0WdQv"
+    prompt = "my-private-prompt-text"
+    monkeypatch.setenv("IPW_TEST_UPSTREAM_KEY", key)
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], api_key_env="IPW_TEST_UPSTREAM_KEY")
+    import http.client
+
+    def post() -> tuple[int, bytes]:
+        host, port = proxy.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        ask = json.dumps({"model": "stub", "messages": [{"role": "user", "content": prompt}]}).encode()
+        conn.request("POST", "/v1/chat/completions", body=ask, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = (resp.status, resp.read())
+        conn.close()
+        return out
+
+    try:
+        # "x" * N, "you sent ", "Authorization: Bearer ", the key: 12 of its characters before the read limit
+        stub.modes = [f"500:{MAX_ERROR_BODY - len('you sent Authorization: Bearer ') - 12}",
+                      "401text:Incorrect API key provided: sk-SNTL9****", "400echo"]
+        cut, masked, echo = post(), post(), post()
+    finally:
+        proxy.stop()
+        stub.close()
+    assert cut[0] == 500 and len(cut[1]) <= MAX_ERROR_BODY and key[:8].encode() not in cut[1]
+    assert masked[0] == 401 and b"sk-SNTL" not in masked[1]
+    assert echo[0] == 400 and prompt.encode() in echo[1]  # the client's own request, back to the client
+    folder = proxy.session.folder.path
+    for path in folder.iterdir():
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        assert key[:8] not in text and "sk-SNTL" not in text and prompt not in text, path.name
