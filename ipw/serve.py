@@ -87,6 +87,8 @@ class Upstream:
     def parse(cls, url: str) -> "Upstream":
         from ipw.backends.openai_http import is_loopback
 
+        if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+            raise IpwError(f"--upstream {redact_url(url)!r}: a URL with a space or a control character is refused")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise IpwError(f"--upstream {redact_url(url)!r}: expected http(s)://HOST[:PORT]/v1")

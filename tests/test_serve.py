@@ -500,6 +500,12 @@ def test_bad_options_exit_2_before_anything_starts(tmp_path, run_cli):
         (["--upstream", "http://127.0.0.1:1/v1", "--port", "70000"], "--port"),
         (["--upstream", "http://127.0.0.1:1/v1", "--max-body-mb", "0"], "--max-body-mb"),
         (["--upstream", "http://127.0.0.1:1/v1", "--token", "short"], "--token"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--timeout-s", "nan"], "--timeout-s"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--timeout-s", "inf"], "--timeout-s"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--max-body-mb", "nan"], "--max-body-mb"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--upstream-pid", "-5"], "--upstream-pid"),
+        (["--upstream", "http://127.0.0.1:1/v1\r\nX-Evil: 1"], "a space or a control character"),
+        (["--upstream", "http://127.0.0.1:1/v1 extra"], "a space or a control character"),
         (["--backend", "nosuch:model"], "SERVER:MODEL"),
     ):
         code, _, err = run_cli("serve", *args, "--out", tmp_path / "out")
@@ -1133,3 +1139,13 @@ def test_an_upstream_error_body_gives_no_part_of_the_key_and_no_prompt_to_the_fo
     for path in folder.iterdir():
         text = path.read_bytes().decode("utf-8", errors="replace")
         assert key[:8] not in text and "sk-SNTL" not in text and prompt not in text, path.name
+
+
+def test_a_proxy_open_to_the_network_without_a_token_says_so(tmp_path, run_cli):
+    stub = Stub()
+    try:
+        code, _, err = run_cli("wrap", "--upstream", stub.base_url, "--host", "0.0.0.0", "--out", tmp_path / "runs",
+                               "--", sys.executable, "-c", "pass")
+    finally:
+        stub.close()
+    assert code == 0 and "listening on 0.0.0.0 without --token" in err, err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
                   api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
                   timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
                   n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, energy_wait: bool = False,
-                  energy_split: str = "priced", **_: Any):
+                  energy_split: str = "priced", upstream_pid: list[int] | None = None, **_: Any):
     """Check the options (before anything starts) and make the proxy's options and managed server (the
     commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
     from ipw.config import check_idle_s
@@ -33,10 +34,13 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
                        "(a server ipw starts), one of them")
     if not 0 <= port <= 65535:
         raise IpwError(f"--port: must be 0 (a free port) to 65535, got {port}")
-    if max_body_mb <= 0:
-        raise IpwError(f"--max-body-mb: must be > 0, got {max_body_mb:g}")
-    if timeout_s <= 0:
-        raise IpwError(f"--timeout-s: must be > 0, got {timeout_s:g}")
+    if not (math.isfinite(max_body_mb) and max_body_mb > 0):
+        raise IpwError(f"--max-body-mb: must be a number > 0, got {max_body_mb:g}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise IpwError(f"--timeout-s: must be a number > 0, got {timeout_s:g}")
+    for pid in upstream_pid or []:
+        if pid <= 0:
+            raise IpwError(f"--upstream-pid: must be a process id > 0, got {pid}")
     if parallel < 1:
         raise IpwError(f"--parallel: must be >= 1, got {parallel}")
     if role not in ("local", "cloud"):
@@ -88,8 +92,12 @@ def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
 
 def _start(options, managed, out: Path | None, token: str | None, upstream_pid: list[int] | None,
            resume: Path | None, console: Console):
+    from ipw.backends.openai_http import is_loopback
     from ipw.serve import start
 
+    if token is None and not is_loopback(options.host):
+        console.print(f"ipw serve: warning: listening on {options.host} without --token: anyone who reaches port "
+                      f"{options.port} can use the upstream (and its key)", highlight=False, markup=False)
     return start(options, out or Path("results"), token=token, backend=managed, upstream_pids=upstream_pid,
                  resume=resume, notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
 
