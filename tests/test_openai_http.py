@@ -511,7 +511,7 @@ def test_concurrency_as_a_list_in_a_config(endpoint):
     assert backend.levels == (1, 4, 16) and backend.concurrency == 1
     assert backend.describe()["concurrency_levels"] == [1, 4, 16]
     assert create_backend(parse_config(base + "concurrency = 3\n", "t.toml").backends[0]).levels == (3,)
-    with pytest.raises(IpwError, match=r"backend 'x': field 'concurrency': each level must be an integer >= 1, got 0"):
+    with pytest.raises(IpwError, match=r"backend 'x': field 'concurrency': each level must be an integer from 1 to 10000, got 0"):
         create_backend(parse_config(base + "concurrency = [1, 0]\n", "t.toml").backends[0])
     with pytest.raises(IpwError, match="n_gpu_layers applies to server = \"llama-server\" only"):
         create_backend(parse_config(base.replace(f'base_url = "{endpoint.base_url}"\n', 'server = "llama-cpp"\n')

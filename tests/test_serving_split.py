@@ -185,7 +185,8 @@ def test_runner_splits_a_prefill_beside_a_decode_by_work(tmp_path, split):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--concurrency", "0,4"], r"--concurrency '0,4': each level must be an integer >= 1, got 0"),
+    (["--concurrency", "0,4"], r"--concurrency '0,4': each level must be an integer from 1 to 10000, got 0"),
+    (["--concurrency", "1" + "0" * 23], r"each level must be an integer from 1 to 10000, got 1000000000000"),
     (["--concurrency", "1,four"], r"--concurrency '1,four': expected requests in flight as whole numbers"),
     (["--concurrency", "4", "--backend", "smollm2-135m"], r"no backend of this run serves concurrent requests"),
     (["--energy-split", "fair"], r"--energy-split: must be one of priced, local, got 'fair'"),

@@ -50,6 +50,10 @@ MAX_ERROR_BYTES = 64 * 1024  # what is kept of an error body (scrubbed, then cut
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
 
 
+#: the most requests a level keeps in flight (a thread each)
+MAX_CONCURRENCY = 10_000
+
+
 def concurrency_levels(value: Any, backend: str = "openai", where: str | None = None) -> tuple[int, ...]:
     """The concurrency levels of ``value`` (an int, or a list of ints: the levels a run sweeps), each
     >= 1, sorted, without repeats; ``where`` names the source in an error (default: the backend's field)."""
@@ -58,8 +62,8 @@ def concurrency_levels(value: Any, backend: str = "openai", where: str | None = 
     if not items:
         raise IpwError(f"{where}: give at least one level (an integer >= 1 or a list of them)")
     for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
-            raise IpwError(f"{where}: each level must be an integer >= 1, got {item!r}")
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= MAX_CONCURRENCY:
+            raise IpwError(f"{where}: each level must be an integer from 1 to {MAX_CONCURRENCY}, got {item!r}")
     return tuple(sorted(set(items)))
 
 
