@@ -506,6 +506,9 @@ def test_bad_options_exit_2_before_anything_starts(tmp_path, run_cli):
         (["--upstream", "http://127.0.0.1:1/v1", "--upstream-pid", "-5"], "--upstream-pid"),
         (["--upstream", "http://127.0.0.1:1/v1\r\nX-Evil: 1"], "a space or a control character"),
         (["--upstream", "http://127.0.0.1:1/v1 extra"], "a space or a control character"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--name", "a\nb"], "--name: holds \\n"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--name", "evil\u202egpj"], "--name: holds \\u202e"),
+        (["--upstream", "http://127.0.0.1:1/v1", "--name", " "], "--name: must not be blank"),
         (["--backend", "nosuch:model"], "SERVER:MODEL"),
     ):
         code, _, err = run_cli("serve", *args, "--out", tmp_path / "out")

@@ -25,7 +25,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
                   energy_split: str = "priced", upstream_pid: list[int] | None = None, **_: Any):
     """Check the options (before anything starts) and make the proxy's options and managed server (the
     commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
-    from ipw.config import check_idle_s
+    from ipw.config import check_idle_s, check_name
     from ipw.options import RUN
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
@@ -59,6 +59,7 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
         assert backend is not None  # one of --upstream, --backend: checked above
         managed = managed_backend(backend, name, n_threads, n_gpu_layers, parallel, n_ctx)
         default_name = managed.spec.name
+    name = check_name(name, "--name") if name is not None else None  # as a config's backend name is checked
     options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
                            api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
                            max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role,
