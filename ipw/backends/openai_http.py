@@ -67,6 +67,17 @@ def concurrency_levels(value: Any, backend: str = "openai", where: str | None = 
     return tuple(sorted(set(items)))
 
 
+#: the most tokens one answer is taken to have: a count above it (or not a whole number) is not believed
+MAX_TOKEN_COUNT = 10**8
+
+
+def token_count(value: Any) -> int | None:
+    """A token count from an answer's ``usage``: a whole number from 0 to ``MAX_TOKEN_COUNT``, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOKEN_COUNT:
+        return None
+    return int(value) if float(value).is_integer() else None
+
+
 def server_timings(data: Any) -> ServerTimings | None:
     """llama-server's ``timings`` object (prompt_n, prompt_ms, predicted_n, predicted_ms); None when
     absent or incomplete."""
@@ -122,15 +133,6 @@ def choice_text(choice: Any, api: str) -> str:
     return text if isinstance(text, str) else ""
 
 
-#: the most tokens one answer is taken to have: a count above it (or not a whole number) is not believed
-MAX_TOKEN_COUNT = 10**8
-
-
-def token_count(value: Any) -> int | None:
-    """A token count from an answer's ``usage``: a whole number from 0 to ``MAX_TOKEN_COUNT``, else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOKEN_COUNT:
-        return None
-    return int(value) if float(value).is_integer() else None
 
 
 def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:

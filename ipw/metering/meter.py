@@ -57,9 +57,8 @@ SPREAD_TIMES = 1024
 #: the provisional ±90% band: from the last this many settled requests, once there are at least CAL_MIN
 CAL_N = 200
 CAL_MIN = 20
-#: the band before that (relative), and when no period was split yet (the idle power is all there is)
+#: the band before that (relative)
 PROVISIONAL_REL_DEFAULT = 0.5
-PROVISIONAL_REL_COLD = 1.0
 
 
 class Tally:
@@ -117,8 +116,8 @@ class Share:
 @dataclass(frozen=True)
 class Provisional:
     """A request's energy at its end, before its periods are split: per component, and the relative ±90%
-    half-width within which its settled value is expected (``source``: ``rate`` from recently split periods,
-    ``idle`` from the idle power alone)."""
+    half-width within which its settled value is expected (``source``: ``alone``, ``work`` or ``time``, as
+    ``Meter.provisional`` says; ``none`` with no readings where no power is known)."""
 
     readings: list[EnergyReading]
     rel_90: float
@@ -417,7 +416,7 @@ class Meter:
             account = self._accounts[job]
             request = account.request
             if request is None or not self.live_tokens or not account.each_j:
-                return Provisional([], PROVISIONAL_REL_COLD, "none")
+                return Provisional([], PROVISIONAL_REL_DEFAULT, "none")
             keep = self._measured or set(account.each_j)  # the components a settled total sums (the measured ones)
             unsplit = [p for p in [*self._periods, *([self._open] if self._open is not None else [])]
                        if job in p.members]
@@ -439,7 +438,7 @@ class Meter:
                 values = {c: j for c, j in account.each_j.items() if c in keep}
             raw = sum(values.values())
             if raw <= 0:  # no power known at all (the CPU model before any period was split)
-                return Provisional([], PROVISIONAL_REL_COLD, "none")
+                return Provisional([], PROVISIONAL_REL_DEFAULT, "none")
             account.provisional_j, account.source = raw, source
             if account.share is not None:  # settled already (a sensor that is final at once)
                 self._calibrate(account)
