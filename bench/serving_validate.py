@@ -262,6 +262,17 @@ def provisional(run: Path) -> dict:
         "band_missing": int(band.isna().sum()),
         "sum_provisional_j": round(float(prov.sum()), 3), "sum_settled_j": round(float(settled.sum()), 3),
     })
+    # by what the proxy saw (the provisional value's source): alone or overlapped, streamed (a first token before
+    # the end) or plain
+    streamed = recs["ttft_s"].astype(float) < recs["latency_s"].astype(float) - 1e-9
+    groups = {}
+    for name, mask in (("alone, streamed", alone & streamed), ("alone, plain", alone & ~streamed),
+                       ("overlapped, streamed", ~alone & streamed), ("overlapped, plain", ~alone & ~streamed)):
+        if mask.any():
+            groups[name] = {"records": int(mask.sum()), "coverage_pct": round(100 * float(inside[mask].mean()), 1),
+                            "sum_ratio_minus_1_pct": round(100 * (float(prov[mask].sum()) / float(settled[mask].sum()) - 1), 2),
+                            "median_abs_error_pct": _r(100 * float(((prov - settled).abs() / settled)[mask].median()), 1)}
+    out["by_kind"] = groups
     return out
 
 
