@@ -224,14 +224,17 @@ def mixed(counter: Counter | None, mixed_run: Path, long_run: Path | None, short
     (level,) = _levels(manifest)
     out = {"label": label, "run": manifest["run_id"], "split": _split_of(manifest, level), "pricing": _pricing(level),
            "mixed_counter_j": _r(total, 2), "classes": {}}
-    for cls, other in (("long", short_run), ("short", long_run)):
+    for cls, own, other in (("long", long_run, short_run), ("short", short_run, long_run)):
         recs = frame[frame["query_id"].str.startswith(cls)]
         attributed = float(recs["gpu_j"].sum())
         marginal = total - span_energy(other) if counter and other else None
+        # the two-class Shapley value: the mean of what the class costs alone and its marginal energy
+        shapley = (span_energy(own) + marginal) / 2 if marginal is not None and own else None
         out["classes"][cls] = {
             "requests": len(recs), "prompt_tokens": int(recs["prompt_tokens"].sum()),
             "output_tokens": int(recs["completion_tokens"].sum()), "attributed_j": round(attributed, 2),
             "marginal_j": _r(marginal, 2), "attributed_over_marginal": round(attributed / marginal, 3) if marginal else None,
+            "shapley_j": _r(shapley, 2), "attributed_over_shapley": round(attributed / shapley, 3) if shapley else None,
             "split_methods": recs["split_method"].replace("", "none").value_counts().to_dict()}
     return out
 
@@ -305,13 +308,14 @@ def _markdown(result: dict) -> str:
     if result.get("mixed"):
         lines += ["", "## Mixed load (attributed against marginal energy)", "",
                   "| label | split | prefill weight | class | requests | prompt tokens | output tokens | attributed J | "
-                  "marginal J | attributed / marginal |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "marginal J | attributed / marginal | Shapley J | attributed / Shapley |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for m in result["mixed"]:
             for cls, v in m["classes"].items():
                 lines.append(f"| {m['label']} | {m['split'] or '-'} | {_weight(m['pricing'])} | {cls} | {v['requests']} | "
                              f"{v['prompt_tokens']} | "
                              f"{v['output_tokens']} | {v['attributed_j']} | {v['marginal_j']} | "
-                             f"{v['attributed_over_marginal']} |")
+                             f"{v['attributed_over_marginal']} | {v.get('shapley_j')} | {v.get('attributed_over_shapley')} |")
     if result.get("provisional"):
         lines += ["", "## Provisional energy (ipw serve): settled within provisional ± its 90% band (target 85-95%), "
                   "sum(provisional)/sum(settled) - 1 (target ±1%)", "",
