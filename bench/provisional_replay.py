@@ -175,8 +175,20 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
     by_source = {k: {"requests": int(n), "coverage_pct": round(100 * float(covered[src == k].mean()), 1),
                      "sum_ratio_minus_1_pct": round(100 * (p[src == k].sum() / s[src == k].sum() - 1), 2)}
                  for k, n in zip(*np.unique(src, return_counts=True))}
+    # fairness of the settled split: requests of one phase (10 s of the session), one kind (streamed or plain) and
+    # equal output tokens, in flight beside others (latency > 0.2 s), as a pooled CV of their settled energy
+    ids = [i for i in sorted(jobs) if provisional[i][0] is not None]
+    frame = pd.DataFrame({"settled": s, "phase": ((t - t.min()) // 10).astype(int),
+                          "streamed": (records.loc[ids, "ttft_s"] < records.loc[ids, "latency_s"] - 1e-9).to_numpy(),
+                          "tokens": records.loc[ids, "completion_tokens"].to_numpy(),
+                          "latency": records.loc[ids, "latency_s"].to_numpy()})
+    groups = [g["settled"] / g["settled"].mean() - 1 for _, g in
+              frame[frame["latency"] > 0.2].groupby(["phase", "streamed", "tokens"]) if len(g) >= 4]
+    dof = sum(len(g) - 1 for g in groups)
+    fairness = {"groups": len(groups), "pooled_cv_pct": round(100 * float(np.sqrt(sum((g ** 2).sum() for g in groups) / dof)), 1)
+                if dof else None, "max_dev_pct": round(100 * float(max(g.abs().max() for g in groups)), 1) if groups else None}
     return {"folder": str(folder), "split": split, "sensor_delay_s": sensor_delay_s, "period_s": meter.period_s,
-            "power_lag_s": power_lag_s, "by_source": by_source,
+            "power_lag_s": power_lag_s, "by_source": by_source, "settled_fairness": fairness,
             "requests": len(jobs),
             "with_provisional": int(len(p)), "coverage_pct": round(100 * float(covered.mean()), 2),
             "sum_ratio_minus_1_pct": round(100 * (p.sum() / s.sum() - 1), 3),
