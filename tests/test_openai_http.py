@@ -516,6 +516,8 @@ def test_concurrency_as_a_list_in_a_config(endpoint):
     with pytest.raises(IpwError, match="n_gpu_layers applies to server = \"llama-server\" only"):
         create_backend(parse_config(base.replace(f'base_url = "{endpoint.base_url}"\n', 'server = "llama-cpp"\n')
                                     .replace('"m"', '"smollm2-135m"') + "n_gpu_layers = 99\n", "t.toml").backends[0])
+    with pytest.raises(IpwError, match="dtype, gpu_memory_utilization apply to server = \"vllm\" only"):
+        create_backend(parse_config(base + "dtype = \"bfloat16\"\ngpu_memory_utilization = 0.5\n", "t.toml").backends[0])
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])

@@ -2,10 +2,12 @@
 does in each slice, its prompt tokens over the prefill the server timed and its output tokens as they
 arrive; conserved (parts + unattributed == the span's energy); labelled per record."""
 
+import dataclasses
 import json
 import threading
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -252,7 +254,32 @@ def test_priced_split_prices_whole_prompts_and_conserves():
     assert split.per_request_j == pytest.approx(tuple(40.0 * w / sum(work) for w in work))
     assert split.unattributed_j == 5.0 and sum(split.per_request_j) + 5.0 == pytest.approx(45.0)
     assert [split_method(r, "priced") for r in (cached, untimed, Request(0, 1, (0.5,)), Request(0, 1))] == [
-        "priced", "priced", "priced_decode", "time"]
+        "priced", "priced_ttft", "priced_decode", "time"]
+
+
+def test_a_streamed_answer_without_timings_has_its_prompt_placed_before_its_first_token():
+    """vLLM's OpenAI server streams its tokens but times no request: the prompt is placed from the request's
+    start to its first token, and the record's method says so (``priced_ttft``, ``work_ttft``); the local split
+    then charges that prompt to the request, not to the requests decoding beside it.  The engine's own timing
+    (vLLM in process, as ``server_timings``) places it exactly (``priced``)."""
+    from ipw.backends.base import Completion, ServerTimings
+    from ipw.metering.meter import request_of
+
+    streamed = Completion("x", prompt_tokens=30, completion_tokens=3, start_s=1.0, first_token_s=1.4, end_s=2.0,
+                          token_times_s=(1.4, 1.7, 2.0))
+    untimed = request_of(streamed, 1.0, 2.0)
+    assert (untimed.prefill_s, untimed.prefill_tokens, untimed.prefill_timed) == ((1.0, 1.4), 30, False)
+    assert (split_method(untimed, "priced"), split_method(untimed, "local")) == ("priced_ttft", "work_ttft")
+    engine = dataclasses.replace(streamed, server_timings=ServerTimings(30, 100.0, 3, 600.0))
+    timed = request_of(engine, 1.0, 2.0)
+    assert timed.prefill_s == pytest.approx((1.3, 1.4)) and timed.prefill_timed
+    assert (split_method(timed, "priced"), split_method(timed, "local")) == ("priced", "work")
+    # beside a request decoding alone, the local split gives the streamed request its prompt's work
+    neighbour = Request(0.0, 2.0, tuple(np.linspace(0.05, 2.0, 40)))
+    split = split_concurrent([1.0, 1.4, 2.0], [10.0, 10.0], [untimed, neighbour], split="local")
+    assert split.per_request_j[0] > 10.0 * 30 / (30 + 8) - 1e-9  # its 30 prompt tokens against ~8 of the other's
+    unknown = request_of(dataclasses.replace(streamed, prompt_tokens=0), 1.0, 2.0)
+    assert unknown.prefill_s is None and split_method(unknown, "local") == "decode_tokens"
 
 
 def test_a_plain_answer_is_placed_by_the_servers_timings():

@@ -195,13 +195,25 @@ def test_vllm_options_are_validated(tmp_path, small_jsonl, run_cli):
 
 
 def test_vllm_server_command_and_python_lookup(tmp_path, monkeypatch):
-    from ipw.backends.servers import vllm_command
+    from ipw.backends.servers import VllmSettings, vllm_command
     from ipw.backends.vllm import find_vllm_python
     from ipw.errors import IpwError
 
     command = vllm_command("/x/python", tmp_path, 1234, max_model_len=2048, alias="m")
     assert command[:3] == ["/x/python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert {"--enforce-eager", "--dtype", "float32", "127.0.0.1", "1234", "2048", "m"} <= set(command)
+    assert {"--enforce-eager", "--dtype", "float32", "127.0.0.1", "1234", "2048", "m",
+            "--no-enable-prefix-caching"} <= set(command)
+    assert "--gpu-memory-utilization" not in command and "--max-num-seqs" not in command
+    gpu = VllmSettings.of({"dtype": "bfloat16", "enforce_eager": False, "gpu_memory_utilization": 0.25}, "b")
+    command = vllm_command("/x/python", tmp_path, 1234, max_model_len=2048, alias="m", settings=gpu, max_num_seqs=64)
+    assert "--enforce-eager" not in command
+    for flag, value in (("--dtype", "bfloat16"), ("--gpu-memory-utilization", "0.25"), ("--max-num-seqs", "64")):
+        assert command[command.index(flag) + 1] == value
+    assert gpu.engine_kwargs() == {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": False,
+                                   "gpu_memory_utilization": 0.25}
+    for bad in ({"dtype": "fp8"}, {"gpu_memory_utilization": 1.5}, {"gpu_memory_utilization": 0}):
+        with pytest.raises(IpwError, match="backend 'b'"):
+            VllmSettings.of(bad, "backend 'b'")
     monkeypatch.setenv("IPW_VLLM_PYTHON", str(tmp_path / "missing-python"))
     with pytest.raises(IpwError, match="setup-vllm"):
         find_vllm_python()

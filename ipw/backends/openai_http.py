@@ -40,6 +40,7 @@ import psutil
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendBase, BackendSpec, Completion, GenerationSettings, QueryError,
                                ServerTimings, few_shot_prompt)
+from ipw.backends.servers import VLLM_OPTIONS, VllmSettings
 from ipw.errors import IpwError
 from ipw.sanitize import read_key, redact_url, scrub
 
@@ -188,6 +189,7 @@ class OpenAIBackend(BackendBase):
         "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,
         "n_gpu_layers": int,  # llama-server: layers offloaded (default: all with a GPU, else 0; negative: all)
         "python": str,  # the interpreter of a vLLM server (default: one with vllm, e.g. .venv-vllm/bin/python)
+        **VLLM_OPTIONS,  # a vLLM server's engine settings (ipw.backends.servers.VllmSettings)
     }
 
     def __init__(self, spec: BackendSpec) -> None:
@@ -213,6 +215,10 @@ class OpenAIBackend(BackendBase):
                            "or server = \"llama-cpp\" / \"llama-server\" / \"vllm\"")
         if "n_gpu_layers" in opts and self.server_kind != "llama-server":
             raise IpwError(f"{name}: n_gpu_layers applies to server = \"llama-server\" only")
+        engine_opts = sorted(set(VLLM_OPTIONS) & set(opts))
+        if engine_opts and self.server_kind != "vllm":
+            raise IpwError(f"{name}: {', '.join(engine_opts)} apply to server = \"vllm\" only")
+        self.vllm = VllmSettings.of(opts, name)
         api = opts.get("api")
         if api is not None and api not in APIS:
             raise IpwError(f"{name}: api must be one of {', '.join(APIS)}, got {api!r}")
@@ -292,7 +298,7 @@ class OpenAIBackend(BackendBase):
                 self.server_kind, self.model_path, log_dir / f"server-{safe}.log",
                 n_threads=opts.get("n_threads"), n_ctx=opts.get("n_ctx", 4096), alias=self.model_name,
                 timeout_s=opts.get("server_timeout_s", 180.0), python=opts.get("python"),
-                parallel=max(self.levels), n_gpu_layers=opts.get("n_gpu_layers"))
+                parallel=max(self.levels), n_gpu_layers=opts.get("n_gpu_layers"), vllm=self.vllm)
             self._set_url(self.server.base_url)
             if self.server_kind == "llama-cpp":
                 from ipw.backends.llama_cpp import PromptTokenCounter

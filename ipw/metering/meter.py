@@ -84,10 +84,11 @@ class Tally:
 
 
 def request_of(completion: Completion | None, start: float, end: float) -> Request:
-    """A request of the split: its window, token times, output token count and, where the server timed
-    it, its prefill, placed so that it ends when the first token arrived.  A plain answer (one time, or none,
-    for all its tokens) with the server's timings: its output tokens spread over the server's decode time
-    before its end, its prefill before them."""
+    """A request of the split: its window, token times, output token count and its prefill: placed so that it
+    ends when the first token arrived, as long as the server (or engine) timed it, else, for a streamed answer
+    with a prompt token count, from its start to its first token (``prefill_timed`` False).  A plain answer
+    (one time, or none, for all its tokens) with the server's timings: its output tokens spread over the
+    server's decode time before its end, its prefill before them."""
     if completion is None:
         return Request(start, end)
     timings = completion.server_timings
@@ -95,12 +96,14 @@ def request_of(completion: Completion | None, start: float, end: float) -> Reque
     if (timings is not None and len(times) <= 1 and completion.completion_tokens > 1 and timings.predicted_ms > 0):
         first = max(start, end - timings.predicted_ms / 1000.0)  # at most SPREAD_TIMES times: each counts for more
         times = tuple(np.linspace(first, end, min(completion.completion_tokens, SPREAD_TIMES)).tolist())
-    prefill = None
+    prompt = completion.prompt_tokens
     if timings is not None and first is not None:  # prompt_n 0: all of it was cached
-        prefill = (max(start, first - timings.prompt_ms / 1000.0), first)
-    return Request(start, end, times, prefill,
-                   timings.prompt_n if prefill and timings is not None else 0, completion.completion_tokens,
-                   completion.prompt_tokens)
+        return Request(start, end, times, (max(start, first - timings.prompt_ms / 1000.0), first), timings.prompt_n,
+                       completion.completion_tokens, prompt)
+    if first is not None and prompt > 0 and len(times) > 1 and start <= first <= end:
+        return Request(start, end, times, (start, first), prompt, completion.completion_tokens, prompt,
+                       prefill_timed=False)
+    return Request(start, end, times, None, 0, completion.completion_tokens, prompt)
 
 
 @dataclass(frozen=True)

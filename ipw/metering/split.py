@@ -34,7 +34,8 @@ class Request:
     how many output tokens it produced where the server counted more than it sent times for (a plain JSON
     answer has one time, its end); 0: one per token time.  ``prompt_tokens``: its whole prompt (cached
     tokens included; 0: unknown), which the priced split prices, so that a request whose prompt happened to
-    be in its slot's cache costs what an identical one costs."""
+    be in its slot's cache costs what an identical one costs.  ``prefill_timed``: False where ``prefill_s`` was not
+    timed by the server but placed from the request's start to its first streamed token (queueing included)."""
 
     start_s: float
     end_s: float
@@ -43,6 +44,7 @@ class Request:
     prefill_tokens: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    prefill_timed: bool = True
 
 
 #: The splits a run or a proxy can use (``split`` in a config, ``--split``): see the module's docstring.
@@ -50,25 +52,31 @@ SPLITS = ("priced", "local")
 
 #: How overlapping requests' energy was split (a record's ``split_method``):
 #: - ``priced``: by priced work over an accounting period: its whole prompt, placed over the prefill as the
-#:   server timed it (llama-server's ``timings``; else from the request's start to its first token), and
-#:   its output tokens;
+#:   server or engine timed it (llama-server's ``timings``, vLLM's request metrics in process), and its
+#:   output tokens;
+#: - ``priced_ttft``: the same, its prompt placed from the request's start to its first streamed token (a
+#:   server that streams but does not time its requests, such as vLLM's OpenAI server: queueing included);
 #: - ``priced_decode``: by priced work of output tokens only (no prompt token count: a prefill is not priced);
 #: - ``work``: the time-local split by the tokens each request put through the model in each slice, its
 #:   prompt tokens spread over its prefill as the server timed it;
+#: - ``work_ttft``: the same, its prompt tokens spread from its start to its first streamed token;
 #: - ``decode_tokens``: the time-local split by output tokens only (no server timings: a prefill is
 #:   charged to the requests decoding beside it);
 #: - ``time``: by active time (no token times at all, e.g. a server that does not stream), either split.
-SPLIT_METHODS = ("priced", "priced_decode", "work", "decode_tokens", "time")
+SPLIT_METHODS = ("priced", "priced_ttft", "priced_decode", "work", "work_ttft", "decode_tokens", "time")
 
 
 def split_method(request: Request, split: str = "local") -> str:
     """The weighting ``split`` (``priced`` or ``local``) gives this request: the best its data allows."""
+    ttft = "" if request.prefill_timed else "_ttft"
     if split == "priced":
         if request.token_times_s:
-            return "priced" if request.prefill_s is not None or request.prompt_tokens > 0 else "priced_decode"
+            if request.prefill_s is not None:
+                return "priced" + ttft
+            return "priced_ttft" if request.prompt_tokens > 0 else "priced_decode"
         return "time"
     if request.prefill_s is not None:
-        return "work"
+        return "work" + ttft
     return "decode_tokens" if request.token_times_s else "time"
 
 
