@@ -25,12 +25,15 @@ missing keys.
 from __future__ import annotations
 
 import math
+import os
 import queue
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
 
 from ipw.backends.base import BackendSpec
 from ipw.config import RunConfig
@@ -169,6 +172,17 @@ def connect(address: str) -> bool:
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
+    hint = "start one with `ray start --head`, or give its address (HOST:6379, ray://HOST:10001, or local)"
+    if address != "local":
+        target = _bootstrap_address(address)
+        if target is not None and not _listening(*target):
+            raise IpwError(f"--ray {address}: cannot connect to a Ray cluster (nothing answers at "
+                           f"{target[0]}:{target[1]}); {hint}")
+    # Ray retries a silent address for ever (~40 s per try): one try, unless the user set the variables
+    saved = {k: os.environ.get(k) for k in RAY_CONNECT_ENV}
+    if address != "local":
+        for k, v in RAY_CONNECT_ENV.items():
+            os.environ.setdefault(k, v)
     try:
         if address == "local":
             ray.init(include_dashboard=False, **kwargs)
@@ -176,9 +190,52 @@ def connect(address: str) -> bool:
             ray.init(address=address, **kwargs)
     except Exception as exc:  # ConnectionError, ValueError, ...: all mean "no cluster there"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise IpwError(f"--ray {address}: cannot connect to a Ray cluster ({first}); start one with "
-                       "`ray start --head`, or give its address (HOST:6379, ray://HOST:10001, or local)") from None
+        raise IpwError(f"--ray {address}: cannot connect to a Ray cluster ({first}); {hint}") from None
+    finally:
+        for k, was in saved.items():
+            if was is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = was
     return True
+
+
+#: set (unless already set) while ``ray.init`` joins a cluster: one try to reach its GCS (Ray's default is 20
+#: tries of ~40 s each, so an address where something else listens hung for 14 minutes; now ~40 s)
+RAY_CONNECT_ENV = {"RAY_gcs_server_port_wait_time_s": "1"}
+#: how long the address of ``--ray`` is given to accept a TCP connection before ray.init is tried
+PROBE_S = 5.0
+
+
+def _bootstrap_address(address: str) -> tuple[str, int] | None:
+    """The host and port that ``ray.init(address)`` will connect to (Ray's own reading of it: ``auto`` is
+    RAY_ADDRESS or this machine's last cluster, and a loopback host becomes the node's address), or None
+    when it cannot be told here (ray.init then reports it)."""
+    if address.startswith("ray://"):
+        parts = urlsplit(address)
+        try:
+            return (parts.hostname, parts.port or 10001) if parts.hostname else None
+        except ValueError:
+            return None
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        canonical = canonicalize_bootstrap_address(address)
+    except Exception:  # Ray's private helper moved or failed: ray.init will say why
+        return None
+    if not canonical:
+        return None
+    host, _, port = canonical.rpartition(":")
+    return (host.strip("[]"), int(port)) if port.isdigit() and host else None
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at host:port within ``PROBE_S``."""
+    try:
+        socket.create_connection((host, port), timeout=PROBE_S).close()
+        return True
+    except OSError:
+        return False
 
 
 def _one_line(exc: BaseException) -> str:

@@ -100,6 +100,36 @@ def test_missing_ray_names_the_extra(run_cli, monkeypatch):
     assert code == 2 and "pip install 'ipw[ray]'" in err and "Traceback" not in err
 
 
+def test_an_address_where_no_cluster_answers_fails_at_once(run_cli, tmp_path, monkeypatch):
+    """``--ray 127.0.0.1:1`` (nothing listens) hung: Ray retries a silent address for ~14 minutes.  Now one line,
+    exit 2, no run folder, within seconds; an address where something else listens gets one try of Ray's (~40 s),
+    not twenty."""
+    ray = pytest.importorskip("ray")
+    from ipw import ray_runner
+
+    config = _config(tmp_path)
+    t0 = time.monotonic()
+    code, _, err = run_cli("run", config, "--ray", "127.0.0.1:1", "--out", tmp_path / "out")
+    assert code == 2 and time.monotonic() - t0 < 15, err
+    assert "--ray 127.0.0.1:1: cannot connect to a Ray cluster (nothing answers at" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    code, _, err = run_cli("run", config, "--ray", "ray://127.0.0.1:1", "--out", tmp_path / "out")
+    assert code == 2 and "nothing answers at 127.0.0.1:1" in err, err
+
+    seen = {}
+
+    def init(**kwargs):
+        seen.update({k: os.environ.get(k) for k in ray_runner.RAY_CONNECT_ENV})
+        raise ConnectionError("Failed to connect to Ray cluster")
+
+    monkeypatch.setattr(ray_runner, "_listening", lambda host, port: True)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    code, _, err = run_cli("run", config, "--ray", "127.0.0.1:6379", "--out", tmp_path / "out")
+    assert code == 2 and "Failed to connect to Ray cluster" in err
+    assert seen == {"RAY_gcs_server_port_wait_time_s": "1"} and "RAY_gcs_server_port_wait_time_s" not in os.environ
+
+
 # -- a local cluster and real runs --------------------------------------------------------------
 
 
