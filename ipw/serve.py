@@ -766,9 +766,11 @@ class Handler(BaseHTTPRequestHandler):
 class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # a load generator opens its connections at once
+    session: Session  # set before it serves: the socket is bound first, so that a refusal leaves no run folder
 
-    def __init__(self, address: tuple[str, int], session: Session) -> None:
-        self.session = session
+    def __init__(self, address: tuple[str, int], session: Session | None = None) -> None:
+        if session is not None:
+            self.session = session
         self._idle: list[http.client.HTTPConnection] = []  # upstream connections kept alive, the last used last
         self._idle_lock = threading.Lock()
         self._closed = False
@@ -930,7 +932,12 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     key = read_key(options.api_key_env, options.name) if options.api_key_env else None
     if token is not None:  # the clients' token is a secret too: scrubbed from every text ipw writes
         register(token)
-    folder = _folder(options, out_dir, resume, command)
+    server = listen(options.host, options.port)  # before the run folder: a refusal leaves none
+    try:
+        folder = _folder(options, out_dir, resume, command)
+    except BaseException:
+        server.server_close()
+        raise
     sensors: list[Any] = []
     try:
         if backend is not None:
@@ -969,11 +976,9 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         folder.write_manifest(backends=[entry], hardware_by_id={**(folder.manifest.hardware_by_id or {}),
                                                                 identity.hardware_id: hardware},
                               software=folder.manifest.software or software_fingerprint())
-        server = ProxyServer((options.host, options.port), session)
-    except OSError as exc:
-        _abandon(folder, sensors, backend, f"cannot listen on {options.host}:{options.port}: {exc.strerror}")
-        raise IpwError(f"--port {options.port}: cannot listen on {options.host}:{options.port} ({exc.strerror})") from None
+        server.session = session
     except BaseException as exc:
+        server.server_close()
         _abandon(folder, sensors, backend, f"{type(exc).__name__}: {exc}")
         raise
     meter.open()
@@ -982,6 +987,22 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="ipw-serve", daemon=True)
     thread.start()
     return Proxy(server, session, backend, sensors, thread, time.monotonic(), switch_interval_s)
+
+
+def listen(host: str, port: int) -> ProxyServer:
+    """The proxy's listening socket (not serving yet), or one line naming --host or --port (exit 2)."""
+    try:
+        return ProxyServer((host, port))
+    except socket.gaierror as exc:
+        raise IpwError(f"--host {host!r}: not a name or address of this machine ({exc.strerror})") from None
+    except OverflowError:  # a port the socket module refuses (checked earlier by the command)
+        raise IpwError(f"--port {port}: must be 0 (a free port) to 65535") from None
+    except (TypeError, ValueError) as exc:  # a NUL in the name
+        raise IpwError(f"--host {host!r}: {exc}") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise IpwError(f"--host {host!r}: not an address of this machine ({exc.strerror})") from None
+        raise IpwError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -> None:

@@ -1152,3 +1152,34 @@ def test_a_proxy_open_to_the_network_without_a_token_says_so(tmp_path, run_cli):
     finally:
         stub.close()
     assert code == 0 and "listening on 0.0.0.0 without --token" in err, err
+
+
+def test_a_refused_start_leaves_no_run_folder(tmp_path, run_cli):
+    """A port in use, a --host this machine cannot listen on, a command that does not exist: one line naming the
+    option, exit 2, and no run folder (one was made, then marked failed, before the refusal)."""
+    stub = Stub()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    common = ["--upstream", stub.base_url, "--idle-s", "0", "--upstream-pid", str(os.getpid())]
+    script = tmp_path / "bad-interpreter.sh"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    try:
+        for args, line in (
+            (["serve", "--port", str(port)], f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"),
+            (["serve", "--port", "0", "--host", "no.such.host.invalid"], "--host 'no.such.host.invalid': not a name"),
+            (["serve", "--port", "0", "--host", "192.0.2.254"], "--host '192.0.2.254': not an address of this machine"),
+            (["wrap", "--port", str(port), "--", sys.executable, "-c", "pass"], f"--port {port}: cannot listen"),
+            (["wrap", "--", "no-such-command-ipw"], "cannot run 'no-such-command-ipw' (not found on PATH)"),
+            (["wrap", "--", str(tmp_path / "no" / "such")], "(not an executable file)"),
+            (["wrap", "--", str(script)], f"cannot run {str(script)!r} (No such file or directory)"),
+        ):
+            code, _, err = run_cli(*args[:1], *common, "--out", tmp_path / "out", *args[1:])
+            assert code == 2 and line in err and "warning" not in err, (args, err)
+            assert err.count("error:") == 1 and "Traceback" not in err, err
+            assert not any((tmp_path / "out").glob("*/manifest.json")), args
+    finally:
+        taken.close()
+        stub.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -96,11 +97,13 @@ def _start(options, managed, out: Path | None, token: str | None, upstream_pid: 
     from ipw.backends.openai_http import is_loopback
     from ipw.serve import start
 
-    if token is None and not is_loopback(options.host):
+    proxy = start(options, out or Path("results"), token=token, backend=managed, upstream_pids=upstream_pid,
+                  resume=resume, notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
+    if token is None and not is_loopback(options.host):  # once it listens (a --host it cannot use is refused)
         console.print(f"ipw serve: warning: listening on {options.host} without --token: anyone who reaches port "
-                      f"{options.port} can use the upstream (and its key)", highlight=False, markup=False)
-    return start(options, out or Path("results"), token=token, backend=managed, upstream_pids=upstream_pid,
-                 resume=resume, notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
+                      f"{proxy.server.server_address[1]} can use the upstream (and its key)", highlight=False,
+                      markup=False)
+    return proxy
 
 
 def serve_command(options, managed, *, out: Path | None, token: str | None, upstream_pid: list[int] | None,
@@ -131,6 +134,9 @@ def wrap_command(options, managed, command: list[str], *, out: Path | None, toke
     """Run ``command`` with OPENAI_BASE_URL (and OPENAI_API_BASE) pointing at the proxy; its exit code."""
     if not command:
         raise IpwError("ipw wrap: give the command to run after --, e.g. ipw wrap --upstream URL -- python client.py")
+    if shutil.which(command[0]) is None:  # before the proxy and its run folder: a typo leaves no folder
+        why = "not an executable file" if os.sep in command[0] else "not found on PATH"
+        raise IpwError(f"ipw wrap: cannot run {command[0]!r} ({why})")
     console = Console(stderr=True)
     proxy = _start(options, managed, out, token, upstream_pid, None, console)
     # the child gets no upstream key: not the variable --api-key-env names, nor any config's api_key_env
@@ -144,8 +150,10 @@ def wrap_command(options, managed, command: list[str], *, out: Path | None, toke
     code = 0
     try:
         child = subprocess.Popen(command, env=env)
-    except OSError as exc:
+    except OSError as exc:  # found, but it does not start (a bad interpreter line, ...): no request was made
         proxy.stop(status="failed", reason=f"the command could not start: {exc.strerror}")
+        if not proxy.session.requests:
+            shutil.rmtree(proxy.session.folder.path, ignore_errors=True)
         raise IpwError(f"ipw wrap: cannot run {command[0]!r} ({exc.strerror})") from None
     stop = threading.Event()
 
