@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,10 +124,22 @@ class QueryRecord:
     def to_json(self) -> str:
         from ipw.sanitize import scrub  # an API key never reaches the run folder, whatever a server echoed
 
-        return scrub(json.dumps(dataclasses.asdict(self), ensure_ascii=False))
+        return escape_surrogates(scrub(json.dumps(dataclasses.asdict(self), ensure_ascii=False)), in_json=True)
 
 
 RECORD_COLUMNS = [f.name for f in dataclasses.fields(QueryRecord)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def escape_surrogates(text: str, in_json: bool = False) -> str:
+    """``text`` with each lone surrogate (a prompt's ``"\\ud800"``, a non-UTF-8 byte of argv) written as the six
+    characters of its escape (``\\ud800``), which UTF-8 can hold: a record that held one could not be written,
+    and was lost.  ``in_json``: ``text`` is a JSON document (the surrogates are inside its strings), whose
+    backslash is escaped too, so that it reads back as those six characters."""
+    if _SURROGATE.search(text) is None:
+        return text
+    escape = "\\\\u%04x" if in_json else "\\u%04x"
+    return _SURROGATE.sub(lambda m: escape % ord(m.group()), text)
 # records.parquet's column types, by QueryRecord's field types (strings as pandas writes them: large_string)
 _ARROW_TYPES = {"str": "large_string", "str | None": "large_string", "int": "int64", "float": "float64",
                 "float | None": "float64", "bool | None": "bool", "tuple[str, ...]": "list<large_string>"}
@@ -254,7 +267,7 @@ def _atomic_write_parquet(frame: pd.DataFrame, path: Path) -> None:
 def _json_text(data: dict[str, Any]) -> str:
     from ipw.sanitize import scrub  # e.g. a ``reason`` that quotes an exception which quoted a header
 
-    return scrub(json.dumps(data, indent=2, ensure_ascii=False, default=str)) + "\n"
+    return escape_surrogates(scrub(json.dumps(data, indent=2, ensure_ascii=False, default=str)), in_json=True) + "\n"
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:

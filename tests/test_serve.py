@@ -1183,3 +1183,51 @@ def test_a_refused_start_leaves_no_run_folder(tmp_path, run_cli):
     finally:
         taken.close()
         stub.close()
+
+
+def test_a_lone_surrogate_is_kept_escaped_and_the_folder_counts_every_record(tmp_path):
+    """A prompt holding a lone surrogate (``"\\ud800"`` in its JSON) with --log-prompts, and an upstream answer
+    holding one: the client got its answer but the record could not be written (lost, the session's counts
+    then disagreeing with the folder, or exit 3 at stop).  Now each record is kept with the surrogate written
+    as its escape's text, and the manifest counts them.  A non-UTF-8 byte in ``ipw wrap``'s command (argv's
+    surrogate escape) no longer ends it with exit 3 when the manifest is written."""
+    import http.client
+
+    def write(out) -> None:
+        _chunk(out, b'data: {"choices":[{"index":0,"delta":{"content":"a\\udfffb"},"finish_reason":"st\\ud801"}]}\n\n')
+        _chunk(out, b"data: [DONE]\n\n")
+
+    stub, odd = Stub(), _ChunkedUpstream(write)
+    results = []
+    for upstream in (stub.base_url, odd.url):
+        proxy = _proxy(tmp_path, upstream, [os.getpid()], log_prompts=True)
+        host, port = proxy.server.server_address[:2]
+        try:
+            for stream in ("false", "true"):
+                conn = http.client.HTTPConnection(host, port, timeout=30)
+                conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                             body=b'{"model": "m", "stream": %s, "messages": [{"role": "user", "content": "hi \\ud800 '
+                                  b'there"}]}' % stream.encode())
+                resp = conn.getresponse()
+                assert resp.status == 200 and resp.read()
+                conn.close()
+        finally:
+            proxy.stop(grace_s=5)
+        results.append(proxy.session.folder.path)
+    odd.close()
+    for folder in results:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        records = _records(folder)
+        assert manifest["status"] == "complete" and len(records) == 2, folder
+        assert manifest["backends"][0]["sessions"][-1]["requests"] == 2 == manifest["records"]["count"]
+        assert all('"hi \\ud800 there"' in r["prompt"] for r in records)  # the messages' JSON, as given
+    assert {r["output"] for r in _records(results[1])} == {"a\\udfffb"}
+
+    opts = ServeOptions(upstream=stub.base_url, name="smol", port=0, idle_s=0)
+    try:  # as sys.argv holds a non-UTF-8 byte of the command line
+        proxy = start(opts, tmp_path / "argv", upstream_pids=[os.getpid()], command=["ipw", "wrap", "--", "caf\udce9"])
+        proxy.stop()
+    finally:
+        stub.close()
+    manifest = json.loads((proxy.session.folder.path / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["command"][-1] == "caf\\udce9"
