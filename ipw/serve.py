@@ -19,6 +19,7 @@ import hmac
 import http.client
 import json
 import re
+import secrets
 import socket
 import sys
 import threading
@@ -52,6 +53,10 @@ CLIENT_IDLE_S = 60.0
 #: out of file descriptors, the accept loop waits this long before it tries again (else it spins on a core)
 ACCEPT_BACKOFF_S = 0.05
 DRAIN_S = 1.0  # after [DONE], how long the rest of the upstream's body (its last chunk) is waited for
+#: the proxies a request went through (each one's random id): one that comes back to a proxy it went through is a
+#: loop (an --upstream that leads back to the proxy), refused with 508 instead of nesting until a limit
+HOP_HEADER = "X-Ipw-Serve-Hops"
+MAX_HOPS = 16  # ids kept in the header: a longer chain is a loop too
 
 
 @dataclass(frozen=True)
@@ -441,9 +446,23 @@ class Handler(BaseHTTPRequestHandler):
         self._error(401, "ipw serve: missing or wrong token (send Authorization: Bearer <token>)", "unauthorized")
         return False
 
+    def _hops(self) -> list[str]:
+        """The ids of the proxies this request went through before this one (``HOP_HEADER``)."""
+        return [h for h in (self.headers.get(HOP_HEADER) or "").replace(" ", "").split(",") if h]
+
+    def _looped(self) -> bool:
+        """Whether this request already went through this proxy (its upstream leads back to it): then 508."""
+        hops = self._hops()
+        if self.server.hop_id not in hops and len(hops) < MAX_HOPS:
+            return False
+        self._error(508, f"ipw serve: a loop: the request came back to this proxy through its upstream "
+                    f"{self.server.session.upstream.url} (give --upstream the server to forward to)", "loop_detected")
+        return True
+
     def _upstream_headers(self, stream: bool) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "User-Agent": f"ipw-serve/{__version__}",
-                   "Accept": "text/event-stream" if stream else "application/json"}
+                   "Accept": "text/event-stream" if stream else "application/json",
+                   HOP_HEADER: ",".join([*self._hops()[-(MAX_HOPS - 1):], self.server.hop_id])}
         key = self.server.session.key
         if key:
             headers["Authorization"] = f"Bearer {key}"
@@ -521,7 +540,7 @@ class Handler(BaseHTTPRequestHandler):
         if path.rstrip("/") != MODELS:
             return self._error(404, f"ipw serve: no route {path} (it serves /v1/chat/completions, "
                                "/v1/completions and /v1/models)", "not_found")
-        if not self._authorized():
+        if not self._authorized() or self._looped():
             return
         try:
             conn, resp = self._open("GET", MODELS, None, stream=False)
@@ -539,7 +558,7 @@ class Handler(BaseHTTPRequestHandler):
         if api is None:
             return self._error(404, f"ipw serve: no route {path} (it serves /v1/chat/completions, "
                                "/v1/completions and /v1/models)", "not_found")
-        if not self._authorized():
+        if not self._authorized() or self._looped():
             return
         session = self.server.session
         length = self.headers.get("Content-Length")
@@ -771,6 +790,7 @@ class ProxyServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], session: Session | None = None) -> None:
         if session is not None:
             self.session = session
+        self.hop_id = secrets.token_hex(8)
         self._idle: list[http.client.HTTPConnection] = []  # upstream connections kept alive, the last used last
         self._idle_lock = threading.Lock()
         self._closed = False
@@ -934,6 +954,8 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         register(token)
     server = listen(options.host, options.port)  # before the run folder: a refusal leaves none
     try:
+        if backend is None:
+            refuse_self(Upstream.parse(options.upstream), options.host, server.server_address[1])
         folder = _folder(options, out_dir, resume, command)
     except BaseException:
         server.server_close()
@@ -1003,6 +1025,33 @@ def listen(host: str, port: int) -> ProxyServer:
         if exc.errno == errno.EADDRNOTAVAIL:
             raise IpwError(f"--host {host!r}: not an address of this machine ({exc.strerror})") from None
         raise IpwError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
+
+
+def refuse_self(upstream: Upstream, host: str, port: int) -> None:
+    """An IpwError when ``upstream`` is the proxy's own address (``host``:``port``, where it listens): each
+    request would be forwarded to itself."""
+    import ipaddress
+
+    import psutil
+
+    if upstream.port != port:
+        return
+    try:
+        targets = {ai[4][0] for ai in socket.getaddrinfo(upstream.host, port, socket.AF_INET, socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return  # a name that does not resolve here is not this machine
+    if host in ("", "0.0.0.0"):  # every address of this machine
+        mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+        looped = any(ipaddress.ip_address(t).is_loopback or t in mine for t in targets)
+    else:
+        try:
+            bound = {ai[4][0] for ai in socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            return
+        looped = bool(targets & bound)
+    if looped:
+        raise IpwError(f"--upstream {upstream.url}: that is this proxy's own address ({host or '0.0.0.0'}:{port}), "
+                       "so every request would be forwarded to itself; give the server to forward to")
 
 
 def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -> None:

@@ -1231,3 +1231,54 @@ def test_a_lone_surrogate_is_kept_escaped_and_the_folder_counts_every_record(tmp
         stub.close()
     manifest = json.loads((proxy.session.folder.path / "manifest.json").read_text())
     assert manifest["status"] == "complete" and manifest["command"][-1] == "caf\\udce9"
+
+
+def test_a_proxy_pointed_at_itself_is_refused(tmp_path, run_cli):
+    """``--upstream`` at the proxy's own address nested every request in itself (197 deep) until a limit.  Now
+    one line, exit 2, no folder; a loop the addresses do not show (through another proxy, a name of this
+    machine) is refused at the first return, with 508: each proxy names itself in a header it sends upstream."""
+    import http.client
+
+    from ipw.serve import HOP_HEADER, MAX_HOPS
+
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    for command, upstream, host in (("serve", f"http://127.0.0.1:{port}/v1", "127.0.0.1"),
+                                    ("serve", f"http://localhost:{port}/v1/", "0.0.0.0"),
+                                    ("wrap", f"http://127.0.0.1:{port}", "127.0.0.1")):
+        code, _, err = run_cli(command, "--upstream", upstream, "--port", port, "--host", host, "--idle-s", "0",
+                               "--upstream-pid", os.getpid(), "--out", tmp_path / "out",
+                               *(["--", sys.executable, "-c", "pass"] if command == "wrap" else []))
+        assert code == 2 and "that is this proxy's own address" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+    seen = []
+
+    def write(out) -> None:
+        _chunk(out, b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')
+
+    upstream = _ChunkedUpstream(write)
+    handler = upstream.server.RequestHandlerClass
+    post = handler.do_POST
+    handler.do_POST = lambda self: (seen.append(self.headers.get(HOP_HEADER)), post(self))[1]
+    proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
+    host, port = proxy.server.server_address[:2]
+
+    def ask(hops: str | None) -> int:
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=b'{"model": "m", "stream": true, "messages": []}',
+                     headers={"Content-Type": "application/json", **({HOP_HEADER: hops} if hops else {})})
+        status = conn.getresponse().status
+        conn.close()
+        return status
+
+    try:
+        me = proxy.server.hop_id
+        assert [ask(None), ask("other"), ask(f"other, {me}"), ask(",".join(["x"] * MAX_HOPS))] == [200, 200, 508, 508]
+    finally:
+        proxy.stop(grace_s=5)
+        upstream.close()
+    assert seen == [me, f"other,{me}"]  # each proxy adds itself to the chain it forwards
+    assert len(_records(proxy.session.folder.path)) == 2  # a refused loop is no request of the session
