@@ -1062,6 +1062,30 @@ def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -
     folder.finish("failed", reason=scrub(reason))
 
 
+def _check_resume(manifest: RunManifest, options: ServeOptions, resume: str | Path) -> None:
+    """``--resume`` of a serve folder with the upstream and name it was made with (else two backends' records
+    would mix in one run under one name): an IpwError naming both values."""
+    made = (manifest.config or {}).get("serve")
+    if not isinstance(made, dict):
+        raise IpwError(f"{resume}: not a folder of ipw serve (resume a run with ipw run --resume)")
+
+    def upstream(url: Any) -> str:
+        if not url:
+            return "--backend (a server ipw starts)"
+        try:
+            return f"--upstream {Upstream.parse(str(url)).url}"
+        except IpwError:
+            return f"--upstream {redact_url(str(url))}"
+
+    then, now = upstream(made.get("upstream")), upstream(options.upstream)
+    if then != now:
+        raise IpwError(f"--resume {resume}: the folder was made with {then}, not {now}: resume it with the same "
+                       "upstream, or start a new folder")
+    if made.get("name") != options.name:
+        raise IpwError(f"--resume {resume}: the folder's records are named {made.get('name')!r}, not "
+                       f"{options.name!r} (--name): resume it with --name {made.get('name')!r}, or start a new folder")
+
+
 def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | None,
             command: list[str] | None) -> RunFolder:
     """A new run folder, or the one ``--resume`` names (a serve folder that did not finish)."""
@@ -1069,9 +1093,8 @@ def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | Non
 
     config = {"source": "ipw serve", "serve": asdict(options)}
     if resume is not None:
+        _check_resume(RunManifest.read_unfinished(resume), options, resume)  # before the folder is touched
         folder = RunFolder.reopen(resume)
-        if "serve" not in (folder.manifest.config or {}):
-            raise IpwError(f"{resume}: not a folder of ipw serve (resume a run with ipw run --resume)")
         folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                               + [time.strftime("%Y-%m-%dT%H:%M:%S")])
         return folder

@@ -1282,3 +1282,43 @@ def test_a_proxy_pointed_at_itself_is_refused(tmp_path, run_cli):
         upstream.close()
     assert seen == [me, f"other,{me}"]  # each proxy adds itself to the chain it forwards
     assert len(_records(proxy.session.folder.path)) == 2  # a refused loop is no request of the session
+
+
+def test_resume_with_another_upstream_or_name_is_refused(tmp_path, run_cli):
+    """``ipw serve --resume`` with another ``--upstream`` (or ``--backend``) or ``--name`` than the folder was
+    made with mixed two backends' records in one run under one name.  Now one line naming both values, exit 2,
+    and the folder as it was (as for a port in use: the socket is bound before the folder is touched)."""
+    stub = Stub()
+    common = ["--idle-s", "0", "--upstream-pid", str(os.getpid()), "--port", "0"]
+    proc = subprocess.Popen([*IPW, "serve", "--upstream", stub.base_url, *common, "--out", str(tmp_path / "out")],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = ""
+        while "run folder" not in line:
+            line = proc.stderr.readline()
+            assert line, "ipw serve ended before it served"
+        folder = re.search(r"run folder (\S+)\.", line).group(1)
+    finally:
+        proc.kill()  # SIGKILL: the folder stays running, to be resumed
+        proc.wait()
+    before = Path(folder, "manifest.json").read_text()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    name = f"serve:127.0.0.1:{stub.base_url.split(':')[2].split('/')[0]}"
+    try:
+        for args, line in (
+            (["--upstream", "http://127.0.0.1:1/v1"],
+             f"the folder was made with --upstream {stub.base_url}, not --upstream http://127.0.0.1:1/v1"),
+            (["--upstream", stub.base_url, "--name", "other"], f"named {name!r}, not 'other' (--name)"),
+            (["--backend", "llama-server:smollm2-135m"], "not --backend (a server ipw starts)"),
+            (["--upstream", stub.base_url, "--port", str(taken.getsockname()[1])], "Address already in use"),
+        ):
+            code, _, err = run_cli("serve", *common, *args, "--resume", folder)
+            if code == 2 and "llama-server" in args[-1] and "--resume" not in err:
+                continue  # no llama-server here: refused before the folder is read
+            assert code == 2 and line in err and err.count("\n") == 1, (args, err)
+            assert Path(folder, "manifest.json").read_text() == before, args  # not resumed, not failed
+    finally:
+        taken.close()
+        stub.close()
