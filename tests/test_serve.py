@@ -1322,3 +1322,57 @@ def test_resume_with_another_upstream_or_name_is_refused(tmp_path, run_cli):
     finally:
         taken.close()
         stub.close()
+
+
+_STUBBORN = """
+import json, os, signal, sys, time, urllib.request
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+urllib.request.urlopen(req, timeout=30).read()
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c twice"])
+def test_wrap_kills_a_command_that_ignores_sigterm_and_finishes_the_folder(tmp_path, monkeypatch, run_cli, how):
+    """A command that ignores SIGTERM (and SIGINT) kept ``ipw wrap`` waiting for ever after SIGTERM or Ctrl-C.
+    Now it is killed ``WRAP_GRACE_S`` after the first (at once on a second), and the folder is finished
+    (``interrupted``, with the reason) with the record of the request it made."""
+    from ipw.commands import serve as serve_command
+
+    monkeypatch.setattr(serve_command, "WRAP_GRACE_S", 1.0 if how == "sigterm" else 60.0)
+    ready = tmp_path / "ready"
+    stub = Stub()
+
+    def stop_ipw() -> None:  # as a user would, once the command has made its request
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_ipw, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        code, _, err = run_cli("wrap", "--upstream", stub.base_url, "--idle-s", "0", "--upstream-pid", os.getpid(),
+                               "--out", tmp_path / "out", "--", sys.executable, "-c", _STUBBORN, ready)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        stub.close()
+    assert code == 128 + signal.SIGKILL and time.monotonic() - t0 < 30, err
+    assert "killing it" in err if how == "sigterm" else "again: kill it now" in err
+    (folder,) = (tmp_path / "out").iterdir()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["status"] == "interrupted" and manifest["reason"] == "the command was killed: " + (
+        "it had not exited 1 s after it was stopped" if how == "sigterm" else "ipw was stopped a second time")
+    records = _records(folder)
+    assert len(records) == 1 and records[0]["error"] is None

@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,18 +154,58 @@ def wrap_command(options, managed, command: list[str], *, out: Path | None, toke
         if not proxy.session.requests:
             shutil.rmtree(proxy.session.folder.path, ignore_errors=True)
         raise IpwError(f"ipw wrap: cannot run {command[0]!r} ({exc.strerror})") from None
-    stop = threading.Event()
-
-    def forward(signum, frame):  # SIGTERM to ipw goes to the command too
-        stop.set()
-        child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    try:
-        code = child.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached the command too (same process group)
-        code = child.wait()
-    line = proxy.stop(status="complete" if code == 0 and not stop.is_set() else "interrupted",
-                      reason=None if code == 0 else f"the command exited with {code}")
+    code, stopped, killed = _wait_child(child, console)
+    reason = (f"the command was killed: {killed}" if killed
+              else None if code == 0 else f"the command exited with {code}")
+    line = proxy.stop(status="complete" if code == 0 and not stopped else "interrupted", reason=reason)
     _summary(proxy, line, stdout())
     return code if code >= 0 else 128 - code
+
+
+#: after SIGTERM or Ctrl-C, how long ``ipw wrap`` waits for its command to exit before it kills it (SIGKILL)
+WRAP_GRACE_S = 10.0
+
+
+class _Terminated(Exception):
+    """SIGTERM reached ``ipw wrap``."""
+
+
+def _wait_child(child: subprocess.Popen, console: Console) -> tuple[int, bool, str | None]:
+    """Wait for ``ipw wrap``'s command: its exit code, whether SIGTERM stopped it, and why it was killed (if it was).
+    SIGTERM to ipw goes to the command too (Ctrl-C reaches it by itself: same process group); a command that
+    has not exited ``WRAP_GRACE_S`` later, or at a second SIGTERM or Ctrl-C, is killed, so that ipw always
+    finishes the run folder."""
+    def terminated(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+    stops, stopped = 0, False
+    killed: str | None = None
+    deadline: float | None = None
+    while True:
+        try:
+            try:
+                code = child.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                # the folder is finished next (bounded by the proxy's grace): a later SIGTERM does not cut it short
+                signal.signal(signal.SIGTERM, lambda signum, frame: None)
+                return code, stopped, killed
+            except subprocess.TimeoutExpired:
+                console.print(f"ipw wrap: the command has not exited {WRAP_GRACE_S:g} s after it was stopped: killing it",
+                              highlight=False, markup=False, soft_wrap=True)
+                child.kill()
+                killed, deadline = f"it had not exited {WRAP_GRACE_S:g} s after it was stopped", None
+        except (KeyboardInterrupt, _Terminated) as exc:
+            stops += 1
+            if isinstance(exc, _Terminated):
+                stopped = True
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+            if child.poll() is not None:
+                continue
+            if stops == 1:
+                deadline = time.monotonic() + WRAP_GRACE_S
+                console.print(f"ipw wrap: stopping: waiting up to {WRAP_GRACE_S:g} s for the command to exit "
+                              "(again: kill it now)", highlight=False, markup=False, soft_wrap=True)
+            else:
+                child.kill()
+                killed, deadline = "ipw was stopped a second time", None
