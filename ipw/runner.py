@@ -66,7 +66,12 @@ def run_backend(
         backend.load()
     except EngineStopped as exc:  # the engine's worker died while loading: this backend stops, others go on
         backend.close()
-        return {"name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role, "stopped": str(exc)}
+        return {"name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
+                "load_s": round(time.monotonic() - t0, 3), "stopped": str(exc)}  # load_s: until it stopped
+    except IpwError as exc:  # an engine that could not start (a server's root cause, say): its one line names it
+        if f"backend {spec.name!r}" in exc.message:
+            raise
+        raise IpwError(f"backend {spec.name!r}: {exc.message}", exc.exit_code) from exc
     load_s = time.monotonic() - t0
     sensors = probe(backend)
     window = Window(sensors)
@@ -206,18 +211,31 @@ def run_concurrent(
             start, end = meter.end(job, completion)
         return completion, error, start, end
 
+    def write(job: int, completion: Completion | None, error: Exception | None, start: float, end: float) -> None:
+        repeat, query = work[job]
+        share = meter.share(job)
+        record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
+                             share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
+                             concurrency=concurrency, split=share)
+        recorder.put_record(record)
+        methods[record.split_method or "none"] = methods.get(record.split_method or "none", 0) + 1
+
     meter.open()
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ipw-request")
     futures = {i: pool.submit(one, i, query) for i, (_, query) in enumerate(work)}
     try:
-        for job, (repeat, query) in enumerate(work):
-            completion, error, start, end = futures.pop(job).result()
-            share = meter.share(job)
-            record = make_record(folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                                 share.readings, idle=idle, estimate=estimate, busy_s=share.busy_s,
-                                 concurrency=concurrency, split=share)
-            recorder.put_record(record)
-            methods[record.split_method or "none"] = methods.get(record.split_method or "none", 0) + 1
+        for job in range(len(work)):
+            try:
+                result = futures.pop(job).result()
+            except EngineStopped:
+                # the engine stopped (a managed server exited): the requests not sent are dropped, and those
+                # submitted later that had finished keep their records (--resume runs the rest)
+                pool.shutdown(wait=True, cancel_futures=True)
+                for later, future in sorted(futures.items()):
+                    if not future.cancelled() and future.exception() is None:
+                        write(later, *future.result())
+                raise
+            write(job, *result)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         energy = meter.close()

@@ -147,7 +147,7 @@ def test_server_that_cannot_start_fails_cleanly(tmp_path):
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file" * 100)
-    with pytest.raises(IpwError, match="server exited with code"):
+    with pytest.raises(IpwError, match=r"exited while starting \(exit code 1\): "):
         start_server("llama-server", bad, tmp_path / "server.log", n_threads=1, alias="x", timeout_s=120, parallel=2)
     assert (tmp_path / "server.log").read_text()
     assert not llama_servers()

@@ -411,6 +411,7 @@ class OpenAIBackend(BackendBase):
                     completion = dataclasses.replace(completion, prompt_tokens=n)
                 return completion
             except _Retryable as exc:
+                self._stop_if_server_exited(exc.category)
                 if attempt >= self.max_retries:
                     raise QueryError(f"{exc} (after {attempt + 1} attempts)", exc.category) from None
                 delay = self.retry_backoff_s * 2 ** attempt
@@ -418,6 +419,18 @@ class OpenAIBackend(BackendBase):
                     delay = max(delay, min(exc.retry_after_s, 60.0))
                 time.sleep(delay)
                 attempt += 1
+
+    def _stop_if_server_exited(self, category: str) -> None:
+        """A request to a managed server failed: if the server has exited, raise ``EngineStopped`` at once (no
+        retries, no error record per query left: the runner stops this backend, the run ends ``failed``, and
+        ``ipw run --resume`` retries its queries) with one line: how it exited, the root cause its log names
+        and the log's path.  A connection refused or cut is waited on for up to a second (the process closes
+        its sockets a moment before its exit can be seen); a 5xx or 429 is only looked at."""
+        if self.server is None or not self.server.exited(1.0 if category == "connection" else 0.0):
+            return
+        from ipw.backends.worker import EngineStopped
+
+        raise EngineStopped(f"backend {self.spec.name!r}: {self.server.failure('mid-run')}")
 
     def _attempt(self, payload: bytes, start: float, stops: list[str]) -> Completion:
         deadline = time.monotonic() + self.timeout_s
@@ -558,6 +571,10 @@ class OpenAIBackend(BackendBase):
                 "startup_s": round(self.server.startup_s or 0.0, 3),
                 **self.server.info,  # engine, engine_version, model file or folder, model_bytes
             }
+            if self.server.exit_code() is not None:  # it exited before ipw stopped it
+                from ipw.backends.worker import exit_text
+
+                out["server"]["exited"] = exit_text(self.server.exit_code())
         elif not self.remote:
             out["server_pids"] = self._local_pids
         return out

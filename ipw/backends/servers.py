@@ -254,6 +254,20 @@ def server_model(kind: str, model: str) -> tuple[Path, str | None]:
     return resolve_model(model)
 
 
+#: How a message names a managed server, by its ``info["engine"]``.
+SERVER_LABELS = {"llama.cpp-server": "llama-server", "llama-cpp-python": "llama.cpp server (llama_cpp.server)",
+                 "vllm": "vLLM server"}
+#: What to change when a managed server ran out of memory (its weights or its KV cache), by its engine.
+MEMORY_HINTS = {
+    "vllm": "lower n_ctx (vLLM's max_model_len) or the concurrency, or set gpu_memory_utilization "
+            "(the share of the GPU's memory vLLM takes: lower when other processes hold some, higher for a "
+            "larger KV cache); on the CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (GiB)",
+    "llama.cpp-server": "lower n_ctx (each slot's KV cache) or the concurrency (the slots), or "
+                        "n_gpu_layers (the layers on the GPU)",
+    "llama-cpp-python": "lower n_ctx",
+}
+
+
 class ManagedServer:
     def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
                  info: dict | None = None, health_path: str = "/v1/models") -> None:
@@ -263,6 +277,12 @@ class ManagedServer:
         self.info = dict(info or {})  # engine, engine_version, model: what the manifest records
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.log_offset = 0  # where this server's part of the log begins (a resumed run appends to it)
+
+    @property
+    def label(self) -> str:
+        """The server as a message names it: ``llama-server``, ``vLLM server``..."""
+        return SERVER_LABELS.get(self.info.get("engine") or "", "server")
 
     @property
     def base_url(self) -> str:
@@ -276,6 +296,7 @@ class ManagedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(self)
@@ -291,14 +312,52 @@ class ManagedServer:
         assert proc is not None  # started
         while True:
             if proc.poll() is not None:
-                raise IpwError(f"server exited with code {proc.returncode} while starting "
-                               f"({' '.join(self.command[:4])} ...); last log lines:\n{self.log_tail()}")
+                raise IpwError(self.failure("while starting"))
             if self.healthy():
                 return
             if time.monotonic() > deadline:
-                raise IpwError(f"server on port {self.port} not healthy after its startup timeout; "
-                               f"see {self.log_path}:\n{self.log_tail()}")
+                raise IpwError(f"the {self.label} on port {self.port} was not healthy within its startup timeout "
+                               f"(server_timeout_s); its log ends: {self.last_log_line()} (log: {self.log_path})")
             time.sleep(0.25)
+
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited; None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def exited(self, wait_s: float = 0.0) -> bool:
+        """Whether the server has exited, waiting up to ``wait_s`` for it (a process killed outright closes
+        its sockets a moment before its parent can see it gone)."""
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def failure(self, when: str) -> str:
+        """One line for a server that exited ``when`` (``while starting``, ``mid-run``): how it ended, the root
+        cause its log names (``worker.root_cause``: a Python exception, llama.cpp's ``error ...:`` line) or
+        else the log's last line (not for a signal: a process killed writes no cause), what to change when it
+        ran out of memory, and the log's path."""
+        from ipw.backends.worker import SIGNAL_HINTS, exit_text, out_of_memory, read_log, root_cause
+
+        code = self.exit_code()
+        status = exit_text(code)
+        signal_hint = SIGNAL_HINTS.get(status.split(" ")[0])
+        cause = root_cause(read_log(self.log_path, self.log_offset))
+        hint = MEMORY_HINTS.get(self.info.get("engine") or "") if cause and out_of_memory(cause) else None
+        found = cause or ("no error in its log" if code is not None and code < 0
+                          else f"its log ends: {self.last_log_line() or '(empty)'}")
+        return (f"the {self.label} exited {when} ({status}" + (f", {signal_hint}" if signal_hint else "") + "): "
+                + (f"{found.rstrip('.')}; hint: {hint}" if hint else found) + f" (log: {self.log_path})")
+
+    def last_log_line(self, limit: int = 200) -> str:
+        """The last non-empty line of this server's part of its log, shortened."""
+        from ipw.backends.worker import read_log
+
+        lines = [ln.strip() for ln in read_log(self.log_path, self.log_offset).splitlines() if ln.strip()]
+        return lines[-1][:limit] if lines else ""
 
     def healthy(self) -> bool:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
@@ -309,12 +368,6 @@ class ManagedServer:
             return False
         finally:
             conn.close()
-
-    def log_tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """Terminate the server and its descendants by PID, wait, then kill; returns its exit code."""

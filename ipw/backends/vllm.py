@@ -97,6 +97,9 @@ class VllmBackend(WorkerBackend):
     ENGINE = "ipw.backends.vllm:VllmEngine"
     OPTIONS = OPTIONS
     LABEL = "vLLM"
+    MEMORY_HINT = ("lower max_model_len or batch_size, or set gpu_memory_utilization (the share of "
+                   "the GPU's memory vLLM takes: lower when other processes hold some, higher for a larger KV "
+                   "cache); on the CPU the KV cache is kv_cache_gb")
 
     def __init__(self, spec: BackendSpec) -> None:
         super().__init__(spec)

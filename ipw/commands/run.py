@@ -177,7 +177,10 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
                 show()
 
         def on_notice(line: str) -> None:
-            progress.console.print(f"[bold red]backend stopped:[/] {escape(line)}", highlight=False)
+            from ipw.sanitize import one_line
+
+            progress.console.print(f"[bold red]backend stopped:[/] {escape(one_line(line))}", highlight=False,
+                                   soft_wrap=True)  # one line, however narrow the terminal
 
         dispatch = None
         if ray_options is not None:
