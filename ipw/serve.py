@@ -528,7 +528,29 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes ---------------------------------------------------------------------------------
 
+    def _framed(self, body: bool) -> bool:
+        """Whether the request's body is framed one way only (else a 400, and the connection closed: bytes that
+        a server or proxy in front of this one reads as a body could be read here as a request, or the
+        reverse, request smuggling).  ``body``: the route takes one (by Content-Length, one value)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        chunked = self.headers.get_all("Transfer-Encoding")
+        if chunked and lengths:
+            problem = "both Content-Length and Transfer-Encoding"
+        elif any("\n" in value for value in self.headers.values()):  # a line folded into the one before it
+            problem = "a folded header line (obs-fold)"
+        elif len(set(lengths)) > 1:
+            problem = f"Content-Length given {len(lengths)} times, differently"
+        elif not body and (chunked or any(v.strip() not in ("", "0") for v in lengths)):
+            problem = "a body on a GET request"
+        else:
+            return True
+        self._error(400, f"ipw serve: {problem}: refused (a request read two ways: request smuggling)",
+                    "invalid_request")
+        return False
+
     def do_GET(self) -> None:
+        if not self._framed(body=False):
+            return
         path = self.path.split("?", 1)[0]
         if path == "/health":
             return self._json(200, {"status": "ok", "in_flight": self.server.session.meter.in_flight()})
@@ -553,6 +575,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send(resp.status, payload, resp.getheader("Content-Type"))
 
     def do_POST(self) -> None:
+        if not self._framed(body=True):
+            return
         path = self.path.split("?", 1)[0].rstrip("/")
         api = METERED.get(path)
         if api is None:

@@ -1376,3 +1376,47 @@ def test_wrap_kills_a_command_that_ignores_sigterm_and_finishes_the_folder(tmp_p
         "it had not exited 1 s after it was stopped" if how == "sigterm" else "ipw was stopped a second time")
     records = _records(folder)
     assert len(records) == 1 and records[0]["error"] is None
+
+
+def test_a_request_framed_two_ways_is_refused(tmp_path):
+    """Both Content-Length and ``Transfer-Encoding: chunked`` on one request (or two different Content-Lengths, a
+    folded header line, a body on a GET) was read by its Content-Length, so that bytes a proxy in front reads as
+    the body could run here as a request of their own (request smuggling).  Now 400, the connection closed, and
+    nothing forwarded or metered."""
+    stub = Stub()
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()])
+    host, port = proxy.server.server_address[:2]
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    smuggled = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+    def send(raw: bytes) -> bytes:
+        sock = socket.create_connection((host, port), timeout=10)
+        sock.sendall(raw)
+        got = b""
+        while piece := sock.recv(65536):  # the proxy closes the connection
+            got += piece
+        sock.close()
+        return got
+
+    try:
+        for raw, problem in (
+            (post + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+             % (len(body) + 6, len(body), body) + smuggled, b"both Content-Length and Transfer-Encoding"),
+            (post + b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n0\r\n\r\n" + smuggled,
+             b"both Content-Length and Transfer-Encoding"),
+            (post + b"Content-Length: %d\r\nContent-Length: 0\r\n\r\n%s" % (len(body), body) + smuggled,
+             b"Content-Length given 2 times"),
+            (post + b"Content-Length: %d\r\n Transfer-Encoding: chunked\r\n\r\n%s" % (len(body), body), b"folded"),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled,
+             b"a body on a GET request"),
+        ):
+            answer = send(raw)
+            assert answer.startswith(b"HTTP/1.1 400") and problem in answer, answer[:300]
+            assert answer.count(b"HTTP/1.1") == 1, answer  # the smuggled request was not run
+        ok = send(post + b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        assert ok.startswith(b"HTTP/1.1 200")
+    finally:
+        proxy.stop(grace_s=5)
+        stub.close()
+    assert len(_records(proxy.session.folder.path)) == 1
