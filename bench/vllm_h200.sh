@@ -15,17 +15,31 @@
 #   bash bench/vllm_h200.sh generate MODEL_DIR  # the engine on the GPU: MODEL_DIR's config and tokenizer, random
 #                                              # weights (load_format dummy), 64 prompts x 64 tokens
 #
-# The pieces (87.5 MiB: tar+xz of the wheels, uncompressed inside) are in .gpufiles/vllm/v1, v2 and v3 (PIECE_MIB=30
-# MiB each, to ride with the ~24 MiB checkout; .gpufiles/vllm/README).  $W (/tmp/ipw-vllm) survives between calls
-# while the machine is warm (~30 s after a call), so the calls follow each other at once:
+#   bash bench/vllm_h200.sh run sweep|rest OUT # `ipw run configs/gpu-vllm.toml` with the NVML counter of bench/gpu_counter.py:
+#                                              # sweep: vLLM's server and llama-server at 1/4/16/64 (one run folder);
+#                                              # rest: vLLM in process, 128 identical requests at 16 and 64, a server
+#                                              # killed mid-run, a GPU without the memory asked for; OUT/vllm-PART.md,
+#                                              # .tar.xz and the counter (DEADLINE: epoch seconds the stage must end by)
 #
-# calls 1 and 2, carry [".gpufiles/vllm/v1"], then [".gpufiles/vllm/v2"] (seconds each):
-#   bash bench/vllm_h200.sh stash .gpufiles/vllm/v1     (then v2)
-# call 3, carry [".gpufiles/vllm/v3", ".gpufiles/vllm/smol-cfg"] (~2 min):
-#   bash bench/vllm_h200.sh install .gpufiles/vllm/v3 && bash bench/vllm_h200.sh check && bash bench/vllm_h200.sh generate .gpufiles/vllm/smol-cfg
-#   (smol-cfg: SmolLM2's config and tokenizer from `ipw convert`, without its weights)
-# then ipw in the same call: PYTHONPATH=$W/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m ipw.cli ...
-# (no flashinfer: vLLM's own top-k/top-p sampler; FA3 is the attention backend on Hopper).
+# The pieces: .gpufiles/vllm/v1, v2, v3 (87.5 MiB: tar+xz of the wheels, uncompressed inside; PIECE_MIB=30 each;
+# .gpufiles/vllm/README) and .gpufiles/a, b, c (llama-server's sources and the bundled GGUF: bench/serving_h200.sh
+# pack).  Each call carries the checkout too, 64 MiB in all: ~25 MiB with docs/, ~3 MiB with docs/*/ (the raw
+# result folders) moved aside, so one folder a call, or two.  $W (/tmp/ipw-vllm) and /tmp/ipw-serving survive
+# between calls while the machine is warm (~30 s after a call), so the calls follow each other at once.
+# The run of 2026-12-04 (docs/serving/vllm-h200-2026-12-04/), docs/*/ moved aside, 4 calls:
+#
+# call 1, carry [".gpufiles/vllm/v1", ".gpufiles/vllm/v3"] (seconds):
+#   bash bench/vllm_h200.sh stash .gpufiles/vllm/v1 .gpufiles/vllm/v3
+# call 2, carry [".gpufiles/a", ".gpufiles/c"] (~6 min: llama-server with CUDA):
+#   bash bench/serving_h200.sh build .gpufiles/a .gpufiles/c
+# call 3, carry [".gpufiles/vllm/v2", ".gpufiles/b"] (~8 min):
+#   export DEADLINE=$(($(date +%s)+565)); bash bench/serving_h200.sh stash .gpufiles/b && bash bench/vllm_h200.sh install .gpufiles/vllm/v2 && bash bench/vllm_h200.sh run sweep $OUT
+# call 4, no carry (~9 min):
+#   export DEADLINE=$(($(date +%s)+560)); bash bench/vllm_h200.sh run rest $OUT
+# From a full checkout (a clean `git archive`): stash v1, v3, c and b one call each, then calls 2 (carry a), 3
+# (carry v2) and 4.  `check` and `generate .gpufiles/vllm/smol-cfg` (SmolLM2's config and tokenizer, random
+# weights) try the engine without the model's pieces.  VLLM_USE_FLASHINFER_SAMPLER=0: vLLM's own top-k/top-p
+# sampler (flashinfer is not carried); FA3 is the attention backend on Hopper.
 #
 # If a call says a piece is missing, the machine was handed back in between: start again at call 1.
 # The machine's python3 (3.12) brings torch 2.11.0+cu130 (with triton), transformers 5.x and their deps: ASSUMED.
@@ -230,7 +244,9 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
     local name=$1 need=$2; shift 2
     if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s before DEADLINE (needs ~$need)"; return 0; fi
     echo "$name: start at $(($(date +%s) - t0)) s"
-    ipw run "$cfg" "$@" --out "$R/$name" > "$R/$name.txt" 2>&1; echo "exit $?" >> "$R/$name.txt"
+    # interrupted (SIGINT: the records so far kept, the folder resumable) 45 s before DEADLINE, for the analysis
+    timeout -s INT -k 20 "$(($(left) - 45))" python3 -m ipw.cli run "$cfg" "$@" --out "$R/$name" > "$R/$name.txt" 2>&1
+    echo "exit $?" >> "$R/$name.txt"
     tail -n 6 "$R/$name.txt"
     echo "$name: done at $(($(date +%s) - t0)) s"
   }
@@ -242,15 +258,21 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
   else
     runit inproc 120 -b smollm2-135m-vllm
     runit symmetric 100 -b smollm2-135m-vllm-server --dataset "$R/data/symmetric.jsonl" --limit 128 --concurrency 16,64
-    # a server that dies mid-run: vLLM's server killed (SIGKILL) once 8 answers are recorded, 4 in flight
+    # a server that dies mid-run: vLLM's server killed (SIGKILL) once its log shows 12 answers (the warm-up's 4
+    # and 8 measured; records reach records.jsonl in batches, too late to trigger on), 4 in flight
     if [ "$(left)" -gt 150 ]; then
-      ( for _ in $(seq 600); do
-          n=$(cat "$R"/killed/*/records.jsonl 2> /dev/null | wc -l)
-          if [ "$n" -ge 8 ]; then pkill -9 -f vllm.entrypoints.openai.api_server && echo "killed the vLLM server after $n records" > "$R/killed-at.txt"; break; fi
-          sleep 0.5
+      local killer
+      ( for _ in $(seq 1200); do
+          n=$(grep -c "POST /v1/chat" "$R"/killed/*/server-*.log 2> /dev/null || true)
+          if [ "${n:-0}" -ge 12 ]; then
+            pkill -9 -f vllm.entrypoints.openai.api_server && echo "killed the vLLM server after $n answers" > "$R/killed-at.txt"
+            break
+          fi
+          sleep 0.25
         done ) &
+      killer=$!
       runit killed 150 -b smollm2-135m-vllm-server --limit 64 --concurrency 4
-      wait
+      kill "$killer" 2> /dev/null || true; wait "$killer" 2> /dev/null || true  # not `wait`: the counter runs on
       sleep 2  # what still holds the GPU once ipw has stopped (an engine core the killed server left behind?)
       nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$R/killed-gpu-after.txt" 2>&1
       nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2> /dev/null || true

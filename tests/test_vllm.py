@@ -127,6 +127,9 @@ def test_vllm_and_llama_cpp_in_one_run(small_jsonl, tmp_path, vllm_env):
     # two requests in flight: the first two windows overlap
     assert frame["start_s"].iloc[1] < frame["end_s"].iloc[0]
     assert "split among" in frame["energy_parts"].iloc[0]  # the overlap's energy is shared
+    # the engine timed each prefill (its request metrics): the split places the prompt exactly, not by TTFT
+    assert "priced" in set(frame["split_method"]) and set(frame["split_method"]) <= {"", "priced"}
+    assert info["prefix_cache"] is False and info["gpu_memory_utilization"] is None
     assert not _vllm_processes(), "no engine process is left behind"
 
 
@@ -155,6 +158,9 @@ def test_vllm_managed_server(small_jsonl, tmp_path, converted, vllm_env, run_cli
     assert command[0] == str(PYTHON) and command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--host") + 1] == "127.0.0.1" and command[command.index("--dtype") + 1] == "float32"
     assert "--enforce-eager" in command and command[command.index("--model") + 1] == str(converted)
+    assert "--no-enable-prefix-caching" in command and command[command.index("--max-num-seqs") + 1] == "2"
+    methods = set(pd.read_parquet(run_dir / "records.parquet")["split_method"])
+    assert "priced_ttft" in methods and methods <= {"", "priced_ttft"}  # streamed, untimed: placed by TTFT
     assert info["remote"] is False and info["base_url"] == f"http://127.0.0.1:{server['port']}/v1"
     assert info["request_params"]["repetition_penalty"] == 1.0 and info["request_params"]["top_k"] == 40
     assert gone(server["pid"]), "the server is stopped at the end"

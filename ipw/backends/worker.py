@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ipw.backends.base import BackendBase, BackendSpec, Completion, GenerationSettings, QueryError
+from ipw.backends.base import BackendBase, BackendSpec, Completion, GenerationSettings, QueryError, ServerTimings
 from ipw.errors import IpwError
 
 MAX_RESTARTS = 3
@@ -495,7 +495,9 @@ class WorkerBackend(BackendBase):
         if not answer["ok"]:
             raise_answer_error(answer)
         result = answer["result"]
-        return Completion(**{**result, "token_times_s": unpack_times(result["token_times_s"])})
+        timings = result.get("server_timings")
+        return Completion(**{**result, "token_times_s": unpack_times(result["token_times_s"]),
+                             "server_timings": ServerTimings(**timings) if timings else None})
 
     def pids(self) -> list[int]:
         return [self._worker.pid] if self._worker is not None else []
@@ -592,6 +594,8 @@ def serve(fd_in: int, fd_out: int) -> None:
             if dataclasses.is_dataclass(result):  # a Completion: its fields as they are (asdict copies deeply)
                 result = dict(vars(result))
                 result["token_times_s"] = pack_times(result["token_times_s"])
+                if result.get("server_timings") is not None:  # the engine's own timing (vLLM's request metrics)
+                    result["server_timings"] = dataclasses.asdict(result["server_timings"])
             send(rid, ok=True, result=result, concurrency=getattr(engine, "concurrency", 1))
 
     def load(msg: dict[str, Any]) -> None:
