@@ -155,3 +155,37 @@ def test_prompt_tokens_counted_as_the_server_counts_them(tmp_path):
     finally:
         server.stop()
         counter.close()  # its tokenizer worker
+
+
+def test_stop_ends_the_process_group_a_killed_server_leaves(tmp_path):
+    """A server whose front end is killed outright leaves its worker behind, re-parented (a vLLM engine core
+    did, holding 28 GiB of GPU memory on the H200): ``stop`` ends every process of the server's group, not only
+    the front end's children of the moment."""
+    import subprocess
+    import sys
+
+    from ipw.backends.servers import ManagedServer, free_port
+
+    port = free_port()
+    worker_pid = tmp_path / "worker.pid"
+    script = (
+        "import http.server, subprocess, sys\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(worker_pid)!r}, 'w').write(str(w.pid))\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a):\n"
+        "        pass\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n")
+    server = ManagedServer([sys.executable, "-c", script], port, tmp_path / "server.log")
+    server.start(timeout_s=60)
+    try:
+        worker = psutil.Process(int(worker_pid.read_text()))
+        os.kill(server.pid, signal.SIGKILL)  # the front end dies; its worker is re-parented and lives on
+        server.proc.wait(10)
+        assert worker.is_running() and worker.ppid() != server.pid
+        assert server.stop(grace_s=5) == -signal.SIGKILL
+        assert gone(worker.pid), "the worker the killed server left is ended with its group"
+    finally:
+        subprocess.run(["kill", "-9", worker_pid.read_text()], capture_output=True)

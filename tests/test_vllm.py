@@ -198,6 +198,13 @@ def test_vllm_options_are_validated(tmp_path, small_jsonl, run_cli):
                    'batch_size = 0\n')
     code, _, err = run_cli("run", cfg)
     assert code == 2 and "batch_size must be >= 1" in err
+    for option, message in (("kv_cache_gb = 0.5", "kv_cache_gb must be a whole number of GiB"),
+                            ('dtype = "fp8"', "dtype must be one of float32, bfloat16, float16, auto"),
+                            ("gpu_memory_utilization = 1.5", "gpu_memory_utilization must be a fraction in (0, 1]")):
+        cfg.write_text(f'dataset = "{small_jsonl}"\n[[backends]]\nname = "v"\nkind = "vllm"\nmodel = "smollm2-135m"\n'
+                       f'{option}\n')
+        code, _, err = run_cli("run", cfg)
+        assert code == 2 and message in err and "Traceback" not in err, (option, err)
 
 
 def test_vllm_server_command_and_python_lookup(tmp_path, monkeypatch):

@@ -134,6 +134,9 @@ class VllmEngine:
         self.max_model_len = int(opts.get("max_model_len", 4096))
         if self.kv_cache_gb <= 0 or self.max_model_len < 16:
             raise IpwError(f"{name}: kv_cache_gb must be > 0 and max_model_len >= 16")
+        if not self.kv_cache_gb.is_integer():  # vLLM reads VLLM_CPU_KVCACHE_SPACE with int(): 0.5 stops its start
+            raise IpwError(f"{name}: kv_cache_gb must be a whole number of GiB (vLLM's VLLM_CPU_KVCACHE_SPACE), "
+                           f"got {self.kv_cache_gb:g}")
         # cheap checks only (check_backends validates every backend before the run): conversion is in load()
         self.source_gguf: Path | None = None
         if is_hf_dir(spec.model):
@@ -161,7 +164,7 @@ class VllmEngine:
 
         if self.model_dir is None:
             self.model_dir = resolve_hf_model(self.spec.model)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{self.kv_cache_gb:g}"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.kv_cache_gb))
         if "omp_threads_bind" in self.spec.options:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.options["omp_threads_bind"]
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder: never ask the hub
