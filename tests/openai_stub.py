@@ -2,7 +2,7 @@
 
 Every answer is ``ANSWER``, streamed as SSE.  ``modes`` is a list of actions for the next POSTs
 (then ``ok``): ``500:N`` answers HTTP 500 with a body that echoes the request's headers after N
-filler characters (``500s:N``: N spaces), ``401text:TEXT`` answers HTTP 401 with an error message TEXT,
+filler characters (``500:N+M``: and M more after them; ``500s:N``: N spaces), ``401text:TEXT`` answers HTTP 401 with an error message TEXT,
 ``400echo`` answers HTTP 400 with the request body in its message, ``badchunk`` sends a stream chunk that is not JSON and echoes the headers in it,
 ``errchunk`` an ``{"error": ...}`` chunk holding the headers, ``json`` one JSON body instead of a stream.
 ``required_key`` makes ``GET /models`` answer 401 unless the Authorization header carries that key.
@@ -111,9 +111,10 @@ class Stub:
                 if mode.startswith("500s:"):  # filler of spaces, then the echo (a strip moves what is cut)
                     self._send(500, (" " * int(mode[5:]) + "you sent " + echoed).encode(), "text/plain")
                     return
-                if mode.startswith("500"):
-                    filler = int(mode.split(":")[1]) if ":" in mode else 0
-                    self._send(500, ("x" * filler + "you sent " + echoed).encode(), "text/plain")
+                if mode.startswith("500"):  # 500:N+M: N filler characters, the echo, then M more
+                    filler, _, tail = (mode.split(":")[1] if ":" in mode else "0").partition("+")
+                    body = "x" * int(filler) + "you sent " + echoed + "y" * int(tail or 0)
+                    self._send(500, body.encode(), "text/plain")
                     return
                 if mode == "400echo":  # an error that echoes the request body (the prompt among it)
                     self._send(400, json.dumps({"error": {"message": "invalid request: " + body.decode()}}).encode())

@@ -1105,9 +1105,11 @@ def test_no_secret_in_the_manifest_command_or_the_wrapped_clients_environment(tm
 
 
 def test_an_upstream_error_body_gives_no_part_of_the_key_and_no_prompt_to_the_folder(tmp_path, monkeypatch):
-    """An upstream error body with the upstream key cut by the proxy's read limit (12 of its characters before
-    the cut), or with the key masked as an API's "incorrect key" message shows it, reaches the client without
-    any of it; without --log-prompts, a 400 that echoes the request keeps no prompt text in the records."""
+    """An upstream error body of 2 MiB with the upstream key cut by the proxy's read limit (12 of its characters
+    before the cut), or with the key masked as an API's "incorrect key" message shows it, reaches the client
+    without any of it; without --log-prompts, a 400 that echoes the request keeps no prompt text in the records.
+    None of them leaves a request open in the meter (``/health``: 0 in flight), and the session's parts plus its
+    unattributed energy still equal its span."""
     from ipw.serve import MAX_ERROR_BODY
 
     stub = Stub()
@@ -1129,12 +1131,20 @@ def test_an_upstream_error_body_gives_no_part_of_the_key_and_no_prompt_to_the_fo
 
     try:
         # "x" * N, "you sent ", "Authorization: Bearer ", the key: 12 of its characters before the read limit
-        stub.modes = [f"500:{MAX_ERROR_BODY - len('you sent Authorization: Bearer ') - 12}",
+        stub.modes = [f"500:{MAX_ERROR_BODY - len('you sent Authorization: Bearer ') - 12}+{1 << 20}",
                       "401text:Incorrect API key provided: sk-SNTL9****", "400echo"]
         cut, masked, echo = post(), post(), post()
+        host, port = proxy.server.server_address[:2]
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("GET", "/health")
+        assert json.loads(conn.getresponse().read())["in_flight"] == 0
+        conn.close()
     finally:
         proxy.stop()
         stub.close()
+    (session,) = json.loads((proxy.session.folder.path / "manifest.json").read_text())["backends"][0]["sessions"]
+    for component, sums in session["energy"].items():
+        assert sums["parts_j"] + sums["unattributed_j"] == pytest.approx(sums["span_j"], abs=1e-5), component
     assert cut[0] == 500 and len(cut[1]) <= MAX_ERROR_BODY and key[:8].encode() not in cut[1]
     assert masked[0] == 401 and b"sk-SNTL" not in masked[1]
     assert echo[0] == 400 and prompt.encode() in echo[1]  # the client's own request, back to the client
