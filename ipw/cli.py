@@ -193,6 +193,66 @@ def report(
     raise typer.Exit(report_command(runs, out=out, markdown=markdown, **routing))
 
 
+route_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False,
+                          help="A router trained on a run's own records (hashed n-grams + logistic regression; "
+                          "needs pip install 'ipw[route]'), scored out of sample (docs/ROUTING.md).")
+app.add_typer(route_app, name="route")
+_ROUTE_LOCAL = typer.Option(None, "--local", help="Treat backend NAME as local (repeat for several).")
+_ROUTE_CLOUD = typer.Option(None, "--cloud", help="Treat backend NAME as the cloud reference.")
+_ROUTE_GRADING = typer.Option("answer", "--grading", help="What 'answers as well as the cloud' means: answer "
+                              "(correct against the dataset's answer) or vs-backend (win/tie in the records' judged "
+                              "comparison against the reference's answer).")
+
+
+@route_app.command("train")
+def route_train(
+    runs: List[Path] = typer.Argument(..., help="Run folders with a cloud-role backend and local ones."),
+    out: Path = typer.Option(Path("router.json"), "--out", "-o", help="The router file to write (JSON)."),
+    local: Optional[List[str]] = _ROUTE_LOCAL,
+    cloud: Optional[List[str]] = _ROUTE_CLOUD,
+    grading: str = _ROUTE_GRADING,
+    threshold: float = typer.Option(0.5, "--threshold", help="Default threshold stored in the router: a query goes "
+                                    "to the cheapest local backend whose predicted probability is at least this."),
+    min_queries: int = typer.Option(20, "--min-queries", help="Refuse to train on fewer scored queries."),
+    folds: int = typer.Option(5, "--folds", help="k of the k-fold (by query) out-of-sample scoring."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the folds and the bootstrap."),
+    score: bool = typer.Option(True, "--score/--no-score", help="Also score the design out of sample (k-fold by "
+                               "query, held-out category) and keep the scores in the file."),
+) -> None:
+    """Train a router on the runs' records and write it (JSON: versioned, states what it was trained on)."""
+    from ipw.commands.route import train_command
+
+    raise typer.Exit(train_command(runs, out=out, local=local or [], cloud=cloud or [], grading=grading,
+                                   threshold=threshold, min_queries=min_queries, folds=folds, seed=seed, score=score))
+
+
+@route_app.command("score")
+def route_score(
+    runs: List[Path] = typer.Argument(..., help="Run folders to score the router design on (out of sample)."),
+    router: Optional[Path] = typer.Option(None, "--router", help="A router file whose settings to retrain in folds "
+                                          "(default: ipw route train's defaults)."),
+    local: Optional[List[str]] = _ROUTE_LOCAL,
+    cloud: Optional[List[str]] = _ROUTE_CLOUD,
+    grading: Optional[str] = typer.Option(None, "--grading", help="answer or vs-backend (default: the router's, "
+                                          "else answer)."),
+    router_threshold: Optional[float] = typer.Option(None, "--router-threshold", help="The operating point's "
+                                                     "threshold (0..1)."),
+    max_accuracy_loss: Optional[str] = typer.Option(None, "--max-accuracy-loss", help="E.g. 1%: the operating point "
+                                                    "is the most energy-saving threshold within that out-of-fold "
+                                                    "accuracy loss against cloud-only."),
+    min_queries: Optional[int] = typer.Option(None, "--min-queries", help="Refuse fewer scored queries (default 20)."),
+    folds: int = typer.Option(5, "--folds", help="k of the k-fold by query."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the folds and the bootstrap."),
+    fmt: str = typer.Option("table", "--format", "-f", help="table or json."),
+) -> None:
+    """Score a router design out of sample: k-fold by query and held-out categories, the curve over the threshold."""
+    from ipw.commands.route import score_command
+
+    raise typer.Exit(score_command(runs, router_path=router, local=local or [], cloud=cloud or [], grading=grading,
+                                   threshold=router_threshold, max_accuracy_loss=max_accuracy_loss,
+                                   min_queries=min_queries, folds=folds, seed=seed, fmt=fmt))
+
+
 @app.command()
 def merge(
     shards: List[Path] = typer.Argument(..., help="The run folders of every shard (ipw run --shard K/N) of one run."),

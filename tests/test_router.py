@@ -1,0 +1,186 @@
+"""The trained router (issue 44; ipw/analysis/router.py, ipw route, ipw compare --router): recovered out of sample
+where local correctness depends on a word of the prompt, no false saving where it is random, the router file's
+round trip, and bad input (exit 2, one line, nothing written)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ipw.analysis import router as r
+from ipw.cli import main
+from runfolders import create, record
+
+WORDS = ["apple", "river", "stone", "cloud", "green", "music", "table", "light", "paper", "bread", "horse", "glass"]
+
+
+def write_routing_run(out, run_id, n=120, *, rule="word", seed=1, categories=None, local_role="local",
+                      cloud_role="cloud", cloud_correct=None):
+    """A run of a local and a cloud backend over ``n`` prompts: the local backend is correct exactly when the
+    prompt holds the word "easy" (``rule="word"``), or at random (``rule="random"``); the cloud always is
+    (or ``cloud_correct``). Local energy 1 J, cloud 10 J."""
+    rng = np.random.default_rng(seed)
+    folder = create(out, run_id, {"command": ["test"], "config": {},
+                                  "dataset": {"name": "fixture", "n_queries": n, "fingerprint": "sha256:route"}})
+    t = 0.0
+    prompts, local_ok = [], []
+    for i in range(n):
+        words = list(rng.choice(WORDS, size=6))
+        easy = i % 3 == 0
+        if easy:
+            words.insert(int(rng.integers(0, 6)), "easy")
+        prompts.append(f"Question {i}: " + " ".join(words) + "?")
+        local_ok.append(easy if rule == "word" else bool(rng.random() < 0.5))
+    for name, role, energy in (("small", local_role, 1.0), ("big", cloud_role, 10.0)):
+        for i, prompt in enumerate(prompts):
+            ok = local_ok[i] if name == "small" else (True if cloud_correct is None else cloud_correct[i])
+            folder.append(record(run_id=run_id, backend=name, model=name, role=role, query_id=f"q{i}",
+                                 category=(categories[i] if categories else ""), prompt=prompt,
+                                 output="a" if ok else "b", correct=float(ok), energy_j=energy,
+                                 latency_s=0.5 if name == "small" else 2.0, start_s=t, end_s=t + 1,
+                                 hardware_id="hw-test", node="node-1"))
+            t += 1.01
+    folder.finish("complete")
+    return folder.path
+
+
+def test_word_rule_is_recovered_out_of_sample(tmp_path):
+    run = write_routing_run(tmp_path, "word")
+    data = r.route_data([run])
+    assert data.local == ("small",) and data.cloud == "big"
+    scores = r.score_router(data, r.Featurizer(), n_boot=200)
+    s = scores.kfold
+    assert s.auc["small"] > 0.9, s.auc
+    op = s.operating_point
+    # the easy third goes local, with no loss and real savings
+    assert 0.25 < op.local_share.value < 0.45
+    assert op.accuracy_loss.value < 0.03
+    assert op.energy_saved_fraction is not None and op.energy_saved_fraction.value > 0.2
+    assert op.energy_saved_fraction.lo > 0.1
+    # APGR: a random router gets 0.5; a perfect one here 2/3 (the local backend solves a third)
+    assert s.apgr > 0.6 and s.local_share_at_80 is not None and s.local_share_at_80 > 0.25
+
+
+def test_random_correctness_shows_no_false_saving(tmp_path):
+    run = write_routing_run(tmp_path, "random", rule="random", seed=3)
+    data = r.route_data([run])
+    scores = r.score_router(data, r.Featurizer(), n_boot=200, max_accuracy_loss=0.01)
+    s = scores.kfold
+    assert 0.3 < s.auc["small"] < 0.7, s.auc
+    # accuracy loss grows with the local share: the points that route more lose more
+    pts = sorted(s.curve, key=lambda p: p.local_share.value)
+    shares = np.array([p.local_share.value for p in pts])
+    losses = np.array([p.accuracy_loss.value for p in pts])
+    assert np.corrcoef(shares, losses)[0, 1] > 0.9
+    assert losses[-1] > 0.3  # all local: ~half wrong
+    # within 1% accuracy loss, (almost) nothing goes local
+    assert s.operating_point.local_share.value <= 0.05, s.operating_point
+
+
+def test_cli_train_round_trip_and_score(tmp_path, capsys):
+    run = write_routing_run(tmp_path, "word")
+    out = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["format"] == "ipw-router" and doc["format_version"] == 1
+    assert doc["trained_on"]["runs"][0]["run_id"] == "word"
+    assert doc["trained_on"]["hardware"] == ["hw-test", "node-1"]
+    assert {b["role"] for b in doc["trained_on"]["backends"]} == {"local", "cloud"}
+    assert doc["scores"]["kfold"]["auc"]["small"] > 0.9
+    loaded = r.load_router(out)
+    data = r.route_data([run])
+    trained = r.train(data)
+    for prompt in data.prompts[:40] + ("an easy one", "nothing here"):
+        assert loaded.route(prompt) == trained.route(prompt)
+        a, b = loaded.probabilities(prompt), trained.probabilities(prompt)
+        assert abs(a["small"] - b["small"]) < 1e-9
+    assert loaded.route("Question 999: easy apple river") == "small"
+    assert loaded.route("Question 999: apple river stone") == "big"
+    capsys.readouterr()
+    assert main(["route", "score", str(run), "--router", str(out), "--max-accuracy-loss", "1%",
+                 "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]
+    assert got["operating_point"]["accuracy_loss"]["value"] <= 0.01
+    assert got["operating_point"]["energy_saved_fraction"]["value"] > 0.2
+
+
+def test_held_out_category(tmp_path):
+    cats = [["alpha", "beta", "gamma"][i % 3] for i in range(120)]
+    # with i % 3 == 0 easy, alpha is all easy: shuffle categories independently
+    cats = [["alpha", "beta", "gamma"][(i // 3) % 3] for i in range(120)]
+    run = write_routing_run(tmp_path, "cats", categories=cats)
+    data = r.route_data([run])
+    scores = r.score_router(data, r.Featurizer(("alpha", "beta", "gamma")), n_boot=100)
+    ho = scores.held_out_category
+    assert ho is not None and [c["category"] for c in ho.by_category] == ["alpha", "beta", "gamma"]
+    assert ho.auc["small"] > 0.9  # the word carries over to an unseen category
+
+
+def _err(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input(tmp_path, capsys):
+    run = write_routing_run(tmp_path, "word")
+    out = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    capsys.readouterr()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    # another format version
+    doc = json.loads(out.read_text())
+    (bad / "v2.json").write_text(json.dumps({**doc, "format_version": 2}))
+    assert main(["route", "score", str(run), "--router", str(bad / "v2.json")]) == 2
+    assert "v2.json" in _err(capsys)
+    # features the runs cannot supply: an unknown feature, a category the runs lack
+    feats = {**doc["features"], "features": ["ngrams", "embedding"]}
+    (bad / "feat.json").write_text(json.dumps({**doc, "features": feats}))
+    assert main(["route", "score", str(run), "--router", str(bad / "feat.json")]) == 2
+    assert "embedding" in _err(capsys)
+    feats = {**doc["features"], "categories": ["x", "y"], "features": ["ngrams", "log_length", "category"]}
+    (bad / "cat.json").write_text(json.dumps({**doc, "features": feats}))
+    assert main(["route", "score", str(run), "--router", str(bad / "cat.json")]) == 2
+    assert "category" in _err(capsys)
+    # missing, corrupt
+    assert main(["route", "score", str(run), "--router", str(bad / "none.json")]) == 2
+    assert "none.json" in _err(capsys)
+    (bad / "corrupt.json").write_text('{"format": "ipw-rou')
+    assert main(["route", "score", str(run), "--router", str(bad / "corrupt.json")]) == 2
+    assert "corrupt.json" in _err(capsys)
+    # thresholds outside [0, 1]
+    for args in (["route", "train", str(run), "--out", str(bad / "t.json"), "--threshold", "1.5"],
+                 ["route", "score", str(run), "--router-threshold", "-0.1"],
+                 ["route", "score", str(run), "--max-accuracy-loss", "150%"]):
+        assert main(args) == 2
+        e = _err(capsys)
+        assert "--threshold" in e or "--router-threshold" in e or "--max-accuracy-loss" in e
+    # no cloud reference; too few queries; one class only
+    nocloud = write_routing_run(tmp_path / "nc", "nocloud", cloud_role="local")
+    assert main(["route", "train", str(nocloud), "--out", str(bad / "nc.json")]) == 2
+    assert "cloud" in _err(capsys)
+    few = write_routing_run(tmp_path / "few", "few", n=12)
+    assert main(["route", "train", str(few), "--out", str(bad / "few.json")]) == 2
+    assert "--min-queries" in _err(capsys)
+    one = write_routing_run(tmp_path / "one", "one", rule="random", seed=5)
+    assert main(["route", "train", str(one), "--out", str(bad / "one.json"), "--local", "big", "--cloud",
+                 "small"]) == 2  # 'big' is always right: one class
+    assert "one class" in _err(capsys)
+    written = sorted(p.name for p in bad.iterdir())
+    assert written == ["cat.json", "corrupt.json", "feat.json", "v2.json"]
+
+
+def test_missing_sklearn_names_the_extra(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *a, **k):
+        if name.startswith("sklearn"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(r.IpwError, match=r"ipw\[route\]"):
+        r.sklearn_modules()
