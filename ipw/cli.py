@@ -168,13 +168,22 @@ def compare(
         None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
     api_price: Optional[List[str]] = typer.Option(
         None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
+    router: Optional[Path] = typer.Option(
+        None, "--router", help="A router file (ipw route train): its design is retrained in folds on these runs and "
+        "shown, scored out of fold, beside the oracle and the α-router (docs/ROUTING.md)."),
+    router_threshold: Optional[float] = typer.Option(
+        None, "--router-threshold", help="With --router: the operating point's threshold (0..1; default the router's)."),
+    max_accuracy_loss: Optional[str] = typer.Option(
+        None, "--max-accuracy-loss", help="With --router: the operating point is the most energy-saving threshold "
+        "whose out-of-fold accuracy loss against cloud-only is within this (e.g. 1%)."),
     **routing,
 ) -> None:
     """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
     from ipw.commands.compare import compare_command
 
     raise typer.Exit(compare_command(runs, fmt=fmt, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh,
-                                     api_prices=api_price or [], **routing))
+                                     api_prices=api_price or [], router=router, router_threshold=router_threshold,
+                                     max_accuracy_loss=max_accuracy_loss, **routing))
 
 
 @app.command()

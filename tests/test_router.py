@@ -184,3 +184,28 @@ def test_missing_sklearn_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(r.IpwError, match=r"ipw\[route\]"):
         r.sklearn_modules()
+
+
+def test_compare_shows_the_router_beside_the_oracle(tmp_path, capsys):
+    run = write_routing_run(tmp_path, "word")
+    out = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(run), "--router", str(out), "--n-boot", "100"]) == 0
+    text = capsys.readouterr().out
+    assert "oracle (knows each answer: upper bound)" in text and "α-router" in text
+    assert "out-of-fold" in text and "APGR" in text
+    assert main(["compare", str(run), "--router", str(out), "--n-boot", "100", "--format", "json",
+                 "--max-accuracy-loss", "1%"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["routing"]["oracle"] and doc["trained_router"]["kfold"]["auc"]["small"] > 0.9
+    assert doc["trained_router"]["kfold"]["operating_point"]["accuracy_loss"]["value"] <= 0.01
+    assert main(["compare", str(run), "--router", str(out), "--format", "markdown", "--n-boot", "100"]) == 0
+    assert "**trained router**" in capsys.readouterr().out
+    # bad router input: exit 2, one line, before any work
+    assert main(["compare", str(run), "--router", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in _err(capsys)
+    assert main(["compare", str(run), "--router", str(out), "--router-threshold", "2"]) == 2
+    assert "--router-threshold" in _err(capsys)
+    assert main(["compare", str(run), "--router-threshold", "0.5"]) == 2
+    assert "--router" in _err(capsys)

@@ -167,3 +167,36 @@ def scores_doc(scores: Any) -> dict[str, Any]:
     return {"trained_router": {"kfold": scores_json(scores.kfold),
                                "held_out_category": None if scores.held_out_category is None
                                else scores_json(scores.held_out_category)}}
+
+
+def beside_rows(result: Any) -> list[tuple[str, str]]:
+    """The oracle's and the α-router's numbers of a ``Comparison``, to read the trained router against: both
+    know each answer in advance (upper bounds, never deployable)."""
+    r = result.routing
+    if r is None:
+        return []
+    o, a = r.oracle, r.router
+    local = sum(v for k, v in o.routed_to.items() if k != r.cloud) / max(r.n_queries, 1)
+
+    def saved(s: Any) -> str:
+        return "n/a" if s is None else _pct(s.saved_fraction)
+
+    return [
+        ("oracle (knows each answer: upper bound)", f"local {_pct(local)}, accuracy {_pct(o.accuracy)}, energy saved "
+                                                    f"{saved(o.energy_j)}, latency saved {saved(o.latency_s)}"),
+        (f"α-router (α={a.alpha:g}; upper bound: never sends a query the local model fails)",
+         f"local {_pct(a.alpha * local)}, accuracy {_pct(a.accuracy)}, energy saved {_pct(a.energy_saved_fraction)}"),
+        ("trained router (below: deployable, scored out of fold)", ""),
+    ]
+
+
+def scores_markdown(scores: Any, result: Any = None) -> str:
+    from ipw.sanitize import md_text
+
+    lines = []
+    for s in [scores.kfold] + ([scores.held_out_category] if scores.held_out_category else []):
+        lines += ["", f"**{s.name}** ({md_text(s.protocol)})", "", "| | value |", "|---|---:|"]
+        rows = (beside_rows(result) if result is not None and s is scores.kfold else []) + policy_rows(s)
+        lines += [f"| {md_text(k)} | {md_text(v)} |" for k, v in rows]
+        lines += [f"- {md_text(n)}" for n in s.notes]
+    return "\n".join(lines) + "\n"
