@@ -432,7 +432,7 @@ def operating_point(points: Sequence[CurvePoint], threshold: float | None = None
                       f"{max_accuracy_loss:.1%} (--max-accuracy-loss)")
     t = DEFAULT_THRESHOLD if threshold is None else threshold
     best = min(points, key=lambda pt: abs(pt.threshold - t))
-    return best, f"threshold {best.threshold:g}" + (" (--router-threshold)" if threshold is not None else " (default)")
+    return best, f"threshold {best.threshold:g}" + ("" if threshold is not None else " (default)")
 
 
 def auc(data: RouteData, p: np.ndarray) -> dict[str, float]:
