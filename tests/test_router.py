@@ -201,6 +201,10 @@ def test_compare_shows_the_router_beside_the_oracle(tmp_path, capsys):
     assert doc["trained_router"]["kfold"]["operating_point"]["accuracy_loss"]["value"] <= 0.01
     assert main(["compare", str(run), "--router", str(out), "--format", "markdown", "--n-boot", "100"]) == 0
     assert "**trained router**" in capsys.readouterr().out
+    assert main(["compare", str(run), "--router", str(out), "--n-boot", "100", "--format", "json",
+                 "--usd-per-kwh", "0.3", "--api-price", "big=1,2"]) == 0
+    op = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]["operating_point"]
+    assert op["cost_saved_fraction"]["value"] > 0.2  # priced as compare prices the oracle
     # bad router input: exit 2, one line, before any work
     assert main(["compare", str(run), "--router", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in _err(capsys)

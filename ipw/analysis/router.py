@@ -123,16 +123,18 @@ def _prompts_of(path: str) -> tuple[dict[str, str], list[str]]:
 
 
 def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud: Sequence[str] = (),
-               grading: str = "answer", common_queries: bool = False, cost: np.ndarray | None = None) -> RouteData:
+               grading: str = "answer", common_queries: bool = False, usd_per_kwh: float | None = None,
+               api_prices: Sequence[str] = ()) -> RouteData:
     """Read run folders into a ``RouteData``: roles from the records, overridden by ``local``/``cloud``.
-    ``cost``: USD per (backend, query) as ``ipw.analysis.compare.cost_matrix`` makes it (optional)."""
-    from ipw.analysis.compare import _reference, resolve_levels
+    ``usd_per_kwh`` and ``api_prices`` (``NAME=IN,OUT``) price the queries as ``ipw compare`` does."""
+    from ipw.analysis.compare import _reference, cost_matrix, parse_api_price, resolve_levels
     from ipw.analysis.load import BackendInfo, load
     from ipw.analysis.routing import SOLVED_AT, resolve_roles
 
     if grading not in GRADINGS:
         raise IpwError(f"--grading {grading!r}: must be one of {', '.join(GRADINGS)}")
-    runs, infos, pq, _ = load(paths, common_queries=common_queries)
+    prices_raw = [parse_api_price(p) for p in api_prices]
+    runs, infos, pq, _ = load(paths, common_queries=common_queries, prompt_tokens=bool(prices_raw))
     labels = tuple(i.label for i in infos)
 
     def names(xs: Sequence[str], opt: str) -> list[str]:
@@ -145,6 +147,8 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
     ref, _ = _reference(None, infos, roles)
     ri = labels.index(ref)
+    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "--api-price")}
+    cost = cost_matrix(pq, labels, roles, usd_per_kwh, prices)
     li = [j for j in range(len(infos)) if roles[j] == "local"
           and (infos[j].run_id, infos[j].backend) != (infos[ri].run_id, infos[ri].backend)]
     if not li:

@@ -82,10 +82,10 @@ def print_scores(scores: Any, console: Any, *, curve: bool = True, beside: Seque
         console.print(t)
 
 
-def _data(runs: Sequence[Path], local: Sequence[str], cloud: Sequence[str], grading: str) -> Any:
+def _data(runs: Sequence[Path], local: Sequence[str], cloud: Sequence[str], grading: str, **prices: Any) -> Any:
     from ipw.analysis.router import route_data
 
-    return route_data(runs, local=local, cloud=cloud, grading=grading)
+    return route_data(runs, local=local, cloud=cloud, grading=grading, **prices)
 
 
 def train_command(runs: Sequence[Path], *, out: Path, local: Sequence[str], cloud: Sequence[str], grading: str,
@@ -132,7 +132,7 @@ def score_command(runs: Sequence[Path], *, router_path: Path | None, local: Sequ
 def router_scores(runs: Sequence[Path], *, router_path: Path | None, local: Sequence[str] = (),
                   cloud: Sequence[str] = (), grading: str | None = None, threshold: float | None = None,
                   max_accuracy_loss: str | None = None, min_queries: int | None = None, folds: int = 5,
-                  seed: int = 0) -> Any:
+                  seed: int = 0, usd_per_kwh: float | None = None, api_prices: Sequence[str] = ()) -> Any:
     """The router design (of ``router_path``, else the defaults) scored out of sample on ``runs``: retrained in
     folds with its settings, never scored on a query it was trained on."""
     from ipw.analysis import router as r
@@ -150,7 +150,7 @@ def router_scores(runs: Sequence[Path], *, router_path: Path | None, local: Sequ
         min_queries = min_queries if min_queries is not None else int(training.get("min_queries") or r.MIN_QUERIES)
         c = float(training.get("C") or r.C)
         threshold = router.threshold if threshold is None and loss is None else threshold
-    data = _data(runs, local, cloud, grading or "answer")
+    data = _data(runs, local, cloud, grading or "answer", usd_per_kwh=usd_per_kwh, api_prices=api_prices)
     if router_path is not None:
         r.check_runs_supply(router, data, router_path)
         featurizer = r.Featurizer(tuple(sorted({x for x in data.category if x})) if router.featurizer.categories
