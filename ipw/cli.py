@@ -194,12 +194,21 @@ def report(
                              "self-contained file: plots inlined, nothing fetched when viewed)."),
     markdown: Optional[Path] = typer.Option(
         None, "--markdown", help="Also write a Markdown summary (a CI job summary or a pull-request comment)."),
+    router: Optional[Path] = typer.Option(
+        None, "--router", help="A router file (ipw route train): its design, scored out of fold on these runs, "
+        "beside the oracle and the α-router (docs/ROUTING.md)."),
+    router_threshold: Optional[float] = typer.Option(
+        None, "--router-threshold", help="With --router: the operating point's threshold (0..1)."),
+    max_accuracy_loss: Optional[str] = typer.Option(
+        None, "--max-accuracy-loss", help="With --router: the most energy-saving threshold within this out-of-fold "
+        "accuracy loss against cloud-only (e.g. 1%)."),
     **routing,
 ) -> None:
     """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
     from ipw.commands.report import report_command
 
-    raise typer.Exit(report_command(runs, out=out, markdown=markdown, **routing))
+    raise typer.Exit(report_command(runs, out=out, markdown=markdown, router=router, router_threshold=router_threshold,
+                                    max_accuracy_loss=max_accuracy_loss, **routing))
 
 
 route_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False,

@@ -235,3 +235,20 @@ def test_embedded_default_run_train_compare(tmp_path, run_cli):
     assert code == 0, err
     for text in ("oracle (knows each answer: upper bound)", "α-router", "trained router", "out-of-fold", "AUC"):
         assert text in stdout, text
+
+
+def test_report_shows_the_router(tmp_path, capsys):
+    pytest.importorskip("jinja2")
+    run = write_routing_run(tmp_path, "word")
+    out = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    html, md = tmp_path / "rep" / "report.html", tmp_path / "rep" / "summary.md"
+    assert main(["report", str(run), "--router", str(out), "--out", str(html), "--markdown", str(md)]) == 0
+    text = html.read_text()
+    assert "trained router, deployable, scored out of fold" in text and "out-of-fold curve" in text
+    assert "upper bound" in text
+    assert "trained router" in md.read_text()
+    capsys.readouterr()
+    assert main(["report", str(run), "--router", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.html")]) == 2
+    assert "nope.json" in _err(capsys)
+    assert not (tmp_path / "x.html").exists()

@@ -47,8 +47,12 @@ def _imports() -> None:
 
 def build(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
           local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
-          n_boot: int | None = None, seed: int = 0, deadline: str | None = None) -> dict[str, Any]:
-    """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``."""
+          n_boot: int | None = None, seed: int = 0, deadline: str | None = None,
+          extra_tables: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``.
+    ``extra_tables``: tables of deployable policies scored out of sample (``ipw report --router``: the trained
+    router; ``key`` trained_router or trained_router_curve), shown after the routing tables; their energy-saved
+    cells are marked estimated when the routing's energy is."""
     _imports()
     import matplotlib
 
@@ -69,6 +73,10 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
     r = d["routing"]
     routing_est = c.routing_estimated
     tables = data.marked_tables(c)
+    for t in extra_tables:
+        rows = [[{**x, "est": routing_est and ("energy saved" in row[0]["text"] or "energy saved" in h)}
+                 for x, h in zip(row, t["headers"])] for row in t["rows"]]
+        tables.append({**t, "rows": rows, "has_est": any(x["est"] for r in rows for x in r)})
     costliest, wrong = data.costliest(c.runs, frame, est)
     p = plots.Plots([b.label for b in c.backends], est)
     with matplotlib.rc_context({"font.size": 9, "hatch.linewidth": 0.8}):
@@ -143,7 +151,8 @@ def render_markdown(ctx: dict[str, Any], html_name: str | None = None) -> str:
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
         lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
-    order = ("metrics", "serving", "deadline", "routing", "by_category", "judge", "difference")  # as in the HTML
+    order = ("metrics", "serving", "deadline", "routing", "trained_router", "by_category", "judge",
+             "difference")  # as in the HTML
     keep = sorted((t for t in ctx["tables"] if t["key"] in order), key=lambda t: order.index(t["key"]))
     for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",

@@ -200,3 +200,22 @@ def scores_markdown(scores: Any, result: Any = None) -> str:
         lines += [f"| {md_text(k)} | {md_text(v)} |" for k, v in rows]
         lines += [f"- {md_text(n)}" for n in s.notes]
     return "\n".join(lines) + "\n"
+
+
+def report_tables(scores: Any) -> list[dict[str, Any]]:
+    """The router's tables in ``ipw report``'s form (cells ``{"text", "est"}``; ``build`` marks estimated energy)."""
+    def cells(rows: Sequence[Sequence[str]]) -> list[list[dict[str, Any]]]:
+        return [[{"text": x, "est": False} for x in row] for row in rows]
+
+    out = []
+    for s in [scores.kfold] + ([scores.held_out_category] if scores.held_out_category else []):
+        out.append({"title": f"trained router, deployable, scored out of fold ({s.protocol}): "
+                             f"{', '.join(s.local)} else {s.cloud}; the oracle and the α-router above are upper "
+                             "bounds", "headers": ["", "value"], "rows": cells(policy_rows(s)),
+                    "key": "trained_router", "section": "routing"})
+    s = scores.kfold
+    out.append({"title": f"trained router: out-of-fold curve over the threshold ({s.protocol})",
+                "headers": ["threshold", "routed locally", "accuracy", "accuracy loss", "energy saved",
+                            "latency saved", "PGR"], "rows": cells(curve_rows(s)), "key": "trained_router_curve",
+                "section": "routing"})
+    return out
