@@ -202,7 +202,7 @@ def test_probe_sensors_order(monkeypatch, tmp_path):
     core = ("nvml", "rapl", "cpu_model")  # the other platforms' rows: tests/test_platforms.py
     infos = describe_sensors(rapl_root=tmp_path / "none")
     # the documented order (docs/PLATFORMS.md, probe.py): NVML, the registry's platforms, RAPL, the CPU model
-    assert [i.name for i in infos] == ["nvml", *(e.name for e in PLATFORMS), "rapl", "cpu_model"]
+    assert [i.name for i in infos] == ["nvml", *(e.name for e in PLATFORMS), "node_power", "rapl", "cpu_model"]
     assert [(i.name, i.available) for i in infos if i.name in core] == [("nvml", True), ("rapl", False), ("cpu_model", True)]
     assert infos[0].source == "nvml.samples"
 

@@ -584,6 +584,10 @@ def doctor(self_test: bool = False, seconds: float = 60.0, *, json_path: str | N
                   ["sensor", "component", "counter", "counter / power x time", "problems"], checks)
     else:
         out.line("counter cross-checks: no sensor here reads an energy counter beside power readings")
+    from ipw.telemetry.node_power import doctor_rows
+
+    out.table("node power from the BMC (IPW_NODE_POWER; scope node, never added to the chip total)",
+              ["item", "found"], doctor_rows())
     out.table("engines (checked in a worker process)", ["engine", "status", "detail"], engine_rows())
     if record_trace is not None:
         record_trace_file(record_trace, seconds, out)

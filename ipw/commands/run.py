@@ -125,6 +125,9 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
         config = apply_overrides(load_config(str(config_path) if config_path else None), overrides)
         query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
     levels = check_run(config)
+    from ipw.telemetry.node_power import check_configured
+
+    check_configured()  # the BMC that IPW_NODE_POWER names answers with power data, before any folder exists
 
     # 2. plan
     if resume is not None:

@@ -14,7 +14,12 @@ from typing import Any, ClassVar, Literal
 
 Quality = Literal["measured", "measured_interpolated", "estimated", "unavailable"]
 Scope = Literal["gpu", "cpu_package", "dram", "system_estimate", "datacenter_estimate",
-                "module", "chip_rails", "board"]  # module: a superchip's module; chip_rails: Apple's; board: Jetson's
+                "module", "chip_rails", "board", "node"]  # module: a superchip's module; chip_rails: Apple's; board: Jetson's
+#: node: the whole machine from its BMC (ipw.telemetry.node_power), which contains every other scope here
+
+#: Scopes that contain the others: their readings are a basis of their own, never added to a chip total
+#: (the node's wall power already includes its GPUs and CPU packages).
+CONTAINING_SCOPES: tuple[str, ...] = ("node",)
 
 #: Quality ranks, best first; a total takes the worst quality of its parts.
 QUALITY_ORDER: tuple[str, ...] = ("measured", "measured_interpolated", "estimated", "unavailable")
@@ -194,8 +199,10 @@ class EnergyTotal:
 
 
 def energy_basis(readings: list[EnergyReading]) -> list[EnergyReading]:
-    """The readings a total sums: the measured ones, or (if there are none) every available one."""
-    available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"]
+    """The readings a total sums: the measured ones, or (if there are none) every available one; a node
+    reading (``CONTAINING_SCOPES``) never: it contains the others."""
+    available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"
+                 and r.scope not in CONTAINING_SCOPES]
     measured = [r for r in available if r.quality in ("measured", "measured_interpolated")]
     return measured or available
 
@@ -206,7 +213,8 @@ def joules(readings: list[EnergyReading]) -> list[float]:
 
 
 def total_energy(readings: list[EnergyReading]) -> EnergyTotal:
-    available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"]
+    available = [r for r in readings if r.energy_j is not None and r.quality != "unavailable"
+                 and r.scope not in CONTAINING_SCOPES]
     basis = energy_basis(readings)
     if not basis:
         return EnergyTotal(None, "unavailable", "", "", None)

@@ -1,6 +1,7 @@
 """Choose the sensors for a run, in a fixed order: NVML, the other platforms (AMD GPUs, NVIDIA module
-power, Apple Silicon, Jetson boards: :data:`PLATFORMS`, docs/PLATFORMS.md), then RAPL, else the CPU
-model.
+power, Apple Silicon, Jetson boards: :data:`PLATFORMS`, docs/PLATFORMS.md), the node's BMC where
+``IPW_NODE_POWER`` names one (:mod:`ipw.telemetry.node_power`, scope ``node``: never added to the chip
+total), then RAPL, else the CPU model.
 
 The CPU model estimate is used only when nothing measures the CPU (RAPL, Apple's chip rails, a
 Jetson board's input), so a measured CPU number is never replaced by (or added to) an estimate of
@@ -131,6 +132,11 @@ def probe_sensors(
     try:
         platforms, _ = platform_sensors(gpu_indices)
         sensors.extend(sensor for _, sensor in platforms)
+        from ipw.telemetry import node_power  # IPW_NODE_POWER: the node's BMC (raises when it is set and fails)
+
+        node = node_power.probe()
+        if node is not None:
+            sensors.append(node)
         package = RaplSensor.probe(rapl_root) if rapl else None
     except BaseException:
         for sensor in sensors:
@@ -175,6 +181,19 @@ def describe_sensors(
         else:
             infos.append(sensor.info())
             sensor.close()
+
+    try:
+        from ipw.telemetry import node_power
+
+        node = node_power.probe(threaded=False)
+    except IpwError as exc:
+        infos.append(_unavailable("node_power", "redfish.power", "node", exc.message))
+    else:
+        if node is None:
+            infos.append(_unavailable("node_power", "redfish.power", "node", f"not configured: set {node_power.USAGE}"))
+        else:
+            infos.append(node.info())
+            node.close()
 
     rapl_present = False
     try:
