@@ -188,6 +188,32 @@ def test_redfish_energy_matches_the_emulators_power_over_the_window(redfish):
     assert url in text and "s3cret-bmc-pw" not in text and "admin" not in text
 
 
+def test_a_measured_window_carries_the_node_reading_beside_the_chip_total(redfish, monkeypatch):
+    """Through the probe and Window that ipw run uses (here via ipw.measure): the node is one part of the
+    window, attributed like any polled sensor's, and its joules are not in the chip total."""
+    import ipw
+
+    url, root = redfish
+    varier = Varier(root)
+    varier.start()
+    for k, v in _env(url).items():
+        monkeypatch.setenv(k, v)
+    try:
+        with ipw.measure(gpus=[]) as m:
+            t0 = time.monotonic()
+            time.sleep(2.0)
+            t1 = time.monotonic()
+    finally:
+        varier.stop.set()
+        varier.join()
+    result = m.result
+    (node,) = [p for p in result.parts if p.scope == "node"]
+    assert node.energy_j == pytest.approx(varier.truth(t0, t1), rel=0.05)
+    assert "node" not in result.scope
+    assert result.best_effort_energy_j == pytest.approx(sum(p.energy_j or 0.0 for p in result.parts if p.scope != "node"))
+    assert any(s.name == "node_power" for s in result.sensors)
+
+
 def test_redfish_legacy_power_control_and_kwh_counter(redfish):
     """A chassis with only the legacy Power resource: PowerControl[0].PowerConsumedWatts (input power)."""
     url, root = redfish
