@@ -214,6 +214,38 @@ def test_a_measured_window_carries_the_node_reading_beside_the_chip_total(redfis
     assert any(s.name == "node_power" for s in result.sensors)
 
 
+def test_ipw_run_records_the_node_and_never_the_credentials(redfish, tmp_path):
+    """ipw run end to end (the embedded model, one query): each record's parts carry the node's reading, the
+    manifest names the BMC by URL, and the password is nowhere in the run folder."""
+    url, root = redfish
+    varier = Varier(root)
+    varier.start()
+    out = tmp_path / "runs"
+    try:
+        result = subprocess.run(IPW + ["run", "-n", "2", "-b", "smollm2-135m", "--warmup", "0", "-o", str(out)],
+                                capture_output=True, text=True, timeout=300, env={**os.environ, **_env(url)})
+    finally:
+        varier.stop.set()
+        varier.join()
+    assert result.returncode == 0, result.stderr
+    (run,) = list(out.iterdir())
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert b"s3cret-bmc-pw" not in f.read_bytes(), f
+    manifest = json.loads((run / "manifest.json").read_text())
+    (node,) = [s for b in manifest["backends"] for s in b["sensors"] if s["scope"] == "node"]
+    assert (node["name"], node["params"]["url"], node["params"]["chassis"]) == ("node_power", url, "1U")
+    records = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for r in records:
+        parts = json.loads(r["energy_parts"]) if isinstance(r["energy_parts"], str) else r["energy_parts"]
+        (part,) = [p for p in parts if p["scope"] == "node"]
+        assert part["source"] == "redfish.power" and part["energy_j"] > 0
+        truth = varier.truth(r["start_s"], r["end_s"])
+        assert part["energy_j"] == pytest.approx(truth, rel=0.05, abs=part["uncertainty_j"] or 0.0)
+        assert "node" not in r["energy_scope"]
+
+
 def test_redfish_legacy_power_control_and_kwh_counter(redfish):
     """A chassis with only the legacy Power resource: PowerControl[0].PowerConsumedWatts (input power)."""
     url, root = redfish
