@@ -320,6 +320,38 @@ def test_a_redfish_answer_without_power_data_is_one_line_exit_2(authed_emulator,
     assert "no power data" in result.stderr and "right-password" not in result.stderr
 
 
+def test_redfish_over_https_with_a_self_signed_certificate(tmp_path):
+    """A BMC's usual HTTPS with its own certificate: refused unless IPW_BMC_VERIFY trusts it or skips the check."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "bmc.pem", tmp_path / "bmc.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=bmc",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    port = _free_port()
+    proc = subprocess.Popen([str(BIN / "sushy-static"), "-i", "127.0.0.1", "-p", str(port), "-m", str(TREE),
+                             "-c", str(cert), "-k", str(key)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # up once the port accepts
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        with pytest.raises(IpwError, match="IPW_BMC_VERIFY=/path/to/its-ca.pem") as e:
+            node_power.discover(node_power.RedfishClient(node_power.node_config(_env(url))))
+        assert "\n" not in e.value.message
+        for verify in (str(cert), "0"):
+            picked, _ = node_power.discover(node_power.RedfishClient(node_power.node_config(_env(url, IPW_BMC_VERIFY=verify))))
+            assert picked.id == "1U" and picked.first_w == 500.0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_configuration_errors(tmp_path):
     assert node_power.node_config({}) is None
     with pytest.raises(IpwError, match="no credentials in the URL"):

@@ -184,7 +184,9 @@ class RedfishClient:
             raise IpwError(f"Redfish {self.base}: HTTP {exc.code} on {path}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise IpwError(f"Redfish {self.base}: cannot reach the BMC ({reason})") from None
+            hint = (f"; a self-signed BMC certificate: set {ENV_VERIFY}=/path/to/its-ca.pem (or 0 to skip "
+                    "verification)") if isinstance(reason, ssl.SSLCertVerificationError) else ""
+            raise IpwError(f"Redfish {self.base}: cannot reach the BMC ({reason}){hint}") from None
         try:
             data = json.loads(body)
         except ValueError:
