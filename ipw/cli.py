@@ -390,6 +390,11 @@ def serve(
     energy_split: str = _ENERGY_SPLIT,
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run folder of an ipw serve that was "
                                           "killed: new requests are added to it."),
+    route: Optional[Path] = typer.Option(None, "--route", help="A router file (ipw route train): each request goes to "
+                                         "--local or --cloud as the router says (one it cannot score: the cloud); "
+                                         "docs/ROUTING.md."),
+    local: Optional[str] = typer.Option(None, "--local", help="With --route: base URL of the local upstream."),
+    cloud: Optional[str] = typer.Option(None, "--cloud", help="With --route: base URL of the cloud upstream."),
 ) -> None:
     """A measuring OpenAI-compatible proxy: forwards /v1/chat/completions, /v1/completions and /v1/models to an
     upstream server and returns each response's energy in usage.energy (and the x-ipw-energy-j header), split

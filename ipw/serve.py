@@ -78,6 +78,11 @@ class ServeOptions:
     idle_s: float = 3.0
     role: str = "local"
     model: str = ""  # what the upstream serves, when known (a managed server's model)
+    # --route ROUTER --local URL --cloud URL (issue 44): each request goes where the router says; ``upstream`` and
+    # ``name`` are then the local ones, these the cloud's (records: backend and role of the route taken)
+    route: str = ""  # the router file (ipw route train)
+    cloud_upstream: str = ""
+    cloud_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,21 @@ class Upstream:
     def connection(self, timeout_s: float) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=timeout_s)
+
+
+def routing_text(body: dict[str, Any]) -> str:
+    """The text a router scores: a completion's prompt, or the contents of a chat's messages (text parts)."""
+    if "messages" not in body:
+        prompt = body.get("prompt", "")
+        return prompt if isinstance(prompt, str) else ""
+    parts = []
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)]
+    return "\n".join(parts)
 
 
 def prompt_digest(body: dict[str, Any]) -> tuple[str, str]:
@@ -176,7 +196,8 @@ class Session:
 
     def __init__(self, folder: RunFolder, options: ServeOptions, upstream: Upstream, meter: Meter,
                  idle: IdleBaseline, estimate: Any = None, key: str | None = None, token: str | None = None,
-                 notice: Callable[[str], None] = lambda line: None, llama_timings: bool = False) -> None:
+                 notice: Callable[[str], None] = lambda line: None, llama_timings: bool = False,
+                 router: Any = None, cloud: Upstream | None = None) -> None:
         from ipw.metering.record import RecordWriter, make_record  # imported now, not by the first request
 
         self.make_record = make_record
@@ -185,6 +206,19 @@ class Session:
         self.meter, self.idle, self.estimate = meter, idle, estimate
         self.key, self.token = key, token
         self.spec = BackendSpec(name=options.name, kind="serve", model=options.model or options.name, role=options.role)
+        # --route: the router, the cloud upstream, each route's backend (records), and what each route served
+        self.router, self.cloud = router, cloud
+        self.specs = {"": self.spec}
+        if router is not None:
+            self.spec = self.specs["local"] = dataclasses.replace(self.spec, role="local")
+            self.specs["cloud"] = BackendSpec(name=options.cloud_name, kind="serve", model=options.cloud_name,
+                                              role="cloud")
+        self.routes: dict[str, dict[str, float]] = {r: {"requests": 0, "energy_j": 0.0, "tokens": 0, "unknown": 0}
+                                                    for r in ("local", "cloud")}
+        self.unscored = 0  # requests the router could not score (sent to the cloud)
+        if router is not None:
+            router.probabilities("warm up")  # its imports and hashing set up now, not on the first request
+        self.route_s = 0.0  # time spent routing (features and dot products), all requests
         self.notice = notice
         self._lock = threading.Lock()
         self.repeats: dict[str, int] = {}
@@ -199,6 +233,52 @@ class Session:
             self.repeats[row["query_id"]] = max(self.repeats.get(row["query_id"], 0), int(row["repeat"]) + 1)
             self.queries.add(row["query_id"])
         self.writer = RecordWriter(folder, self._written)
+
+    def pick(self, body: dict[str, Any]) -> str:
+        """With --route: "local" or "cloud" for this request (a request the router cannot score: the cloud);
+        without: ""."""
+        if self.router is None:
+            return ""
+        t0 = time.perf_counter()
+        try:
+            text = routing_text(body)
+            if not text:
+                raise ValueError("no prompt text")
+            to = "cloud" if self.router.route(text) == self.router.cloud else "local"
+        except Exception:
+            with self._lock:
+                self.unscored += 1
+            to = "cloud"
+        with self._lock:
+            self.route_s += time.perf_counter() - t0
+        return to
+
+    def upstream_of(self, route: str) -> Upstream:
+        return self.cloud if route == "cloud" and self.cloud is not None else self.upstream
+
+    def routing_line(self) -> dict[str, Any] | None:
+        """The session's routing (the manifest's session line, the summary): requests and measured energy per
+        route, and the energy saved against sending every request to the cloud: the local requests' measured
+        energy against the cloud's measured J/token this session times their tokens (an estimate, labeled)."""
+        if self.router is None:
+            return None
+        with self._lock:
+            local, cloud = dict(self.routes["local"]), dict(self.routes["cloud"])
+            unscored, route_s = self.unscored, self.route_s
+        n = local["requests"] + cloud["requests"]
+        saved = None
+        if cloud["tokens"] > 0 and not cloud["unknown"] and not local["unknown"] and local["requests"]:
+            per_token = cloud["energy_j"] / cloud["tokens"]
+            counterfactual = per_token * local["tokens"]
+            saved = {"saved_j": round(counterfactual - local["energy_j"], 6),
+                     "local_measured_j": round(local["energy_j"], 6),
+                     "cloud_counterfactual_j": round(counterfactual, 6), "cloud_j_per_token": per_token,
+                     "basis": "estimated: the cloud's measured J/token this session x the tokens of the requests "
+                              "served locally (they were not sent to the cloud)"}
+        return {"router": self.options.route, "local": {**local, "backend": self.specs["local"].name},
+                "cloud": {**cloud, "backend": self.specs["cloud"].name}, "unscored_to_cloud": unscored,
+                "routing_ms_per_request": round(1000 * route_s / n, 4) if n else None,
+                "saved_vs_cloud_only": saved}
 
     def next_repeat(self, query_id: str) -> int:
         with self._lock:
@@ -218,7 +298,8 @@ class Session:
             if completion is not None:
                 completion = dataclasses.replace(completion, text=_hashed(completion.text))
         query = Query(id=query_id, prompt=text, answer="", category=ended.api, scorer="judge")
-        record = self.make_record(self.folder.manifest.run_id, self.spec, query, ended.repeat, completion, ended.error,
+        spec = self.specs.get(ended.route, self.spec)
+        record = self.make_record(self.folder.manifest.run_id, spec, query, ended.repeat, completion, ended.error,
                                   ended.window[0], ended.window[1], readings, idle=self.idle, estimate=self.estimate,
                                   busy_s=busy_s, split=split)
         if provisional is not None:
@@ -294,6 +375,14 @@ class Session:
             if record.energy_j is not None:
                 self.energy_j += record.energy_j
             self.energy_quality.add(record.energy_quality)
+            if self.router is not None and record.role in self.routes:
+                r = self.routes[record.role]
+                r["requests"] += 1
+                r["tokens"] += record.prompt_tokens + record.completion_tokens
+                if record.energy_j is None:
+                    r["unknown"] += 1
+                else:
+                    r["energy_j"] += record.energy_j
 
     def hide_key(self, data: bytes, cut: bool = False) -> bytes:
         """An upstream's body with every secret ipw holds (the upstream key, should it echo it, whole or any 8
@@ -321,6 +410,7 @@ class Ended:
     error: Exception | None
     window: tuple[float, float]
     override: QueryError | None = None
+    route: str = ""  # with --route: "local" or "cloud" (the upstream it went to)
 
 
 class _Stream:
@@ -405,6 +495,7 @@ class Handler(BaseHTTPRequestHandler):
     server: "ProxyServer"
     server_version = f"ipw-serve/{__version__}"
     _up: "http.client.HTTPConnection | None" = None  # this request's upstream connection
+    _route = ""  # with --route: this request's route (local or cloud); a GET goes to the local upstream
     _resp: "http.client.HTTPResponse | None" = None  # and its answer
     _deadline: Deadline | None = None  # the request's total deadline (--timeout-s)
 
@@ -473,11 +564,12 @@ class Handler(BaseHTTPRequestHandler):
         """Send the request upstream on a kept-alive upstream connection if one is idle, else a new one (one
         retry on a new connection when a kept-alive one was closed by the server)."""
         session = self.server.session
+        upstream = session.upstream_of(getattr(self, "_route", ""))
         for attempt in (0, 1):
-            conn, reused = self.server.upstream_connection(idle=attempt == 0)
+            conn, reused = self.server.upstream_connection(idle=attempt == 0, upstream=upstream)
             self._up = conn
             try:
-                conn.request(method, session.upstream.prefix + path[len("/v1"):], body=body,
+                conn.request(method, upstream.prefix + path[len("/v1"):], body=body,
                              headers=self._upstream_headers(stream))
                 if deadline is not None:  # a trickle that never ends is cut at the deadline
                     if self._deadline is not None:
@@ -549,6 +641,7 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:
+        self._route = ""
         if not self._framed(body=False):
             return
         path = self.path.split("?", 1)[0]
@@ -601,6 +694,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _metered(self, api: str, path: str, body: dict[str, Any]) -> None:
         session = self.server.session
+        self._route = session.pick(body)  # with --route: local or cloud; "" without
         stream = bool(body.get("stream"))
         asked_usage = False
         if stream:  # ask for usage always: exact token counts, and the chunk that carries the energy
@@ -691,7 +785,8 @@ class Handler(BaseHTTPRequestHandler):
         (the default), or settled (``--energy-wait``: waits for the sensors and the split)."""
         session = self.server.session
         window = session.meter.end(job, completion)
-        self._ended = Ended(body, api, session.next_repeat(prompt_digest(body)[0]), completion, error, window)
+        self._ended = Ended(body, api, session.next_repeat(prompt_digest(body)[0]), completion, error, window,
+                            route=getattr(self, "_route", ""))
         if session.options.energy_in_response:
             if session.options.energy_wait:
                 self._settled = self._record = session.settle(job, self._ended, None, wait=True)
@@ -717,7 +812,8 @@ class Handler(BaseHTTPRequestHandler):
         data["usage"] = {**(data.get("usage") if isinstance(data.get("usage"), dict) else {}),
                          "energy": self._energy(record)}
         self._json(200, data, {"x-ipw-energy-j": "" if record.energy_j is None else f"{record.energy_j:.6g}",
-                               "x-ipw-energy-quality": record.energy_quality})
+                               "x-ipw-energy-quality": record.energy_quality,
+                               **({"x-ipw-route": record.backend} if self.server.session.router is not None else {})})
 
     def _relay_stream(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream,
                       start: float, asked_usage: bool) -> None:
@@ -794,7 +890,10 @@ class Handler(BaseHTTPRequestHandler):
 
     def _energy(self, record: QueryRecord) -> dict[str, Any]:
         """The answer's ``usage.energy``: provisional unless it waited for the settled value."""
-        return energy_object(record, provisional=self._settled is None)
+        out = energy_object(record, provisional=self._settled is None)
+        if self.server.session.router is not None:  # --route: where this request went
+            out["route"] = {"to": record.role, "backend": record.backend}
+        return out
 
     def _usage_chunk(self, last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
         """A chunk as a server sends for ``stream_options.include_usage``: no choices, and usage (with
@@ -828,13 +927,20 @@ class ProxyServer(ThreadingHTTPServer):
                 time.sleep(ACCEPT_BACKOFF_S)
             raise
 
-    def upstream_connection(self, idle: bool = True) -> tuple[http.client.HTTPConnection, bool]:
-        """An upstream connection for a request: the idle one used last (``idle``), else a new one; and
-        whether it was kept alive from an earlier request (the upstream may have closed it since)."""
+    def upstream_connection(self, idle: bool = True, upstream: Upstream | None = None,
+                            ) -> tuple[http.client.HTTPConnection, bool]:
+        """An upstream connection for a request to ``upstream`` (default the session's): the idle one to it used
+        last (``idle``), else a new one; and whether it was kept alive from an earlier request (the upstream may
+        have closed it since)."""
+        upstream = upstream or self.session.upstream
         with self._idle_lock:
             if idle and self._idle:
-                return self._idle.pop(), True
-        return self.session.upstream.connection(self.session.options.timeout_s), False
+                if self.session.cloud is None:
+                    return self._idle.pop(), True
+                for i in range(len(self._idle) - 1, -1, -1):  # --route: two upstreams share the idle list
+                    if (self._idle[i].host, self._idle[i].port) == (upstream.host, upstream.port):
+                        return self._idle.pop(i), True
+        return upstream.connection(self.session.options.timeout_s), False
 
     def keep_upstream(self, conn: http.client.HTTPConnection) -> None:
         """An upstream connection whose answer was read to the end, kept for the next request."""
@@ -906,6 +1012,7 @@ class Proxy:
                 "unfinished_at_stop": left, "energy": energy, "idle_baseline": asdict(session.idle),
                 "sampler_overhead": {s.name: s.overhead() for s in self.sensors},
                 "meter_cost": {k: round(v, 4) for k, v in session.meter.cost.items()},
+                **({"routing": session.routing_line()} if session.router is not None else {}),
             }
             backends = folder.manifest.backends or []
             entry = dict(backends[0]) if backends else {}
@@ -965,7 +1072,8 @@ def managed_backend(kind_model: str, name: str | None, n_threads: int | None, n_
 
 def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = None, backend: Any = None,
           upstream_pids: list[int] | None = None, resume: str | Path | None = None, command: list[str] | None = None,
-          notice: Callable[[str], None] = lambda line: None, probe: Callable[..., list[Any]] | None = None) -> Proxy:
+          notice: Callable[[str], None] = lambda line: None, probe: Callable[..., list[Any]] | None = None,
+          router: Any = None) -> Proxy:
     """Start the proxy: the managed server (``backend``) if any, the sensors and their idle baseline,
     the run folder (new, or ``resume``'s), then the listening socket.  Returns once it accepts requests."""
     from ipw.backends.openai_http import listening_pids
@@ -973,6 +1081,10 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     from ipw.telemetry.hardware import node_identity, software_fingerprint
     from ipw.telemetry.probe import probe_sensors
 
+    if options.route and router is None:  # a bad router file: one line, before the socket and the folder
+        from ipw.analysis.router import load_router
+
+        router = load_router(options.route)
     key = read_key(options.api_key_env, options.name) if options.api_key_env else None
     if token is not None:  # the clients' token is a secret too: scrubbed from every text ipw writes
         register(token)
@@ -980,6 +1092,8 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     try:
         if backend is None:
             refuse_self(Upstream.parse(options.upstream), options.host, server.server_address[1])
+        if options.route:
+            refuse_self(Upstream.parse(options.cloud_upstream), options.host, server.server_address[1])
         folder = _folder(options, out_dir, resume, command)
     except BaseException:
         server.server_close()
@@ -991,11 +1105,14 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
             backend.load()
             options = dataclasses.replace(options, upstream=backend.base_url, model=options.model or backend.spec.model)
         upstream = Upstream.parse(options.upstream)
+        cloud = Upstream.parse(options.cloud_upstream) if options.route else None
         if backend is not None:
             pids_fn = backend.pids
         else:
             found = upstream_pids if upstream_pids is not None else (
                 [] if upstream.remote else listening_pids(upstream.port))
+            if cloud is not None and upstream_pids is None and not cloud.remote:  # --route: both servers' work
+                found = [*found, *(p for p in listening_pids(cloud.port) if p not in found)]
             pids_fn = lambda: list(found)  # noqa: E731 - a one-line local helper
         sensors = (probe or probe_sensors)(pids_fn, remote=upstream.remote)
         if any(isinstance(s, CpuModelSensor) for s in sensors) and not pids_fn():
@@ -1011,13 +1128,16 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         llama = (backend.server_kind == "llama-server") if backend is not None else is_llama_server(upstream, key)
         # tokens are timed as they pass, and llama-server reports each prefill at the first token
         meter = Meter(window, split=options.energy_split, live_tokens=True, expect_prefill=llama, idle_w=idle.power_w)
-        session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama)
+        session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama,
+                          router=router, cloud=cloud)
         identity, hardware = node_identity()
         entry = {"name": options.name, "kind": "serve", "model": session.spec.model, "role": options.role,
                  "upstream": upstream.url, "remote": upstream.remote, "llama_server_timings": llama,
                  "sensors": [asdict(s.info()) for s in sensors] + ([asdict(estimate.info())] if estimate else []),
                  "idle_baseline": asdict(idle),
                  **({"managed": backend.describe()} if backend is not None else {"upstream_pids": pids_fn()}),
+                 **({"route": {"router": options.route, "cloud_upstream": cloud.url, "cloud_name": options.cloud_name,
+                               "local_name": options.name}} if cloud is not None else {}),
                  "sessions": [*((folder.manifest.backends or [{}])[0].get("sessions", [])), {"status": "serving"}]}
         folder.write_manifest(backends=[entry], hardware_by_id={**(folder.manifest.hardware_by_id or {}),
                                                                 identity.hardware_id: hardware},

@@ -94,6 +94,9 @@ def test_cli_train_round_trip_and_score(tmp_path, capsys):
         assert loaded.route(prompt) == trained.route(prompt)
         a, b = loaded.probabilities(prompt), trained.probabilities(prompt)
         assert abs(a["small"] - b["small"]) < 1e-9
+        # the fast path (one prompt, no stacked matrix) gives what HashingVectorizer's matrix gives
+        x = trained.featurizer.transform([prompt], [None])
+        assert abs(trained.models[0].proba(x)[0] - b["small"]) < 1e-12
     assert loaded.route("Question 999: easy apple river") == "small"
     assert loaded.route("Question 999: apple river stone") == "big"
     capsys.readouterr()
@@ -252,3 +255,77 @@ def test_report_shows_the_router(tmp_path, capsys):
     assert main(["report", str(run), "--router", str(tmp_path / "nope.json"), "--out", str(tmp_path / "x.html")]) == 2
     assert "nope.json" in _err(capsys)
     assert not (tmp_path / "x.html").exists()
+
+
+def _post(url, body):
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", u.path + "/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200, text
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    return next(e["usage"]["energy"] for e in events if e.get("usage", {}).get("energy"))
+
+
+def test_serve_routes_between_two_upstreams(tmp_path):
+    """ipw serve --route: a request goes where the router says (a prompt it cannot score: the cloud); the answer
+    and the record say which route; the session line counts both and the energy saved (estimated, labeled)."""
+    import os
+
+    from openai_stub import Stub
+
+    from ipw.serve import ServeOptions, start
+
+    run = write_routing_run(tmp_path, "word")
+    router = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    local, cloud = Stub(), Stub()
+    opts = ServeOptions(upstream=local.base_url, name="small", port=0, idle_s=0.2, route=str(router),
+                        cloud_upstream=cloud.base_url, cloud_name="big")
+    proxy = start(opts, tmp_path / "out", upstream_pids=[os.getpid()], command=["test"])
+    try:
+        easy = _post(proxy.url, {"prompt": "Question 1: easy apple river stone?", "stream": True, "max_tokens": 4})
+        hard = _post(proxy.url, {"prompt": "Question 2: apple river stone music?", "stream": True, "max_tokens": 4})
+        odd = _post(proxy.url, {"prompt": [1, 2, 3], "stream": True, "max_tokens": 4})  # token ids: not scorable
+    finally:
+        line = proxy.stop()
+        local.close()
+        cloud.close()
+    assert easy["route"] == {"to": "local", "backend": "small"}
+    assert hard["route"] == {"to": "cloud", "backend": "big"}
+    assert odd["route"] == {"to": "cloud", "backend": "big"}
+    assert [b["prompt"] for b in local.bodies] == ["Question 1: easy apple river stone?"]
+    assert len(cloud.bodies) == 2
+    folder = proxy.session.folder.path
+    records = [json.loads(x) for x in (folder / "records.jsonl").read_text().splitlines()]
+    assert sorted((x["backend"], x["role"]) for x in records) == [("big", "cloud"), ("big", "cloud"),
+                                                                   ("small", "local")]
+    routing = line["routing"]
+    assert routing["local"]["requests"] == 1 and routing["cloud"]["requests"] == 2
+    assert routing["unscored_to_cloud"] == 1
+    assert routing["routing_ms_per_request"] < 1.0  # hashed features: well under a millisecond
+    saved = routing["saved_vs_cloud_only"]
+    assert saved is not None and saved["basis"].startswith("estimated")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["backends"][0]["route"]["cloud_name"] == "big"
+
+
+def test_serve_route_bad_input(tmp_path, capsys):
+    run = write_routing_run(tmp_path, "word")
+    router = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    for args, word in ((["--route", str(tmp_path / "no.json"), "--local", "http://127.0.0.1:9/v1", "--cloud",
+                         "http://127.0.0.1:10/v1"], "no.json"),
+                       (["--route", str(router), "--local", "http://127.0.0.1:9/v1"], "--cloud"),
+                       (["--route", str(router), "--local", "http://127.0.0.1:9/v1", "--cloud", "http://127.0.0.1:10/v1",
+                         "--upstream", "http://127.0.0.1:11/v1"], "--upstream")):
+        assert main(["serve", "--port", "0", "--out", str(out), *args]) == 2
+        assert word in _err(capsys)
+    assert not out.exists()

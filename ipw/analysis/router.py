@@ -541,10 +541,43 @@ class Router:
     threshold: float = DEFAULT_THRESHOLD
     meta: dict[str, Any] = field(default_factory=dict)
     _vectorizer: Any = field(default=None, compare=False, repr=False)
+    _analyzer: Any = field(default=None, compare=False, repr=False)
 
     def probabilities(self, prompt: str, category: str | None = None) -> dict[str, float]:
-        x = self.featurizer.transform([prompt], [category], vectorizer=self._vectorizer)
-        return {name: float(m.proba(x)[0]) for name, m in zip(self.local, self.models)}
+        """Each local backend's probability of answering as well as the cloud (the same numbers as
+        ``Featurizer.transform`` and ``Linear.proba``, without building the stacked matrix: ~0.1 ms)."""
+        f = self.featurizer
+        idx, val = self._hashed(prompt)
+        length = math.log1p(len(prompt)) / 10.0
+        cat = f.categories.index(category) if category in f.categories else -1
+        out = {}
+        for name, m in zip(self.local, self.models):
+            z = m.intercept + float(np.dot(m.coef[idx], val)) + m.coef[f.n_features] * length
+            if cat >= 0:
+                z += m.coef[f.n_features + 1 + cat]
+            out[name] = 1.0 / (1.0 + math.exp(-min(max(z, -500.0), 500.0)))
+        return out
+
+    def _hashed(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's hashed n-gram columns and values, as ``HashingVectorizer.transform`` makes them (its
+        analyzer, murmurhash3_32 with seed 0, counts, L2 norm), without its per-call validation (~10x faster)."""
+        if self._vectorizer is None:
+            object.__setattr__(self, "_vectorizer", self.featurizer.vectorizer())
+        if self._analyzer is None:
+            from sklearn.utils import murmurhash3_32
+
+            object.__setattr__(self, "_analyzer", (self._vectorizer.build_analyzer(), murmurhash3_32))
+        analyze, murmur = self._analyzer
+        n = self.featurizer.n_features
+        counts: dict[int, float] = {}
+        for token in analyze(prompt):
+            h = murmur(token, seed=0)
+            j = (2147483647 if h == -2147483648 else abs(h)) % n
+            counts[j] = counts.get(j, 0.0) + 1.0
+        idx = np.fromiter(counts.keys(), np.int64, len(counts))
+        val = np.fromiter(counts.values(), float, len(counts))
+        norm = math.sqrt(float(val @ val))
+        return idx, (val / norm if norm else val)
 
     def route(self, prompt: str, category: str | None = None, threshold: float | None = None) -> str:
         """The backend a prompt goes to: the cheapest local one predicted to answer as well, else the cloud."""

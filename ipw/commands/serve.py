@@ -22,14 +22,30 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
                   api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
                   timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
                   n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, energy_wait: bool = False,
-                  energy_split: str = "priced", upstream_pid: list[int] | None = None, **_: Any):
+                  energy_split: str = "priced", upstream_pid: list[int] | None = None, route: Path | None = None,
+                  local: str | None = None, cloud: str | None = None, **_: Any):
     """Check the options (before anything starts) and make the proxy's options and managed server (the
     commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
     from ipw.config import check_idle_s, check_name
     from ipw.options import RUN
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
-    if (upstream is None) == (backend is None):
+    router = None
+    if route is not None or local is not None or cloud is not None:  # --route ROUTER --local URL --cloud URL
+        from ipw.analysis.router import load_router
+
+        if route is None or local is None or cloud is None:
+            raise IpwError("--route FILE, --local URL and --cloud URL go together (a router between two upstreams)")
+        if upstream is not None or backend is not None:
+            raise IpwError("--route: give the upstreams as --local URL and --cloud URL, not --upstream or --backend")
+        router = load_router(route)
+        if len(router.local) != 1:
+            raise IpwError(f"{route}: the router chooses among {len(router.local)} local backends "
+                           f"({', '.join(router.local)}); ipw serve --route forwards to one --local upstream")
+        Upstream.parse(cloud)
+        upstream = local
+        name = name or router.local[0]
+    elif (upstream is None) == (backend is None):
         raise IpwError("give --upstream URL (a running OpenAI-compatible server) or --backend SERVER:MODEL "
                        "(a server ipw starts), one of them")
     if not 0 <= port <= 65535:
@@ -63,7 +79,9 @@ def proxy_options(*, upstream: str | None, backend: str | None, name: str | None
     options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
                            api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
                            max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role,
-                           energy_in_response=energy_in_response, energy_wait=energy_wait, energy_split=energy_split)
+                           energy_in_response=energy_in_response, energy_wait=energy_wait, energy_split=energy_split,
+                           **({"route": str(route), "cloud_upstream": cloud or "", "cloud_name": router.cloud}
+                              if router is not None else {}))
     return options, managed
 
 
@@ -88,6 +106,18 @@ def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
                   "n/a" if not unattributed or None in unattributed else f"{sum(unattributed):.4g}",
                   ", ".join(sorted(session.energy_quality)) or "n/a")
     console.print(table)
+    routing = line.get("routing")
+    if routing:
+        saved = routing["saved_vs_cloud_only"]
+        console.print(
+            f"routing ({routing['router']}): {routing['local']['requests']} requests to {routing['local']['backend']} "
+            f"(local), {routing['cloud']['requests']} to {routing['cloud']['backend']} (cloud; "
+            f"{routing['unscored_to_cloud']} the router could not score); routing {routing['routing_ms_per_request']} "
+            "ms/request; energy saved vs all to the cloud: "
+            + ("n/a (needs energy of requests on both routes)" if saved is None else
+               f"{saved['saved_j']:.4g} J (local measured {saved['local_measured_j']:.4g} J against "
+               f"{saved['cloud_counterfactual_j']:.4g} J estimated from the cloud's measured J/token)"),
+            highlight=False, markup=False, soft_wrap=True)
     console.print(f"run folder: {session.folder.path}  (ipw compare / ipw report / ipw check read it)")
 
 
@@ -110,7 +140,9 @@ def serve_command(options, managed, *, out: Path | None, token: str | None, upst
     console = Console(stderr=True)
     _sigterm_as_interrupt()
     proxy = _start(options, managed, out, token, upstream_pid, resume, console)
-    console.print(f"ipw serve: {proxy.url} -> {proxy.session.upstream.url}; run folder {proxy.session.folder.path}. "
+    target = proxy.session.upstream.url + (f" or {proxy.session.cloud.url} (--route {options.route})"
+                                           if proxy.session.cloud is not None else "")
+    console.print(f"ipw serve: {proxy.url} -> {target}; run folder {proxy.session.folder.path}. "
                   "Ctrl-C (or SIGTERM) stops it and finishes the folder.", highlight=False, markup=False, soft_wrap=True)
     try:
         shown = -1
