@@ -329,3 +329,54 @@ def test_serve_route_bad_input(tmp_path, capsys):
         assert main(["serve", "--port", "0", "--out", str(out), *args]) == 2
         assert word in _err(capsys)
     assert not out.exists()
+
+
+@pytest.mark.llama
+def test_serve_routes_between_two_real_llama_servers(tmp_path):
+    """ipw serve --route in front of two real llama.cpp servers (SmolLM2 as local, Gemma as cloud): each request
+    goes where the router says, and the folder holds both routes' records with their energy."""
+    import os
+
+    from ipw.backends.base import BackendSpec, create_backend
+    from ipw.backends.servers import find_llama_server
+    from ipw.errors import IpwError
+    from ipw.serve import ServeOptions, start
+
+    try:
+        find_llama_server()
+    except IpwError:
+        pytest.skip("llama-server is not built: run `bash .ci/setup`")
+    run = write_routing_run(tmp_path, "word")
+    router = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    servers = []
+    try:
+        for name, model in (("smol", "smollm2-135m"), ("gemma", "gemma3-270m")):
+            b = create_backend(BackendSpec(name, "openai", model, options={
+                "server": "llama-server", "n_threads": 1, "n_ctx": 256, "concurrency": 2, "server_timeout_s": 300.0}))
+            b.attach(tmp_path / name)
+            b.load()
+            servers.append(b)
+        pids = [p for b in servers for p in b.pids()]
+        opts = ServeOptions(upstream=servers[0].base_url, name="small", port=0, idle_s=0.3, route=str(router),
+                            cloud_upstream=servers[1].base_url, cloud_name="big")
+        proxy = start(opts, tmp_path / "out", upstream_pids=pids or [os.getpid()], command=["test"])
+        try:
+            routes = [_post(proxy.url, {"prompt": p, "stream": True, "max_tokens": 8, "temperature": 0})["route"]["to"]
+                      for p in ("Question 1: easy apple river?", "Question 2: apple river stone?",
+                                "Question 3: stone easy music?", "Question 4: music table light?")]
+        finally:
+            line = proxy.stop()
+    finally:
+        for b in servers:
+            b.close()
+    assert routes == ["local", "cloud", "local", "cloud"]
+    records = [json.loads(x) for x in (proxy.session.folder.path / "records.jsonl").read_text().splitlines()]
+    by = {}
+    for x in records:
+        by.setdefault((x["backend"], x["role"]), []).append(x)
+    assert set(by) == {("small", "local"), ("big", "cloud")}
+    for rows in by.values():
+        assert all(x["error"] is None and x["energy_j"] and x["energy_j"] > 0 for x in rows), rows
+    assert line["routing"]["local"]["requests"] == 2 and line["routing"]["cloud"]["requests"] == 2
+    assert line["routing"]["saved_vs_cloud_only"] is not None
