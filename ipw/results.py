@@ -87,6 +87,11 @@ class QueryRecord:
     # energy_j (docs/SERVING.md); None where the answer carried none
     provisional_energy_j: float | None = None
     provisional_uncertainty_j: float | None = None
+    # the mean log-probability of the output tokens where the engine gave them (``logprobs = true``): the
+    # answer's confidence, on which a cascade escalates to the cloud (ipw/analysis/cascade.py); None where
+    # the engine gave none, and in runs written before the field.  Kept before ``concurrency``: the last
+    # three fields are the frame ``record_keys`` reads (``_TAIL``)
+    mean_logprob: float | None = None
     # serving under load (docs/SERVING.md): the requests in flight at the record's level of a concurrency
     # sweep (1 in older runs); how energy measured while requests overlapped was split among them
     # ("" when the window was the request's alone; ipw.metering.split.SPLIT_METHODS), and how far the

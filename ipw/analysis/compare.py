@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence, cast
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
+from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
@@ -109,6 +110,8 @@ class Comparison:
     deadline: Deadline | None = None  # --deadline: the latency bound of the energy-optimal level
     level_picks: tuple[LevelPick, ...] = ()  # per backend, its energy-optimal level under the deadline
     query_set_note: str = ""  # the note that the runs' query sets differ and the numbers cover the shared queries
+    # per local backend whose records carry mean_logprob: the cascade in front of the reference, out of sample
+    cascade: tuple[Cascade, ...] = ()
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -358,6 +361,8 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     routing_ci = _routing_estimates(draws, col, routing) if routing else {}
     if routing:
         notes += routing.notes
+    cascade = cascades(pq, labels, [i.energy_quality for i in infos], local_idx, ri, cost, n_boot=n_boot, seed=seed)
+    notes += [note for c in cascade for note in c.notes]
     for i in infos:
         if len(i.energy_qualities) > 1:
             mix = ", ".join(f"{q}: {k}" for q, k in i.energy_qualities.items())
@@ -377,7 +382,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
                       judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks,
                       measurement=measurement, with_measurement_error=bool(errors),
-                      query_set_note=pq.query_set_note)
+                      query_set_note=pq.query_set_note, cascade=cascade)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

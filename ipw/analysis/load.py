@@ -23,7 +23,7 @@ from ipw.telemetry.hardware import machines
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
                 "ttft_s", "latency_s", "start_s", "end_s", "energy_j", "energy_quality", "energy_source",
                 "prefill_energy_j", "decode_energy_j", "win_tie", "vs_backend", "concurrency", "split_method",
-                "node"]
+                "node", "mean_logprob"]
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,16 @@ class PerQuery:
     # --common-queries: why query_id holds only the queries every backend shares ("": every backend has them all);
     # also one of ``load``'s notes, kept apart so that ``ipw run`` shows it without looking for it by its text
     query_set_note: str = ""
+    # the answers' mean log-probability of their output tokens (the local engine's confidence, which the
+    # cascade escalates on), repeats averaged; NaN: none given (an error, an engine not asked); None: no
+    # record of any run has one
+    mean_logprob: np.ndarray | None = None
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
-          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j")
+          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j",
+          "mean_logprob")
 #: Runs up to this many records have their readings (energy_parts) read for the measurement error of their
 #: energy; above it the parts are not read (hundreds of bytes a record) and CIs say they carry none.
 #: Parsing them cost 46 µs a record on the 2-core VM at load average 9 (json), so up to ~5 s at this size.
@@ -247,7 +252,7 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
         "error_share": mean(frame["error"].notna().to_numpy(float)),
         "wall_share_s": np.where(count.reshape(nb, nq) > 0, (span / per_b)[:, None], np.nan),
     }
-    for name in ("prefill_energy_j", "decode_energy_j", "win_tie"):  # None in runs made before them
+    for name in ("prefill_energy_j", "decode_energy_j", "win_tie", "mean_logprob"):  # None in runs made before them
         x = _floats(frame[name])
         values[name] = None if np.isnan(x).all() else mean(x)
     values["energy_sd_j"] = values["energy_shared_sd_j"] = None

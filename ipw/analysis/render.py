@@ -26,6 +26,7 @@ from ipw.telemetry.base import worst_quality
 if TYPE_CHECKING:
     from rich.table import Table as RichTable
 
+    from ipw.analysis.cascade import Outcome
     from ipw.analysis.load import BackendInfo
     from ipw.analysis.routing import Saving
 
@@ -154,6 +155,7 @@ def to_dict(c: Comparison) -> dict[str, Any]:
         "deadline": _deadline_dict(c),
         "routing": _routing_dict(c),
         "judge": [dict(row.__dict__) for row in c.judge],
+        "cascade": _cascade_list(c),
         "hardware_note": c.hardware_note,
         "notes": list(c.notes),
     }
@@ -227,6 +229,16 @@ def csv_rows(c: Comparison) -> list[tuple[Any, ...]]:
                       "oracle_accuracy", "energy_saved_fraction",
                       "latency_saved_fraction", "cost_saved_fraction"):
                 add("category", "", k["category"], m, k[m])
+    for x in d["cascade"]:  # key: the accuracy-loss target of an out-of-sample pick, or the curve's quantile
+        add("cascade", x["local"], "", "auc", x["auc"])
+        for p in x["picks"]:
+            for k in ("local_share", "accuracy", "accuracy_loss", "energy_saved_fraction", "latency_saved_fraction",
+                      "cost_saved_fraction"):
+                add("cascade", x["local"], f"max_loss={p['max_accuracy_loss']:g}", k, p[k])
+        for p in x["curve"]:
+            for k in ("threshold", "local_share", "accuracy", "accuracy_loss", "energy_saved_fraction",
+                      "latency_saved_fraction"):
+                add("cascade_curve", x["local"], f"q={p['quantile']:g}", k, p[k])
     return rows
 
 
@@ -247,7 +259,7 @@ class Table(NamedTuple):
     headers: list[str]
     rows: list[list[str]]
     est: list[list[bool]]
-    key: str  # metrics | difference | fits | serving | deadline | routing | router_curve | power_envelope |
+    key: str  # metrics | difference | fits | serving | deadline | routing | router_curve | power_envelope | cascade* |
     # energy_budget | by_category | judge
     section: str  # compare | serving | routing
 
@@ -320,7 +332,7 @@ def tables(c: Comparison) -> list[Table]:
                                                     for f in fits])
         out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
                           f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
-    return out + serving_tables(c) + routing_tables(c) + judge_table(c)
+    return out + serving_tables(c) + routing_tables(c) + cascade_tables(c) + judge_table(c)
 
 
 def _levels_text(labels: Sequence[str], by_label: dict[str, BackendInfo]) -> str:
@@ -452,6 +464,77 @@ def routing_tables(c: Comparison) -> list[Table]:
                         _pct(k["oracle_accuracy"]), _pct(k["energy_saved_fraction"]),
                         _pct(k["latency_saved_fraction"]), _pct(k["cost_saved_fraction"])] for k in d["by_category"]],
                       energy_columns(headers.index("energy saved"))))
+    return out
+
+
+def _outcome_dict(o: Outcome) -> dict[str, Any]:
+    return {"local_share": _est(o.local_share), "escalated_share": _est(o.escalated_share),
+            "accuracy": _est(o.accuracy), "accuracy_loss": _est(o.accuracy_loss),
+            **{f"{w}_saved_fraction": _est(getattr(o, f"{w}_saved_fraction")) for w in ("energy", "latency", "cost")}}
+
+
+def _cascade_list(c: Comparison) -> list[dict[str, Any]]:
+    """The JSON of the cascades (``ipw.analysis.cascade``): per local backend with mean_logprob."""
+    return [{
+        "local": x.local, "cloud": x.cloud, "n_queries": x.n_queries, "n_without_logprob": x.n_without_logprob,
+        "local_accuracy": _num(x.local_accuracy), "cloud_accuracy": _num(x.cloud_accuracy), "auc": _est(x.auc),
+        "folds": x.k, "energy_quality": x.energy_quality,
+        "picks": [{"max_accuracy_loss": p.max_accuracy_loss,
+                   "thresholds": [None if t is None else _num(t) for t in p.thresholds], **_outcome_dict(p.outcome)}
+                  for p in x.picks],
+        "curve": [{"quantile": p.quantile, "threshold": _num(p.threshold), **_outcome_dict(p.outcome)}
+                  for p in x.curve],
+    } for x in c.cascade]
+
+
+def cascade_tables(c: Comparison) -> list[Table]:
+    """The cascade (``ipw.analysis.cascade``), when local answers carry mean_logprob: the confidence's AUC, the
+    out-of-sample operating points per accuracy-loss target, and the curve over fixed thresholds."""
+    if not c.cascade:
+        return []
+    est = fmt.estimate
+
+    def pct(e: Estimate | None) -> str:
+        return fmt.estimate(e, PERCENT)
+
+    def estimated(x: Any) -> bool:
+        return bool(x.energy_quality == "estimated")
+
+    k = c.cascade[0].k
+    summary = [[x.local, x.cloud, str(x.n_queries), str(x.n_without_logprob), est(x.auc), _pct(x.local_accuracy),
+                _pct(x.cloud_accuracy)] for x in c.cascade]
+    out = [_table("cascade", "cascade: local first, escalate to the cloud on low confidence (mean_logprob of the "
+                  "local answer)", ["local", "cloud", "queries", "no mean_logprob", "AUC (predicts a right local "
+                                    "answer)", "local-only accuracy", "cloud-only accuracy"], summary)]
+    picks = [(x, p) for x in c.cascade for p in x.picks]
+    if picks:
+        def thresholds(ts: tuple[float | None, ...]) -> str:
+            if all(t is None for t in ts):
+                return "none: every query to the cloud"
+            shown = [fmt.value(t) for t in ts if t is not None]
+            cloud = sum(t is None for t in ts)
+            return f"{min(shown)}..{max(shown)}" + (f" ({cloud} folds: none)" if cloud else "")
+
+        headers = ["local", "max accuracy loss", "threshold (per fold)", "answered locally", "accuracy",
+                   "accuracy loss", "energy saved", "latency saved", "cost saved"]
+        out.append(_table("cascade_picks", f"cascade (out of sample: the threshold chosen on the other folds of a "
+                          f"{k}-fold split by query; energy = the local attempt + the cloud for escalated queries, "
+                          "saved vs cloud-only)", headers,
+                          [[x.local, fmt.value(p.max_accuracy_loss, PERCENT), thresholds(p.thresholds),
+                            pct(p.outcome.local_share), pct(p.outcome.accuracy), pct(p.outcome.accuracy_loss),
+                            pct(p.outcome.energy_saved_fraction), pct(p.outcome.latency_saved_fraction),
+                            pct(p.outcome.cost_saved_fraction)] for x, p in picks],
+                          lambda i, j: j == headers.index("energy saved") and estimated(picks[i][0])))
+    points = [(x, p) for x in c.cascade for p in x.curve]
+    headers = ["local", "escalate below quantile", "threshold", "answered locally", "accuracy", "accuracy loss",
+               "energy saved", "latency saved"]
+    out.append(_table("cascade_curve", "cascade curve (fixed thresholds: quantiles of mean_logprob; reading the best "
+                      "point off it is choosing in sample)", headers,
+                      [[x.local, fmt.value(p.quantile, PERCENT),
+                        fmt.value(p.threshold) if math.isfinite(p.threshold) else "every query", pct(p.outcome.local_share),
+                        pct(p.outcome.accuracy), pct(p.outcome.accuracy_loss), pct(p.outcome.energy_saved_fraction),
+                        pct(p.outcome.latency_saved_fraction)] for x, p in points],
+                      lambda i, j: j == headers.index("energy saved") and estimated(points[i][0])))
     return out
 
 

@@ -50,6 +50,10 @@ class Completion:
     token_times_s: tuple[float, ...] = ()
     finish_reason: str = ""
     server_timings: ServerTimings | None = None  # where the server reports them (llama-server)
+    # the mean log-probability (natural log) of the output tokens, where the engine gives them (llama.cpp
+    # in process; a server asked with ``logprobs = true``): the local answer's confidence, which a cascade
+    # escalates on (ipw/analysis/cascade.py); None where the engine gave none
+    mean_logprob: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

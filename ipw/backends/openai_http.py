@@ -28,6 +28,7 @@ import dataclasses
 import http.client
 import ipaddress
 import json
+import math
 import socket
 import tempfile
 import threading
@@ -136,6 +137,20 @@ def choice_text(choice: Any, api: str) -> str:
 
 
 
+def token_logprobs(data: Any) -> list[float]:
+    """The output tokens' log-probabilities in one choice's ``logprobs``: the chat API's (and llama-server's)
+    ``{"content": [{"logprob": x}, ...]}`` or the completions API's ``{"token_logprobs": [x, ...]}``;
+    values that are not finite numbers <= 0 are left out (a rounding's 1e-6 above 0 is read as 0), and so is
+    anything of another shape."""
+    if not isinstance(data, dict):
+        return []
+    items, plain = data.get("content"), data.get("token_logprobs")
+    values: list[Any] = ([item.get("logprob") for item in items if isinstance(item, dict)] if isinstance(items, list)
+                         else plain if isinstance(plain, list) else [])
+    return [min(float(v), 0.0) for v in values
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 1e-6]
+
+
 def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:
     """At most ``limit`` bytes of a response body, and whether more was left unread."""
     data = resp.read(limit + 1)
@@ -184,6 +199,7 @@ class OpenAIBackend(BackendBase):
         "base_url": str, "api_key_env": str, "model_name": str, "api": str, "timeout_s": float,
         "max_retries": int, "retry_backoff_s": float, "concurrency": (int, list),  # one level or the levels of a sweep
         "sampling_extensions": bool,
+        "logprobs": bool,  # ask for each output token's log-probability (the answer's mean_logprob)
         "remote": bool, "energy_table": str,
         # managed local server
         "server": str, "n_threads": int, "n_ctx": int, "server_timeout_s": float,
@@ -237,6 +253,11 @@ class OpenAIBackend(BackendBase):
             if value < low:
                 raise IpwError(f"{name}: {key} must be >= {low:g}, got {value}")
         self.extensions = bool(opts.get("sampling_extensions", True))
+        self.logprobs = bool(opts.get("logprobs", False))
+        if self.logprobs and self.server_kind == "llama-cpp":
+            raise IpwError(f"{name}: logprobs: llama-cpp-python's server gives log-probabilities only for a model "
+                           "loaded with logits_all, which slows every token; use server = \"llama-server\" (or "
+                           "kind = \"llama-cpp\" in process)")
         self.model_name = opts.get("model_name") or (
             spec.model if self.server_kind is None or "/" not in spec.model else Path(spec.model).stem)
         self.server: Any = None
@@ -390,6 +411,9 @@ class OpenAIBackend(BackendBase):
         stop = list(settings.stop) + (list(FEW_SHOT_STOP) if self.api == "completions" else [])
         if stop:
             params["stop"] = stop
+        if self.logprobs:  # the chat API's flag (one top entry: llama-server sends 20 without it, none with 0);
+            # the completions API's count of top entries
+            params.update({"logprobs": True, "top_logprobs": 1} if self.api == "chat" else {"logprobs": 1})
         params.update(stream=True, stream_options={"include_usage": True})
         return params
 
@@ -478,6 +502,7 @@ class OpenAIBackend(BackendBase):
         times: list[float] = []
         usage: dict[str, Any] = {}
         timings: dict[str, Any] | None = None
+        logprobs: list[float] = []
         finish = ""
         done = False
         for raw in _lines(resp):
@@ -509,12 +534,14 @@ class OpenAIBackend(BackendBase):
                 if piece:
                     parts.append(piece)
                     times.append(now)
+                if self.logprobs and isinstance(choice, dict):
+                    logprobs += token_logprobs(choice.get("logprobs"))
                 if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
                     finish = choice["finish_reason"] or finish
         if not done and not finish:
             # the connection closed mid-answer (e.g. the server died): retried like a connection error
             raise _Retryable("stream ended before [DONE] or a finish_reason", "connection")
-        return self._completion("".join(parts), usage, start, times, finish, stops, timings)
+        return self._completion("".join(parts), usage, start, times, finish, stops, timings, logprobs)
 
     def _read_json(self, resp: Any, start: float, stops: list[str]) -> Completion:
         """A server that ignores ``stream`` and answers with one JSON body: TTFT is the end."""
@@ -532,10 +559,11 @@ class OpenAIBackend(BackendBase):
         text = self._content(choice)
         finish = choice.get("finish_reason")
         return self._completion(text, data.get("usage") or {}, start, [now] if text else [],
-                                finish if isinstance(finish, str) else "", stops, data.get("timings"))
+                                finish if isinstance(finish, str) else "", stops, data.get("timings"),
+                                token_logprobs(choice.get("logprobs")) if self.logprobs else [])
 
     def _completion(self, text: str, usage: dict[str, Any], start: float, times: list[float], finish: str,
-                    stops: list[str], timings: Any = None) -> Completion:
+                    stops: list[str], timings: Any = None, logprobs: list[float] | None = None) -> Completion:
         cut = min((text.find(s) for s in stops if s and s in text), default=-1)
         if cut >= 0:
             text = text[:cut]
@@ -549,6 +577,7 @@ class OpenAIBackend(BackendBase):
             completion_tokens=len(times) if output is None else output,
             start_s=start, first_token_s=times[0] if times else None, end_s=time.monotonic(),
             token_times_s=tuple(times), finish_reason=finish, server_timings=server_timings(timings),
+            mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -559,7 +588,7 @@ class OpenAIBackend(BackendBase):
             "timeout_s": self.timeout_s,
             "max_retries": self.max_retries, "retry_backoff_s": self.retry_backoff_s,
             "api_key_env": self.spec.options.get("api_key_env"), "api_key_sent": bool(self._key),
-            "sampling_extensions": self.extensions,
+            "sampling_extensions": self.extensions, "logprobs": self.logprobs,
             "usage_source": "response usage when sent, else content chunks counted and prompt tokens "
                             + ("counted with the GGUF's tokenizer" if self._prompt_tokens is not None else "unknown (0)"),
             "request_params": self.sent_params,

@@ -66,6 +66,7 @@ def make_record(
         energy_parts=json.dumps([asdict(r) for r in readings]),
         **record_phases(readings, splits() if splits is not None else {}),
         node=identity.node, hardware_id=identity.hardware_id, choices=tuple(query.choices or ()),
+        mean_logprob=completion.mean_logprob if completion else None,
         concurrency=concurrency, split_method=split.method if split is not None else "",
         split_uncertainty_j=split_uncertainty,
     )
