@@ -455,3 +455,48 @@ def test_parse_dcmi():
     got = node_power.parse_dcmi(DCMI_OUTPUT.replace("{w}", "231"))
     assert got == {"instant_w": 231.0, "min_w": 98.0, "max_w": 402.0, "average_w": 231.0, "sampling_period_s": 1.0,
                    "state": "activated"}
+
+
+def test_ipw_serves_provisional_energy_leaves_the_node_out():
+    """The meter of ipw serve: a request's provisional energy sums what its settled total sums, never the node."""
+    from ipw.metering.meter import Meter
+    from ipw.metering.window import Window
+    from ipw.telemetry.base import SensorBase, SensorInfo
+
+    class Constant(SensorBase):
+        supports_cut = True
+
+        def __init__(self, name, comp, scope, watts):
+            self.name, self.comp, self.scope, self.watts = name, comp, scope, watts
+
+        def info(self):
+            return SensorInfo(self.name, True, f"{self.name}.power", "measured", self.scope, (self.comp,))
+
+        def begin(self, t_s=None):
+            return time.monotonic() if t_s is None else t_s
+
+        def end(self, token, t_s=None):
+            now = time.monotonic() if t_s is None else t_s
+            return [EnergyReading(self.comp, self.watts * (now - token), f"{self.name}.power", "measured", self.scope,
+                                  now - token)]
+
+        def cut(self, token, t_s=None):
+            now = time.monotonic() if t_s is None else t_s
+            return self.end(token, now), now
+
+        def current_power_w(self):
+            return {self.comp: self.watts}
+
+    meter = Meter(Window([Constant("chip", "gpu0", "gpu", 100.0), Constant("node_power", "node", "node", 400.0)]),
+                  live_tokens=True)
+    meter.open()
+    try:
+        job = meter.start()
+        meter.token(job)
+        time.sleep(0.02)
+        start, end = meter.end(job, None)
+        provisional = meter.provisional(job)
+    finally:
+        meter.close()
+    assert [r.component for r in provisional.readings] == ["gpu0"]
+    assert provisional.readings[0].energy_j == pytest.approx(100.0 * (end - start), rel=1e-6)

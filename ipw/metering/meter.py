@@ -38,7 +38,7 @@ from ipw.backends.base import Completion
 from ipw.metering.split import (PERIOD_S, PriceFit, Pricing, Request, fit_bins, local_shares, priced_shares,
                                 split_method, token_work)
 from ipw.metering.window import Closed, Window, resolve
-from ipw.telemetry.base import EnergyReading, Quality, worst_quality
+from ipw.telemetry.base import CONTAINING_SCOPES, EnergyReading, Quality, worst_quality
 from ipw.telemetry.uncertainty import Z90
 
 #: one slice of a span: its start and end (monotonic s), its sensors' result, the requests in flight in it
@@ -197,6 +197,20 @@ class _Account:
         row[4].append(reading.quality)
 
 
+def _containing(window: Window) -> set[str]:
+    """The components of the window's sensors whose scope contains the others' (the node's BMC,
+    ``telemetry.base.CONTAINING_SCOPES``): a total, settled or provisional, never sums them."""
+    out: set[str] = set()
+    for sensor in getattr(window, "sensors", []):
+        try:
+            info = sensor.info()
+        except Exception:  # a sensor that cannot describe itself is not a node sensor
+            continue
+        if info.scope in CONTAINING_SCOPES:
+            out.update(info.components)
+    return out
+
+
 class Meter:
     """A span of requests that start and end at any time; each gets its share of the energy measured
     while it ran (the module's docstring says how).
@@ -236,6 +250,7 @@ class Meter:
         self._recent_w: dict[str, float] = dict(self.idle_w)
         self._each_j: dict[str, float] = {}
         self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
+        self._containing: set[str] = _containing(window)  # of a scope that contains the others (node): in no total
         # (provisional, settled) of the last CAL_N requests of each provisional source
         self._ratios: dict[str, collections.deque[tuple[float, float]]] = {}
         self._stopping = self._stopped = False
@@ -420,7 +435,7 @@ class Meter:
             request = account.request
             if request is None or not self.live_tokens or not account.each_j:
                 return Provisional([], PROVISIONAL_REL_DEFAULT, "none")
-            keep = self._measured or set(account.each_j)  # the components a settled total sums (the measured ones)
+            keep = self._measured or set(account.each_j) - self._containing  # what a settled total sums (the measured ones)
             unsplit = [p for p in [*self._periods, *([self._open] if self._open is not None else [])]
                        if job in p.members]
             if not account.shared and all(p.members == {job} for p in unsplit):
@@ -594,7 +609,10 @@ class Meter:
         if busy_time > 0:
             self._recent_w = {c: float(np.nansum(e)) / busy_time for c, e in energy.items()}
         self._measured = {c for c, rs in by_comp.items()
-                          if any(r is not None and r.quality in ("measured", "measured_interpolated") for r in rs)}
+                          if any(r is not None and r.quality in ("measured", "measured_interpolated")
+                                 and r.scope not in CONTAINING_SCOPES for r in rs)}
+        self._containing |= {c for c, rs in by_comp.items()  # the node's BMC: never in a total
+                             if any(r is not None and r.scope in CONTAINING_SCOPES for r in rs)}
         priced = self.split == "priced"
         # per component, every request at once: its share by each split, and its sensors' error under the split
         # used (the slices' errors as independent, 1 sd squared; the calibration's as shared), weighted by its part
