@@ -97,7 +97,8 @@ def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
 
     session = proxy.session
     spans = line["energy"]
-    table = Table(title=f"ipw serve: {session.spec.name}")
+    table = Table(title=f"ipw serve: {session.spec.name}"
+                  + (f" or {session.specs['cloud'].name} (--route)" if session.router is not None else ""))
     for col in ("requests", "errors", "in flight (peak)", "energy (J)", "J/request", "unattributed (J)", "quality"):
         table.add_column(col)
     unattributed = [row.get("unattributed_j") for row in spans.values()]
