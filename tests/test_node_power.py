@@ -500,3 +500,13 @@ def test_ipw_serves_provisional_energy_leaves_the_node_out():
         meter.close()
     assert [r.component for r in provisional.readings] == ["gpu0"]
     assert provisional.readings[0].energy_j == pytest.approx(100.0 * (end - start), rel=1e-6)
+
+
+def test_the_chip_totals_error_leaves_the_node_out():
+    from dataclasses import asdict
+
+    from ipw.telemetry.uncertainty import measurement_sd
+
+    gpu = EnergyReading("gpu0", 100.0, "rapl.package", "measured", "gpu", 1.0, uncertainty_j=1.645)
+    node = EnergyReading("node", 400.0, "redfish.power", "measured_interpolated", "node", 1.0, uncertainty_j=16.45)
+    assert measurement_sd(json.dumps([asdict(gpu), asdict(node)])) == measurement_sd(json.dumps([asdict(gpu)]))

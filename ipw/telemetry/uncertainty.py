@@ -13,6 +13,7 @@ import json
 import math
 from typing import Any, Sequence
 
+from ipw.telemetry.base import CONTAINING_SCOPES
 from ipw.telemetry.estimator import DEFAULT_ERROR_MODEL, UNCALIBRATED_REL_SD
 
 #: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
@@ -35,15 +36,16 @@ def measurement_sd(energy_parts: str | Sequence[dict[str, Any]] | None) -> tuple
     readings that no counter calibrated (the note says ``uncalibrated``: a platform without a counter, a
     counter distrusted) share ``UNCALIBRATED_REL_SD`` of their energy; NVML sampled readings share
     ``NVML_SHARED_REL`` (the calibration); the rest of each is independent.  Other readings are independent.  Independent parts add in quadrature, shared ones
-    linearly.  Readings without ``uncertainty_j`` (records made before it was stated) add nothing: (0, 0)."""
+    linearly.  Readings without ``uncertainty_j`` (records made before it was stated) add nothing: (0, 0); nor do
+    readings of a scope that the total leaves out (the node's BMC)."""
     if not energy_parts:
         return 0.0, 0.0
     parts = json.loads(energy_parts) if isinstance(energy_parts, str) else energy_parts
     var = shared = 0.0
     for p in parts:
         u, e = p.get("uncertainty_j"), p.get("energy_j")
-        if u is None or e is None or not math.isfinite(u):
-            continue
+        if u is None or e is None or not math.isfinite(u) or p.get("scope") in CONTAINING_SCOPES:
+            continue  # a node reading is not in the total (telemetry.base.CONTAINING_SCOPES): nor its error
         sd = abs(u) / Z90
         if p.get("quality") == "estimated":
             shared += sd
