@@ -111,6 +111,15 @@ def test_compare_shows_the_cascade_when_records_carry_mean_logprob(tmp_path):
     assert all(row[energy] for row in table.est)  # estimated energy is marked
 
 
+def test_the_report_shows_the_cascade(tmp_path, run_cli):
+    run = _run_with_logprobs(tmp_path)
+    code, _, err = run_cli("report", run, "--out", tmp_path / "r.html", "--markdown", tmp_path / "r.md")
+    assert code == 0, err
+    html = (tmp_path / "r.html").read_text()
+    assert "cascade: local first" in html and "cascade (out of sample" in html and "cascade curve" in html
+    assert "### cascade (out of sample" in (tmp_path / "r.md").read_text()  # the picks in the short summary
+
+
 def test_no_cascade_without_mean_logprob(tmp_path):
     c = compare([_run_with_logprobs(tmp_path, with_field=False)], n_boot=200)
     assert c.cascade == () and not [t for t in render.tables(c) if t.key.startswith("cascade")]

@@ -151,8 +151,8 @@ def render_markdown(ctx: dict[str, Any], html_name: str | None = None) -> str:
     lines = [f"## {ctx['title']}", ""]
     if ctx["hardware_banner"]:
         lines += [f"> **Different hardware.** {_md_cell(ctx['hardware_banner'])}", ""]
-    order = ("metrics", "serving", "deadline", "routing", "trained_router", "by_category", "judge",
-             "difference")  # as in the HTML
+    order = ("metrics", "serving", "deadline", "routing", "trained_router", "cascade_picks", "by_category", "judge",
+             "difference")  # as in the HTML (the cascade's out-of-sample picks, when records carry mean_logprob)
     keep = sorted((t for t in ctx["tables"] if t["key"] in order), key=lambda t: order.index(t["key"]))
     for t in keep:  # the answer first; what ran, and on what, at the end
         lines += [f"### {_md_cell(t['title'])}", "", "| " + " | ".join(map(_md_cell, t["headers"])) + " |",
