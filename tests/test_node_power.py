@@ -358,6 +358,9 @@ def test_configuration_errors(tmp_path):
         node_power.node_config({"IPW_NODE_POWER": "https://admin:pw@bmc"})
     with pytest.raises(IpwError, match="set IPW_BMC_USER and IPW_BMC_PASSWORD"):
         node_power.node_config({"IPW_NODE_POWER": "https://bmc"})
+    with pytest.raises(IpwError, match="IPMI account"):
+        node_power.node_config({"IPW_NODE_POWER": "ipmi://bmc"})
+    assert node_power.node_config({"IPW_NODE_POWER": "ipmi://"}).url == "ipmi://"  # in-band: no account
     with pytest.raises(IpwError, match="unknown scheme"):
         node_power.node_config({"IPW_NODE_POWER": "ftp://bmc"})
     with pytest.raises(IpwError, match="IPW_BMC_VERIFY"):

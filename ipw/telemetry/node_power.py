@@ -140,6 +140,9 @@ def node_config(env: dict[str, str] | None = None) -> NodeConfig | None:
         sanitize.register_env(ENV_PASSWORD)
     if parts.scheme == "ipmi":
         kind, url = "ipmi", f"ipmi://{parts.netloc}"
+        if parts.netloc and (not user or not password):
+            raise IpwError(f"{ENV_URL}={url}: set {ENV_USER} and {ENV_PASSWORD} (the BMC's IPMI account; "
+                           "ipmi:// without a host reads this machine's BMC in-band, without them)")
     else:
         scheme = "https" if parts.scheme == "redfish" else parts.scheme
         kind, url = "redfish", f"{scheme}://{parts.netloc}"
