@@ -470,7 +470,8 @@ def routing_tables(c: Comparison) -> list[Table]:
 def _outcome_dict(o: Outcome) -> dict[str, Any]:
     return {"local_share": _est(o.local_share), "escalated_share": _est(o.escalated_share),
             "accuracy": _est(o.accuracy), "accuracy_loss": _est(o.accuracy_loss),
-            **{f"{w}_saved_fraction": _est(getattr(o, f"{w}_saved_fraction")) for w in ("energy", "latency", "cost")}}
+            "energy_saved_fraction": _est(o.energy_saved_fraction),
+            "latency_saved_fraction": _est(o.latency_saved_fraction), "cost_saved_fraction": _est(o.cost_saved_fraction)}
 
 
 def _cascade_list(c: Comparison) -> list[dict[str, Any]]:
