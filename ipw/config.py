@@ -44,6 +44,9 @@ class RunConfig:
     sample: int = 0  # a random sample of this many queries, seeded by `seed`; 0 = all
     energy_split: str = "priced"  # how overlapping requests' energy is split (ipw.metering.split.SPLITS)
     judge: JudgeSpec | None = None  # the [judge] table: grades the run when it ends; `ipw rescore`'s default judge
+    carbon_intensity: float | None = None  # gCO2e/kWh given (ipw.carbon); None: none, or from grid_region
+    grid_region: str | None = None  # the zone whose intensity the run carries (offline table, or live)
+    grid_live: bool = False  # grid_region's intensity from Electricity Maps, not the offline table
 
     def to_dict(self) -> dict[str, Any]:
         """As stored in the manifest: a ``base_url``'s ``user:password@`` and secret query values redacted
@@ -97,6 +100,10 @@ _GENERATION = _table_types(GenerationSettings)  # [generation]: every field of G
 _BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
 # what a backend's Ray task asks for (ipw.ray_runner.task_resources); kept in the backend's options
 _RAY_RESOURCES = {"ray_num_cpus": float, "ray_num_gpus": float}
+# the datacenter's overhead on the backend's energy (ipw.analysis.basis, --energy-basis facility): its PUE
+# (1.0 unless set) and where that figure comes from; kept in the backend's options
+_FACILITY = {"pue": float, "pue_source": str}
+MAX_PUE = 5.0  # the worst datacenters in the Uptime Institute's surveys are ~2.5-3: more is a typo
 _JUDGE = {"name": str, "kind": str, "model": str, "mode": str, "grading": str, "prompt": str, "max_tokens": int,
           "usd_per_mtok_in": float, "usd_per_mtok_out": float}
 
@@ -288,11 +295,13 @@ def parse_config(text: str, path: str) -> RunConfig:
             raise IpwError(f"{loc('kind')}: required (known kinds: {', '.join(backend_kinds())})")
         if kind not in backend_kinds():
             raise IpwError(f"{loc('kind')}: unknown backend kind {kind!r} (known: {', '.join(backend_kinds())})")
-        allowed = {**_BACKEND, **backend_options(kind), **_RAY_RESOURCES}
+        allowed = {**_BACKEND, **backend_options(kind), **_RAY_RESOURCES, **_FACILITY}
         fields = _check_table(entry, allowed, prefix, where, header)
         for key in _RAY_RESOURCES:
             if fields.get(key, 0) < 0:
                 raise IpwError(f"{loc(key)}: must be >= 0")
+        if "pue" in fields:  # PUE = facility energy / IT energy: never below 1
+            check_range(fields["pue"], loc("pue"), low=1.0, high=MAX_PUE)
         for key in _AT_LEAST_ONE:
             if key in fields and fields[key] < 1:
                 raise IpwError(f"{loc(key)}: must be >= 1, got {fields[key]}")

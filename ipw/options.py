@@ -80,6 +80,7 @@ def by_name(group: tuple[Option, ...]) -> dict[str, Option]:
 
 
 MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
+MAX_G_PER_KWH = 2000.0  # the dirtiest grids are ~1,000 gCO2e/kWh: more is a typo (ipw.carbon)
 
 #: ``ipw run``'s options that override the run config (``config.apply_overrides``); those with a ``key`` are
 #: also the config's top-level fields of that name, checked against the same bounds
@@ -109,6 +110,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option(("--concurrency",), str, "LEVELS: requests in flight, e.g. 1,4,16,64, swept on every backend that serves "
            "concurrent requests (kind openai, e.g. a managed llama-server); each level gets its own warm-up and idle "
            "baseline, and records carry their level. In-process engines stay at 1."),
+    Option(("--carbon-intensity",), float, "The grid's carbon intensity in gCO2e/kWh (0-2000), recorded in the "
+           "manifest: compare, report and check then show gCO2e per query and per correct answer. No default: a "
+           "run without one shows no carbon.", key="carbon_intensity", low=0.0, high=MAX_G_PER_KWH),
+    Option(("--grid-region",), str, "The grid's carbon intensity from the offline table (CodeCarbon's data): a "
+           "country code (DE, FR, USA) or a cloud region (gcp:europe-west3); with --grid-live, an Electricity Maps "
+           "zone.", key="grid_region"),
+    Option(("--grid-live",), bool, "Ask Electricity Maps for --grid-region's latest intensity (key from "
+           "ELECTRICITYMAPS_API_KEY); if it cannot be reached the run carries no intensity.", key="grid_live"),
 )
 RUN = by_name(RUN_OPTIONS)
 
@@ -127,5 +136,12 @@ ROUTING_OPTIONS: tuple[Option, ...] = (
            default=ROUTER_ACCURACY, low=0.0, high=1.0),
     Option(("--deadline",), str, "METRIC=VALUE (METRIC: p50_latency, p95_latency, p50_ttft or p95_ttft; VALUE like "
            "2s or 500ms): per backend, the concurrency level with the lowest J/query that meets it."),
+    Option(("--energy-basis",), str, "Which joules every table compares and routing minimises: chip (measured or "
+           "estimated at the chip), facility (chip x each backend's pue) or node (the whole machine from its BMC). "
+           "docs/ENERGY.md.", default="chip", choices=("chip", "facility", "node")),
+    Option(("--carbon-intensity",), float, "Re-price every run's carbon at this intensity (gCO2e/kWh, 0-2000), "
+           "labelled; default: each run's own (none: no carbon shown).", low=0.0, high=MAX_G_PER_KWH),
+    Option(("--grid-region",), str, "Re-price every run's carbon at this zone's intensity from the offline table "
+           "(DE, FR, gcp:europe-west3), labelled."),
 )
 ROUTING = by_name(ROUTING_OPTIONS)

@@ -330,6 +330,9 @@ class RunManifest:
     # what records.parquet was built from: the count and sha256 of records.jsonl when it was written
     # (readers trust the Parquet file only while the log still matches; see trusted_parquet)
     records: dict[str, Any] | None = None
+    # the grid's carbon intensity the run carries (ipw.carbon: g_per_kwh, source, zone, date); g_per_kwh None:
+    # asked for, but the live feed gave none (its error says why)
+    carbon: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this ipw does not know, kept as they were
 
     @classmethod

@@ -98,7 +98,8 @@ def test_backend_compared_with_itself_shows_zero_difference(tmp_path, run_cli):
         assert [x["label"] for x in d["backends"]] == ["first/z", "second/z"]  # names collide across runs
         for key, e in backend(d, "second/z")["vs_reference"].items():
             if key not in ("cost_per_query_usd", "j_per_prefill_token", "j_per_decode_token",
-                           "prefill_energy_share", "win_tie_rate"):  # None: no prices, phases or judge here
+                           "prefill_energy_share", "win_tie_rate", "gco2e_per_query",
+                           "gco2e_per_correct"):  # None: no prices, phases, judge or carbon intensity here
                 assert (e["value"], e["lo"], e["hi"]) == (0.0, 0.0, 0.0), key
 
 

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence, cast
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
+from ipw.analysis.basis import BASIS_TEXT, available, carbon_rows, check_basis, intensities, under_basis
 from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
@@ -85,6 +86,19 @@ def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeR
 
 
 @dataclass(frozen=True)
+class BasisView:
+    """One energy basis (ipw.analysis.basis): each backend's J/query and gCO2e per correct answer, and the
+    routing's energy saved (the oracle's, and the α-router's: α x the oracle's), with CIs."""
+
+    basis: str
+    energy_per_query_j: dict[str, Estimate]
+    gco2e_per_correct: dict[str, Estimate]
+    oracle_energy_saved_fraction: Estimate | None
+    router_energy_saved_fraction: Estimate | None
+    unavailable: tuple[str, ...] = ()  # backends without energy on this basis
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Every number of ``ipw compare`` (rendered by ``ipw.analysis.render``)."""
 
@@ -112,6 +126,14 @@ class Comparison:
     query_set_note: str = ""  # the note that the runs' query sets differ and the numbers cover the shared queries
     # per local backend whose records carry mean_logprob: the cascade in front of the reference, out of sample
     cascade: tuple[Cascade, ...] = ()
+    energy_basis: str = "chip"  # which joules every energy number compares (ipw.analysis.basis)
+    carbon: dict[str, Any] = field(default_factory=dict)  # label -> its ipw.carbon.CarbonIntensity, or None
+    bases: tuple["BasisView", ...] = ()  # the energy on each available basis side by side (chip, facility, node)
+
+    @property
+    def basis_text(self) -> str:
+        """The energy basis, as every table's title says it."""
+        return BASIS_TEXT[self.energy_basis]
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
@@ -205,10 +227,14 @@ def _metric_values(s: np.ndarray, q: np.ndarray, col: dict[Any, int], j: int) ->
     return metric_table.values(g)
 
 
-def backend_values(pq: PerQuery, j: int, cost: np.ndarray | None = None) -> dict[str, np.ndarray | None]:
-    """Backend j's per-query values, as ipw.analysis.metrics takes them."""
+def backend_values(pq: PerQuery, j: int, cost: np.ndarray | None = None,
+                   carbon: np.ndarray | None = None) -> dict[str, np.ndarray | None]:
+    """Backend j's per-query values, as ipw.analysis.metrics takes them; ``carbon``: each backend's carbon
+    intensity (gCO2e/kWh, NaN: none)."""
     v = {k: (None if getattr(pq, k) is None else getattr(pq, k)[j]) for k in FIELDS}
     v["cost_usd"] = None if cost is None else cost[j]
+    v["carbon_g_per_kwh"] = (None if carbon is None or np.isnan(carbon[j]) else
+                             np.full(pq.correct.shape[1], carbon[j]))
     return v
 
 
@@ -243,13 +269,13 @@ class _Columns:
 
 
 def _columns(pq: PerQuery, cost: np.ndarray | None, oq: OracleQueries | None, ri: int,
-             envelope: Sequence[list[int]] = ()) -> _Columns:
+             envelope: Sequence[list[int]] = (), carbon: np.ndarray | None = None) -> _Columns:
     """Per backend j: its metric columns (ipw.analysis.metrics.query_columns); ("route", ...) the oracle's
     per-query values; ("envelope", i, ...) the coverage of the local backends ``envelope[i]``."""
     cols = _Columns()
     cols.add("one", lambda: np.ones(pq.correct.shape[1]))
     for j in range(pq.correct.shape[0]):
-        cols.add_backend(j, backend_values(pq, j, cost))
+        cols.add_backend(j, backend_values(pq, j, cost, carbon))
     if oq is not None:
         same = {"cloud_energy": (ri, "energy_j"), "cloud_cost": (ri, "cost_usd")}
         for key, x in (("covered", oq.covered), ("scored", oq.scored), ("judged", oq.judged),
@@ -298,10 +324,15 @@ def quantiles_of(pq: PerQuery) -> list[tuple[np.ndarray, tuple[float, ...]]]:
 def compare(paths: Sequence[str | Path], *, reference: str | None = None, common_queries: bool = False,
             local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
             n_boot: int | None = None, seed: int = 0, usd_per_kwh: float | None = None,
-            api_prices: Sequence[str] = (), deadline: str | None = None) -> Comparison:
+            api_prices: Sequence[str] = (), deadline: str | None = None, energy_basis: str = "chip",
+            carbon_intensity: float | None = None, grid_region: str | None = None) -> Comparison:
     """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring.
     ``deadline`` (``METRIC=VALUE``, ``ipw.analysis.serving.parse_deadline``) picks each backend's
-    energy-optimal concurrency level within it."""
+    energy-optimal concurrency level within it. ``energy_basis``: which joules (ipw.analysis.basis);
+    ``carbon_intensity`` (gCO2e/kWh) or ``grid_region``: re-price every run's carbon at it."""
+    check_basis(energy_basis)
+    if carbon_intensity is not None or grid_region:  # a bad value or zone fails before any run is read
+        intensities((), (), carbon_intensity, grid_region)
     ROUTING["router_accuracy"].check(router_accuracy, "--router-accuracy")  # the CLI's bound, for API callers
     if n_boot is not None and n_boot < 1:
         raise IpwError(f"--n-boot {n_boot}: must be at least 1")
@@ -310,6 +341,12 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     prices_raw = [parse_api_price(p) for p in api_prices]
     bound = None if deadline is None else parse_deadline(deadline)
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
+    chip_pq = pq
+    pq, basis_notes = under_basis(pq, infos, energy_basis)
+    notes += basis_notes
+    carbon, carbon_notes = intensities(runs, infos, carbon_intensity, grid_region)
+    notes += carbon_notes
+    carbon_g = carbon_rows(carbon)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
 
@@ -351,7 +388,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
                      "(set roles with --local/--cloud)")
 
     envelope = [[labels.index(x) for x in p.backends] for p in routing.power_envelope] if routing else []
-    cols = _columns(pq, cost, oq, ri, envelope)
+    cols = _columns(pq, cost, oq, ri, envelope, carbon=carbon_g)
     col = cols.index
     errors, measurement = measurement_errors(pq, col, oq)
     notes.append(measurement)
@@ -382,7 +419,43 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
                       judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks,
                       measurement=measurement, with_measurement_error=bool(errors),
-                      query_set_note=pq.query_set_note, cascade=cascade)
+                      query_set_note=pq.query_set_note, cascade=cascade, energy_basis=energy_basis, carbon=carbon,
+                      bases=basis_views(chip_pq, infos, ri, local_idx, router_accuracy, n_boot, seed, carbon_g))
+
+
+def basis_views(chip_pq: PerQuery, infos: Sequence[BackendInfo], ri: int, local_idx: Sequence[int],
+                router_accuracy: float, n_boot: int, seed: int, carbon_g: np.ndarray | None) -> tuple[BasisView, ...]:
+    """The energy on every available basis (chip, and facility where a PUE is set, node where records have node
+    readings), each bootstrapped with the comparison's seed: J/query, gCO2e per correct answer and the
+    routing's energy saved; () when chip is the only one."""
+    bases = available(chip_pq, infos)
+    if len(bases) < 2:
+        return ()
+    labels = tuple(i.label for i in infos)
+    views = []
+    for basis in bases:
+        pq, _ = under_basis(chip_pq, infos, basis)
+        oq = None
+        if local_idx:
+            matrix = QueryMatrix(labels, tuple(i.energy_quality for i in infos), pq.correct.T, pq.energy_j.T,
+                                 pq.latency_s.T, None, category=pq.category, categories=pq.categories,
+                                 win_tie=None if pq.win_tie is None else pq.win_tie.T)
+            oq = oracle_queries(matrix, list(local_idx), ri)
+        cols = _columns(pq, None, oq, ri, carbon=carbon_g)
+        errors, _ = measurement_errors(pq, cols.index, oq)
+        draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=pq.correct.shape[1],
+                                n_boot=n_boot, seed=seed, measurement=errors)
+        metrics, _ = _estimates(draws, cols.index, labels, ri)
+        saved = None
+        if oq is not None and ("route", "energy") in cols.index:
+            r, c = (cols.index[("route", k)] for k in ("energy", "cloud_energy"))
+            saved = interval(float(1 - _ratio(draws.point_sums[r], draws.point_sums[c])),
+                             1 - _ratio(draws.sums[:, r], draws.sums[:, c]), LEVEL)
+        router = None if saved is None else Estimate(*(router_accuracy * x for x in (saved.value, saved.lo, saved.hi)))
+        views.append(BasisView(basis, {x: metrics[x]["energy_per_query_j"] for x in labels},
+                               {x: metrics[x]["gco2e_per_correct"] for x in labels}, saved, router,
+                               tuple(x for j, x in enumerate(labels) if np.isnan(pq.energy_j[j]).all())))
+    return tuple(views)
 
 
 def fitted_models(pq: PerQuery, j: int) -> dict[str, LinearFit]:

@@ -37,6 +37,7 @@ class RunInfo:
     n_records: int
     machines: tuple[dict[str, Any], ...] = ()  # the kinds of machine that measured it (telemetry.hardware.machines)
     energy_audits: tuple[str, ...] = ()  # "backend: line" of each run-level energy audit (telemetry.audit)
+    carbon: dict[str, Any] | None = None  # the grid's carbon intensity the run carries (manifest.carbon, ipw.carbon)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class BackendInfo:
     vs_backend: str = ""  # the reference backend(s) a judge compared its answers with ("": none judged)
     concurrency: int = 1  # requests in flight at this level of a serving sweep (1: one at a time, older runs)
     split_methods: tuple[str, ...] = ()  # how overlapping requests' energy was split ("": not split, omitted)
+    pue: float = 1.0  # the backend's facility overhead (its config's pue; 1.0 unless set), for --energy-basis facility
+    pue_source: str = ""  # where that PUE comes from (its config's pue_source; "": not stated)
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,16 @@ class PerQuery:
     # cascade escalates on), repeats averaged; NaN: none given (an error, an engine not asked); None: no
     # record of any run has one
     mean_logprob: np.ndarray | None = None
+    # the whole node's energy over each query's window (readings of scope node, ipw.telemetry.node_power),
+    # repeats averaged, for --energy-basis node; NaN: no node reading; None: no record of any run has one (or
+    # the run is too large for its readings to be read)
+    node_energy_j: np.ndarray | None = None
 
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
           "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j",
-          "mean_logprob")
+          "mean_logprob", "node_energy_j")
 #: Runs up to this many records have their readings (energy_parts) read for the measurement error of their
 #: energy; above it the parts are not read (hundreds of bytes a record) and CIs say they carry none.
 #: Parsing them cost 46 µs a record on the 2-core VM at load average 9 (json), so up to ~5 s at this size.
@@ -219,7 +226,7 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     several = np.bincount(gbackend, minlength=len(bnames)) > 1
     run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
                   dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)),
-                  energy_audits(manifest))
+                  energy_audits(manifest), manifest.carbon)
     nq, nb = len(qids), len(gbackend)
     key = gcode * nq + qcode
     size = nb * nq
@@ -255,7 +262,10 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     for name in ("prefill_energy_j", "decode_energy_j", "win_tie", "mean_logprob"):  # None in runs made before them
         x = _floats(frame[name])
         values[name] = None if np.isnan(x).all() else mean(x)
-    values["energy_sd_j"] = values["energy_shared_sd_j"] = None
+    values["energy_sd_j"] = values["energy_shared_sd_j"] = values["node_energy_j"] = None
+    if "energy_parts" in frame:  # the node's energy (--energy-basis node): only records with a node reading parsed
+        node = _node_energy(frame["energy_parts"].astype(object))
+        values["node_energy_j"] = None if np.isnan(node).all() else mean(node)
     if "energy_parts" in frame:  # measurement error: a mean of k repeats has sqrt(sum sd^2) / k, shared sd / k
         from ipw.analysis.stats import measurement_sd
 
@@ -289,6 +299,7 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     src_counts = np.bincount(gcode[has_e] * len(src_names) + src_code[has_e],
                              minlength=nb * len(src_names)).reshape(nb, len(src_names))
     del frame
+    facility = _pue_of(manifest)
     parts = []
     for g in range(nb):
         name, level = bnames[gbackend[g]], int(glevel[g])
@@ -301,10 +312,34 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
             energy_quality=max(known, key=QUALITY_ORDER.index) if known else "unavailable",
             energy_qualities=quals,
             energy_sources=tuple(src_names[i] for i in range(len(src_names)) if src_counts[g, i] and src_names[i]),
+            pue=facility.get(name, (1.0, ""))[0], pue_source=facility.get(name, (1.0, ""))[1],
         )
         parts.append(_Part(run, info, qids, count.reshape(nb, nq)[g] > 0, category, cnames,
                            {k: (None if v is None else v[g]) for k, v in values.items()}))
     return parts
+
+
+def _node_energy(texts: Any) -> np.ndarray:
+    """Each record's node energy (J): its readings of scope ``node`` summed (NaN: none, or one unavailable)."""
+    import json
+
+    out = np.full(len(texts), np.nan)
+    has = texts.str.contains('"scope": "node"', regex=False, na=False).to_numpy()
+    for i in np.flatnonzero(has):
+        found = [p.get("energy_j") for p in json.loads(texts.iloc[i]) if p.get("scope") == "node"]
+        if found and all(isinstance(e, (int, float)) for e in found):
+            out[i] = float(sum(found))
+    return out
+
+
+def _pue_of(manifest: RunManifest) -> dict[str, tuple[float, str]]:
+    """Each configured backend's PUE and its stated source (``pue``, ``pue_source`` in its config table)."""
+    out = {}
+    for b in (manifest.config or {}).get("backends") or []:
+        options = b.get("options") or {} if isinstance(b, dict) else {}
+        if isinstance(options.get("pue"), (int, float)):
+            out[str(b.get("name"))] = (float(options["pue"]), str(options.get("pue_source") or ""))
+    return out
 
 
 def judge_lines(run: RunInfo) -> list[JudgeEntry]:

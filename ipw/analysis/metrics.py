@@ -16,7 +16,8 @@ Columns (per backend, one value per query; ``query_columns``), each summed over 
   with_energy: 1 if it has energy; energy_j: energy (J) or 0; window_s_with_energy, output_tokens_with_energy:
   its window (s) and output tokens where it has energy; prefill_j, decode_j: its phases' J where both are
   known, prompt_tokens_with_phases, output_tokens_with_phases: its tokens there; cost_usd, with_cost: USD and
-  1 where a cost is known; output_tokens_with_span, wall_share_s: output tokens and the query's share of its
+  1 where a cost is known; carbon_g_per_kwh: the carbon intensity the backend's run carries (the same for
+  every query; absent: no carbon metric); output_tokens_with_span, wall_share_s: output tokens and the query's share of its
   level's wall span (s) where the span is known.
 Quantiles: ``ttft_p50``, ``ttft_p95``, ``latency_p50``, ``latency_p95`` of the per-query means.
 """
@@ -36,6 +37,15 @@ QUANTILES = (("ttft", "ttft_s", (0.5, 0.95)), ("latency", "latency_s", (0.5, 0.9
 def _ratio(a: Any, b: Any) -> Any:
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.asarray(a, dtype=float) / np.asarray(b, dtype=float)
+
+
+J_PER_KWH = 3.6e6
+
+
+def _carbon_per_query(g: Mapping[str, Any]) -> Any:
+    """J per query x the carbon intensity (gCO2e/kWh; its column holds it for every query, so its sum over
+    the queries is it times their count, in every resample)."""
+    return _ratio(g["energy_j"], g["with_energy"]) * _ratio(g["carbon_g_per_kwh"], g["queries"]) / J_PER_KWH
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,11 @@ METRICS: tuple[Metric, ...] = (
            needs="win_tie"),
     Metric("cost_per_query_usd", "USD/query", "USD", "lower", "queries with a cost",
            lambda g: _ratio(g["cost_usd"], g["with_cost"])),
+    Metric("gco2e_per_query", "gCO2e/query", "gCO2e", "lower", "queries with energy, at the carbon intensity the "
+           "run carries (ipw.carbon; none: n/a)", lambda g: _carbon_per_query(g), energy=True),
+    Metric("gco2e_per_correct", "gCO2e/correct", "gCO2e", "lower", "gCO2e per query / accuracy over the scored "
+           "queries (per correct answer)", lambda g: _ratio(_carbon_per_query(g), _ratio(g["correct"], g["scored"])),
+           energy=True, needs="correct"),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
@@ -176,6 +191,9 @@ def query_columns(v: Mapping[str, np.ndarray | None]) -> dict[str, Callable[[], 
     if win is not None:
         cols["win_tie"] = lambda: np.nan_to_num(win)
         cols["judged"] = lambda: (~np.isnan(win)).astype(float)
+    carbon = v.get("carbon_g_per_kwh")  # the backend's carbon intensity, one value for every query (None: none)
+    if carbon is not None:
+        cols["carbon_g_per_kwh"] = lambda: np.asarray(carbon, dtype=float)
     cost = v.get("cost_usd")
     if cost is not None:
         hc = ~np.isnan(cost)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from ipw.analysis import fmt
 from ipw.analysis import metrics as metric_table
+from ipw.analysis.basis import BASIS_TEXT
 from ipw.analysis.compare import Comparison
 from ipw.analysis.fmt import PERCENT
 from ipw.analysis.metrics import BY_NAME
@@ -156,6 +157,7 @@ def to_dict(c: Comparison) -> dict[str, Any]:
         "routing": _routing_dict(c),
         "judge": [dict(row.__dict__) for row in c.judge],
         "cascade": _cascade_list(c),
+        **energy_dict(c),
         "hardware_note": c.hardware_note,
         "notes": list(c.notes),
     }
@@ -268,7 +270,7 @@ def _table(key: str, title: str, headers: list[str], rows: list[list[str]],
            energy: Callable[[int, int], object] = lambda i, j: False) -> Table:
     """A table whose cell (i, j) is marked estimated when ``energy(i, j)`` says it rests on estimated energy."""
     est = [[j > 0 and cell != "n/a" and bool(energy(i, j)) for j, cell in enumerate(row)] for i, row in enumerate(rows)]
-    section = ("compare" if key in ("metrics", "difference", "fits") else
+    section = ("compare" if key in ("metrics", "difference", "fits", "carbon", "bases") else
                "serving" if key in ("serving", "deadline") else "routing")
     return Table(title, headers, rows, est, key, section)
 
@@ -332,7 +334,66 @@ def tables(c: Comparison) -> list[Table]:
                                                     for f in fits])
         out.append(_table("fits", f"fitted per-query model y ≈ a + b·prompt tokens + c·output tokens (OLS, "
                           f"{LEVEL:.0%} CIs)", ["coefficient"] + labels, rows))
-    return out + serving_tables(c) + routing_tables(c) + cascade_tables(c) + judge_table(c)
+    return with_basis(c, out + carbon_tables(c) + serving_tables(c) + routing_tables(c) + bases_tables(c)
+                      + cascade_tables(c) + judge_table(c))
+
+
+def energy_dict(c: Comparison) -> dict[str, Any]:
+    """The JSON's energy basis, each backend's PUE and carbon intensity, and the bases side by side."""
+    return {
+        "energy_basis": c.energy_basis,
+        "facility": {b.label: {"pue": b.pue, "pue_source": b.pue_source} for b in c.backends},
+        "carbon": {label: (None if x is None else x.to_dict()) for label, x in c.carbon.items()},
+        "bases": [{"basis": v.basis, "energy_per_query_j": {k: _est(e) for k, e in v.energy_per_query_j.items()},
+                   "gco2e_per_correct": {k: _est(e) for k, e in v.gco2e_per_correct.items()},
+                   "oracle_energy_saved_fraction": _est(v.oracle_energy_saved_fraction),
+                   "router_energy_saved_fraction": _est(v.router_energy_saved_fraction),
+                   "unavailable": list(v.unavailable)} for v in c.bases],
+    }
+
+
+def with_basis(c: Comparison, ts: list[Table]) -> list[Table]:
+    """Every table's title ends with the energy basis it compares, so a reader knows which joules they are."""
+    return [t._replace(title=f"{t.title} · energy basis: {c.energy_basis}") for t in ts]
+
+
+def carbon_tables(c: Comparison) -> list[Table]:
+    """Per backend with a carbon intensity: gCO2e per query and per correct answer (CIs), and the intensity with
+    its zone, source and date; nothing when no backend has one (no silent default)."""
+    shown = [b for b in c.backends if c.carbon.get(b.label) is not None]
+    if not shown:
+        return []
+    rows = []
+    for b in shown:
+        x = c.carbon[b.label]
+        rows.append([b.label, fmt.estimate(c.metrics[b.label]["gco2e_per_correct"]),
+                     fmt.estimate(c.metrics[b.label]["gco2e_per_query"]), f"{x.g_per_kwh:g}", x.zone or "-",
+                     x.source + (f" ({x.detail})" if x.detail else ""), x.date])
+    labels = [b.label for b in shown]
+    return [_table("carbon", f"carbon (gCO2e of the {c.energy_basis} energy, {LEVEL:.0%} CIs)",
+                   ["backend", "gCO2e/correct", "gCO2e/query", "gCO2e/kWh", "zone", "source", "date"], rows,
+                   lambda i, j: j in (1, 2) and c.estimated(labels[i]))]
+
+
+def bases_tables(c: Comparison) -> list[Table]:
+    """The energy on each available basis side by side (chip; facility where a PUE is set; node where records
+    have node readings): J/query per backend and the routing's energy saved, with CIs."""
+    if not c.bases:
+        return []
+    labels = [b.label for b in c.backends]
+    rows = []
+    for v in c.bases:
+        saved = [("n/a" if e is None else fmt.estimate(e, fmt.PERCENT))
+                 for e in (v.oracle_energy_saved_fraction, v.router_energy_saved_fraction)]
+        rows.append([BASIS_TEXT[v.basis] + (" (shown above)" if v.basis == c.energy_basis else "")]
+                    + [fmt.estimate(v.energy_per_query_j[x]) for x in labels] + saved)
+    alpha = c.routing.router.alpha if c.routing is not None else None
+    router_head = f"router (α={alpha:g}) energy saved" if alpha is not None else "router energy saved"
+    return [_table("bases", "energy by basis: J/query and the routing's energy saved on each "
+                   f"({LEVEL:.0%} CIs; --energy-basis picks the one the other tables use)",
+                   ["basis"] + [f"{x} J/query" for x in labels] + ["oracle energy saved", router_head], rows,
+                   lambda i, j: (j <= len(labels) and c.estimated(labels[j - 1])) or (j > len(labels)
+                                                                                     and c.routing_estimated))]
 
 
 def _levels_text(labels: Sequence[str], by_label: dict[str, BackendInfo]) -> str:

@@ -128,6 +128,11 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     from ipw.telemetry.node_power import check_configured
 
     check_configured()  # the BMC that IPW_NODE_POWER names answers with power data, before any folder exists
+    carbon, carbon_note = None, None
+    if resume is None:  # the grid's carbon intensity (ipw.carbon): a bad value or zone fails here, before any folder
+        from ipw.carbon import resolve
+
+        carbon, carbon_note = resolve(config.carbon_intensity, config.grid_region, config.grid_live)
 
     # 2. plan
     if resume is not None:
@@ -136,10 +141,15 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     else:
         folder, queries = plan_run(config, query_set, the_shard)
         n_queries, done = len(queries), DoneKeys()
+        if carbon is not None:
+            folder.write_manifest(carbon=carbon)
 
     # 3. execute
     _sigterm_as_interrupt()
     console = Console(stderr=True)
+    if carbon_note:
+        console.print(f"note: {escape(carbon_note)}", highlight=False)
+
     verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
     if folder.manifest.shard:
         verb += f" shard {folder.manifest.shard['index']}/{folder.manifest.shard['count']}"
@@ -197,14 +207,14 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             show()  # the final count
 
     # 4. write: the summary of the finished folder (judged first when the config has a [judge])
-    from ipw.analysis.render import metrics_table, rich_tables
+    from ipw.analysis.render import metrics_table, rich_tables, with_basis
 
     summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)
     try:
         summary = end_summary(summary_dir)
         out = stdout()
         c = summary.comparison
-        out.print(rich_tables([metrics_table(c)])[0] if full_table else summary_table(c))
+        out.print(rich_tables(with_basis(c, [metrics_table(c)]))[0] if full_table else summary_table(c))
         for table in rich_tables(summary.routing):
             out.print(table)
         if c.query_set_note:  # a stopped backend: the table covers the shared queries
@@ -320,12 +330,12 @@ def end_summary(run_dir) -> EndSummary:
     oracle's and the α-router's energy saved, coverage within the local backends' power envelope, with
     CIs and energy quality)."""
     from ipw.analysis.compare import compare
-    from ipw.analysis.render import judge_table, routing_tables
+    from ipw.analysis.render import bases_tables, carbon_tables, judge_table, routing_tables, with_basis
 
     c = compare([run_dir], common_queries=True)
     cloud = any(b.role == "cloud" for b in c.backends)
     routing = [t for t in routing_tables(c) if t.key in RUN_END_ROUTING] if cloud else []
-    return EndSummary(c, routing + judge_table(c))
+    return EndSummary(c, with_basis(c, carbon_tables(c) + routing + bases_tables(c) + judge_table(c)))
 
 
 def summary_table(c: Comparison) -> RichTable:
@@ -339,7 +349,8 @@ def summary_table(c: Comparison) -> RichTable:
 
     shown = [m for m in METRICS if m.summary]
     measured = ", energy with measurement error" if c.with_measurement_error else ""
-    table = RichTable(title=f"ipw run: per backend ({LEVEL:.0%} bootstrap CIs{measured}; every metric: --full-table)")
+    table = RichTable(title=f"ipw run: per backend ({LEVEL:.0%} bootstrap CIs{measured}; every metric: --full-table)"
+                            f" · energy basis: {c.energy_basis}")
     table.add_column("backend")
     for m in shown:
         table.add_column(m.label, justify="right")

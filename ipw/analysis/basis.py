@@ -1,0 +1,121 @@
+"""Which joules are compared (``--energy-basis``) and what carbon they are priced at (issue 45, items 1, 2).
+
+- ``chip``: the energy ipw measures or estimates at the chip (GPU, CPU package, DRAM: the records' ``energy_j``);
+- ``facility``: chip energy x the backend's PUE (its config's ``pue``, 1.0 unless set, with ``pue_source``):
+  the datacenter's cooling and power conversion, which a laptop does not pay and a hosted API does;
+- ``node``: the whole machine's energy from its BMC (records' readings of scope ``node``,
+  ``ipw.telemetry.node_power``); a backend whose records have none has no energy on this basis (said so).
+
+The basis changes the per-query energy once, here, before any metric: J/query, IPJ, IPW, the phases, the
+routing's savings and the carbon all follow it.  Carbon: each backend's run carries an intensity (its
+manifest's ``carbon``) or none; ``--carbon-intensity`` / ``--grid-region`` re-price every run, labelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from ipw.analysis.load import BackendInfo, PerQuery, RunInfo
+from ipw.carbon import CarbonIntensity, check_intensity, lookup
+from ipw.errors import IpwError
+
+BASES = ("chip", "facility", "node")
+BASIS_TEXT = {"chip": "chip (measured or estimated at the chip)",
+              "facility": "facility (chip x each backend's PUE)",
+              "node": "node (the whole machine, from its BMC)"}
+API_SOURCE = "estimate.api"  # a remote API's estimate (ipw.telemetry.api_estimate)
+
+
+def check_basis(basis: str) -> str:
+    if basis not in BASES:
+        raise IpwError(f"--energy-basis {basis!r}: must be one of {', '.join(BASES)}")
+    return basis
+
+
+def available(pq: PerQuery, infos: Sequence[BackendInfo]) -> tuple[str, ...]:
+    """The bases worth showing side by side: chip always; facility where a backend's PUE is not 1; node where
+    a record has a node reading."""
+    out = ["chip"]
+    if any(i.pue != 1.0 for i in infos):
+        out.append("facility")
+    if pq.node_energy_j is not None and not np.isnan(pq.node_energy_j).all():
+        out.append("node")
+    return tuple(out)
+
+
+def under_basis(pq: PerQuery, infos: Sequence[BackendInfo], basis: str) -> tuple[PerQuery, list[str]]:
+    """``pq`` with its energies on ``basis`` and notes that say what that took."""
+    check_basis(basis)
+    if basis == "chip":
+        return pq, []
+    notes: list[str] = []
+    if basis == "facility":
+        k = np.array([i.pue for i in infos], dtype=float)[:, None]
+
+        def scaled(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x * k
+
+        stated = ", ".join(f"{i.label} {i.pue:g} ({i.pue_source or 'source not stated'})" for i in infos)
+        notes.append(f"energy basis facility: chip energy x PUE ({stated})")
+        api = [i.label for i in infos if API_SOURCE in i.energy_sources and i.pue != 1.0]
+        if api:
+            notes.append(f"{', '.join(api)}: a remote API's estimate, whose published figures already include the "
+                         "datacenter's overhead in part (ipw/data/api-energy.toml, includes_facility): its PUE may "
+                         "count some of it twice")
+        return dataclasses.replace(pq, energy_j=pq.energy_j * k, prefill_energy_j=scaled(pq.prefill_energy_j),
+                                   decode_energy_j=scaled(pq.decode_energy_j), energy_sd_j=scaled(pq.energy_sd_j),
+                                   energy_shared_sd_j=scaled(pq.energy_shared_sd_j)), notes
+    node = pq.node_energy_j if pq.node_energy_j is not None else np.full(pq.energy_j.shape, np.nan)
+    missing = [i.label for j, i in enumerate(infos) if np.isnan(node[j]).all()]
+    if missing:
+        notes.append(f"energy basis node: unavailable for {', '.join(missing)} (no node reading in its records: "
+                     "IPW_NODE_POWER names the BMC, docs/PLATFORMS.md)")
+    notes.append("energy basis node: the whole machine's energy from its BMC over each query's window; phases and "
+                 "measurement errors are the chip's only, so not shown on this basis")
+    return dataclasses.replace(pq, energy_j=node, prefill_energy_j=None, decode_energy_j=None, energy_sd_j=None,
+                               energy_shared_sd_j=None), notes
+
+
+def intensities(runs: Sequence[RunInfo], infos: Sequence[BackendInfo], carbon_intensity: float | None = None,
+                grid_region: str | None = None) -> tuple[dict[str, CarbonIntensity | None], list[str]]:
+    """Each backend's carbon intensity: its run's (manifest ``carbon``), or the one given to re-price every run
+    (``--carbon-intensity`` / ``--grid-region``, offline table); notes that say where each comes from."""
+    if carbon_intensity is not None and grid_region:
+        raise IpwError("--carbon-intensity and --grid-region: give one of them")
+    given = None
+    if carbon_intensity is not None:
+        given = CarbonIntensity(check_intensity(carbon_intensity, "--carbon-intensity"), "given (--carbon-intensity)",
+                                "", "re-priced now")
+    elif grid_region:
+        given = lookup(grid_region)
+    by_run = {r.run_id: r for r in runs}
+    out: dict[str, CarbonIntensity | None] = {}
+    notes = []
+    for run in runs:
+        recorded = CarbonIntensity.from_dict(run.carbon)
+        error = (run.carbon or {}).get("error") if isinstance(run.carbon, dict) else None
+        if given is not None:
+            had = recorded.label() if recorded else "none"
+            notes.append(f"carbon: run {run.run_id} re-priced at {given.label()} (it recorded: {had})")
+        elif recorded is not None:
+            notes.append(f"carbon: run {run.run_id} at {recorded.label()}")
+        elif error:
+            notes.append(f"carbon: run {run.run_id} carries no carbon intensity (its grid feed: {error})")
+    for i in infos:
+        out[i.label] = given if given is not None else CarbonIntensity.from_dict(by_run[i.run_id].carbon)
+    return out, notes
+
+
+def carbon_rows(carbon: dict[str, CarbonIntensity | None]) -> np.ndarray | None:
+    """The intensity per backend (NaN: none), or None when no backend has one."""
+    if all(c is None for c in carbon.values()):
+        return None
+    return np.array([np.nan if c is None else c.g_per_kwh for c in carbon.values()])
+
+
+def views_dict(views: Any) -> list[dict[str, Any]]:
+    """The bases side by side, as JSON."""
+    return [dataclasses.asdict(v) for v in views]
