@@ -262,13 +262,18 @@ def route_score(
     folds: int = typer.Option(5, "--folds", help="k of the k-fold by query."),
     seed: int = typer.Option(0, "--seed", help="Seed of the folds and the bootstrap."),
     fmt: str = typer.Option("table", "--format", "-f", help="table or json."),
+    usd_per_kwh: Optional[float] = typer.Option(
+        None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
+    api_price: Optional[List[str]] = typer.Option(
+        None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
 ) -> None:
     """Score a router design out of sample: k-fold by query and held-out categories, the curve over the threshold."""
     from ipw.commands.route import score_command
 
     raise typer.Exit(score_command(runs, router_path=router, local=local or [], cloud=cloud or [], grading=grading,
                                    threshold=router_threshold, max_accuracy_loss=max_accuracy_loss,
-                                   min_queries=min_queries, folds=folds, seed=seed, fmt=fmt))
+                                   min_queries=min_queries, folds=folds, seed=seed, fmt=fmt, usd_per_kwh=usd_per_kwh,
+                                   api_prices=api_price or []))
 
 
 @app.command()

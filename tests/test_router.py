@@ -109,6 +109,10 @@ def test_cli_train_round_trip_and_score(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]
     assert got["operating_point"]["accuracy_loss"]["value"] <= 0.01
     assert got["operating_point"]["energy_saved_fraction"]["value"] > 0.2
+    assert got["operating_point"]["cost_saved_fraction"] is None  # no prices given
+    assert main(["route", "score", str(run), "--format", "json", "--usd-per-kwh", "0.3", "--api-price", "big=1,2"]) == 0
+    got = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]
+    assert got["operating_point"]["cost_saved_fraction"]["value"] > 0.2
 
 
 def test_held_out_category(tmp_path):

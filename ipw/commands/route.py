@@ -116,10 +116,12 @@ def train_command(runs: Sequence[Path], *, out: Path, local: Sequence[str], clou
 def score_command(runs: Sequence[Path], *, router_path: Path | None, local: Sequence[str], cloud: Sequence[str],
                   grading: str | None, threshold: float | None, max_accuracy_loss: str | None, min_queries: int | None,
                   folds: int,
-                  seed: int, fmt: str) -> int:
+                  seed: int, fmt: str, usd_per_kwh: float | None = None, api_prices: Sequence[str] = ()) -> int:
+    if usd_per_kwh is not None and not usd_per_kwh >= 0:
+        raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
     scores = router_scores(runs, router_path=router_path, local=local, cloud=cloud, grading=grading,
                            threshold=threshold, max_accuracy_loss=max_accuracy_loss, min_queries=min_queries,
-                           folds=folds, seed=seed)
+                           folds=folds, seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_prices)
     if fmt == "json":
         sys.stdout.write(json.dumps(scores_doc(scores), indent=1) + "\n")
     elif fmt == "table":
