@@ -329,6 +329,8 @@ def check(
     work_gate: bool = typer.Option(True, "--work-gate/--no-work-gate", help="Compare each query's prompt and output "
                                    "tokens and errors exactly (greedy runs): more is a regression. Off for a model "
                                    "change, whose answers differ by design."),
+    energy_basis: str = typer.Option("chip", "--energy-basis", help="Which joules the energy metrics compare: chip, "
+                                     "facility (chip x each backend's pue) or node (the BMC's). docs/ENERGY.md."),
 ) -> None:
     """CI gate: exit 1 when a metric regresses beyond its threshold and noise floor, significantly, or when the
     same queries took more tokens or failed more; 0 otherwise; 2 when the runs are not comparable (dataset,
@@ -342,7 +344,8 @@ def check(
                                    allow_hardware_mismatch=allow_hardware_mismatch, markdown_path=markdown,
                                    github=github, junit_path=junit, rerun=rerun, blocks=blocks, shards=shards, out=out,
                                    base_python=base_python, cand_python=cand_python, backends=backend or [],
-                                   limit=limit, calibrate=calibrate, floor_path=floor, work_gate=work_gate))
+                                   limit=limit, calibrate=calibrate, floor_path=floor, work_gate=work_gate,
+                                   energy_basis=energy_basis))
 
 
 _UPSTREAM = typer.Option(None, "--upstream", help="Base URL of a running OpenAI-compatible server to forward to, e.g. "

@@ -268,8 +268,7 @@ def test_node_basis_uses_node_readings_and_says_where_there_are_none(tmp_path):
 @pytest.mark.timeout(300)
 def test_ipw_run_grid_region_de_shows_gco2e_per_correct_answer_with_its_source(tmp_path):
     out = tmp_path / "runs"
-    env = {**os.environ, "COLUMNS": "220", "no_proxy": "*", "http_proxy": "http://127.0.0.1:9",
-           "https_proxy": "http://127.0.0.1:9"}  # no network: the table ships in the package
+    env = {**os.environ, "COLUMNS": "220"}  # the table is read from the package: no request leaves the machine
     result = subprocess.run(IPW + ["run", "--grid-region", "DE", "--limit", "2", "-o", str(out)], capture_output=True,
                             text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -280,3 +279,15 @@ def test_ipw_run_grid_region_de_shows_gco2e_per_correct_answer_with_its_source(t
     assert manifest["carbon"]["zone"] == "DE" and manifest["carbon"]["g_per_kwh"] == carbon.lookup("DE").g_per_kwh
     assert manifest["carbon"]["date"].startswith("year ") and manifest["carbon"]["source"].startswith("CodeCarbon")
     assert manifest["config"]["grid_region"] == "DE"
+
+
+def test_check_gates_gco2e_per_correct_answer_on_the_basis_it_names(tmp_path, run_cli):
+    base = _runs(tmp_path / "a", pue=1.2, carbon_record=DE)
+    cand = _runs(tmp_path / "b", pue=1.2, carbon_record=DE)
+    code, out, err = run_cli("check", str(base), str(cand), "--fail-if", "gco2e_per_correct:+5%",
+                             "--energy-basis", "facility")
+    assert code == 0, out + err
+    assert "energy basis: facility" in out and "gco2e_per_correct" in out
+    assert "cl: energy basis facility: chip energy x PUE 1.2 (provider's 2025 report)" in out
+    code, out, err = run_cli("check", str(base), str(cand), "--energy-basis", "wall")
+    assert code == 2 and "--energy-basis" in err

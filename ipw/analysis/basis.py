@@ -79,6 +79,29 @@ def under_basis(pq: PerQuery, infos: Sequence[BackendInfo], basis: str) -> tuple
                                energy_shared_sd_j=None), notes
 
 
+def values_under(v: dict[str, Any], info: BackendInfo, basis: str, carbon: Any = None,
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """One backend's per-query values (``ipw.analysis.load``'s ``_Part.values``: ``ipw check``) on ``basis``,
+    with its run's carbon intensity (manifest ``carbon``) as ``carbon_g_per_kwh``; and notes."""
+    check_basis(basis)
+    out, notes = dict(v), []
+    if basis == "facility" and info.pue != 1.0:
+        for k in ("energy_j", "prefill_energy_j", "decode_energy_j", "energy_sd_j", "energy_shared_sd_j"):
+            out[k] = None if v.get(k) is None else v[k] * info.pue
+        notes.append(f"{info.label}: energy basis facility: chip energy x PUE {info.pue:g} "
+                     f"({info.pue_source or 'source not stated'})")
+    elif basis == "node":
+        node = v.get("node_energy_j")
+        out["energy_j"] = node if node is not None else np.full(np.shape(v["energy_j"]), np.nan)
+        out.update(prefill_energy_j=None, decode_energy_j=None, energy_sd_j=None, energy_shared_sd_j=None)
+        if node is None or np.isnan(node).all():
+            notes.append(f"{info.label}: energy basis node: unavailable (no node reading in its records)")
+    intensity = CarbonIntensity.from_dict(carbon)
+    if intensity is not None:
+        out["carbon_g_per_kwh"] = np.full(np.shape(v["energy_j"]), intensity.g_per_kwh)
+    return out, notes
+
+
 def intensities(runs: Sequence[RunInfo], infos: Sequence[BackendInfo], carbon_intensity: float | None = None,
                 grid_region: str | None = None) -> tuple[dict[str, CarbonIntensity | None], list[str]]:
     """Each backend's carbon intensity: its run's (manifest ``carbon``), or the one given to re-price every run

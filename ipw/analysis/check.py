@@ -31,6 +31,7 @@ from ipw.errors import IpwError
 from ipw.results import RunManifest
 from ipw.telemetry.hardware import HARDWARE_KEYS, hardware_key, machines
 from ipw.analysis import fmt
+from ipw.analysis.basis import BASIS_TEXT, check_basis, values_under
 from ipw.analysis.metrics import METRICS, gated_metric, quantile_inputs, quantile_keys, query_columns, values
 from ipw.sanitize import github_escape, github_property, md_text
 from ipw.analysis.stats import LEVEL, MeasurementError, bootstrap_draws, bounds, n_resamples
@@ -182,7 +183,8 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
                thresholds: list[Threshold], *,
                alpha: float = 0.01, strict: bool = False, allow_hardware_mismatch: bool = False,
                n_boot: int | None = None, seed: int = 0, floors: dict[tuple[str, str], tuple[float, str]] | None = None,
-               work_gate: bool = True, unsteady: dict[str, str] | None = None) -> CheckResult:
+               work_gate: bool = True, unsteady: dict[str, str] | None = None, energy_basis: str = "chip",
+               ) -> CheckResult:
     """Every metric is computed with ipw.analysis.metrics over the queries both runs have: a query the candidate
     failed counts as incorrect (and as an error); a query without energy is missing from the energy
     metrics (and noted), never a reason to drop it from the others.
@@ -194,7 +196,7 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))
-    verdicts, notes = [], []
+    verdicts, notes = [], [] if check_basis(energy_basis) == "chip" else [f"energy basis: {BASIS_TEXT[energy_basis]}"]
     floors = floors or {}
     greedy = (_greedy(base_manifest), _greedy(cand_manifest))
     if work_gate and False in greedy:
@@ -219,6 +221,10 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
         n = len(common)
         if n == 0:
             raise IpwError(f"not comparable: backend {name}: the runs share no query")
+        # the joules compared (--energy-basis) and each run's carbon intensity (ipw.analysis.basis)
+        vb, basis_notes = values_under(vb, pb.info, energy_basis, base_manifest.carbon)
+        vc, cand_notes = values_under(vc, pc.info, energy_basis, cand_manifest.carbon)
+        notes += list(dict.fromkeys(basis_notes + cand_notes))
         if n < max(int(pb.present.sum()), int(pc.present.sum())):
             notes.append(f"{name}: compared on the {n} queries both runs have")
         for role, v in (("baseline", vb), ("candidate", vc)):

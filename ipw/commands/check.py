@@ -26,11 +26,16 @@ def _change_unit(name: str) -> str:
 
 def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, markdown_path, github,
                   junit_path, rerun=False, blocks=16, shards=4, out=None, base_python=None, cand_python=None, backends=(),
-                  limit=None, calibrate=False, floor_path=None, work_gate=True) -> int:
+                  limit=None, calibrate=False, floor_path=None, work_gate=True, energy_basis="chip") -> int:
     from ipw.analysis import check as gate
     from ipw.analysis import fmt
     from ipw.results import RunManifest, load_run
 
+    from ipw.analysis.basis import check_basis
+
+    check_basis(energy_basis)
+    if rerun and energy_basis != "chip":
+        raise IpwError("--energy-basis: with --rerun only chip (the interleaved blocks are judged on the chip's joules)")
     if not 0 < alpha < 1:
         raise IpwError(f"--alpha: must be between 0 and 1, got {alpha}")
     thresholds = [gate.parse_threshold(t) for t in (fail_if or gate.DEFAULT_THRESHOLDS)]
@@ -68,8 +73,10 @@ def check_command(paths, *, fail_if, alpha, strict, allow_hardware_mismatch, mar
         base_manifest, base = load_run(paths[0], require=("dataset.fingerprint",))
         cand_manifest, cand = load_run(paths[1], require=("dataset.fingerprint",))
         result = gate.check_runs(base_manifest, base, cand_manifest, cand, thresholds, alpha=alpha, strict=strict,
-                                 allow_hardware_mismatch=allow_hardware_mismatch, floors=floors, work_gate=work_gate)
-    table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g})")
+                                 allow_hardware_mismatch=allow_hardware_mismatch, floors=floors, work_gate=work_gate,
+                                 energy_basis=energy_basis)
+    table = Table(title=f"ipw check: {'FAIL' if result.exit_code else 'PASS'} (alpha={alpha:g}) · energy basis: "
+                        f"{energy_basis}")
     for col in gate.COLUMNS:
         table.add_column(col)
     style = {"regression": "red", "inconclusive": "yellow", "improvement": "green", "pass": "green", "changed": "yellow"}
