@@ -291,3 +291,16 @@ def test_check_gates_gco2e_per_correct_answer_on_the_basis_it_names(tmp_path, ru
     assert "cl: energy basis facility: chip energy x PUE 1.2 (provider's 2025 report)" in out
     code, out, err = run_cli("check", str(base), str(cand), "--energy-basis", "wall")
     assert code == 2 and "--energy-basis" in err
+
+
+def test_a_remote_api_estimate_states_whether_it_includes_the_facility(tmp_path):
+    from ipw.telemetry.api_estimate import ApiEnergyEstimate
+
+    bundled = ApiEnergyEstimate.load()
+    assert bundled.includes_facility == "partly"
+    assert "datacenter overhead (PUE) included: partly" in bundled.info().detail
+    assert "datacenter overhead included: partly" in bundled.reading(10, True, 1.0).note
+    bad = tmp_path / "t.toml"
+    bad.write_text(Path(bundled.table).read_text().replace('includes_facility = "partly"', 'includes_facility = "maybe"'))
+    with pytest.raises(IpwError, match="includes_facility"):
+        ApiEnergyEstimate.load(bad)

@@ -63,8 +63,9 @@ def under_basis(pq: PerQuery, infos: Sequence[BackendInfo], basis: str) -> tuple
         api = [i.label for i in infos if API_SOURCE in i.energy_sources and i.pue != 1.0]
         if api:
             notes.append(f"{', '.join(api)}: a remote API's estimate, whose published figures already include the "
-                         "datacenter's overhead in part (ipw/data/api-energy.toml, includes_facility): its PUE may "
-                         "count some of it twice")
+                         "datacenter's overhead in part (the bundled ipw/data/api-energy.toml says includes_facility = "
+                         "partly; the manifest's sensor params say it for the table used): its PUE may count some of it "
+                         "twice")
         return dataclasses.replace(pq, energy_j=pq.energy_j * k, prefill_energy_j=scaled(pq.prefill_energy_j),
                                    decode_energy_j=scaled(pq.decode_energy_j), energy_sd_j=scaled(pq.energy_sd_j),
                                    energy_shared_sd_j=scaled(pq.energy_shared_sd_j)), notes

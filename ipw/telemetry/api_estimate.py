@@ -21,6 +21,9 @@ from ipw.telemetry.base import EnergyReading, SensorInfo
 DEFAULT_TABLE = resource_path("data", "api-energy.toml")  # shipped in the package
 WH_TO_J = 3600.0
 METHODS = ("per_output_token", "per_query")
+#: whether a table's figures already include the datacenter's overhead (cooling, power conversion: PUE), so
+#: that ``--energy-basis facility`` does not count it twice (ipw.analysis.basis)
+FACILITY = ("yes", "no", "partly", "not stated")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ApiEnergyEstimate:
     per_output_token_wh: Range
     sources: tuple[dict[str, Any], ...]
     table: str
+    includes_facility: str = "not stated"  # one of FACILITY: do the figures include the datacenter's overhead?
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "ApiEnergyEstimate":
@@ -65,7 +69,10 @@ class ApiEnergyEstimate:
         sources = tuple(raw.get("sources", ()))
         if not sources:
             raise IpwError(f"{target}: field 'sources': every coefficient needs a cited source")
-        return cls(method, rng("per_query_wh"), rng("per_output_token_wh"), sources, str(target))
+        facility = raw.get("includes_facility", "not stated")
+        if facility not in FACILITY:
+            raise IpwError(f"{target}: field 'includes_facility': must be one of {', '.join(FACILITY)}")
+        return cls(method, rng("per_query_wh"), rng("per_output_token_wh"), sources, str(target), facility)
 
     def range_j(self, completion_tokens: int, ok: bool) -> Range:
         """Low, central and high joules of one query (0 for a failed query)."""
@@ -85,7 +92,8 @@ class ApiEnergyEstimate:
         return EnergyReading(
             component="remote-api", energy_j=r.central, source="estimate.api", quality="estimated",
             scope="datacenter_estimate", duration_s=duration_s,
-            note=f"{basis}; range {r.low:.3g}-{r.high:.3g} J ({self.table})",
+            note=f"{basis}; range {r.low:.3g}-{r.high:.3g} J; datacenter overhead included: "
+                 f"{self.includes_facility} ({self.table})",
         )
 
     def info(self) -> SensorInfo:
@@ -93,9 +101,11 @@ class ApiEnergyEstimate:
             name="api_estimate", available=True, source="estimate.api", quality="estimated",
             scope="datacenter_estimate", components=("remote-api",),
             detail=f"remote endpoint: energy estimated {self.method.replace('_', ' ')} from published "
-                   f"figures ({', '.join(str(s.get('key', '?')) for s in self.sources)}), not measured",
+                   f"figures ({', '.join(str(s.get('key', '?')) for s in self.sources)}), not measured; "
+                   f"datacenter overhead (PUE) included: {self.includes_facility}",
             params={"table": self.table, "method": self.method,
                     "per_query_wh": vars(self.per_query_wh),
                     "per_output_token_wh": vars(self.per_output_token_wh),
+                    "includes_facility": self.includes_facility,
                     "sources": list(self.sources)},
         )
