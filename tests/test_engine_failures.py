@@ -25,7 +25,7 @@ import psutil
 import pytest
 from processes import gone
 
-from ipw.backends.worker import out_of_memory, root_cause
+from ipw.backends.engine_log import out_of_memory, root_cause
 from ipw.errors import IpwError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -337,10 +337,10 @@ class ManagedServer:
 
     def failure(self, when: str) -> str:
         """One line for a server that exited ``when`` (``while starting``, ``mid-run``): how it ended, the root
-        cause its log names (``worker.root_cause``: a Python exception, llama.cpp's ``error ...:`` line) or
+        cause its log names (``engine_log.root_cause``: a Python exception, llama.cpp's ``error ...:`` line) or
         else the log's last line (not for a signal: a process killed writes no cause), what to change when it
         ran out of memory, and the log's path."""
-        from ipw.backends.worker import SIGNAL_HINTS, exit_text, out_of_memory, read_log, root_cause
+        from ipw.backends.engine_log import SIGNAL_HINTS, exit_text, out_of_memory, read_log, root_cause
 
         code = self.exit_code()
         status = exit_text(code)
@@ -354,7 +354,7 @@ class ManagedServer:
 
     def last_log_line(self, limit: int = 200) -> str:
         """The last non-empty line of this server's part of its log, shortened."""
-        from ipw.backends.worker import read_log
+        from ipw.backends.engine_log import read_log
 
         lines = [ln.strip() for ln in read_log(self.log_path, self.log_offset).splitlines() if ln.strip()]
         return lines[-1][:limit] if lines else ""
