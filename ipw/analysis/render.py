@@ -573,9 +573,11 @@ def cascade_tables(c: Comparison) -> list[Table]:
         def thresholds(ts: tuple[float | None, ...]) -> str:
             if all(t is None for t in ts):
                 return "none: every query to the cloud"
-            shown = [fmt.value(t) for t in ts if t is not None]
+            chosen = [t for t in ts if t is not None]
             cloud = sum(t is None for t in ts)
-            return f"{min(shown)}..{max(shown)}" + (f" ({cloud} folds: none)" if cloud else "")
+            span = fmt.value(min(chosen)) if min(chosen) == max(chosen) else \
+                f"{fmt.value(min(chosen))}..{fmt.value(max(chosen))}"
+            return span + (f" ({cloud} folds: none)" if cloud else "")
 
         headers = ["local", "max accuracy loss", "threshold (per fold)", "answered locally", "accuracy",
                    "accuracy loss", "energy saved", "latency saved", "cost saved"]
