@@ -304,3 +304,13 @@ def test_a_remote_api_estimate_states_whether_it_includes_the_facility(tmp_path)
     bad.write_text(Path(bundled.table).read_text().replace('includes_facility = "partly"', 'includes_facility = "maybe"'))
     with pytest.raises(IpwError, match="includes_facility"):
         ApiEnergyEstimate.load(bad)
+
+
+def test_report_shows_carbon_and_the_bases_on_the_basis_it_names(tmp_path, run_cli):
+    p = _runs(tmp_path, pue=1.2, carbon_record=DE)
+    html, md = tmp_path / "r.html", tmp_path / "r.md"
+    code, out, err = run_cli("report", str(p), "-o", str(html), "--markdown", str(md), "--energy-basis", "facility")
+    assert code == 0, err
+    text = html.read_text()
+    assert "carbon (gCO2e of the facility energy" in text and "energy by basis" in text
+    assert "· energy basis: facility" in text and "year 2023" in text
