@@ -204,3 +204,26 @@ def test_managed_llama_server_gives_mean_logprob_when_asked(tmp_path):
         assert "logprobs" not in backend.sent_params
     finally:
         backend.close()
+
+
+@pytest.mark.llama
+def test_in_process_mean_logprob_agrees_with_llama_servers(tmp_path):
+    """The in-process log-sum-exp over the logits gives what llama-server reports for the same greedy answer
+    (SmolLM2, chat template): to 1e-3 (measured: within 1e-4)."""
+    from test_llama_server import BINARY, SETTINGS, backend_for
+
+    from ipw.backends.base import BackendSpec, create_backend
+
+    if BINARY is None:
+        pytest.skip("llama-server is not built: run `bash .ci/setup`")
+    local = create_backend(BackendSpec("smol", "llama-cpp", "smollm2-135m", options={"logprobs": True, "n_threads": 1}))
+    local.load()
+    server = backend_for(tmp_path, logprobs=True)
+    try:
+        for prompt in ("What is 2 + 3? Answer with just the number.", "Name three colors."):
+            a, b = local.generate(prompt, SETTINGS), server.generate(prompt, SETTINGS)
+            assert a.text == b.text
+            assert a.mean_logprob == pytest.approx(b.mean_logprob, abs=1e-3)
+    finally:
+        local.close()
+        server.close()
