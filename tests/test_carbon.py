@@ -314,3 +314,13 @@ def test_report_shows_carbon_and_the_bases_on_the_basis_it_names(tmp_path, run_c
     text = html.read_text()
     assert "carbon (gCO2e of the facility energy" in text and "energy by basis" in text
     assert "· energy basis: facility" in text and "year 2023" in text
+
+
+def test_merge_keeps_the_shards_intensity_and_drops_differing_ones():
+    from ipw.commands.merge import merged_carbon
+
+    assert merged_carbon([DE, dict(DE)]) == DE
+    assert merged_carbon([None, None]) is None
+    live = {**DE, "g_per_kwh": 300.0}
+    out = merged_carbon([DE, live])
+    assert out["g_per_kwh"] is None and "300.0, 380.95" in out["error"]

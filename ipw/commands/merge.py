@@ -43,6 +43,17 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
     return None if a == b else (where or "<root>")
 
 
+def merged_carbon(carbons: list[Any]) -> dict[str, Any] | None:
+    """The merged run's carbon intensity (ipw.carbon): the shards' when they all carry the same one (or none);
+    shards priced differently (a live feed read at different hours) leave the merged run without one, saying so."""
+    if all(c == carbons[0] for c in carbons):
+        return carbons[0]
+    values = ", ".join(sorted({str((c or {}).get("g_per_kwh")) for c in carbons}))
+    return {"g_per_kwh": None, "source": "ipw merge",
+            "error": f"the shards carry different carbon intensities ({values} gCO2e/kWh); re-price the merged run "
+                     "with ipw compare --carbon-intensity"}
+
+
 def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] | None = None) -> RunFolder:
     """Validate the shards (IpwError with the reason, one line), then write the merged run folder."""
     if not paths:
@@ -132,6 +143,7 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
                       "started_at": m.started_at, "finished_at": m.finished_at}
                      for p, m in shards],
         merged_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        carbon=merged_carbon([m.carbon for _, m in shards]),
     ))
     folder.append_many([QueryRecord.from_row(row) for row in rows])
     if power is not None:
