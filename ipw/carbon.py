@@ -116,9 +116,8 @@ def lookup(region: str) -> CarbonIntensity:
         raise IpwError(f"--grid-region {region!r}: unknown region (give an ISO 3166 country code such as DE or FR, "
                        f"one of the {len(_mix())} in {CODECARBON}'s global_energy_mix.json, or a cloud region "
                        "such as gcp:europe-west3)")
-    return CarbonIntensity(float(entry["carbon_intensity"]),
-                           f"{CODECARBON} global_energy_mix.json (Our World in Data / Ember)", code,
-                           f"year {entry.get('year')}", str(entry.get("country_name") or ""))
+    return CarbonIntensity(float(entry["carbon_intensity"]), f"{CODECARBON} global_energy_mix.json", code,
+                           f"year {entry.get('year')}", f"{entry.get('country_name') or code3}; Our World in Data / Ember")
 
 
 def feed_key() -> str:
