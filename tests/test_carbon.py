@@ -20,6 +20,7 @@ from ipw.analysis import render
 from ipw.analysis.compare import compare
 from ipw.errors import IpwError
 from runfolders import write_run
+from scripted import ScriptedBackend
 
 IPW = [str(Path(sys.executable).parent / "ipw")]
 
@@ -324,3 +325,33 @@ def test_merge_keeps_the_shards_intensity_and_drops_differing_ones():
     live = {**DE, "g_per_kwh": 300.0}
     out = merged_carbon([DE, live])
     assert out["g_per_kwh"] is None and "300.0, 380.95" in out["error"]
+
+
+class ScriptedJudge(ScriptedBackend):
+    """The ``scripted`` fixture's backend kind: answers every query at once."""
+
+    def reply(self, prompt):
+        return "5"
+
+
+def test_an_unreachable_feed_during_a_run_is_one_note_and_the_run_carries_no_intensity(tmp_path, run_cli, scripted,
+                                                                                       small_jsonl, monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(carbon.FEED_URL_ENV, f"http://127.0.0.1:{port}/v3")
+    monkeypatch.setenv(carbon.FEED_KEY_ENV, "em-test-key-123456")
+    config = tmp_path / "run.toml"
+    config.write_text(f'dataset = "{small_jsonl}"\nwarmup = 0\nidle_s = 0.0\n'
+                      '[[backends]]\nname = "s"\nkind = "scripted"\nmodel = "x"\n')
+    code, out, err = run_cli("run", config, "--grid-region", "DE", "--grid-live", "-o", tmp_path / "runs")
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if "grid feed" in line]  # one note, on one line
+    assert note.startswith("note: carbon: the grid feed is unavailable") and "could not be reached" in note
+    assert "em-test-key-123456" not in out + err
+    (run,) = list((tmp_path / "runs").iterdir())
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["carbon"]["g_per_kwh"] is None and manifest["carbon"]["zone"] == "DE"
+    assert "gCO2e" not in out  # no carbon shown: none was made up

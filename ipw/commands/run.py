@@ -148,7 +148,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     _sigterm_as_interrupt()
     console = Console(stderr=True)
     if carbon_note:
-        console.print(f"note: {escape(carbon_note)}", highlight=False)
+        console.print(f"note: {escape(carbon_note)}", highlight=False, soft_wrap=True)  # one line
 
     verb = f"resuming ({len(done)} records kept)" if resume is not None else "run"
     if folder.manifest.shard:
