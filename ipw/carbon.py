@@ -152,7 +152,7 @@ def live(zone: str, key: str, *, timeout_s: float = FEED_TIMEOUT_S) -> CarbonInt
     except urllib.error.HTTPError as exc:
         raise FeedUnavailable(f"{base} answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         raise FeedUnavailable(f"{base} could not be reached ({reason})") from None
     value = body.get("carbonIntensity") if isinstance(body, dict) else None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_G_PER_KWH:
