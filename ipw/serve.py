@@ -564,7 +564,7 @@ class Handler(BaseHTTPRequestHandler):
         """Send the request upstream on a kept-alive upstream connection if one is idle, else a new one (one
         retry on a new connection when a kept-alive one was closed by the server)."""
         session = self.server.session
-        upstream = session.upstream_of(getattr(self, "_route", ""))
+        upstream = session.upstream_of(self._route)
         for attempt in (0, 1):
             conn, reused = self.server.upstream_connection(idle=attempt == 0, upstream=upstream)
             self._up = conn
@@ -786,7 +786,7 @@ class Handler(BaseHTTPRequestHandler):
         session = self.server.session
         window = session.meter.end(job, completion)
         self._ended = Ended(body, api, session.next_repeat(prompt_digest(body)[0]), completion, error, window,
-                            route=getattr(self, "_route", ""))
+                            route=self._route)
         if session.options.energy_in_response:
             if session.options.energy_wait:
                 self._settled = self._record = session.settle(job, self._ended, None, wait=True)

@@ -201,7 +201,7 @@ def _containing(window: Window) -> set[str]:
     """The components of the window's sensors whose scope contains the others' (the node's BMC,
     ``telemetry.base.CONTAINING_SCOPES``): a total, settled or provisional, never sums them."""
     out: set[str] = set()
-    for sensor in getattr(window, "sensors", []):
+    for sensor in window.sensors:
         try:
             info = sensor.info()
         except Exception:  # a sensor that cannot describe itself is not a node sensor

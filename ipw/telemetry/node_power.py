@@ -186,7 +186,7 @@ class RedfishClient:
                                f"check {ENV_USER} / {ENV_PASSWORD}") from None
             raise IpwError(f"Redfish {self.base}: HTTP {exc.code} on {path}") from None
         except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             hint = (f"; a self-signed BMC certificate: set {ENV_VERIFY}=/path/to/its-ca.pem (or 0 to skip "
                     "verification)") if isinstance(reason, ssl.SSLCertVerificationError) else ""
             raise IpwError(f"Redfish {self.base}: cannot reach the BMC ({reason}){hint}") from None
@@ -517,6 +517,11 @@ class NodePowerSensor(PolledSensor):
         super().__init__(platform, **kwargs)
         self.name = "node_power"
 
+    def update_period_s(self) -> float | None:
+        """How often the BMC's reading changes, as observed so far (None: not yet)."""
+        platform = self.platform
+        return platform.update_period_s if isinstance(platform, (RedfishPlatform, IpmiPlatform)) else None
+
     def poll(self) -> None:
         super().poll()
         comp = "node"
@@ -533,7 +538,7 @@ class NodePowerSensor(PolledSensor):
     def readings(self, start_s: float, end_s: float) -> list[EnergyReading]:
         from dataclasses import replace
 
-        period = getattr(self.platform, "update_period_s", None)
+        period = self.update_period_s()
         extra = (f"reading updates every {period:g} s (observed)" if period is not None else
                  f"update period not observed yet (fewer than {MIN_CHANGES} changes of the reading): windows "
                  "shorter than the BMC's refresh are not resolved")
@@ -543,7 +548,7 @@ class NodePowerSensor(PolledSensor):
         from dataclasses import replace
 
         info = super().info()
-        period = getattr(self.platform, "update_period_s", None)
+        period = self.update_period_s()
         detail = info.detail + ("; reading updates every " + (f"{period:g} s (observed)" if period is not None
                                                              else "? s (not observed yet)"))
         return replace(info, detail=detail)
@@ -594,7 +599,7 @@ def doctor_rows() -> list[list[str]]:
         import time
 
         deadline = time.monotonic() + max(3.0, 6 * config.period_s)
-        while time.monotonic() < deadline and getattr(sensor.platform, "update_period_s", None) is None:
+        while time.monotonic() < deadline and sensor.update_period_s() is None:
             time.sleep(config.period_s)
             sensor.poll()
         params = sensor.info().params
