@@ -18,7 +18,7 @@ from typing import Any, Callable, cast
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
 from ipw.judge import JudgeSpec, check_grading
-from ipw.options import RUN, RUN_OPTIONS, check_range
+from ipw.options import MAX_PUE, RUN, RUN_OPTIONS, check_range
 from ipw.resources import resource_path
 
 EMBEDDED_DEFAULT = resource_path("default.toml")
@@ -103,7 +103,6 @@ _RAY_RESOURCES = {"ray_num_cpus": float, "ray_num_gpus": float}
 # the datacenter's overhead on the backend's energy (ipw.analysis.basis, --energy-basis facility): its PUE
 # (1.0 unless set) and where that figure comes from; kept in the backend's options
 _FACILITY = {"pue": float, "pue_source": str}
-MAX_PUE = 5.0  # the worst datacenters in the Uptime Institute's surveys are ~2.5-3: more is a typo
 _JUDGE = {"name": str, "kind": str, "model": str, "mode": str, "grading": str, "prompt": str, "max_tokens": int,
           "usd_per_mtok_in": float, "usd_per_mtok_out": float}
 

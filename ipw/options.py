@@ -81,6 +81,7 @@ def by_name(group: tuple[Option, ...]) -> dict[str, Option]:
 
 MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
 MAX_G_PER_KWH = 2000.0  # the dirtiest grids are ~1,000 gCO2e/kWh: more is a typo (ipw.carbon)
+MAX_PUE = 5.0  # a datacenter's PUE: the Uptime Institute's surveys average ~1.56, the worst sites ~2.5-3; more is a typo
 
 #: ``ipw run``'s options that override the run config (``config.apply_overrides``); those with a ``key`` are
 #: also the config's top-level fields of that name, checked against the same bounds
@@ -143,5 +144,7 @@ ROUTING_OPTIONS: tuple[Option, ...] = (
            "labelled; default: each run's own (none: no carbon shown).", low=0.0, high=MAX_G_PER_KWH),
     Option(("--grid-region",), str, "Re-price every run's carbon at this zone's intensity from the offline table "
            "(DE, FR, gcp:europe-west3), labelled."),
+    Option(("--pue",), str, "NAME=PUE: the facility overhead of a backend, or of every backend of a role (local, "
+           "cloud), over the pue its run recorded (1-5; repeatable), e.g. cloud=1.2.", many=True),
 )
 ROUTING = by_name(ROUTING_OPTIONS)

@@ -355,3 +355,18 @@ def test_an_unreachable_feed_during_a_run_is_one_note_and_the_run_carries_no_int
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["carbon"]["g_per_kwh"] is None and manifest["carbon"]["zone"] == "DE"
     assert "gCO2e" not in out  # no carbon shown: none was made up
+
+
+def test_compare_pue_prices_old_runs_by_role_or_backend(tmp_path, run_cli):
+    p = _runs(tmp_path)  # recorded no PUE
+    c = compare([p], n_boot=100, energy_basis="facility", pue=["cloud=1.2"])
+    chip = compare([p], n_boot=100)
+    assert c.metrics["cl"]["energy_per_query_j"].value == pytest.approx(1.2 * chip.metrics["cl"]["energy_per_query_j"].value)
+    assert next(b for b in c.backends if b.label == "cl").pue_source == "--pue cloud=1.2"
+    both = compare([p], n_boot=100, energy_basis="facility", pue=["loc=1.5", "local=1.1"])  # the backend wins
+    assert both.metrics["loc"]["energy_per_query_j"].value == pytest.approx(
+        1.5 * chip.metrics["loc"]["energy_per_query_j"].value)
+    assert {v.basis for v in compare([p], n_boot=100, pue=["cloud=1.2"]).bases} == {"chip", "facility"}
+    for bad in ("cloud=0.9", "cloud", "nobody=1.2"):
+        code, out, err = run_cli("compare", str(p), "--pue", bad)
+        assert code == 2 and "--pue" in err and len(err.strip().splitlines()) == 1, err

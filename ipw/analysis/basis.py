@@ -21,8 +21,10 @@ import numpy as np
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo
 from ipw.carbon import CarbonIntensity, check_intensity, lookup
 from ipw.errors import IpwError
+from ipw.options import MAX_PUE, check_range
 
 BASES = ("chip", "facility", "node")
+ROLES = ("local", "cloud")
 BASIS_TEXT = {"chip": "chip (measured or estimated at the chip)",
               "facility": "facility (chip x each backend's PUE)",
               "node": "node (the whole machine, from its BMC)"}
@@ -33,6 +35,30 @@ def check_basis(basis: str) -> str:
     if basis not in BASES:
         raise IpwError(f"--energy-basis {basis!r}: must be one of {', '.join(BASES)}")
     return basis
+
+
+def parse_pue(text: str) -> tuple[str, float]:
+    """``NAME=PUE`` (``--pue``): a backend or a role (local, cloud) and its PUE (1-5)."""
+    name, eq, value = text.partition("=")
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not eq or not name:
+        raise IpwError(f"--pue {text!r}: expected NAME=PUE (a backend or a role, local or cloud), e.g. cloud=1.2")
+    check_range(x, f"--pue {text!r}", low=1.0, high=MAX_PUE)
+    return name, x
+
+
+def with_pue(infos: Sequence[BackendInfo], given: Sequence[tuple[str, float]], resolve: Any) -> tuple[BackendInfo, ...]:
+    """``infos`` with the PUEs of ``--pue`` (a role's first, then a backend's: the more specific wins);
+    ``resolve(name)``: the labels a backend name means (an IpwError for none)."""
+    pue = {i.label: (i.pue, i.pue_source) for i in infos}
+    for name, x in sorted(given, key=lambda g: g[0] not in ROLES):
+        labels = [i.label for i in infos if i.role == name] if name in ROLES else resolve(name)
+        for label in labels:
+            pue[label] = (x, f"--pue {name}={x:g}")
+    return tuple(dataclasses.replace(i, pue=pue[i.label][0], pue_source=pue[i.label][1]) for i in infos)
 
 
 def available(pq: PerQuery, infos: Sequence[BackendInfo]) -> tuple[str, ...]:

@@ -21,7 +21,8 @@ from typing import Any, Iterator, Mapping, Sequence, cast
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
-from ipw.analysis.basis import BASIS_TEXT, available, carbon_rows, check_basis, intensities, under_basis
+from ipw.analysis.basis import (BASIS_TEXT, available, carbon_rows, check_basis, intensities, parse_pue, under_basis,
+                                with_pue)
 from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
@@ -325,12 +326,15 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
             local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
             n_boot: int | None = None, seed: int = 0, usd_per_kwh: float | None = None,
             api_prices: Sequence[str] = (), deadline: str | None = None, energy_basis: str = "chip",
-            carbon_intensity: float | None = None, grid_region: str | None = None) -> Comparison:
+            carbon_intensity: float | None = None, grid_region: str | None = None,
+            pue: Sequence[str] = ()) -> Comparison:
     """Compare the backends of ``paths`` (run folders) on their queries; see the module docstring.
     ``deadline`` (``METRIC=VALUE``, ``ipw.analysis.serving.parse_deadline``) picks each backend's
     energy-optimal concurrency level within it. ``energy_basis``: which joules (ipw.analysis.basis);
-    ``carbon_intensity`` (gCO2e/kWh) or ``grid_region``: re-price every run's carbon at it."""
+    ``carbon_intensity`` (gCO2e/kWh) or ``grid_region``: re-price every run's carbon at it. ``pue``:
+    ``NAME=PUE`` (a backend, or a role: local, cloud) over the PUE the runs recorded."""
     check_basis(energy_basis)
+    pue_given = [parse_pue(x) for x in pue]
     if carbon_intensity is not None or grid_region:  # a bad value or zone fails before any run is read
         intensities((), (), carbon_intensity, grid_region)
     ROUTING["router_accuracy"].check(router_accuracy, "--router-accuracy")  # the CLI's bound, for API callers
@@ -341,12 +345,6 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     prices_raw = [parse_api_price(p) for p in api_prices]
     bound = None if deadline is None else parse_deadline(deadline)
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
-    chip_pq = pq
-    pq, basis_notes = under_basis(pq, infos, energy_basis)
-    notes += basis_notes
-    carbon, carbon_notes = intensities(runs, infos, carbon_intensity, grid_region)
-    notes += carbon_notes
-    carbon_g = carbon_rows(carbon)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
 
@@ -356,6 +354,13 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"),
                           cloud=names(cloud, "--cloud"))
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
+    infos = with_pue(infos, pue_given, lambda name: names([name], "--pue"))
+    chip_pq = pq
+    pq, basis_notes = under_basis(pq, infos, energy_basis)
+    notes += basis_notes
+    carbon, carbon_notes = intensities(runs, infos, carbon_intensity, grid_region)
+    notes += carbon_notes
+    carbon_g = carbon_rows(carbon)
     ref, ref_note = _reference(reference, infos, roles)
     if ref_note:
         notes.append(ref_note)

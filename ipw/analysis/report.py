@@ -49,7 +49,8 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
           local: Sequence[str] = (), cloud: Sequence[str] = (), router_accuracy: float = ROUTER_ACCURACY,
           n_boot: int | None = None, seed: int = 0, deadline: str | None = None,
           extra_tables: Sequence[dict[str, Any]] = (), energy_basis: str = "chip",
-          carbon_intensity: float | None = None, grid_region: str | None = None) -> dict[str, Any]:
+          carbon_intensity: float | None = None, grid_region: str | None = None,
+          pue: Sequence[str] = ()) -> dict[str, Any]:
     """Everything the templates show, from ``ipw.analysis.compare`` and the records of ``paths``.
     ``extra_tables``: tables of deployable policies scored out of sample (``ipw report --router``: the trained
     router; ``key`` trained_router or trained_router_curve), shown after the routing tables; their energy-saved
@@ -64,7 +65,7 @@ def build(paths: Sequence[str | Path], *, reference: str | None = None, common_q
 
     c = compare(paths, reference=reference, common_queries=common_queries, local=local, cloud=cloud,
                 router_accuracy=router_accuracy, n_boot=n_boot, seed=seed, deadline=deadline,
-                energy_basis=energy_basis, carbon_intensity=carbon_intensity, grid_region=grid_region)
+                energy_basis=energy_basis, carbon_intensity=carbon_intensity, grid_region=grid_region, pue=pue)
     d = to_dict(c)
     labels = {(b.run_id, b.backend, b.concurrency): b.label for b in c.backends}
     est = {b.label: c.estimated(b.label) for b in c.backends}
