@@ -164,8 +164,3 @@ def carbon_rows(carbon: dict[str, CarbonIntensity | None]) -> np.ndarray | None:
     if all(c is None for c in carbon.values()):
         return None
     return np.array([np.nan if c is None else c.g_per_kwh for c in carbon.values()])
-
-
-def views_dict(views: Any) -> list[dict[str, Any]]:
-    """The bases side by side, as JSON."""
-    return [dataclasses.asdict(v) for v in views]

@@ -21,8 +21,7 @@ from typing import Any, Iterator, Mapping, Sequence, cast
 import numpy as np
 
 from ipw.analysis import metrics as metric_table
-from ipw.analysis.basis import (BASIS_TEXT, available, carbon_rows, check_basis, intensities, parse_pue, under_basis,
-                                with_pue)
+from ipw.analysis.basis import available, carbon_rows, check_basis, intensities, parse_pue, under_basis, with_pue
 from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
 from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
@@ -130,11 +129,6 @@ class Comparison:
     energy_basis: str = "chip"  # which joules every energy number compares (ipw.analysis.basis)
     carbon: dict[str, Any] = field(default_factory=dict)  # label -> its ipw.carbon.CarbonIntensity, or None
     bases: tuple["BasisView", ...] = ()  # the energy on each available basis side by side (chip, facility, node)
-
-    @property
-    def basis_text(self) -> str:
-        """The energy basis, as every table's title says it."""
-        return BASIS_TEXT[self.energy_basis]
 
     def quality(self, label: str) -> str:
         """Backend ``label``'s energy quality (the worst among its records with energy)."""
