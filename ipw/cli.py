@@ -156,6 +156,21 @@ def list_() -> None:
     raise typer.Exit(list_command())
 
 
+# options shared by ipw compare, ipw report and ipw route score
+_USD_PER_KWH = typer.Option(
+    None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price).")
+_API_PRICE = typer.Option(
+    None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend.")
+_ROUTER_FILE = typer.Option(
+    None, "--router", help="A router file (ipw route train): its design is retrained in folds on these runs and "
+    "shown, scored out of fold, beside the oracle and the α-router (docs/ROUTING.md).")
+_ROUTER_THRESHOLD = typer.Option(
+    None, "--router-threshold", help="With a router: the operating point's threshold (0..1; default the router's).")
+_MAX_ACCURACY_LOSS = typer.Option(
+    None, "--max-accuracy-loss", help="With a router: the operating point is the most energy-saving threshold "
+    "whose out-of-fold accuracy loss against cloud-only is within this (e.g. 1%).")
+
+
 @app.command()
 @with_options(ROUTING_OPTIONS)
 def compare(
@@ -164,18 +179,9 @@ def compare(
     n_boot: Optional[int] = typer.Option(
         None, "--n-boot", help="Bootstrap resamples (default 2000; fewer above 100,000 queries, see docs/PERFORMANCE.md)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap resampling."),
-    usd_per_kwh: Optional[float] = typer.Option(
-        None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
-    api_price: Optional[List[str]] = typer.Option(
-        None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
-    router: Optional[Path] = typer.Option(
-        None, "--router", help="A router file (ipw route train): its design is retrained in folds on these runs and "
-        "shown, scored out of fold, beside the oracle and the α-router (docs/ROUTING.md)."),
-    router_threshold: Optional[float] = typer.Option(
-        None, "--router-threshold", help="With --router: the operating point's threshold (0..1; default the router's)."),
-    max_accuracy_loss: Optional[str] = typer.Option(
-        None, "--max-accuracy-loss", help="With --router: the operating point is the most energy-saving threshold "
-        "whose out-of-fold accuracy loss against cloud-only is within this (e.g. 1%)."),
+    usd_per_kwh: Optional[float] = _USD_PER_KWH, api_price: Optional[List[str]] = _API_PRICE,
+    router: Optional[Path] = _ROUTER_FILE, router_threshold: Optional[float] = _ROUTER_THRESHOLD,
+    max_accuracy_loss: Optional[str] = _MAX_ACCURACY_LOSS,
     **routing,
 ) -> None:
     """Compare runs side by side (95% bootstrap CIs, paired differences) and the routing coverage."""
@@ -194,14 +200,8 @@ def report(
                              "self-contained file: plots inlined, nothing fetched when viewed)."),
     markdown: Optional[Path] = typer.Option(
         None, "--markdown", help="Also write a Markdown summary (a CI job summary or a pull-request comment)."),
-    router: Optional[Path] = typer.Option(
-        None, "--router", help="A router file (ipw route train): its design, scored out of fold on these runs, "
-        "beside the oracle and the α-router (docs/ROUTING.md)."),
-    router_threshold: Optional[float] = typer.Option(
-        None, "--router-threshold", help="With --router: the operating point's threshold (0..1)."),
-    max_accuracy_loss: Optional[str] = typer.Option(
-        None, "--max-accuracy-loss", help="With --router: the most energy-saving threshold within this out-of-fold "
-        "accuracy loss against cloud-only (e.g. 1%)."),
+    router: Optional[Path] = _ROUTER_FILE, router_threshold: Optional[float] = _ROUTER_THRESHOLD,
+    max_accuracy_loss: Optional[str] = _MAX_ACCURACY_LOSS,
     **routing,
 ) -> None:
     """A self-contained HTML report with plots (and a Markdown summary) of one or more runs."""
@@ -253,19 +253,12 @@ def route_score(
     cloud: Optional[List[str]] = _ROUTE_CLOUD,
     grading: Optional[str] = typer.Option(None, "--grading", help="answer or vs-backend (default: the router's, "
                                           "else answer)."),
-    router_threshold: Optional[float] = typer.Option(None, "--router-threshold", help="The operating point's "
-                                                     "threshold (0..1)."),
-    max_accuracy_loss: Optional[str] = typer.Option(None, "--max-accuracy-loss", help="E.g. 1%: the operating point "
-                                                    "is the most energy-saving threshold within that out-of-fold "
-                                                    "accuracy loss against cloud-only."),
+    router_threshold: Optional[float] = _ROUTER_THRESHOLD, max_accuracy_loss: Optional[str] = _MAX_ACCURACY_LOSS,
     min_queries: Optional[int] = typer.Option(None, "--min-queries", help="Refuse fewer scored queries (default 20)."),
     folds: int = typer.Option(5, "--folds", help="k of the k-fold by query."),
     seed: int = typer.Option(0, "--seed", help="Seed of the folds and the bootstrap."),
     fmt: str = typer.Option("table", "--format", "-f", help="table or json."),
-    usd_per_kwh: Optional[float] = typer.Option(
-        None, "--usd-per-kwh", help="Electricity price: gives local backends a cost (their energy x price)."),
-    api_price: Optional[List[str]] = typer.Option(
-        None, "--api-price", help="NAME=IN,OUT: USD per million input and output tokens of a (cloud) backend."),
+    usd_per_kwh: Optional[float] = _USD_PER_KWH, api_price: Optional[List[str]] = _API_PRICE,
 ) -> None:
     """Score a router design out of sample: k-fold by query and held-out categories, the curve over the threshold."""
     from ipw.commands.route import score_command
