@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ipw.analysis.stats import Estimate
 from ipw.errors import IpwError
 
 FORMAT = "ipw-router"
@@ -295,21 +296,14 @@ def choose(p: np.ndarray, threshold: float) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Ci:
-    value: float
-    lo: float
-    hi: float
-
-
-@dataclass(frozen=True)
 class CurvePoint:
     threshold: float
-    local_share: Ci
-    accuracy: Ci
-    accuracy_loss: Ci  # cloud-only accuracy - routed accuracy
-    energy_saved_fraction: Ci | None
-    latency_saved_fraction: Ci | None
-    cost_saved_fraction: Ci | None
+    local_share: Estimate
+    accuracy: Estimate
+    accuracy_loss: Estimate  # cloud-only accuracy - routed accuracy
+    energy_saved_fraction: Estimate | None
+    latency_saved_fraction: Estimate | None
+    cost_saved_fraction: Estimate | None
     pgr: float  # (accuracy - local-only accuracy) / (cloud accuracy - local-only accuracy); NaN: no gap
 
 
@@ -341,16 +335,16 @@ def _mean(x: np.ndarray) -> float:
     return float(k.mean()) if len(k) else float("nan")
 
 
-def _ci_of(value: float, draws: np.ndarray) -> Ci:
+def _ci_of(value: float, draws: np.ndarray) -> Estimate:
     from ipw.analysis.stats import LEVEL, bounds
 
     if not np.isfinite(value):
-        return Ci(value, float("nan"), float("nan"))
+        return Estimate(value, float("nan"), float("nan"))
     d = draws[np.isfinite(draws)]
     if not len(d):
-        return Ci(value, float("nan"), float("nan"))
+        return Estimate(value, float("nan"), float("nan"))
     lo, hi = bounds(d, LEVEL)
-    return Ci(value, lo, hi)
+    return Estimate(value, lo, hi)
 
 
 def curve(data: RouteData, p: np.ndarray, thresholds: Sequence[float] = THRESHOLDS, n_boot: int = 1000,
@@ -384,7 +378,7 @@ def curve(data: RouteData, p: np.ndarray, thresholds: Sequence[float] = THRESHOL
             loss_v = float((cc.sum() - c0.sum()) / nh.sum()) if nh.sum() else float("nan")
             loss_d = (weights @ cc - weights @ c0) / (weights @ nh)
 
-        def saved(x: np.ndarray | None, cloud_x: np.ndarray | None) -> Ci | None:
+        def saved(x: np.ndarray | None, cloud_x: np.ndarray | None) -> Estimate | None:
             if x is None or cloud_x is None:
                 return None
             r = routed(x, cloud_x, ch)
@@ -676,7 +670,7 @@ def check_runs_supply(router: Router, data: RouteData, path: str | Path) -> None
 
 
 def scores_json(s: PolicyScore) -> dict[str, Any]:
-    def ci(x: Ci | None) -> dict[str, float] | None:
+    def ci(x: Estimate | None) -> dict[str, float] | None:
         return None if x is None else {"value": x.value, "lo": x.lo, "hi": x.hi}
 
     def pt(p: CurvePoint) -> dict[str, Any]:
