@@ -216,6 +216,14 @@ def test_compare_shows_the_router_beside_the_oracle(tmp_path, capsys):
                  "--usd-per-kwh", "0.3", "--api-price", "big=1,2"]) == 0
     op = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]["operating_point"]
     assert op["cost_saved_fraction"]["value"] > 0.2  # priced as compare prices the oracle
+    # on compare's energy basis: the cloud's joules doubled by --pue cloud=2 (facility) save more per local query
+    saved = {}
+    for basis in ("chip", "facility"):
+        assert main(["compare", str(run), "--router", str(out), "--n-boot", "100", "--format", "json",
+                     "--router-threshold", "0.5", "--energy-basis", basis, "--pue", "cloud=2"]) == 0
+        doc = json.loads(capsys.readouterr().out)["trained_router"]["kfold"]["operating_point"]
+        saved[basis] = doc["energy_saved_fraction"]["value"]
+    assert saved["facility"] > saved["chip"] > 0, saved
     # bad router input: exit 2, one line, before any work
     assert main(["compare", str(run), "--router", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in _err(capsys)

@@ -125,9 +125,11 @@ def _prompts_of(path: str) -> tuple[dict[str, str], list[str]]:
 
 def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud: Sequence[str] = (),
                grading: str = "answer", common_queries: bool = False, usd_per_kwh: float | None = None,
-               api_prices: Sequence[str] = ()) -> RouteData:
+               api_prices: Sequence[str] = (), energy_basis: str = "chip", pue: Sequence[str] = ()) -> RouteData:
     """Read run folders into a ``RouteData``: roles from the records, overridden by ``local``/``cloud``.
-    ``usd_per_kwh`` and ``api_prices`` (``NAME=IN,OUT``) price the queries as ``ipw compare`` does."""
+    ``usd_per_kwh`` and ``api_prices`` (``NAME=IN,OUT``) price the queries as ``ipw compare`` does;
+    ``energy_basis`` and ``pue`` (``NAME=PUE``) put their energy on compare's basis (``ipw.analysis.basis``)."""
+    from ipw.analysis.basis import parse_pue, under_basis, with_pue
     from ipw.analysis.compare import _reference, cost_matrix, parse_api_price, resolve_levels
     from ipw.analysis.load import BackendInfo, load
     from ipw.analysis.routing import SOLVED_AT, resolve_roles
@@ -146,6 +148,8 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
         raise IpwError("the runs have no cloud reference (no backend has role cloud): name one with --cloud NAME "
                        f"(backends: {', '.join(labels)})")
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
+    infos = with_pue(infos, [parse_pue(x) for x in pue], lambda name: names([name], "--pue"))
+    pq, _ = under_basis(pq, infos, energy_basis)
     ref, _ = _reference(None, infos, roles)
     ri = labels.index(ref)
     prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "--api-price")}

@@ -37,7 +37,8 @@ def compare_command(runs, *, fmt, n_boot, seed, usd_per_kwh, api_prices, router=
         scores = router_scores(runs, router_path=router, local=routing.get("local") or (),
                                cloud=routing.get("cloud") or (), threshold=router_threshold,
                                max_accuracy_loss=max_accuracy_loss, seed=seed, usd_per_kwh=usd_per_kwh,
-                               api_prices=api_prices)
+                               api_prices=api_prices, energy_basis=routing.get("energy_basis") or "chip",
+                               pue=routing.get("pue") or ())
     if fmt == "table":
         console = stdout()
         for table in render.rich_tables(render.tables(result)):

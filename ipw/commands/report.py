@@ -20,7 +20,9 @@ def report_command(runs, *, out, markdown, router=None, router_threshold=None, m
 
         extra = report_tables(router_scores(runs, router_path=router, local=routing.get("local") or (),
                                             cloud=routing.get("cloud") or (), threshold=router_threshold,
-                                            max_accuracy_loss=max_accuracy_loss, seed=routing.get("seed") or 0))
+                                            max_accuracy_loss=max_accuracy_loss, seed=routing.get("seed") or 0,
+                                            energy_basis=routing.get("energy_basis") or "chip",
+                                            pue=routing.get("pue") or ()))
     ctx = write(runs, out, markdown, extra_tables=extra, **routing)
     console = Console(stderr=True)
     console.print(f"wrote {out} ({len(ctx['figures'])} plots, {ctx['n_records']:,} records)"

@@ -134,7 +134,8 @@ def score_command(runs: Sequence[Path], *, router_path: Path | None, local: Sequ
 def router_scores(runs: Sequence[Path], *, router_path: Path | None, local: Sequence[str] = (),
                   cloud: Sequence[str] = (), grading: str | None = None, threshold: float | None = None,
                   max_accuracy_loss: str | None = None, min_queries: int | None = None, folds: int = 5,
-                  seed: int = 0, usd_per_kwh: float | None = None, api_prices: Sequence[str] = ()) -> Any:
+                  seed: int = 0, usd_per_kwh: float | None = None, api_prices: Sequence[str] = (),
+                  energy_basis: str = "chip", pue: Sequence[str] = ()) -> Any:
     """The router design (of ``router_path``, else the defaults) scored out of sample on ``runs``: retrained in
     folds with its settings, never scored on a query it was trained on."""
     from ipw.analysis import router as r
@@ -152,7 +153,8 @@ def router_scores(runs: Sequence[Path], *, router_path: Path | None, local: Sequ
         min_queries = min_queries if min_queries is not None else int(training.get("min_queries") or r.MIN_QUERIES)
         c = float(training.get("C") or r.C)
         threshold = router.threshold if threshold is None and loss is None else threshold
-    data = _data(runs, local, cloud, grading or "answer", usd_per_kwh=usd_per_kwh, api_prices=api_prices)
+    data = _data(runs, local, cloud, grading or "answer", usd_per_kwh=usd_per_kwh, api_prices=api_prices,
+                 energy_basis=energy_basis, pue=pue)
     if router_path is not None:
         r.check_runs_supply(router, data, router_path)
         featurizer = r.Featurizer(tuple(sorted({x for x in data.category if x})) if router.featurizer.categories
