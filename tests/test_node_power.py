@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -140,6 +141,21 @@ def authed_emulator(tmp_path):
         proc.wait(10)
 
 
+@contextlib.contextmanager
+def varied(redfish, monkeypatch):
+    """The mockup's power varied over time (``Varier``) and ipw's BMC environment pointed at it."""
+    url, root = redfish
+    varier = Varier(root)
+    varier.start()
+    for k, v in _env(url).items():
+        monkeypatch.setenv(k, v)
+    try:
+        yield varier
+    finally:
+        varier.stop.set()
+        varier.join()
+
+
 def _env(url: str, **more: str) -> dict[str, str]:
     return {"IPW_NODE_POWER": url, "IPW_BMC_USER": "admin", "IPW_BMC_PASSWORD": "s3cret-bmc-pw",
             "IPW_BMC_PERIOD_S": "0.05", **more}
@@ -195,19 +211,10 @@ def test_a_measured_window_carries_the_node_reading_beside_the_chip_total(redfis
     window, attributed like any polled sensor's, and its joules are not in the chip total."""
     import ipw
 
-    url, root = redfish
-    varier = Varier(root)
-    varier.start()
-    for k, v in _env(url).items():
-        monkeypatch.setenv(k, v)
-    try:
-        with ipw.measure(gpus=[]) as m:
-            t0 = time.monotonic()
-            time.sleep(2.0)
-            t1 = time.monotonic()
-    finally:
-        varier.stop.set()
-        varier.join()
+    with varied(redfish, monkeypatch) as varier, ipw.measure(gpus=[]) as m:
+        t0 = time.monotonic()
+        time.sleep(2.0)
+        t1 = time.monotonic()
     result = m.result
     (node,) = [p for p in result.parts if p.scope == "node"]
     assert node.energy_j == pytest.approx(varier.truth(t0, t1), rel=0.05)
@@ -279,16 +286,9 @@ def test_redfish_legacy_power_control_and_kwh_counter(redfish):
 
 
 def test_doctor_shows_what_it_found(redfish, monkeypatch):
-    url, root = redfish
-    varier = Varier(root)
-    varier.start()
-    for k, v in _env(url).items():
-        monkeypatch.setenv(k, v)
-    try:
+    url, _ = redfish
+    with varied(redfish, monkeypatch):
         rows = dict(node_power.doctor_rows())
-    finally:
-        varier.stop.set()
-        varier.join()
     assert rows["BMC"] == f"{url} (Redfish)"
     assert rows["chassis"].startswith("1U (RackMount)") and "GPU_Baseboard" in rows["chassis"]
     assert rows["power"] == "EnvironmentMetrics.PowerWatts: input power"

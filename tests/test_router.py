@@ -48,6 +48,14 @@ def write_routing_run(out, run_id, n=120, *, rule="word", seed=1, categories=Non
     return folder.path
 
 
+def trained(tmp_path):
+    """A run whose local correctness a word decides, and a router trained on it (``ipw route train``)."""
+    run = write_routing_run(tmp_path, "word")
+    router = tmp_path / "router.json"
+    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    return run, router
+
+
 def test_word_rule_is_recovered_out_of_sample(tmp_path):
     run = write_routing_run(tmp_path, "word")
     data = r.route_data([run])
@@ -133,9 +141,7 @@ def _err(capsys):
 
 
 def test_bad_input(tmp_path, capsys):
-    run = write_routing_run(tmp_path, "word")
-    out = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    run, out = trained(tmp_path)
     capsys.readouterr()
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -197,9 +203,7 @@ def test_missing_sklearn_names_the_extra(monkeypatch):
 
 
 def test_compare_shows_the_router_beside_the_oracle(tmp_path, capsys):
-    run = write_routing_run(tmp_path, "word")
-    out = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    run, out = trained(tmp_path)
     capsys.readouterr()
     assert main(["compare", str(run), "--router", str(out), "--n-boot", "100"]) == 0
     text = capsys.readouterr().out
@@ -258,9 +262,7 @@ def test_embedded_default_run_train_compare(tmp_path, run_cli):
 
 def test_report_shows_the_router(tmp_path, capsys):
     pytest.importorskip("jinja2")
-    run = write_routing_run(tmp_path, "word")
-    out = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(out), "--no-score"]) == 0
+    run, out = trained(tmp_path)
     html, md = tmp_path / "rep" / "report.html", tmp_path / "rep" / "summary.md"
     assert main(["report", str(run), "--router", str(out), "--out", str(html), "--markdown", str(md)]) == 0
     text = html.read_text()
@@ -297,9 +299,7 @@ def test_serve_routes_between_two_upstreams(tmp_path):
 
     from ipw.serve import ServeOptions, start
 
-    run = write_routing_run(tmp_path, "word")
-    router = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    run, router = trained(tmp_path)
     local, cloud = Stub(), Stub()
     opts = ServeOptions(upstream=local.base_url, name="small", port=0, idle_s=0.2, route=str(router),
                         cloud_upstream=cloud.base_url, cloud_name="big")
@@ -332,9 +332,7 @@ def test_serve_routes_between_two_upstreams(tmp_path):
 
 
 def test_serve_route_bad_input(tmp_path, capsys):
-    run = write_routing_run(tmp_path, "word")
-    router = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    run, router = trained(tmp_path)
     capsys.readouterr()
     out = tmp_path / "out"
     for args, word in ((["--route", str(tmp_path / "no.json"), "--local", "http://127.0.0.1:9/v1", "--cloud",
@@ -362,9 +360,7 @@ def test_serve_routes_between_two_real_llama_servers(tmp_path):
         find_llama_server()
     except IpwError:
         pytest.skip("llama-server is not built: run `bash .ci/setup`")
-    run = write_routing_run(tmp_path, "word")
-    router = tmp_path / "router.json"
-    assert main(["route", "train", str(run), "--out", str(router), "--no-score"]) == 0
+    run, router = trained(tmp_path)
     servers = []
     try:
         for name, model in (("smol", "smollm2-135m"), ("gemma", "gemma3-270m")):
