@@ -15,11 +15,15 @@
 #   bash bench/vllm_h200.sh generate MODEL_DIR  # the engine on the GPU: MODEL_DIR's config and tokenizer, random
 #                                              # weights (load_format dummy), 64 prompts x 64 tokens
 #
-#   bash bench/vllm_h200.sh run sweep|rest OUT # `ipw run configs/gpu-vllm.toml` with the NVML counter of bench/gpu_counter.py:
+#   bash bench/vllm_h200.sh run sweep|rest|more OUT # `ipw run configs/gpu-vllm.toml` with the NVML counter of
+#                                              # bench/gpu_counter.py:
 #                                              # sweep: vLLM's server and llama-server at 1/4/16/64 (one run folder);
 #                                              # rest: vLLM in process, 128 identical requests at 16 and 64, a server
-#                                              # killed mid-run, a GPU without the memory asked for; OUT/vllm-PART.md,
-#                                              # .tar.xz and the counter (DEADLINE: epoch seconds the stage must end by)
+#                                              # killed mid-run, a GPU without the memory asked for;
+#                                              # more: vLLM in process at 16 and 64 over 3 repeats, the GPU without
+#                                              # the memory, vLLM's server with CUDA graphs (enforce_eager = false)
+#                                              # at 1/4/16/64; OUT/vllm-PART.md, .tar.xz and the counter
+#                                              # (DEADLINE: epoch seconds the stage must end by)
 #
 # The pieces: .gpufiles/vllm/v1, v2, v3 (87.5 MiB: tar+xz of the wheels, uncompressed inside; PIECE_MIB=30 each;
 # .gpufiles/vllm/README) and .gpufiles/a, b, c (llama-server's sources and the bundled GGUF: bench/serving_h200.sh
@@ -251,10 +255,29 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
     echo "$name: done at $(($(date +%s) - t0)) s"
   }
   one() { ls -d "$R/$1"/*/ 2> /dev/null | head -n 1; }
+  oom_starts() {  # a GPU without the memory asked for: another process holds all but ~10 GiB, vLLM asks for a
+    # fifth of 141 GB; the hog is ready once it says so
+    [ "$(left)" -gt 120 ] || { echo "oom: skipped, $(left) s before DEADLINE"; return 0; }
+    $PY -c 'import time, torch; free, total = torch.cuda.mem_get_info(); x = torch.empty(free - (10 << 30), dtype=torch.uint8, device="cuda"); print(f"holding {x.numel() / 2**30:.1f} GiB of {total / 2**30:.1f}", flush=True); time.sleep(300)' > "$R/hog.txt" 2>&1 &
+    local hog=$! _
+    for _ in $(seq 60); do grep -q holding "$R/hog.txt" && break; sleep 0.5; done
+    runit oom-inproc 60 -b smollm2-135m-vllm --limit 8
+    runit oom-server 60 -b smollm2-135m-vllm-server --limit 8 --concurrency 1
+    kill "$hog" 2> /dev/null || true; wait "$hog" 2> /dev/null || true
+  }
   if [ "$part" = sweep ]; then
     local llama=(-b smollm2-135m-llama-server)
     [ -x "$IPW_LLAMA_SERVER" ] || { echo "run: no $IPW_LLAMA_SERVER (serving_h200.sh build): llama-server left out"; llama=(); }
     runit sweep 200 -b smollm2-135m-vllm-server "${llama[@]}"
+  elif [ "$part" = more ]; then
+    # in process over a longer span (3 repeats of the 200 queries), at 16 and at 64 in flight
+    runit inproc16 150 -b smollm2-135m-vllm --repeats 3
+    oom_starts
+    sed 's/^batch_size = 16$/batch_size = 64/' "$cfg" > "$R/gpu-vllm-b64.toml"
+    cfg="$R/gpu-vllm-b64.toml" runit inproc64 120 -b smollm2-135m-vllm --repeats 3
+    # CUDA graphs (enforce_eager = false: vLLM captures a graph per batch size at its start)
+    sed 's/^enforce_eager = true$/enforce_eager = false/' configs/gpu-vllm.toml > "$R/gpu-vllm-graphs.toml"
+    cfg="$R/gpu-vllm-graphs.toml" runit graphs 240 -b smollm2-135m-vllm-server --limit 100
   else
     runit inproc 120 -b smollm2-135m-vllm
     runit symmetric 100 -b smollm2-135m-vllm-server --dataset "$R/data/symmetric.jsonl" --limit 128 --concurrency 16,64
@@ -277,32 +300,27 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
       nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$R/killed-gpu-after.txt" 2>&1
       nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2> /dev/null || true
     fi
-    # a GPU without the memory asked for: another process holds all but ~10 GiB, vLLM asks for a fifth of 141 GB
-    if [ "$(left)" -gt 120 ]; then
-      $PY -c 'import time, torch; free, total = torch.cuda.mem_get_info(); x = torch.empty(free - (10 << 30), dtype=torch.uint8, device="cuda"); print(f"holding {x.numel() / 2**30:.1f} GiB of {total / 2**30:.1f}", flush=True); time.sleep(300)' > "$R/hog.txt" 2>&1 &
-      local hog=$!
-      sleep 12
-      runit oom-inproc 60 -b smollm2-135m-vllm --limit 8
-      runit oom-server 60 -b smollm2-135m-vllm-server --limit 8 --concurrency 1
-      kill "$hog" 2> /dev/null || true
-    fi
+    oom_starts
   fi
   kill -TERM "$counter"; wait "$counter" || true
   trap - EXIT
   local args=(--counter "$R/counter-$part.csv" --json "$R/validation-$part.json")
   if [ "$part" = sweep ]; then
     [ -n "$(one sweep)" ] && args+=(--conservation "$(one sweep)")
+  elif [ "$part" = more ]; then
+    for f in inproc16 inproc64 graphs; do [ -n "$(one $f)" ] && args+=(--conservation "$(one $f)"); done
   else
     [ -n "$(one inproc)" ] && args+=(--conservation "$(one inproc)")
     [ -n "$(one symmetric)" ] && args+=(--conservation "$(one symmetric)" --symmetric "vllm-server=$(one symmetric)")
   fi
   python3 bench/serving_validate.py analyze "${args[@]}" > "$R/validation-$part.md" 2>&1 || true
-  if [ "$part" = sweep ] && [ -n "$(one sweep)" ]; then
-    ipw compare "$(one sweep)" --deadline p95_latency=2s > "$R/compare.txt" 2>&1 || true
-    ipw compare "$(one sweep)" --format json > "$R/compare.json" 2> /dev/null || true
+  local swept=$([ "$part" = more ] && one graphs || one "$part")
+  if [ "$part" != rest ] && [ -n "$swept" ]; then
+    ipw compare "$swept" --deadline p95_latency=2s > "$R/compare-$part.txt" 2>&1 || true
+    ipw compare "$swept" --format json > "$R/compare-$part.json" 2> /dev/null || true
   fi
   for f in "$R"/killed.txt "$R"/oom-*.txt "$R"/killed-at.txt "$R"/hog.txt; do [ -f "$f" ] && { echo "== $f"; tail -n 12 "$f"; }; done > "$R/failures-$part.txt" 2>&1 || true
-  cat "$R/validation-$part.md" "$R/failures-$part.txt" "$R/compare.txt" 2> /dev/null | tee "$out/vllm-$part.md" | head -n 80
+  cat "$R/validation-$part.md" "$R/failures-$part.txt" "$R/compare-$part.txt" 2> /dev/null | tee "$out/vllm-$part.md" | head -n 80
   gzip -9 -f "$R/counter-$part.csv"
   tar cJf "$out/vllm-$part.tar.xz" -C "$R" --exclude='counter-*.csv.gz' --exclude=data . && cp "$R/counter-$part.csv.gz" "$out/"
   echo "run $part: $(($(date +%s) - t0)) s"; ls -la "$out"
@@ -315,7 +333,7 @@ case "$stage" in
   install) [ ${#args[@]} -gt 0 ] && stash "${args[@]}"; install ;;
   check) check ;;
   generate) generate "${args[0]}" ;;
-  run) [ "${1:-}" = sweep ] || [ "${1:-}" = rest ] || { echo "usage: bash bench/vllm_h200.sh run sweep|rest OUT" >&2; exit 2; }
+  run) case "${1:-}" in sweep|rest|more) ;; *) echo "usage: bash bench/vllm_h200.sh run sweep|rest|more OUT" >&2; exit 2 ;; esac
        run_stage "$1" "${args[1]}" ;;
-  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR | run sweep|rest OUT" >&2; exit 2 ;;
+  *) echo "usage: bash bench/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR | run sweep|rest|more OUT" >&2; exit 2 ;;
 esac
