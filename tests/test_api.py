@@ -1,5 +1,5 @@
 """The Python API: ``ipw.measure`` around a block of code, ``ipw.load_run``, a light ``import ipw``, and
-the README's "Python API" examples run as doctests."""
+the "Python API" page's examples (docs/guide/python-api.md) run as doctests."""
 
 from __future__ import annotations
 
@@ -144,14 +144,17 @@ def test_load_run(tmp_path):
         ipw.load_run(tmp_path)
 
 
-def test_readme_python_api_doctests(monkeypatch):
-    """The ```pycon blocks of the README's "Python API" section, run as one doctest from the root."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^## Python API\n(.*?)^## ", text, re.S | re.M).group(1)
-    blocks = re.findall(r"^```pycon\n(.*?)^```", section, re.S | re.M)
+def test_python_api_page_doctests(monkeypatch):
+    """The ```pycon blocks of the documentation's "Python API" page (README.md points to it), run as one
+    doctest from the root."""
+    page = "docs/guide/python-api.md"
+    text = (ROOT / page).read_text(encoding="utf-8")
+    assert text.startswith("# Python API\n")
+    blocks = re.findall(r"^```pycon\n(.*?)^```", text, re.S | re.M)
     assert len(blocks) == 2
+    assert page in (ROOT / "README.md").read_text(encoding="utf-8")
     monkeypatch.chdir(ROOT)
-    test = doctest.DocTestParser().get_doctest("\n".join(blocks), {}, "README.md#python-api", "README.md", 0)
+    test = doctest.DocTestParser().get_doctest("\n".join(blocks), {}, page, page, 0)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0
