@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ipw.errors import IpwError
 
@@ -84,3 +84,63 @@ def subprocess_runner(configs: dict[str, Path], pythons: dict[str, str], out: Pa
 
 def default_python() -> str:
     return sys.executable
+
+
+def run_job(configs: tuple[Path, Path], plan: tuple[tuple[str, int], ...], *, n_shards: int, out: Path | None,
+            pythons: tuple[str | None, str | None], backends: tuple[str, ...] = (), limit: int | None = None,
+            progress: Callable[[str], None] = print) -> list[tuple[str, Any, Any]]:
+    """The interleaved job of ``ipw check --rerun``: the two configs compared (``paired``) and the interpreters
+    found before the first block, then every block of ``plan`` (``job_plan``), each an ``ipw run`` of its side over
+    its shard, in a folder ``OUT/interleaved-STAMP``; returns each block as (side, manifest, records), for
+    ``ipw.analysis.check.check_interleaved``."""
+    import datetime as dt
+    import shutil
+
+    from ipw.results import load_run
+
+    for config in configs:
+        if not Path(config).is_file():
+            raise IpwError(f"--rerun {config}: not found (give two config files, baseline then candidate)")
+    paired(configs, backends, limit)  # before the first block, not after the last
+    python = {}
+    for side, given, option in (("A", pythons[0], "--base-python"), ("B", pythons[1], "--cand-python")):
+        found = shutil.which(given) if given else default_python()
+        if not found:
+            raise IpwError(f"{option} {given}: not found or not executable")
+        python[side] = found
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    job = Path(out or "results") / f"interleaved-{stamp}"
+    job.mkdir(parents=True, exist_ok=False)
+    run_args = [a for b in backends for a in ("--backend", b)] + (["--limit", str(limit)] if limit is not None else [])
+    progress(f"interleaved job {job}: {len(plan)} blocks over {n_shards} shard(s), "
+             f"{' '.join(side for side, _ in plan)}, A = {configs[0]} ({python['A']}), "
+             f"B = {configs[1]} ({python['B']})")
+    done = run_blocks(plan, subprocess_runner({"A": Path(configs[0]), "B": Path(configs[1])}, python, job, run_args,
+                                              n_shards),
+                      progress=progress)
+    return [(b.side, *load_run(b.run_dir, require=("dataset.fingerprint",))) for b in done]
+
+
+def paired(configs: tuple[Path, Path], backends: tuple[str, ...], limit: int | None) -> None:
+    """What the verdict pairs the blocks on, compared from the two configs as each block's ``ipw run`` loads
+    them (with the job's --backend and --limit): the query set (its fingerprint) and the backends (each of the
+    baseline's, by name, in the candidate). One line naming what differs (exit 2)."""
+    from ipw.config import apply_overrides, load_config
+    from ipw.datasets import load_query_set
+
+    loaded = []
+    for config in configs:
+        c = apply_overrides(load_config(str(config)), {"backend": list(backends), "limit": limit})
+        loaded.append((c, load_query_set(c.dataset, limit=c.limit, **c.dataset_options())))
+    (a, qa), (b, qb) = loaded
+    reasons = []
+    if qa.fingerprint != qb.fingerprint:
+        reasons.append(f"the query sets differ (dataset {a.dataset}: {len(qa)} queries, {qa.fingerprint}; dataset "
+                       f"{b.dataset}: {len(qb)} queries, {qb.fingerprint})")
+    names = [x.name for x in b.backends]
+    missing = [x.name for x in a.backends if x.name not in names]
+    if missing:
+        reasons.append(f"backend(s) {', '.join(missing)} of the baseline missing from the candidate (its backends: "
+                       f"{', '.join(names)})")
+    if reasons:
+        raise IpwError(f"--rerun {configs[0]} {configs[1]}: not comparable: " + "; ".join(reasons))

@@ -11,7 +11,8 @@ import pynvml as real_pynvml
 import pytest
 
 from ipw.commands import doctor as doctor_mod
-from ipw.commands.doctor import doctor, step_lag_s
+from ipw.commands.doctor import doctor
+from ipw.telemetry.selftest import gpu_self_test, step_lag_s
 
 
 def test_doctor_without_gpu(monkeypatch):
@@ -108,7 +109,7 @@ def test_gpu_self_test_with_a_fake_gpu_and_no_torch(monkeypatch):
     fake.nvmlDeviceGetPowerUsage.return_value = 100_000
     monkeypatch.setitem(sys.modules, "torch", None)
     lines = []
-    r = doctor_mod.gpu_self_test(seconds=0, log=lines.append, probe_s=0.3, phase_s=1.5)
+    r = gpu_self_test(seconds=0, log=lines.append, probe_s=0.3, phase_s=1.5)
     assert r["gpu"]["name"] == "NVIDIA H200" and r["driver"] == "580.fake"
     assert set(r["call_costs"]) >= {"counter (nvmlDeviceGetTotalEnergyConsumption)", "samples (nvmlDeviceGetSamples)"}
     assert r["update_periods"]["sample"]["median_period_s"] == pytest.approx(0.02, abs=1e-3)

@@ -199,7 +199,7 @@ def test_usage_errors(tmp_path, run_cli):
     code, _, err = run_cli("check", "--rerun", "--blocks", "6", tmp_path / "a.toml", tmp_path / "b.toml")
     assert code == 2 and "multiple of 4" in err
     code, _, err = run_cli("check", tmp_path / "a", tmp_path / "b", "--base-python", "python3")
-    assert code == 2 and "go with --rerun" in err
+    assert code == 2 and "--base-python: only with --rerun" in err
     code, _, err = run_cli("check", tmp_path / "a", tmp_path / "b", "--floor", tmp_path / "nope.json")
     assert code == 2 and "--floor" in err
 

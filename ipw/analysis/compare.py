@@ -24,11 +24,12 @@ from ipw.analysis import metrics as metric_table
 from ipw.analysis.basis import available, carbon_rows, check_basis, intensities, parse_pue, under_basis, with_pue
 from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
-from ipw.analysis.routing import OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles, route, solved
+from ipw.analysis.routing import (ROUTER_ACCURACY, OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles,
+                                  route, solved)
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import IpwError
-from ipw.options import ROUTER_ACCURACY, ROUTING
+from ipw.options import ROUTING
 from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
 

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from ipw.analysis import report_data as data
 from ipw.analysis import report_plots as plots
 from ipw.errors import IpwError
-from ipw.options import ROUTER_ACCURACY
+from ipw.analysis.routing import ROUTER_ACCURACY
 from ipw.resources import resource_path
 
 

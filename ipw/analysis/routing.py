@@ -27,9 +27,9 @@ from typing import Any, Sequence, cast
 import numpy as np
 
 from ipw.errors import IpwError
-from ipw.options import ROUTER_ACCURACY
 from ipw.telemetry.base import QUALITY_ORDER, worst_quality
 
+ROUTER_ACCURACY = 0.8  # α of the realistic router, when none is given (compare --router-accuracy)
 SOLVED_AT = 0.5
 ROLES = ("local", "cloud")
 ALPHAS = tuple(round(a / 10, 1) for a in range(11))

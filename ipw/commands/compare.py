@@ -3,42 +3,37 @@
 from __future__ import annotations
 
 from ipw.commands.output import stdout
-from ipw.errors import IpwError
+from ipw.options import CompareOptions, PriceOptions, RouterOptions, RoutingOptions, given
 
 
-def compare_command(runs, *, fmt, n_boot, seed, usd_per_kwh, api_prices, router=None, router_threshold=None,
-                    max_accuracy_loss=None, **routing) -> int:
-    """``routing``: the options of ``ipw.options.ROUTING_OPTIONS``, by name. ``router``: a router file (ipw route
-    train) whose design is scored out of sample on these runs and shown beside the oracle and the α-router."""
+def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices: PriceOptions,
+                    router: RouterOptions) -> int:
+    """``router.router``: a router file (ipw route train) whose design is scored out of sample on these runs and
+    shown beside the oracle and the α-router."""
     import sys
 
     from ipw.analysis import render
     from ipw.analysis.compare import compare
 
-    if fmt not in render.FORMATS:
-        raise IpwError(f"--format {fmt!r}: must be one of {', '.join(render.FORMATS)}")
-    if router is None and (router_threshold is not None or max_accuracy_loss is not None):
-        raise IpwError("--router-threshold and --max-accuracy-loss need --router FILE")
-    if router is not None:  # bad router input fails before any work
-        from ipw.analysis.router import check_threshold, load_router, parse_accuracy_loss
+    fmt = view.format
+    if router.router is not None:  # bad router input fails before any work
+        from ipw.analysis.router import load_router, parse_accuracy_loss
 
-        if router_threshold is not None:
-            check_threshold(router_threshold)
-        if max_accuracy_loss is not None:
-            parse_accuracy_loss(max_accuracy_loss)
-        load_router(router)
-    result = compare(runs, n_boot=n_boot, seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_prices, **routing)
+        if router.max_accuracy_loss is not None:
+            parse_accuracy_loss(router.max_accuracy_loss)
+        load_router(router.router)
+    result = compare(runs, n_boot=view.n_boot, seed=view.seed, usd_per_kwh=prices.usd_per_kwh,
+                     api_prices=prices.api_price, **given(routing))
     # deployable policies scored out of sample, shown after the routing tables: the trained router (issue 44);
     # the cascade (issue 44 item 3) belongs beside it here, as another ipw.analysis.router.PolicyScore
     scores = None
-    if router is not None:
+    if router.router is not None:
         from ipw.commands.route import router_scores
 
-        scores = router_scores(runs, router_path=router, local=routing.get("local") or (),
-                               cloud=routing.get("cloud") or (), threshold=router_threshold,
-                               max_accuracy_loss=max_accuracy_loss, seed=seed, usd_per_kwh=usd_per_kwh,
-                               api_prices=api_prices, energy_basis=routing.get("energy_basis") or "chip",
-                               pue=routing.get("pue") or ())
+        scores = router_scores(runs, router_path=router.router, local=routing.local, cloud=routing.cloud,
+                               threshold=router.router_threshold, max_accuracy_loss=router.max_accuracy_loss,
+                               seed=view.seed, usd_per_kwh=prices.usd_per_kwh, api_prices=prices.api_price,
+                               energy_basis=routing.energy_basis, pue=routing.pue)
     if fmt == "table":
         console = stdout()
         for table in render.rich_tables(render.tables(result)):

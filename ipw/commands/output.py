@@ -1,6 +1,11 @@
-"""Output shared by the command modules."""
+"""What the command modules share: standard output, SIGTERM taken as Ctrl-C, and the table of a rescored run
+(``ipw rescore``, and ``ipw run`` when its config's [judge] grades the finished run)."""
 
 from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -11,3 +16,76 @@ def stdout() -> Console:
     if not console.is_terminal:
         console = Console(width=200)
     return console
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM stops ``ipw run`` and ``ipw serve`` as gracefully as Ctrl-C: the run folder is finished, then
+    marked (a run: interrupted)."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def rescore_and_show(run: Path, *, scorer: str | None = None, judge: Any = None, out_dir: Path | None = None) -> Path:
+    """Rescore ``run`` (``ipw.rescore.rescore_run``) with a progress bar, print the before/after table and the
+    judge's cost; returns the new folder."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from ipw.analysis import fmt
+    from ipw.rescore import rescore_run
+
+    console = Console(stderr=True)
+    what = f"judging ({judge.grading})" if judge is not None else "rescoring"
+    progress = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                        transient=True)
+    task = progress.add_task(what, total=None)
+
+    def advance(n: int, total: int) -> None:
+        if not progress.live.is_started:  # at the first record: a run refused before it leaves one line on stderr
+            progress.start()
+        progress.update(task, completed=n, total=total)
+
+    try:
+        done = rescore_run(run, scorer=scorer, judge=judge, out_dir=out_dir, progress=advance)
+    finally:
+        if progress.live.is_started:
+            progress.stop()
+    folder, rows = done.folder, done.rows
+    judged = any(row["judged"] for row in rows)
+    rescored_from = folder.manifest.rescored_from
+    assert rescored_from is not None  # rescore() writes it
+    title = rescored_from["scorer"] + (f", win/tie vs {judge.vs_backend}" if judged else "")
+    table = Table(title=f"ipw rescore: {title}")
+    columns = ["backend", "records", "accuracy before", "accuracy after", "changed"]
+    for col in columns + (["win/tie", "judged"] if judged else []):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for row in rows:
+        cells = [row["backend"], str(row["records"]), _shown(row["accuracy_before"], "accuracy"),
+                 _shown(row["accuracy_after"], "accuracy"), str(row["changed"])]
+        if judged:
+            cells += [_shown(row["win_tie"], "win_tie_rate"), str(row["judged"])]
+        table.add_row(*cells)
+    stdout().print(table)
+    judge_info = folder.manifest.judge or {}
+    totals = judge_info.get("totals")
+    if totals:
+        energy = "n/a" if totals["energy_j"] is None else f"{fmt.value(totals['energy_j'])} J"
+        console.print(f"judge {judge_info['backend']['name']} ({judge_info['prompt_version']}): "
+                      f"{totals['calls']} calls, {totals['prompt_tokens']} + {totals['completion_tokens']} tokens, "
+                      f"{energy}, {totals['unparsed']} unparsed (in judge.jsonl, not in the records' energy)",
+                      highlight=False, markup=False)
+    console.print(f"wrote {folder.path} (rescored from {run})", highlight=False, markup=False)
+    return folder.path
+
+
+def _shown(x: float | None, metric: str) -> str:
+    """A metric's value as the metric table shows it, or "unscored" when no record has one (every item needs a
+    judge)."""
+    from ipw.analysis import fmt
+    from ipw.analysis.metrics import BY_NAME
+
+    text = fmt.value(x, BY_NAME[metric].format)
+    return "unscored" if text == fmt.NA else text

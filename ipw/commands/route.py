@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
+from ipw.options import PriceOptions, RouteRoles, RouteScoreOptions, RouteTrainOptions
 
 
 def _pct(x: Any) -> str:
@@ -88,21 +89,21 @@ def _data(runs: Sequence[Path], local: Sequence[str], cloud: Sequence[str], grad
     return route_data(runs, local=local, cloud=cloud, grading=grading, **prices)
 
 
-def train_command(runs: Sequence[Path], *, out: Path, local: Sequence[str], cloud: Sequence[str], grading: str,
-                  threshold: float, min_queries: int, folds: int, seed: int, score: bool) -> int:
+def train_command(runs: Sequence[Path], roles: RouteRoles, options: RouteTrainOptions) -> int:
     from ipw.analysis import router as r
 
-    r.check_threshold(threshold, "--threshold")
+    out = options.out
     if out.exists() and out.is_dir():
         raise IpwError(f"--out {out}: is a folder; give the router file to write (router.json)")
     if not out.parent.is_dir():
         raise IpwError(f"--out {out}: its folder {out.parent} does not exist")
     r.sklearn_modules()
-    data = _data(runs, local, cloud, grading)
-    router = r.train(data, threshold=threshold, min_queries=min_queries)
+    data = _data(runs, roles.local, roles.cloud, options.grading)
+    router = r.train(data, threshold=options.threshold, min_queries=options.min_queries)
     console = stdout()
-    if score:
-        scores = r.score_router(data, router.featurizer, k=folds, seed=seed, threshold=threshold)
+    if options.score:
+        scores = r.score_router(data, router.featurizer, k=options.folds, seed=options.seed,
+                                threshold=options.threshold)
         router.meta["scores"] = {"kfold": r.scores_json(scores.kfold),
                                  "held_out_category": None if scores.held_out_category is None
                                  else r.scores_json(scores.held_out_category)}
@@ -113,21 +114,16 @@ def train_command(runs: Sequence[Path], *, out: Path, local: Sequence[str], clou
     return 0
 
 
-def score_command(runs: Sequence[Path], *, router_path: Path | None, local: Sequence[str], cloud: Sequence[str],
-                  grading: str | None, threshold: float | None, max_accuracy_loss: str | None, min_queries: int | None,
-                  folds: int,
-                  seed: int, fmt: str, usd_per_kwh: float | None = None, api_prices: Sequence[str] = ()) -> int:
-    if usd_per_kwh is not None and not usd_per_kwh >= 0:
-        raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
-    scores = router_scores(runs, router_path=router_path, local=local, cloud=cloud, grading=grading,
-                           threshold=threshold, max_accuracy_loss=max_accuracy_loss, min_queries=min_queries,
-                           folds=folds, seed=seed, usd_per_kwh=usd_per_kwh, api_prices=api_prices)
-    if fmt == "json":
+def score_command(runs: Sequence[Path], roles: RouteRoles, options: RouteScoreOptions, prices: PriceOptions) -> int:
+    scores = router_scores(runs, router_path=options.router, local=roles.local, cloud=roles.cloud,
+                           grading=options.grading, threshold=options.router_threshold,
+                           max_accuracy_loss=options.max_accuracy_loss, min_queries=options.min_queries,
+                           folds=options.folds, seed=options.seed, usd_per_kwh=prices.usd_per_kwh,
+                           api_prices=prices.api_price)
+    if options.format == "json":
         sys.stdout.write(json.dumps(scores_doc(scores), indent=1) + "\n")
-    elif fmt == "table":
-        print_scores(scores, stdout())
     else:
-        raise IpwError(f"--format {fmt!r}: must be table or json")
+        print_scores(scores, stdout())
     return 0
 
 

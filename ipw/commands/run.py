@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-from ipw.commands.output import stdout
+from ipw.commands.output import sigterm_as_interrupt, stdout
 from ipw.errors import IpwError
-from ipw.options import RUN
+from ipw.options import RUN, RunControl, RunOptions, given
 
 if TYPE_CHECKING:
     from ipw.analysis.compare import Comparison
@@ -50,31 +50,12 @@ def _watts(record) -> str:
     return " ".join(f"{p['component']} {p['energy_j'] / p['duration_s']:.0f} W" for p in parts)
 
 
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM stops a run as gracefully as Ctrl-C: flush, then mark the run interrupted."""
-    import signal
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def run_command(config_path, overrides: dict[str, Any], *, resume=None, shard=None, ray=None, shards=None,
-                repair=False, full_table=False) -> int:
-    """``overrides``: the run options given (``ipw.options.RUN_OPTIONS``, by name), which win over the config."""
+def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
+    """``overrides``: the run options (``ipw.options.RunOptions``); those given win over the config."""
     from ipw.shard import parse_shard
 
-    if repair and resume is None:
-        raise IpwError("--repair: only with --resume RUN_DIR (it drops the damaged lines of that run's records.jsonl)")
-
-    the_shard = parse_shard(shard) if shard is not None else None
-    if ray is not None and the_shard is not None:
-        raise IpwError("--ray and --shard: choose one (--ray splits the run into shards itself)")
-    if shards is not None and ray is None:
-        raise IpwError("--shards: only with --ray (for one shard of a run without Ray, give --shard K/N)")
-    if shards is not None and shards < 1:
-        raise IpwError(f"--shards: must be >= 1, got {shards}")
+    the_shard = parse_shard(control.shard) if control.shard is not None else None
+    resume, shard = control.resume, control.shard
     if the_shard is not None and resume is not None:
         from ipw.results import RunManifest
 
@@ -85,14 +66,14 @@ def run_command(config_path, overrides: dict[str, Any], *, resume=None, shard=No
             raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
                            f"--shard {have['index']}/{have['count']} or without --shard")
     ray_options, connected = None, False
-    if ray is not None:
+    if control.ray is not None:
         from ipw.ray_runner import RayOptions, connect
 
-        connected = connect(ray)  # a missing extra or no cluster fails before the run folder exists
-        ray_options = RayOptions(ray, shards)
+        connected = connect(control.ray)  # a missing extra or no cluster fails before the run folder exists
+        ray_options = RayOptions(control.ray, control.shards)
     try:
-        return _run(config_path, overrides, resume=resume, the_shard=the_shard, ray_options=ray_options,
-                    repair=repair, full_table=full_table)
+        return _run(config_path, given(overrides), resume=resume, the_shard=the_shard, ray_options=ray_options,
+                    repair=control.repair, full_table=control.full_table)
     finally:
         if connected:
             import ray as ray_module
@@ -114,10 +95,9 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
 
     # 1. load
     if resume is not None:
-        given = (["CONFIG"] if config_path else []) + [RUN[name].flags[0] for name, value in overrides.items()
-                                                        if value is not None and value != []]
-        if given:
-            raise IpwError(f"--resume continues a run with its own config; drop {', '.join(given)}")
+        extra = (["CONFIG"] if config_path else []) + [RUN[name].flag for name in overrides]
+        if extra:
+            raise IpwError(f"--resume continues a run with its own config; drop {', '.join(extra)}")
         if repair:
             _repair(Path(resume))
         config, kept = load_resumed(resume)
@@ -145,7 +125,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             folder.write_manifest(carbon=carbon)
 
     # 3. execute
-    _sigterm_as_interrupt()
+    sigterm_as_interrupt()
     console = Console(stderr=True)
     if carbon_note:
         console.print(f"note: {escape(carbon_note)}", highlight=False, soft_wrap=True)  # one line
@@ -281,7 +261,7 @@ def _judge_finished(run_dir: Path, config, status: str, console: Console) -> tup
     if why:
         console.print(f"note: not judged: {escape(why)}", highlight=False)
         return run_dir, False
-    from ipw.commands.rescore import rescore_and_show
+    from ipw.commands.output import rescore_and_show
 
     try:
         return rescore_and_show(run_dir, judge=judge, out_dir=run_dir.parent), False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import signal
@@ -13,83 +12,59 @@ from typing import Any
 
 from rich.console import Console
 
-from ipw.commands.output import stdout
+from ipw.commands.output import sigterm_as_interrupt, stdout
 from ipw.errors import IpwError
+from ipw.options import ProxyOptions, ServeOnly, WrapOnly
 from ipw.sanitize import is_secret_env
 
 
-def proxy_options(*, upstream: str | None, backend: str | None, name: str | None, host: str, port: int,
-                  api_key_env: str | None, token: str | None, log_prompts: bool, max_body_mb: float,
-                  timeout_s: float, idle_s: float, role: str, parallel: int, n_threads: int | None,
-                  n_gpu_layers: int | None, n_ctx: int | None, energy_in_response: bool = True, energy_wait: bool = False,
-                  energy_split: str = "priced", upstream_pid: list[int] | None = None, route: Path | None = None,
-                  local: str | None = None, cloud: str | None = None, **_: Any):
-    """Check the options (before anything starts) and make the proxy's options and managed server (the
-    commands pass all their parameters; those that are not the proxy's, ``_``, are theirs)."""
-    from ipw.config import check_idle_s, check_name
-    from ipw.options import RUN
+def proxy_options(proxy: ProxyOptions, port: int, serve: ServeOnly | None = None):
+    """The proxy's options (``ipw.serve.ServeOptions``) and its managed server (None: an upstream), checked before
+    anything starts (the bounds, choices and pairings of ``ipw.options`` are checked already). ``serve``: ``ipw
+    serve``'s own options (a router between two upstreams)."""
+    from ipw.config import check_name
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
-    router = None
-    if route is not None or local is not None or cloud is not None:  # --route ROUTER --local URL --cloud URL
+    upstream, name = proxy.upstream, proxy.name
+    router = route = cloud = None
+    if serve is not None and serve.route is not None:  # --route ROUTER --local URL --cloud URL
         from ipw.analysis.router import load_router
 
-        if route is None or local is None or cloud is None:
-            raise IpwError("--route FILE, --local URL and --cloud URL go together (a router between two upstreams)")
-        if upstream is not None or backend is not None:
-            raise IpwError("--route: give the upstreams as --local URL and --cloud URL, not --upstream or --backend")
+        route, cloud = serve.route, serve.cloud
+        assert serve.local is not None and cloud is not None  # --route requires both (ipw.options)
         router = load_router(route)
         if len(router.local) != 1:
             raise IpwError(f"{route}: the router chooses among {len(router.local)} local backends "
                            f"({', '.join(router.local)}); ipw serve --route forwards to one --local upstream")
         Upstream.parse(cloud)
-        upstream = local
+        upstream = serve.local
         name = name or router.local[0]
-    elif (upstream is None) == (backend is None):
+    elif (upstream is None) == (proxy.backend is None):
         raise IpwError("give --upstream URL (a running OpenAI-compatible server) or --backend SERVER:MODEL "
                        "(a server ipw starts), one of them")
-    if not 0 <= port <= 65535:
-        raise IpwError(f"--port: must be 0 (a free port) to 65535, got {port}")
-    if not (math.isfinite(max_body_mb) and max_body_mb > 0):
-        raise IpwError(f"--max-body-mb: must be a number > 0, got {max_body_mb:g}")
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
-        raise IpwError(f"--timeout-s: must be a number > 0, got {timeout_s:g}")
-    for pid in upstream_pid or []:
-        if pid <= 0:
-            raise IpwError(f"--upstream-pid: must be a process id > 0, got {pid}")
-    if parallel < 1:
-        raise IpwError(f"--parallel: must be >= 1, got {parallel}")
-    if role not in ("local", "cloud"):
-        raise IpwError(f"--role: must be local or cloud, got {role!r}")
-    if token is not None and len(token) < 8:
+    if proxy.token is not None and len(proxy.token) < 8:
         raise IpwError("--token: use at least 8 characters")
-    check_idle_s(idle_s, "--idle-s")
-    RUN["energy_split"].check(energy_split, "--energy-split")  # ipw run's option, the same values
-    if energy_wait and not energy_in_response:
+    if proxy.energy_wait and not proxy.energy_in_response:
         raise IpwError("--energy-wait holds answers for an energy that --no-energy-in-response leaves out: give one")
     managed = None
     if upstream is not None:
         parsed = Upstream.parse(upstream)
         default_name = f"serve:{parsed.host}:{parsed.port}"
     else:
-        assert backend is not None  # one of --upstream, --backend: checked above
-        managed = managed_backend(backend, name, n_threads, n_gpu_layers, parallel, n_ctx)
+        assert proxy.backend is not None  # one of --upstream, --backend: checked above
+        managed = managed_backend(proxy.backend, name, proxy.n_threads, proxy.n_gpu_layers, proxy.parallel,
+                                  proxy.n_ctx)
         default_name = managed.spec.name
     name = check_name(name, "--name") if name is not None else None  # as a config's backend name is checked
-    options = ServeOptions(upstream=upstream or "", name=name or default_name, host=host, port=port,
-                           api_key_env=api_key_env, token_required=token is not None, log_prompts=log_prompts,
-                           max_body_bytes=int(max_body_mb * (1 << 20)), timeout_s=timeout_s, idle_s=idle_s, role=role,
-                           energy_in_response=energy_in_response, energy_wait=energy_wait, energy_split=energy_split,
+    options = ServeOptions(upstream=upstream or "", name=name or default_name, host=proxy.host, port=port,
+                           api_key_env=proxy.api_key_env, token_required=proxy.token is not None,
+                           log_prompts=proxy.log_prompts, max_body_bytes=int(proxy.max_body_mb * (1 << 20)),
+                           timeout_s=proxy.timeout_s, idle_s=proxy.idle_s, role=proxy.role,
+                           energy_in_response=proxy.energy_in_response, energy_wait=proxy.energy_wait,
+                           energy_split=proxy.energy_split,
                            **({"route": str(route), "cloud_upstream": cloud or "", "cloud_name": router.cloud}
                               if router is not None else {}))
     return options, managed
-
-
-def _sigterm_as_interrupt() -> None:
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
@@ -122,13 +97,14 @@ def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
     console.print(f"run folder: {session.folder.path}  (ipw compare / ipw report / ipw check read it)")
 
 
-def _start(options, managed, out: Path | None, token: str | None, upstream_pid: list[int] | None,
-           resume: Path | None, console: Console):
+def _start(options, managed, given: ProxyOptions, resume: Path | None, console: Console):
     from ipw.backends.openai_http import is_loopback
     from ipw.serve import start
 
-    proxy = start(options, out or Path("results"), token=token, backend=managed, upstream_pids=upstream_pid,
-                  resume=resume, notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
+    token = given.token
+    proxy = start(options, given.out or Path("results"), token=token, backend=managed,
+                  upstream_pids=list(given.upstream_pid) or None, resume=resume,
+                  notice=lambda text: console.print(text, highlight=False, markup=False, soft_wrap=True))
     if token is None and not is_loopback(options.host):  # once it listens (a --host it cannot use is refused)
         console.print(f"ipw serve: warning: listening on {options.host} without --token: anyone who reaches port "
                       f"{proxy.server.server_address[1]} can use the upstream (and its key)", highlight=False,
@@ -136,11 +112,11 @@ def _start(options, managed, out: Path | None, token: str | None, upstream_pid: 
     return proxy
 
 
-def serve_command(options, managed, *, out: Path | None, token: str | None, upstream_pid: list[int] | None,
-                  resume: Path | None) -> int:
+def serve_command(given: ProxyOptions, serve: ServeOnly) -> int:
+    options, managed = proxy_options(given, serve.port, serve)
     console = Console(stderr=True)
-    _sigterm_as_interrupt()
-    proxy = _start(options, managed, out, token, upstream_pid, resume, console)
+    sigterm_as_interrupt()
+    proxy = _start(options, managed, given, serve.resume, console)
     target = proxy.session.upstream.url + (f" or {proxy.session.cloud.url} (--route {options.route})"
                                            if proxy.session.cloud is not None else "")
     console.print(f"ipw serve: {proxy.url} -> {target}; run folder {proxy.session.folder.path}. "
@@ -161,16 +137,17 @@ def serve_command(options, managed, *, out: Path | None, token: str | None, upst
     return 0
 
 
-def wrap_command(options, managed, command: list[str], *, out: Path | None, token: str | None,
-                 upstream_pid: list[int] | None) -> int:
+def wrap_command(command: list[str], given: ProxyOptions, wrap: WrapOnly) -> int:
     """Run ``command`` with OPENAI_BASE_URL (and OPENAI_API_BASE) pointing at the proxy; its exit code."""
+    options, managed = proxy_options(given, wrap.port)
     if not command:
         raise IpwError("ipw wrap: give the command to run after --, e.g. ipw wrap --upstream URL -- python client.py")
     if shutil.which(command[0]) is None:  # before the proxy and its run folder: a typo leaves no folder
         why = "not an executable file" if os.sep in command[0] else "not found on PATH"
         raise IpwError(f"ipw wrap: cannot run {command[0]!r} ({why})")
     console = Console(stderr=True)
-    proxy = _start(options, managed, out, token, upstream_pid, None, console)
+    proxy = _start(options, managed, given, None, console)
+    token = given.token
     # the child gets no upstream key: not the variable --api-key-env names, nor any config's api_key_env
     env = {k: v for k, v in os.environ.items() if k != options.api_key_env and not is_secret_env(k, v)}
     env.update(OPENAI_BASE_URL=proxy.url, OPENAI_API_BASE=proxy.url)
