@@ -8,11 +8,21 @@ cpuid without the kernel enabling it, and the AMX path then dies.  The wheel cac
 llama-cpp-python version, the Python tag, the machine and that option set, so a wheel built for
 another CPU (or other flags) is never reused.
 
+llama.cpp is compiled once for both of ipw's uses of it: the wheel is built with its build tree kept,
+then ``llama-server`` is built in that same tree (``SERVER_ARGS`` turn the tools folder on; nothing of
+ggml, llama or common compiles again), and ``bundle-server`` copies it out with the shared libraries of
+that build it links (libllama, libggml*, libllama-common, libmtmd, libllama-server-impl), their run paths
+made relative (``$ORIGIN``), so the binary runs from ``<prefix>/bin`` with ``<prefix>/lib/llama-server``
+beside it, wherever that prefix is.
+
 Standard library only: ``.ci/setup`` runs it as a script before any virtual environment exists::
 
     python3 ipw/llama_build.py cmake-args [--cuda ARCH]   # the CMAKE_ARGS for this machine
-    python3 ipw/llama_build.py key [--cuda ARCH]          # the cache key of its wheel
+    python3 ipw/llama_build.py key [--cuda ARCH]          # the cache key of its wheel and llama-server
     python3 ipw/llama_build.py variant                    # e.g. x86-64+avx2+fma+f16c+bmi2
+    python3 ipw/llama_build.py server-args                # added to the wheel's build tree for llama-server
+    python3 ipw/llama_build.py commit --version V CHANGELOG.md   # the llama.cpp commit that V pins
+    python3 ipw/llama_build.py bundle-server BUILD OUT [--cmake CMAKE]   # OUT/bin/llama-server + OUT/lib/llama-server
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,8 +137,105 @@ def cache_key(version: str, flags: frozenset[str], machine: str | None = None, c
     return f"{version}-{python_tag}-{variant(flags, machine, cuda_arch).replace('+', '-')}-{digest[:12]}"
 
 
+# -- llama-server from the wheel's build tree ------------------------------------------------------------
+
+# Added (cmake -S SRC -B BUILD ...) to the build tree the wheel was compiled in, then only the target
+# llama-server is built.  llama.cpp embedded in llama-cpp-python leaves its tools out by default; its web
+# UI is left out too (ipw only speaks to the server's API, and the UI would be fetched from Hugging Face
+# at build time: a build that needs no network, and the same binary with or without one).
+SERVER_ARGS = ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF")
+SERVER_LIB_DIR = "lib/llama-server"  # the server's shared libraries, relative to the prefix of its bin/
+
+
+def pinned_commit(changelog: str, version: str) -> str | None:
+    """The llama.cpp commit that llama-cpp-python ``version`` vendors, from its CHANGELOG.md (``## [V]``
+    then ``llama.cpp@<hash>``); None when the changelog does not say."""
+    section = re.search(rf"^## \[{re.escape(version)}\]\s*$(.*?)(?=^## \[|\Z)", changelog, re.M | re.S)
+    found = re.search(r"llama\.cpp@([0-9a-f]{7,40})", section.group(1)) if section else None
+    return found.group(1) if found else None
+
+
+def parse_ldd(text: str) -> dict[str, str | None]:
+    """``ldd``'s answer as {needed name: resolved path, or None when not found} (the vDSO and the loader
+    itself, which have no ``=>`` to a file, left out)."""
+    found: dict[str, str | None] = {}
+    for line in text.splitlines():
+        name, arrow, rest = line.strip().partition(" => ")
+        if not arrow:
+            continue
+        target = rest.strip()
+        found[name.strip()] = None if target.startswith("not found") else target.rsplit(" (", 1)[0].strip() or None
+    return found
+
+
+def relocated_runpath(runpath: str, build: str | Path, origin: str) -> str:
+    """A run path with the build tree's folders (and empty entries, which mean the working directory)
+    replaced by ``origin``, once, in front; other folders (e.g. CUDA's) are kept, in their order."""
+    root = Path(build).resolve()
+    kept = []
+    for entry in runpath.split(":"):
+        if not entry or entry.startswith("$ORIGIN") or Path(entry).resolve().is_relative_to(root):
+            continue
+        if entry not in kept:
+            kept.append(entry)
+    return ":".join([origin, *kept])
+
+
+def _runpath(path: Path) -> str | None:
+    """The DT_RUNPATH (or DT_RPATH) of an ELF file, by ``readelf -d``; None when it has none."""
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", out)
+    return found.group(1) if found else None
+
+
+def _ldd(path: Path) -> dict[str, str | None]:
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    return parse_ldd(subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True, env=env).stdout)
+
+
+def bundle_server(build: Path, out: Path, cmake: str = "cmake") -> list[str]:
+    """Copy ``build``'s ``bin/llama-server`` to ``out/bin`` and every shared library of the build tree it
+    loads to ``out/lib/llama-server``, each run path rewritten (``cmake -P``: file(RPATH_SET)) from the
+    build tree's folders to ``$ORIGIN``; then check that the copy loads nothing from the build tree.
+    Returns the libraries' names."""
+    build, out = build.resolve(), out.resolve()
+    exe = build / "bin" / "llama-server"
+    deps = _ldd(exe)
+    missing = sorted(name for name, path in deps.items() if path is None)
+    if missing:
+        raise SystemExit(f"bundle-server: {exe} needs libraries that are not found: {', '.join(missing)}")
+    ours = {name: Path(path) for name, path in deps.items()
+            if path and Path(path).resolve().is_relative_to(build)}
+    (out / "bin").mkdir(parents=True, exist_ok=True)
+    libdir = out / SERVER_LIB_DIR
+    libdir.mkdir(parents=True, exist_ok=True)
+    files = {out / "bin" / "llama-server": exe}
+    files.update({libdir / name: path for name, path in ours.items()})
+    script = out / "rpath.cmake"
+    script.write_text('file(RPATH_SET FILE "${F}" NEW_RPATH "${R}")\n')
+    for dest, src in files.items():
+        shutil.copyfile(src.resolve(), dest)
+        dest.chmod(0o755 if dest.parent.name == "bin" else 0o644)
+        old = _runpath(dest)
+        if old is None:
+            continue  # no run path: it loads nothing of the build tree by one
+        origin = "$ORIGIN/../" + SERVER_LIB_DIR if dest.parent.name == "bin" else "$ORIGIN"
+        new = relocated_runpath(old, build, origin)
+        if new != old:
+            subprocess.run([cmake, f"-DF={dest}", f"-DR={new}", "-P", str(script)], check=True,
+                           stdout=subprocess.DEVNULL)
+    script.unlink()
+    for dest in files:
+        for name, path in _ldd(dest).items():
+            if path is None or Path(path).resolve().is_relative_to(build) or (
+                    name in ours and Path(path).resolve().parent != libdir):
+                raise SystemExit(f"bundle-server: {dest} loads {name} from {path}, not from {libdir}")
+    return sorted(ours)
+
+
 def _main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("cmake-args", "key", "variant"):
+    commands = ("cmake-args", "key", "variant", "server-args", "commit", "bundle-server")
+    if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2
     cuda = argv[argv.index("--cuda") + 1] if "--cuda" in argv else None
@@ -135,6 +245,13 @@ def _main(argv: list[str]) -> int:
         print(cmake_args(flags, cuda_arch=cuda))
     elif argv[0] == "key":
         print(cache_key(version, flags, cuda_arch=cuda))
+    elif argv[0] == "server-args":
+        print(" ".join(SERVER_ARGS))
+    elif argv[0] == "commit":
+        print(pinned_commit(Path(argv[-1]).read_text(errors="replace"), version) or "unknown")
+    elif argv[0] == "bundle-server":
+        cmake = argv[argv.index("--cmake") + 1] if "--cmake" in argv else "cmake"
+        print(" ".join(bundle_server(Path(argv[1]), Path(argv[2]), cmake)))
     else:
         print(variant(flags, cuda_arch=cuda))
     return 0

@@ -3,9 +3,12 @@ cache key that differs between CPUs, so a wheel built for another machine is nev
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from ipw.llama_build import cache_key, cmake_args, compiled_features, cpu_flags, missing_features, variant
 
@@ -68,3 +71,83 @@ def test_script_reads_the_cpu_named_by_ipw_cpuinfo(tmp_path):
         assert mine != theirs
     assert "avx512" not in theirs and "-DGGML_AVX512=OFF" in run("cmake-args", env={**os.environ,
                                                                                    "IPW_CPUINFO": str(fake)})
+
+
+# -- llama-server, built in the wheel's build tree (one compilation) -------------------------------------
+
+CHANGELOG = """# Changelog
+
+## [Unreleased]
+
+## [0.3.36]
+
+- feat: update llama.cpp to ggml-org/llama.cpp@0c1e57098
+- fix: something
+
+## [0.3.35]
+
+- feat: update llama.cpp to ggml-org/llama.cpp@4df29be4f
+"""
+
+LDD = """\tlinux-vdso.so.1 (0x00007f1ae48f3000)
+\tlibllama-server-impl.so => /tmp/b/bin/libllama-server-impl.so (0x00007f1ae4400000)
+\tlibstdc++.so.6 => /lib/x86_64-linux-gnu/libstdc++.so.6 (0x00007f1ae4000000)
+\tlibcudart.so.12 => not found
+\t/lib64/ld-linux-x86-64.so.2 (0x00007f1ae48f5000)
+"""
+
+
+def test_the_server_is_built_with_the_wheels_flags_and_no_others():
+    """The server's build adds the tools folder to the wheel's tree and nothing that changes how ggml,
+    llama or common compile: no instruction set, no AMX, no build type."""
+    from ipw.llama_build import SERVER_ARGS
+
+    assert "-DLLAMA_BUILD_SERVER=ON" in SERVER_ARGS and "-DLLAMA_BUILD_TOOLS=ON" in SERVER_ARGS
+    assert not any(a.startswith(("-DGGML_", "-DCMAKE_C", "-DCMAKE_BUILD_TYPE", "-DBUILD_SHARED")) for a in SERVER_ARGS)
+    assert "-DLLAMA_USE_PREBUILT_UI=OFF" in SERVER_ARGS  # no download from Hugging Face while building
+
+
+def test_pinned_commit_and_ldd_and_run_paths():
+    from ipw.llama_build import parse_ldd, pinned_commit, relocated_runpath
+
+    assert pinned_commit(CHANGELOG, "0.3.36") == "0c1e57098"
+    assert pinned_commit(CHANGELOG, "0.3.35") == "4df29be4f"
+    assert pinned_commit(CHANGELOG, "0.3.3") is None and pinned_commit("", "0.3.36") is None
+    assert parse_ldd(LDD) == {"libllama-server-impl.so": "/tmp/b/bin/libllama-server-impl.so",
+                              "libstdc++.so.6": "/lib/x86_64-linux-gnu/libstdc++.so.6", "libcudart.so.12": None}
+    # the build tree's folders and empty entries (the working directory) go, other folders stay, in order
+    old = "$ORIGIN/../lib/llama-server:/tmp/b/bin:/usr/local/cuda/lib64:/tmp/b/ggml/src:"
+    assert relocated_runpath(old, "/tmp/b", "$ORIGIN") == "$ORIGIN:/usr/local/cuda/lib64"
+    assert relocated_runpath("/tmp/b/bin:", "/tmp/b", "$ORIGIN") == "$ORIGIN"
+    new = relocated_runpath(old, "/tmp/b", "$ORIGIN/../lib/llama-server")
+    assert new == "$ORIGIN/../lib/llama-server:/usr/local/cuda/lib64" and len(new) <= len(old)
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in ("cc", "cmake", "readelf", "ldd")),
+                    reason="needs cc, cmake, readelf and ldd")
+def test_bundle_server_copies_the_build_trees_libraries_and_makes_it_relocatable(tmp_path):
+    """A tree as the set-up leaves it (an executable linking a library of the tree, by a build run path
+    with room for the bundle's), bundled: the copy loads its library from lib/llama-server beside it, not
+    from the tree, and keeps running once the tree is gone."""
+    from ipw.llama_build import SERVER_LIB_DIR, bundle_server
+
+    build = tmp_path / "build"
+    (build / "bin").mkdir(parents=True)
+    (tmp_path / "f.c").write_text("int f(void) { return 42; }\n")
+    (tmp_path / "m.c").write_text('#include <stdio.h>\nint f(void);\nint main(void) { printf("%d\\n", f()); }\n')
+    lib = build / "bin" / "libf.so.0"
+    subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libf.so.0", "-o", lib, tmp_path / "f.c"], check=True)
+    (build / "bin" / "libf.so").symlink_to("libf.so.0")
+    subprocess.run(["cc", "-o", build / "bin" / "llama-server", tmp_path / "m.c", "-L", build / "bin", "-lf",
+                    f"-Wl,-rpath,$ORIGIN/../{SERVER_LIB_DIR}:{build / 'bin'}:", "-Wl,--enable-new-dtags"], check=True)
+    out = tmp_path / "cache" / "server"
+    assert bundle_server(build, out) == ["libf.so.0"]
+    shutil.rmtree(build)
+    exe = out / "bin" / "llama-server"
+    assert subprocess.run([exe], capture_output=True, text=True, check=True).stdout == "42\n"
+    assert sorted(p.name for p in (out / SERVER_LIB_DIR).iterdir()) == ["libf.so.0"]
+    elf = subprocess.run(["readelf", "-d", exe], capture_output=True, text=True, check=True).stdout
+    assert f"[$ORIGIN/../{SERVER_LIB_DIR}]" in elf and str(build) not in elf
+    moved = tmp_path / "venv"  # the venv's copy: bin/ and lib/llama-server/ under another prefix
+    shutil.copytree(out, moved)
+    assert subprocess.run([moved / "bin" / "llama-server"], capture_output=True, text=True).stdout == "42\n"
