@@ -139,7 +139,7 @@ def check_options(*groups: Any) -> None:
             raise IpwError(f"{o.flag}: only with {' and '.join(o.requires)}")
         for other in o.excludes:
             if other in given:
-                raise IpwError(f"{o.flag} and {other}: give one of them")
+                raise IpwError(f"{o.flag} and {other}: choose one")
 
 
 def given(group: Any) -> dict[str, Any]:
