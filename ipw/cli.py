@@ -192,7 +192,7 @@ def merge(
     treat like an unsharded run; prints its folder."""
     from ipw.commands.merge import merge_command
 
-    raise typer.Exit(merge_command(shards, out=options.out))
+    raise typer.Exit(merge_command(shards, options))
 
 
 @app.command()
@@ -264,7 +264,7 @@ def convert(
     """Convert a GGUF model to a Hugging Face folder (float32), e.g. for vLLM on the CPU; prints the folder."""
     from ipw.commands.convert import convert_command
 
-    raise typer.Exit(convert_command(model, out_dir, force=options.force))
+    raise typer.Exit(convert_command(model, out_dir, options))
 
 
 EXIT_USAGE = 2  # a usage error or bad input (IpwError's default)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ipw import __version__
 from ipw.errors import IpwError
+from ipw.options import MergeOptions
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id, read_log, read_power
 from ipw.shard import combine_backend_infos
 
@@ -166,11 +167,11 @@ def _merged_power(shards: list[tuple[Path, RunManifest]], node_of: dict[Path, st
     return pd.concat(frames, ignore_index=True) if frames else None
 
 
-def merge_command(shards, *, out) -> int:
+def merge_command(shards, options: MergeOptions) -> int:
     """``ipw merge``: the merged run folder's path goes to stdout."""
     from rich.console import Console
 
-    folder = merge_runs(shards, out)
+    folder = merge_runs(shards, options.out)
     info, merged_from, hardware = folder.manifest.dataset, folder.manifest.merged_from, folder.manifest.hardware_by_id
     assert info is not None and merged_from is not None and hardware is not None  # merge_runs wrote them
     Console(stderr=True).print(
