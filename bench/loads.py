@@ -63,7 +63,9 @@ class Load:
 
 LOADS = (
     Load("compute-high", "compute", "bf16 matrix products 8192x8192x8192, back to back", 0.010),
-    Load("compute-low", "compute", "bf16 matrix products 2048x2048x2048, back to back", 0.010),
+    Load("compute-low", "compute", "bf16 matrix products 2048x2048x2048, back to back", 0.010),  # drew 688 W, as -high
+    Load("compute-thin", "compute", "bf16 matrix products 256x8192 by 8192x8192 (few output tiles), back to back", 0.010),
+    Load("compute-fp32", "compute", "fp32 matrix products 4096x4096x4096 (no tensor cores), back to back", 0.010),
     Load("memory-high", "memory", "copies of a 1 GiB buffer into another", 0.010),
     Load("memory-low", "memory", "random 4-byte gathers from a 1 GiB buffer (2^22 a step)", 0.010),
     Load("decode-large", "decode", "one token: 96 matrix-vector products over 8192x8192 bf16 weights (12 GiB)", 0.0),
@@ -92,9 +94,13 @@ class Work:
 
         shrink = 16 if small else 1  # --dry-run: CPU-sized
         if load.kind in ("compute", "bursty"):
-            n = (8192 if load.name != "compute-low" else 2048) // shrink
-            a, b = rnd(n, n), rnd(n, n)
-            c = torch.empty_like(a)
+            n = {"compute-low": 2048, "compute-fp32": 4096}.get(load.name, 8192) // shrink
+            if load.name == "compute-fp32":
+                torch.backends.cuda.matmul.allow_tf32 = False
+                a, b = (torch.randn(n, n, device=dev, generator=g) for _ in range(2))
+            else:
+                a, b = rnd(256 // shrink if load.name == "compute-thin" else n, n), rnd(n, n)
+            c = torch.empty(a.shape[0], n, device=dev, dtype=a.dtype)
             self.step = lambda: torch.matmul(a, b, out=c)
         elif load.name == "memory-high":
             n = (1 << 29) // shrink // shrink  # bf16 elements: 1 GiB
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results" / "loads"))
     ap.add_argument("--block-s", type=float, default=24.0, help="seconds of each block (default 24)")
-    ap.add_argument("--only", default="", help="comma-separated load names (default: all eight)")
+    ap.add_argument("--only", default="", help="comma-separated load names (default: all)")
     ap.add_argument("--dry-run", action="store_true", help="torch on the CPU, small sizes, no NVML, no counter")
     args = ap.parse_args(argv)
     out = Path(args.out)
