@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import compare_scale  # noqa: E402
-from overhead_llama import DOC, loads, machine, write_section  # noqa: E402
+from _shared import DOC, loads, machine, write_section  # noqa: E402
 
 SECTION = "## Analysis at scale: compare, report and check"
 COMMANDS = ("compare", "report", "check")

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _shared import machine, write_section  # noqa: E402
+
 BUDGET_S = 10.0
 BUDGET_RSS_MB = 2048.0
 CATEGORIES = ["arithmetic", "dates", "general_knowledge", "logic", "science", "strings", "unit_conversion"]
@@ -183,14 +184,7 @@ The budget is read as 1,000,000 queries x 5 backends, the stricter reading. 1,00
 (200,000 queries x 5 backends, `--queries 200000`) reads a fifth of the data and needs about 0.5 GB,
 but takes a similar time: the default then draws 1,000 resamples, the same 2e8 weights.
 """
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Performance\n\n"
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        nxt = re.search(r"^## ", rest, flags=re.M)
-        text = head + body + ("\n" + rest[nxt.start():] if nxt else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    doc.write_text(text, encoding="utf-8")
+    write_section(doc, SECTION, body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,14 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = [out / run_id for run_id, _ in RUNS]
         print(f"generated {len(paths)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         row = measure(paths, args.repeats)
-    cpu = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)
-        cpu = names[0].strip() if names else cpu
     row.update(n_queries=args.queries, n_backends=len(BACKENDS), n_runs=len(RUNS),
-               n_records=args.queries * len(BACKENDS),
-               machine=f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}")
+               n_records=args.queries * len(BACKENDS), machine=machine())
     print(json.dumps({k: v for k, v in row.items() if k != "result"}, indent=2))
     ok = row["wall_s"] <= BUDGET_S and row["peak_rss_mb"] <= BUDGET_RSS_MB
     if not args.no_write:

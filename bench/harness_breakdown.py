@@ -366,7 +366,7 @@ def checkout_of_ipw() -> Path:
 
 
 def measure(args) -> dict:
-    from overhead_llama import Child
+    from _shared import Child
 
     checkout = checkout_of_ipw()
     out: dict = {"machine": machine(), "load_before": os.getloadavg(), "checkout": str(checkout),
@@ -382,7 +382,9 @@ def measure(args) -> dict:
             res_path = tmp / f"child-{level}.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(res_path), "--level", str(level),
                    "--dataset-file", str(data), *child_argv(args)]
-            c = Child(cmd, pty=args.pty, env=None) if checkout == ROOT else _child_in(cmd, checkout, args.pty)
+            # in another checkout's folder (``python -m`` in the engine worker puts the working folder
+            # first on its path: it must be the code under test)
+            c = Child(cmd, pty=args.pty, env=None, cwd=checkout)
             c.wait()
             if c.rc != 0 or not res_path.exists():
                 raise SystemExit(f"the instrumented run failed (rc {c.rc}):\n{c.output()[-4000:]}")
@@ -396,19 +398,6 @@ def measure(args) -> dict:
     return out
 
 
-def _child_in(cmd: list[str], cwd: Path, pty: bool):
-    """A Child running in another checkout's folder (``python -m`` in the engine worker puts the working
-    folder first on its path: it must be the code under test)."""
-    import overhead_llama
-
-    saved = overhead_llama.ROOT
-    overhead_llama.ROOT = cwd
-    try:
-        return overhead_llama.Child(cmd, pty=pty)
-    finally:
-        overhead_llama.ROOT = saved
-
-
 def child_argv(args) -> list[str]:
     return ["--engine", args.engine, "--queries", str(args.queries), "--answer-ms", str(args.answer_ms),
             "--tokens", str(args.tokens), "--warmup", str(args.warmup), "--max-tokens", str(args.max_tokens),
@@ -416,7 +405,7 @@ def child_argv(args) -> list[str]:
 
 
 def machine() -> str:
-    from overhead_llama import machine as m
+    from _shared import machine as m
 
     try:
         import subprocess

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead_llama import machine, write_section  # noqa: E402
+from _shared import machine, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "CHECK.md"
 SECTION = "## Run-to-run spread of the embedded default"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead_llama import (DOC, IPW, Child, ipw_rows, loads, machine, median, run_plain,  # noqa: E402
+from _shared import (DOC, IPW, Child, ipw_rows, loads, machine, median, run_plain,  # noqa: E402
                             write_section)
 
 SECTION = "## Harness overhead: HTTP (openai backend against a local llama.cpp server)"

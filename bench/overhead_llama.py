@@ -31,224 +31,22 @@ The outputs of both sides are compared query by query (greedy decoding: they mus
 from __future__ import annotations
 
 import argparse
-import fcntl
 import functools
 import json
 import os
-import platform
-import re
-import signal
-import statistics
-import struct
 import subprocess
 import sys
 import tempfile
-import termios
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "PERFORMANCE.md"
-# the console script beside this interpreter, else the module (a GPU server running ipw from a checkout)
-IPW = ([str(Path(sys.executable).with_name("ipw"))] if Path(sys.executable).with_name("ipw").exists()
-       else [sys.executable, "-m", "ipw.cli"])
+from _shared import (DOC, IPW, Child, alternate, ipw_rows, loads, machine, median, query_stats,
+                     write_section)
+
 SECTION = "## Harness overhead: llama.cpp in a worker process"
 MODEL = "smollm2-135m"
 DECODE_TARGET = 0.97
 WALL_TARGET = 1.03
-
-
-# --- shared helpers (also used by the other overhead benchmarks) ---------------------------------------
-
-def machine() -> str:
-    from ipw.telemetry.cpu_model import cpu_model_name
-
-    return f"{os.cpu_count()} logical CPUs, {cpu_model_name()}, Python {platform.python_version()}"
-
-
-class Child:
-    """A child process, its output going to a pseudo-terminal (drained by a thread; rich then renders
-    its live display as in a terminal) or to a file."""
-
-    def __init__(self, cmd: list[str], *, pty: bool, cols: int = 160, rows: int = 40,
-                 env: dict | None = None, cpus: set[int] | None = None) -> None:
-        self.cmd, self.chunks = cmd, []
-        self.spawn = time.monotonic()
-        # cpus: the child and everything it starts run on these CPUs only (both sides of a comparison alike)
-        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
-        if pty:
-            master, slave = os.openpty()
-            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-            self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=env,
-                                         preexec_fn=pin)
-            os.close(slave)
-            self.drain = threading.Thread(target=self._drain, args=(master,), daemon=True)
-            self.drain.start()
-            self.log = None
-        else:
-            self.log = tempfile.TemporaryFile()
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                         cwd=ROOT, env=env, preexec_fn=pin)
-            self.drain = None
-        self.stopped: list[tuple[float, float]] = []  # (SIGSTOP sent, SIGCONT sent)
-        self.rc: int | None = None
-        self.cpu_s = 0.0
-        self.end = 0.0
-
-    def _drain(self, master: int) -> None:
-        while True:
-            try:
-                data = os.read(master, 1 << 16)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            self.chunks.append(data)
-        os.close(master)
-
-    def poll(self) -> bool:
-        """True once the child has exited (reaped here, with its CPU time)."""
-        if self.rc is not None:
-            return True
-        pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
-        if pid == 0:
-            return False
-        self.end = time.monotonic()
-        self.rc = os.waitstatus_to_exitcode(status)
-        self.proc.returncode = self.rc
-        self.cpu_s = usage.ru_utime + usage.ru_stime
-        if self.drain is not None:
-            self.drain.join(timeout=5)
-        return True
-
-    def wait(self) -> None:
-        while not self.poll():
-            time.sleep(0.01)
-
-    def output(self) -> str:
-        if self.log is not None:
-            self.log.seek(0)
-            return self.log.read().decode("utf-8", "replace")
-        return b"".join(self.chunks).decode("utf-8", "replace")
-
-    def active(self, a: float, b: float) -> float:
-        """Seconds in [a, b] during which the child was not stopped."""
-        return (b - a) - sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in self.stopped)
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    """Send ``sig`` to a process and all its descendants (ipw's engine worker runs in a session of its own,
-    so a process group would miss it)."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            os.kill(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def alternate(children: list[Child], slice_s: float) -> None:
-    """Let the children take turns of ``slice_s`` seconds (SIGSTOP / SIGCONT, every other one stopped),
-    until all have exited; a child that is alone runs to its end.  Each child's stopped intervals are
-    recorded, so that durations it measured on the monotonic clock can be reduced to its running time."""
-    for c in children[1:]:
-        signal_tree(c.proc.pid, signal.SIGSTOP)
-        c.stopped.append((c.spawn, float("inf")))
-    turn = 0
-    while True:
-        alive = [c for c in children if not c.poll()]
-        if not alive:
-            return
-        c = alive[turn % len(alive)]
-        if c.stopped and c.stopped[-1][1] == float("inf"):
-            signal_tree(c.proc.pid, signal.SIGCONT)
-            c.stopped[-1] = (c.stopped[-1][0], time.monotonic())
-        if len(alive) == 1:
-            c.wait()
-            return
-        deadline = time.monotonic() + slice_s
-        while time.monotonic() < deadline and not c.poll():
-            time.sleep(0.005)
-        if c.poll():
-            continue
-        signal_tree(c.proc.pid, signal.SIGSTOP)
-        c.stopped.append((time.monotonic(), float("inf")))
-        turn += 1
-
-
-def run_pty(cmd: list[str], *, env: dict | None = None) -> dict:
-    """Run ``cmd`` to its end with a pseudo-terminal as its stdio."""
-    c = Child(cmd, pty=True, env=env)
-    c.wait()
-    return {"spawn": c.spawn, "wall_s": c.end - c.spawn, "rc": c.rc, "cpu_s": c.cpu_s, "output": c.output()}
-
-
-def run_plain(cmd: list[str], env: dict | None = None) -> dict:
-    spawn = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    return {"spawn": spawn, "wall_s": time.monotonic() - spawn, "rc": proc.returncode,
-            "output": proc.stdout + proc.stderr}
-
-
-def write_section(doc: Path, section: str, body: str) -> None:
-    """Replace the section titled ``section`` (up to the next ``## ``) or append it."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Performance\n\n"
-    body = body.rstrip("\n") + "\n"
-    if section in text:
-        head, _, rest = text.partition(section)
-        nxt = re.search(r"^## ", rest, flags=re.M)
-        text = head + body + ("\n" + rest[nxt.start():] if nxt else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    doc.write_text(text, encoding="utf-8")
-
-
-def loads() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def median(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def query_stats(rows: list[dict], active=lambda a, b: b - a) -> dict:
-    """rows: start, first (or None), decode_end, end, tokens (monotonic seconds). ``active(a, b)``: the
-    process's running time in [a, b] (the elapsed time minus the time it was stopped)."""
-    dec = [r for r in rows if r["first"] is not None and r["tokens"] > 1]
-    decode = [active(r["first"], r["decode_end"]) for r in dec]
-    return {
-        "n": len(rows),
-        "tokens": sum(r["tokens"] for r in rows),
-        "decode_tps": sum(r["tokens"] - 1 for r in dec) / sum(decode) if sum(decode) > 0 else float("nan"),
-        "loop_wall_s": active(min(r["start"] for r in rows), max(r["end"] for r in rows)),
-        "busy_s": sum(active(r["start"], r["end"]) for r in rows),
-        "ttft_med_s": median([active(r["start"], r["first"]) for r in rows if r["first"] is not None]),
-        # per query, for the paired per-query comparison
-        "query_decode_s": [active(r["first"], r["decode_end"]) if r["first"] is not None else None for r in rows],
-        "query_s": [active(r["start"], r["end"]) for r in rows],
-    }
-
-
-def ipw_rows(run_dir: Path) -> tuple[list[dict], list[str], dict]:
-    """Per-query timings from a run folder's records: start_s/end_s are the measured window; ttft_s and
-    latency_s are relative to the backend's own start of the call, which follows start_s by the prompt's
-    rendering (well under a millisecond), so first token and end of the call are placed from start_s."""
-    rows, outputs = [], []
-    for line in (run_dir / "records.jsonl").read_text(encoding="utf-8").splitlines():
-        r = json.loads(line)
-        first = None if r["ttft_s"] is None else r["start_s"] + r["ttft_s"]
-        rows.append({"start": r["start_s"], "end": r["end_s"], "first": first,
-                     "decode_end": r["start_s"] + r["latency_s"], "tokens": r["completion_tokens"],
-                     "error": r["error"]})
-        outputs.append(r["output"])
-    manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
-    return rows, outputs, manifest
 
 
 # --- the bare loop ------------------------------------------------------------------------------------

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import compare_scale  # noqa: E402
+from _shared import machine, write_section  # noqa: E402
 
 BUDGET_S = 30.0
 SECTION = "## ipw report at scale"
@@ -117,14 +116,7 @@ are drawn one by one only up to 200 queries (then one shaded span per backend), 
 shows at most 30 categories, and the answer tables show the 20 costliest rows with a note of how many
 there are. Plots are PNGs, so the file size does not grow with the records.
 """
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Performance\n\n"
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        nxt = re.search(r"^## ", rest, flags=re.M)
-        text = head + body + ("\n" + rest[nxt.start():] if nxt else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    doc.write_text(text, encoding="utf-8")
+    write_section(doc, SECTION, body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,13 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--power-rows", str(args.power_rows)], check=True, cwd=ROOT)
         paths = [out / run_id for run_id, _ in compare_scale.RUNS]
         row = measure(paths, out, args.repeats)
-    names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), flags=re.M) \
-        if Path("/proc/cpuinfo").exists() else []
     n_backends = len(compare_scale.BACKENDS)
     row.update(n_queries=args.queries, n_backends=n_backends, n_runs=len(compare_scale.RUNS),
                n_records=args.queries * n_backends, power_rows=args.power_rows, text_chars=400,
-               machine=f"{os.cpu_count()} cores, {names[0].strip() if names else platform.machine()}, "
-                       f"Python {platform.python_version()}")
+               machine=machine())
     print(json.dumps(row, indent=2))
     if not args.no_write:
         write_doc(row, ROOT / "docs" / "PERFORMANCE.md")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead_llama import DOC, loads, machine, run_pty, write_section  # noqa: E402
+from _shared import DOC, loads, machine, run_pty, write_section  # noqa: E402
 
 SECTION = "## Sampler CPU overhead"
 BUDGET = 0.02  # of one core

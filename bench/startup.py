@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overhead_llama import DOC, machine, write_section  # noqa: E402
+from _shared import DOC, machine, write_section  # noqa: E402
 
 IPW = str(Path(sys.executable).with_name("ipw"))
 TARGET_S = 0.5
