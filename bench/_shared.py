@@ -10,6 +10,8 @@
 - ``query_stats``, ``ipw_rows``: per-query timings of a bare loop and of an ipw run folder.
 
 A script imports it as ``from _shared import ...`` (Python puts a script's own folder first on its path).
+
+Output: none (imported by the scripts).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ blow-up cannot take the shared machine's memory) and reports it.
 
     .venv/bin/python bench/analysis_scale.py                        # writes docs/PERFORMANCE.md
     .venv/bin/python bench/analysis_scale.py --sizes 10000 100000 --repeats 1 --no-write
+
+Output: docs/PERFORMANCE.md, section "Analysis at scale: compare, report and check" (``--no-write``: printed
+    only; ``--json``: the raw result).
 """
 
 from __future__ import annotations

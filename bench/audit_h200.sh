@@ -2,7 +2,10 @@
 # The run-level energy audit on a real GPU, without an engine build: `ipw run` with the fake engine of
 # bench/fake_engine.py (50 ms answers, the GPU idle) N times for each source tree given, alternating,
 # then each run's audit line (OUT/audit.txt) and the runs (OUT/audit-runs.tgz).
+#
 #   bash bench/audit_h200.sh OUT N TREE...     (TREE: a checkout or `git archive` holding ipw/ and bench/)
+#
+# Output: OUT/audit.txt and OUT/audit-runs.tgz; the figures are in docs/GPU.md and the session folders under docs/gpu/.
 set -u
 OUT=$(realpath "$1"); N=$2; shift 2
 R=/tmp/audit-h200; rm -rf $R; mkdir -p $R

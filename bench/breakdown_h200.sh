@@ -10,6 +10,8 @@
 #   1. bench/harness_breakdown.py, SmolLM2 on the GPU, 150 ipw-core queries, real NVML: old, new, old, new
 #   2. bench/overhead_llama.py --n-gpu-layers -1 --n-threads 4 --rounds 3 --queries 60 (new code)
 #   3. bench/harness_breakdown.py with the fake 20 ms engine at concurrency 1 and 64, real NVML: old, new
+#
+# Output: OUT (JSON and logs per step); the figures are in docs/PERFORMANCE.md, "Harness overhead per query: where the time goes", and docs/GPU.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OLD=$(realpath "$1")

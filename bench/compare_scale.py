@@ -6,6 +6,8 @@ RSS (``ru_maxrss`` of that child, from ``os.wait4``), and writes the result into
 
     .venv/bin/python bench/compare_scale.py                     # 1M queries, writes docs/PERFORMANCE.md
     .venv/bin/python bench/compare_scale.py --queries 100000 --no-write
+
+Output: docs/PERFORMANCE.md, section "ipw compare at scale" (``--no-write``: printed only).
 """
 
 from __future__ import annotations

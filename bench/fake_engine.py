@@ -9,6 +9,11 @@ round trip is measured too.  Register it in the measuring process with ``registe
 Options (``[[backends]]`` keys): ``answer_ms`` (default 20), ``tokens`` (output tokens per answer, with
 evenly spaced token times; default 16), ``concurrency`` (levels, e.g. ``[1, 64]``: the engine answers
 that many requests at once, each in ``answer_ms``).
+
+    PYTHONPATH=. python3 bench/fake_engine.py run CONFIG --out DIR     # ipw's CLI with the fake engine registered
+
+Output: none of its own (a test engine); used by bench/harness_breakdown.py, bench/million.py,
+    bench/roundtrip.py and bench/audit_h200.sh.
 """
 
 from __future__ import annotations

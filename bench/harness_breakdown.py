@@ -43,6 +43,9 @@ another checkout (the child runs in that checkout's folder, so the engine worker
 ``--nvml fake`` puts the NVML fakes of tests/nvml_fakes.py (synthetic 20 ms samples on the real
 clock) in place of the driver, so the NVML sensor's path runs on a machine without a GPU; ``real``
 (default when a GPU answers) uses the driver; ``none`` leaves the GPU out.
+
+Output: printed, and ``--json``; the figures are in docs/PERFORMANCE.md, "Harness overhead per query: where
+    the time goes", and docs/GPU.md.
 """
 
 from __future__ import annotations

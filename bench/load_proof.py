@@ -10,6 +10,9 @@ check runs of tests/test_check.py) are measured again under the hog each time.
 
     .venv/bin/python bench/load_proof.py                 # 5 rounds, hogs = CPU count, writes docs/load-proof.md
     .venv/bin/python bench/load_proof.py --rounds 10 --hogs 4 --out /tmp/lp.md
+
+Output: docs/load-proof.md (``--out``); summarised in docs/RELIABILITY.md, "Tests that hold on a loaded
+    machine (issue 30, item 6)".
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ tenth of the records to the last (flat memory: no growth with the number of quer
 
     .venv/bin/python bench/load_server.py                 # 485 x 11 = 5,335 queries; writes docs/RELIABILITY.md
     .venv/bin/python bench/load_server.py --repeats 1 --no-write
+
+Output: docs/RELIABILITY.md, section "Load: 5,000+ queries against a local server at concurrency 8", and the
+    memory trace docs/load/trace.csv (``--no-write``: printed only).
 """
 
 from __future__ import annotations

@@ -30,6 +30,9 @@ points (:func:`ipw.telemetry.estimator.counter_energy_between`).
 
 Never changes clocks, power limits or MIG; uses no NCCL (NCCL_NVLS_ENABLE=0 and the other multicast
 switches are passed on to the workers all the same).
+
+Output: ``--out`` (multigpu.json, multigpu.md, multigpu_raw.npz), the committed run in docs/multigpu/; the
+    figures are in docs/MULTIGPU.md, "Results on two NVIDIA H200s".
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ It writes the section "Run-to-run spread of the embedded default" of docs/CHECK.
 
     .venv/bin/python bench/noise_default.py --runs 5
     .venv/bin/python bench/noise_default.py --dirs /tmp/noise/r*/*      # analyse existing runs
+
+Output: docs/CHECK.md, section "Run-to-run spread of the embedded default" (``--json``: the raw result).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Throughput = requests completed / (end of the last request - start of the first)
 
     .venv/bin/python bench/overhead_http.py                      # writes docs/PERFORMANCE.md
     .venv/bin/python bench/overhead_http.py --rounds 2 --queries 16 --no-write
+
+Output: docs/PERFORMANCE.md, section "Harness overhead: HTTP (openai backend against a local llama.cpp
+    server)" (``--no-write``: printed only).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ The outputs of both sides are compared query by query (greedy decoding: they mus
 
     .venv/bin/python bench/overhead_llama.py                          # writes docs/PERFORMANCE.md
     .venv/bin/python bench/overhead_llama.py --rounds 3 --queries 20 --no-write
+
+Output: docs/PERFORMANCE.md, section "Harness overhead: llama.cpp in a worker process" (``--no-write``:
+    printed only; ``--json``: the raw result); GPU rounds in docs/GPU.md and docs/overhead-*/.
 """
 
 from __future__ import annotations

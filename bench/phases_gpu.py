@@ -1,5 +1,10 @@
 """Prefill/decode split of NVML energy on a real GPU (issue 13): a Llama-3-8B-shaped model with random
-weights (transformers, no download), prompts of 64-8192 tokens, 16-128 output tokens; prints JSON."""
+weights (transformers, no download), prompts of 64-8192 tokens, 16-128 output tokens; prints JSON.
+
+    PYTHONPATH=. python3 bench/phases_gpu.py > phases.json     # an NVIDIA GPU, torch and transformers
+
+Output: JSON on stdout; the figures are in docs/guide/prefill-decode.md.
+"""
 import json
 import sys
 import time

@@ -1,5 +1,9 @@
 # Shared by the bench scripts that carry files to a GPU machine in pieces (bench/serving_h200.sh,
 # bench/vllm_h200.sh): source it after setting W.
+#
+#   W=/tmp/ipw-serving; source bench/pieces.sh
+#
+# Output: none (functions for bench/serving_h200.sh and bench/vllm_h200.sh).
 
 stash() {  # copy each folder's files to $W/parts and check them against its parts.sha256
   mkdir -p "$W/parts"

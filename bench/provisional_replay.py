@@ -23,6 +23,9 @@ session.  The replay's settled values are not the recorded ones (another estimat
 live); the comparison is between the replay's own provisional and settled values.
 
     .venv/bin/python bench/provisional_replay.py RUN_FOLDER [--period-s S] [--json OUT.json]
+
+Output: printed, and ``--json``; the figures are in docs/SERVING.md, "`ipw serve`: a measuring proxy", and
+    docs/serving/*/README.md.
 """
 
 from __future__ import annotations

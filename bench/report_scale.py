@@ -8,6 +8,8 @@ docs/PERFORMANCE.md.
 
     .venv/bin/python bench/report_scale.py                    # 20,000 queries, writes docs/PERFORMANCE.md
     .venv/bin/python bench/report_scale.py --queries 100000 --no-write
+
+Output: docs/PERFORMANCE.md, section "ipw report at scale" (``--no-write``: printed only).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ calls, with or without a thread that holds the interpreter lock in between (as t
 sensors' threads do in a run).
 
     PYTHONPATH=CHECKOUT .venv/bin/python bench/roundtrip.py --calls 2000 --answer-ms 0 [--busy]
+
+Output: printed, and ``--json``; the figures are in docs/PERFORMANCE.md, "Harness overhead per query: where
+    the time goes".
 """
 
 from __future__ import annotations

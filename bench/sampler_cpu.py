@@ -24,6 +24,9 @@ of ``CpuModelSensor`` alone.
 
     .venv/bin/python bench/sampler_cpu.py                         # writes docs/PERFORMANCE.md
     .venv/bin/python bench/sampler_cpu.py --seconds 20 --no-write
+
+Output: docs/PERFORMANCE.md, section "Sampler CPU overhead" (``--no-write``: printed only; ``--json``: the raw
+    result).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ same machine load.  A source tree may carry options for its ``ipw serve`` after 
     git archive 979245b | tar -x -C /tmp/ipw-old
     .venv/bin/python bench/serve_cpu.py /tmp/ipw-old . ".::--energy-wait" ".::--no-energy-in-response" \
         --levels 1,32,64 --kinds streamed,plain --rounds 3 --out serve-cpu.json
+
+Output: printed, and ``--out`` (JSON); the figures are in docs/PERFORMANCE.md, "ipw serve: what the measuring
+    proxy costs a client".
 """
 
 from __future__ import annotations

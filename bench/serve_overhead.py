@@ -25,6 +25,9 @@ and through measuring proxies in front of it, in one run, in alternating order (
     python3 bench/serve_overhead.py --summary o.json       # the markdown tables of a saved result
     git archive main | tar -x -C /tmp/ipw-main && .venv/bin/python bench/serve_overhead.py --baseline-src /tmp/ipw-main
     (a second proxy, from another source tree, in the same rounds: before and after a change under one load)
+
+Output: printed (Markdown), and ``--out`` (JSON); the figures are in docs/PERFORMANCE.md, "ipw serve: what the
+    measuring proxy costs a client", and docs/SERVING.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ CLOCK_MONOTONIC (``time.monotonic``), the same clock in every process of the mac
 requests goes straight to the fake, alternating with the proxy's, for the added latency.
 
     .venv/bin/python bench/serve_timeline.py . --requests 40 --out timeline.json
+
+Output: printed, and ``--out`` (JSON); the figures are in docs/PERFORMANCE.md, "ipw serve: what the measuring
+    proxy costs a client".
 """
 
 from __future__ import annotations

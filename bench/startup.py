@@ -8,6 +8,8 @@ largest imports of ``ipw list`` (``python -X importtime``).
 
     .venv/bin/python bench/startup.py                 # 9 rounds, writes docs/PERFORMANCE.md
     .venv/bin/python bench/startup.py --rounds 5 --no-write
+
+Output: docs/PERFORMANCE.md, section "Start-up: ipw --help and ipw list" (``--no-write``: printed only).
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""Write bench/README.md, the index of the benchmark scripts, from their own docstrings.
+
+    .venv/bin/python bench/index.py > bench/README.md
+
+For each script of bench/ (``*.py``: the module docstring; ``*.sh``: the comment block at its top):
+
+- the question it answers: the first paragraph;
+- how to run it: the indented command lines that name the script (and their continuation lines);
+- where its figures go: the paragraph that starts with ``Output:``.
+
+The scripts another change is editing at the moment carry no ``Output:`` paragraph yet: theirs is in
+``OUTPUT`` below, taken from their docstrings.  tests/test_bench_index.py checks that the committed
+README is this script's output and that every script and folder of bench/ is in it.
+
+Output: bench/README.md (stdout).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# where the figures go, for scripts whose docstring has no ``Output:`` paragraph (yet)
+OUTPUT = {
+    "attribution.py": "``--out`` (attribution.json, attribution.md, attribution_raw.npz); the committed runs in "
+                      "docs/h200-attribution/ and docs/gpu/; the figures are in docs/ENERGY.md, "
+                      '"Results on an NVIDIA H200".',
+    "loads.py": "``DIR/loads.npz``, ``DIR/loads.json``, ``DIR/counter.csv.gz``; the committed recordings in "
+                "docs/h200-loads/; read by bench/uncertainty_fit.py.",
+    "uncertainty_fit.py": "printed, and ``--json``; the committed fit in docs/h200-attribution/uncertainty_fit.md "
+                          '(.json); the figures are in docs/ENERGY.md, "How far to trust a reading (issue 27)".',
+    "serving_validate.py": "Markdown on stdout, everything in ``--json``; the committed sessions in docs/serving/; "
+                           'the figures are in docs/SERVING.md, "Validation on the H200" sections.',
+    "serving_h200.sh": "OUT/serving.tgz, OUT/serving.md, OUT/serve.tgz, OUT/serve.md; the committed sessions in "
+                       'docs/serving/h200-*/; the figures are in docs/SERVING.md, "Validation on the H200" sections, '
+                       'and docs/PERFORMANCE.md, "ipw serve: what the measuring proxy costs a client".',
+    "vllm_h200.sh": "OUT/vllm-PART.md, OUT/vllm-PART.tar.xz and the counter; the committed session in "
+                    'docs/serving/vllm-h200-2026-12-04/; the figures are in docs/GPU.md, "`ipw run` with vLLM on '
+                    'the H200 (issue 41, 2026-12-04)", and docs/SERVING.md, "vLLM against llama-server on the H200".',
+}
+
+# the folders of bench/ (results kept beside the scripts)
+FOLDERS = {
+    "baseline-default": "the CI gate's committed baseline run (used by .ci/run and docs/CHECK.md).",
+    "gate-blocks": "raw results of bench/gate_blocks.py (docs/CHECK.md, \"Measured error rates on this VM\").",
+    "gate-rates": "raw results of bench/gate_rates.py (docs/CHECK.md, \"Measured error rates on this VM\").",
+    "results": "not committed: the default ``--out`` of bench/attribution.py and bench/multigpu.py.",
+}
+
+COMMAND = re.compile(r"^(\S+=\S+\s+)*(nice -n \d+ )?(\.venv/bin/python|python3?|bash|git archive|export |W=)")
+
+
+def doc_of(path: Path) -> str:
+    """A script's own description: the module docstring, or a shell script's comment block at its top."""
+    if path.suffix == ".py":
+        return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=True) or ""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#!"):
+            continue
+        if not line.startswith("#"):
+            break
+        lines.append(line[2:] if line.startswith("# ") else line[1:])
+    return "\n".join(lines)
+
+
+def paragraphs(doc: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", doc.strip()) if p.strip()]
+
+
+def indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def entry(path: Path) -> dict:
+    doc = doc_of(path)
+    paras = paragraphs(doc)
+    question = " ".join(line.strip() for line in paras[0].splitlines()) if paras else ""
+    run: list[str] = []
+    lines = doc.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        text = line.strip()
+        if indent(line) >= 2 and COMMAND.match(text) and (f"bench/{path.name}" in text or text.startswith(("git archive", "W="))):
+            block, base = [line], indent(line)
+            i += 1
+            while i < len(lines) and lines[i].strip() and (indent(lines[i]) > base or block[-1].rstrip().endswith("\\")):
+                block.append(lines[i])
+                i += 1
+            run.extend(block)
+            continue
+        i += 1
+    base = min((indent(line) for line in run), default=0)
+    run = [line[base:].rstrip() for line in run]
+    output = next((" ".join(line.strip() for line in p.splitlines())[len("Output:"):].strip()
+                   for p in paras if p.startswith("Output:")), OUTPUT.get(path.name, ""))
+    return {"name": path.name, "question": question, "run": run, "output": output}
+
+
+def scripts(folder: Path = HERE) -> list[Path]:
+    return sorted([*folder.glob("*.py"), *folder.glob("*.sh")], key=lambda p: (p.name.startswith("_"), p.name))
+
+
+def folders(folder: Path = HERE) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+
+
+def render(folder: Path = HERE) -> str:
+    entries = [entry(p) for p in scripts(folder)]
+    out = ["# bench/: the benchmarks and studies behind the figures in docs/", "",
+           "Generated by `.venv/bin/python bench/index.py > bench/README.md` from each script's own docstring",
+           "(the first paragraph: the question; the indented command lines: how to run it; `Output:`: where its",
+           "figures go). Do not edit by hand: edit the script's docstring and run the command again",
+           "(tests/test_bench_index.py checks that this file is up to date).", "",
+           "The scripts share one helper module, `bench/_shared.py` (rewriting a docs section, the machine line,",
+           "child processes). The CI gate's baseline is not here: it is `.ci/baseline-default`.", "",
+           "| script | question |", "|---|---|"]
+    out += [f"| [`{e['name']}`](#{anchor(e['name'])}) | {e['question'].replace('|', '/')} |" for e in entries]
+    for e in entries:
+        out += ["", f"## {e['name']}", "", e["question"], ""]
+        if e["run"]:
+            out += ["Run:", "", "```", *e["run"], "```", ""]
+        out += [f"Output: {e['output'] or 'none'}"]
+    names = folders(folder)
+    if names:
+        out += ["", "## Folders", ""]
+        out += [f"- `{n}/`: {FOLDERS.get(n, '')}" for n in names]
+    return "\n".join(out) + "\n"
+
+
+def anchor(name: str) -> str:
+    return re.sub(r"[^a-z0-9_ -]", "", name.lower()).replace(" ", "-")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
