@@ -45,7 +45,6 @@ OUTPUT = {
 
 # the folders of bench/ (results kept beside the scripts)
 FOLDERS = {
-    "baseline-default": "the CI gate's committed baseline run (used by .ci/run and docs/CHECK.md).",
     "gate-blocks": "raw results of bench/gate_blocks.py (docs/CHECK.md, \"Measured error rates on this VM\").",
     "gate-rates": "raw results of bench/gate_rates.py (docs/CHECK.md, \"Measured error rates on this VM\").",
     "results": "not committed: the default ``--out`` of bench/attribution.py and bench/multigpu.py.",

@@ -128,7 +128,7 @@ def test_gpu_is_measured_and_the_estimate_kept_apart(monkeypatch):
 
 
 def test_load_run(tmp_path):
-    run = ipw.load_run(ROOT / "bench" / "baseline-default")
+    run = ipw.load_run(ROOT / ".ci" / "baseline-default")
     manifest, records = run
     assert manifest["status"] == "complete" and run.records is records
     assert len(records) == manifest["dataset"]["n_queries"] * len(manifest["backends"])
@@ -137,7 +137,7 @@ def test_load_run(tmp_path):
     live = tmp_path / "live"
     live.mkdir()
     (live / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
-    (live / "records.jsonl").write_text((ROOT / "bench" / "baseline-default" / "records.jsonl").read_text()
+    (live / "records.jsonl").write_text((ROOT / ".ci" / "baseline-default" / "records.jsonl").read_text()
                                         .splitlines(keepends=True)[0] + '{"torn')
     assert len(ipw.load_run(live).records) == 1
     with pytest.raises(IpwError, match="not a run folder"):

@@ -1,5 +1,5 @@
 """The typed manifest (ipw.results.RunManifest): one reader and one writer, and the JSON layout is
-unchanged, so earlier run folders (bench/baseline-default) read and write back as they were."""
+unchanged, so earlier run folders (.ci/baseline-default) read and write back as they were."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 
 from ipw.results import RunFolder, RunManifest
 
-BASELINE = Path(__file__).resolve().parents[1] / "bench" / "baseline-default"
+BASELINE = Path(__file__).resolve().parents[1] / ".ci" / "baseline-default"
 
 
 def test_baseline_round_trips():
