@@ -5,7 +5,7 @@ its own (not ipw), on the same monotonic clock, until SIGTERM or SIGINT.
 
 Each row: the monotonic times just before and after the read, the GPU index and the counter (mJ).
 A read costs ~3-4 ms on an H200, so the counter is read a few hundred times a second; it steps about
-every 100 ms (DESIGN.md §3).  ``bench/gpu_figures.py`` interpolates it at ipw's query windows.
+every 100 ms (docs/ARCHITECTURE.md, 'Energy method').  ``bench/gpu_figures.py`` interpolates it at ipw's query windows.
 
 Output: the CSV named (the reference counter of a GPU session), read by bench/gpu_figures.py and
     bench/serving_validate.py; kept in the session's evidence folder (docs/gpu/, docs/serving/).

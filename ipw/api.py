@@ -2,7 +2,7 @@
 
 ``measure`` opens one window on the sensors ``ipw run`` would use (the same probe: NVML, then RAPL,
 else the CPU model of a process tree) and closes it when the block ends; ``result`` is then a
-:class:`Measurement` whose total follows the same rule as a run's records (DESIGN.md §2): measured
+:class:`Measurement` whose total follows the same rule as a run's records (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'): measured
 parts if any exist, else estimated ones, never both.  Imported lazily by ``ipw/__init__.py``; the
 sensors (numpy, pynvml) are imported only when a block starts.
 """

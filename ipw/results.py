@@ -301,7 +301,7 @@ def _rewrite_in_place(path: Path, text: str) -> bool:
 
 @dataclass(frozen=True)
 class RunManifest:
-    """manifest.json, typed (DESIGN.md §4): written only by :class:`RunFolder`, read by
+    """manifest.json, typed (docs/ARCHITECTURE.md, 'The files of a run folder'): written only by :class:`RunFolder`, read by
     :meth:`RunManifest.read` (``read_manifest`` checked). A field that is None is absent from the file;
     the nested tables (config, dataset, hardware, backends, ...) are the JSON objects as written."""
 

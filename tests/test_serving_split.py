@@ -1,4 +1,4 @@
-"""The split of overlapping requests' energy (DESIGN.md §3, docs/SERVING.md): by the work each request
+"""The split of overlapping requests' energy (docs/ARCHITECTURE.md, 'Energy method'; docs/SERVING.md): by the work each request
 does in each slice, its prompt tokens over the prefill the server timed and its output tokens as they
 arrive; conserved (parts + unattributed == the span's energy); labelled per record."""
 

@@ -1,6 +1,6 @@
 """`ipw run --concurrency 1,4` against the real batching llama.cpp server (llama-server, built by
 .ci/setup): each level is measured on its own, requests at level 4 overlap, and the energy measured while
-they overlap is split among them by the server's own timings and conserved (DESIGN.md §3,
+they overlap is split among them by the server's own timings and conserved (docs/ARCHITECTURE.md, 'Energy method';
 docs/SERVING.md)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``ipw compare``'s numbers: runs side by side with paired bootstrap CIs, and routing coverage
-(DESIGN.md §2), computed from the per-query matrix of ``ipw.analysis.load``.
+(docs/ARCHITECTURE.md, 'Energy readings and the metric contract'), computed from the per-query matrix of ``ipw.analysis.load``.
 
 Every metric is a ratio of column sums or a quantile (``ipw.analysis.metrics``), bootstrapped with one
 set of resample weights for all backends (``ipw.analysis.stats.bootstrap_draws``), so differences

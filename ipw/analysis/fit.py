@@ -1,4 +1,4 @@
-"""J per token and the fitted energy model per backend (DESIGN.md §3): an OLS fit
+"""J per token and the fitted energy model per backend (docs/ARCHITECTURE.md, 'Energy method'): an OLS fit
 ``y ~ a + b*prompt_tokens + c*completion_tokens`` for energy and latency, with classical standard errors
 (t quantiles) and R^2 (:func:`fit_linear`), and its JSON form (:func:`fit_dict`).
 """

@@ -1,4 +1,4 @@
-"""The metric contract (DESIGN.md §2), defined once: ``ipw run``'s summary, ``compare``, ``report``,
+"""The metric contract (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'), defined once: ``ipw run``'s summary, ``compare``, ``report``,
 ``check`` and the routing analysis all compute their numbers from this table.
 
 Per query (repeats averaged first): ``correct`` in [0, 1] over its scored records, where an errored

@@ -1,4 +1,4 @@
-"""Routing and coverage (DESIGN.md §2) as pure functions over a per-query matrix.
+"""Routing and coverage (docs/ARCHITECTURE.md, 'Energy readings and the metric contract') as pure functions over a per-query matrix.
 
 The matrix holds, for n queries (rows) and m backends (columns), each backend's correctness (0..1,
 repeats averaged; NaN: unscored), energy (J), latency (s) and, where known, cost (USD) and win/tie

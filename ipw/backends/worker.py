@@ -2,7 +2,7 @@
 
 An engine's native libraries (llama.cpp, vLLM and its torch) and ipw's measuring and analysis stack
 (numpy, pandas, pyarrow) corrupt each other's heap when they share a process on a real GPU image
-(DESIGN.md §5).  So every engine runs in a worker process that ipw starts, feeds and stops:
+(docs/ARCHITECTURE.md, 'Engines in worker processes').  So every engine runs in a worker process that ipw starts, feeds and stops:
 
 - the worker is ``PYTHON HOME/ipw.backends.worker.py FD_IN FD_OUT`` (``worker_home``: this module, run from
   a folder that holds only this ipw), under this interpreter or another one

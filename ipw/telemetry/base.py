@@ -3,7 +3,7 @@
 A sensor measures one or more components (a GPU, a CPU package, DRAM, the inference process's CPU
 time).  The runner opens a window around each query with ``begin()`` and closes it with
 ``end(token)``; ``end`` returns one :class:`EnergyReading` per component.  Every reading names its
-source, quality and scope (DESIGN.md §2), so a measured number is never confused with an estimate.
+source, quality and scope (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'), so a measured number is never confused with an estimate.
 """
 
 from __future__ import annotations

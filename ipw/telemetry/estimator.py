@@ -1,4 +1,4 @@
-"""Pure, replayable GPU energy estimator (DESIGN.md §3).  No NVML calls: it works on arrays.
+"""Pure, replayable GPU energy estimator (docs/ARCHITECTURE.md, 'Energy method').  No NVML calls: it works on arrays.
 
 Inputs are what a sampler records (or what a recorded trace replays), all on one monotonic clock in
 seconds:
@@ -40,7 +40,7 @@ import numpy as np
 
 from ipw.telemetry.base import Quality
 
-#: A calibration ratio outside these bounds is flagged (DESIGN.md §3).
+#: A calibration ratio outside these bounds is flagged (docs/ARCHITECTURE.md, 'Energy method').
 CALIBRATION_BOUNDS = (0.97, 1.03)
 #: Windows shorter than this are flagged: the counter's ~100 ms step and the samples' ~20 ms spacing
 #: cannot resolve them alone.
@@ -756,7 +756,7 @@ def _aliasing_between(si: _PowerIntegral, lo_s: float, hi_s: float) -> float | N
 
 
 #: 1-sd relative error of power readings that no counter calibrated: the bounds within which NVML's
-#: calibration ratios fall (DESIGN.md §3).  Every window of such a channel shares it.
+#: calibration ratios fall (docs/ARCHITECTURE.md, 'Energy method').  Every window of such a channel shares it.
 UNCALIBRATED_REL_SD = 0.03
 
 
@@ -764,7 +764,7 @@ def calibration_rel_sd(si: _PowerIntegral, cal: Calibration | None, counter_time
                        model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
     """1-sd relative error of a calibration ratio: its two ends' placement in time, at the power there,
     over the span's counter energy, plus the model's floor.  Uncalibrated samples: 3% (the bounds
-    within which H200 and other ratios fall, DESIGN.md §3)."""
+    within which H200 and other ratios fall, docs/ARCHITECTURE.md, 'Energy method')."""
     if cal is None or cal.ratio is None or not cal.counter_j:
         return UNCALIBRATED_REL_SD
     p_lo, p_hi = np.interp([cal.start_s, cal.end_s], si.t, si.p) * cal.ratio

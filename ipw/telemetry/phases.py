@@ -1,4 +1,4 @@
-"""Prefill and decode energy per query (DESIGN.md §2-3): each sensor's split of a window at the first
+"""Prefill and decode energy per query (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'; docs/ARCHITECTURE.md, 'Energy method'): each sensor's split of a window at the first
 token, and the record's phase fields.
 
 A query's window is cut at its first token: **prefill** is window start -> first token (reading the

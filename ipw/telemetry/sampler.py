@@ -18,7 +18,7 @@ instant power every ``watch_period_s`` (0.25 s, a few µs a read), so that a win
 *foreign activity*: a GPU outside the measurement that was busy during it (:meth:`NvmlSampler.foreign_activity`).
 
 The 1 s averaged power (``nvmlDeviceGetPowerUsage``, ``NVML_FI_DEV_POWER_AVERAGE``) is never read:
-integrated over a window it is off by up to +84% (DESIGN.md §3).
+integrated over a window it is off by up to +84% (docs/ARCHITECTURE.md, 'Energy method').
 
 Driver sample timestamps are wall-clock µs; each buffer poll also records a (monotonic, wall) clock
 pair, and the samples are converted to monotonic time with
@@ -87,7 +87,7 @@ MIN_COUNTER_INTERVAL_S = 0.1
 #: after idle loses ~11 ms of its power); over back-to-back or long windows it mostly cancels (the
 #: bench's medians move by < 0.7 percentage point between 0 and 20 ms).
 DEFAULT_SAMPLE_SHIFT_S = 0.011
-#: The energy counter updates about every 100 ms (measured: the doctor's self-test, DESIGN.md §3).
+#: The energy counter updates about every 100 ms (measured: the doctor's self-test, docs/ARCHITECTURE.md, 'Energy method').
 COUNTER_STEP_S = 0.1
 #: Calibration uses at most this much history before the oldest window and the newest data.
 CALIBRATION_LOOKBACK_S = 600.0

@@ -1,5 +1,5 @@
 """Counters read while a window is open: a :class:`Trace` per window and the :class:`Snapshots` thread
-that fills it (DESIGN.md §2; the phase split of ``ipw.telemetry.phases`` interpolates these reads).
+that fills it (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'; the phase split of ``ipw.telemetry.phases`` interpolates these reads).
 
 RAPL and the CPU model read their counters only at a window's edges, so a :class:`Snapshots` thread also
 reads them every ``SNAPSHOT_PERIOD_S`` (20 ms; longer when a read costs more than 1% of a core) while a
