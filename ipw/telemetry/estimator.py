@@ -429,9 +429,50 @@ COUNTER_GRID_STEP_S = 0.1
 COUNTER_GRID_MAX_RSS_RATIO = 0.05
 #: At least this many changes of value are needed to find the phase.
 COUNTER_GRID_MIN_READS = 6
-#: ... seen at phases of the grid no further apart than this share of a step (the H200 sampler's reads,
-#: 0.45-0.6 s apart with their jitter, cover it within a few ms; reads every 0.25 s on the dot, two phases).
+#: ... and sharp: the reads that saw a change fall on the grid at phases no further apart than this share
+#: of a step (the H200 sampler's reads, 0.45-0.6 s apart with their jitter, cover it within a few ms; reads
+#: every 0.25 s on the dot see it at two phases only, and any phase between them fits as well) ...
 COUNTER_GRID_MAX_PHASE_GAP = 0.25
+#: ... or, where some are further apart, the phases whose misfit is near the least (``COUNTER_GRID_NEAR``)
+#: form one band, and the reads' phases next to the chosen one, below and above it, are no further apart
+#: than this share of a step: the placement is then uncertain by at most that, uniformly (2 ms sd, as
+#: ``COUNTER_TIME_SD_GRID_S`` says).  Between two reads' phases the misfit is flat on the H200 recordings
+#: (within 1%: the samples do not pin the phase there), so the fit is only as sharp as the reads around it;
+#: the vLLM run of docs/serving/vllm-h200-2026-12-04 (15 changes, a 31 ms gap between their phases) had
+#: reads 4 ms apart around the phase, where the back-to-back counter saw the updates; a fake-engine run
+#: of docs/gpu/h200-2026-12-02-s8 (12 changes) had 20 ms, and placed there its span's counter was 1.5% off.
+COUNTER_GRID_MAX_BAND = 0.07
+#: ... "near the least misfit": within this factor of it, or this share of the median misfit when the
+#: least is smaller (a noise-free recording's misfit of zero would make any band one phase wide).
+COUNTER_GRID_NEAR = 2.0
+COUNTER_GRID_NEAR_FLOOR = 1e-3
+
+
+def _sharp_phase(rss: np.ndarray, k: int, med: float, phases: np.ndarray, seen: np.ndarray, step_s: float) -> bool:
+    """Whether the least misfit ``rss[k]`` (over ``phases``, one step's phases on an even grid) pins the
+    phase, given the phases ``seen`` of the reads that saw a change: ``COUNTER_GRID_MAX_PHASE_GAP`` and
+    ``COUNTER_GRID_MAX_BAND``."""
+    if seen.size == 0:
+        return False
+    ordered = np.sort(seen)
+    widest = max(float(np.max(np.diff(ordered))) if ordered.size > 1 else step_s,
+                 float(ordered[0] + step_s - ordered[-1]))
+    if widest <= COUNTER_GRID_MAX_PHASE_GAP * step_s:
+        return True
+    limit = COUNTER_GRID_MAX_BAND * step_s + 1e-9
+    near = rss <= max(COUNTER_GRID_NEAR * float(rss[k]), COUNTER_GRID_NEAR_FLOOR * med)
+    # one band (around the step's end if need be): "near" turns on once, and the band is narrow
+    if near.all() or int(np.count_nonzero(near & ~np.roll(near, 1))) != 1:
+        return False
+    res = float(phases[1] - phases[0]) if phases.size > 1 else step_s
+    if np.count_nonzero(near) * res > limit:
+        return False
+    # the reads' phases next to the chosen one: at or above it, and below it (a read exactly on the phase
+    # is placed on its update, one just below it on the update a step earlier)
+    above = float(np.mod(seen - phases[k], step_s).min())
+    b = np.mod(phases[k] - seen, step_s)
+    below = float(np.where(b > 0, b, step_s).min())
+    return above + below <= limit
 
 
 def grid_counter_reads(
@@ -448,8 +489,9 @@ def grid_counter_reads(
     and the samples together: for every phase on a 1 ms grid, each read's value is put on its update and
     regressed on the integrated samples at those times; the right phase fits (on the H200 recordings its
     misfit was 0.1% of the median phase's).  Returns None when no phase fits clearly (fewer than
-    ``COUNTER_GRID_MIN_READS`` changes, a counter that is not on a grid, or reads whose own times fit as
-    well): the caller keeps its own placement then.
+    ``COUNTER_GRID_MIN_READS`` changes, a counter that is not on a grid, reads whose own times fit as
+    well, or a fit that is not sharp: reads at few phases of the grid, and around the chosen phase no
+    reads close on both sides, ``COUNTER_GRID_MAX_BAND``): the caller keeps its own placement then.
     """
     if _empty(counter_t_s) or _empty(samples_t_s):
         return None
@@ -461,12 +503,6 @@ def grid_counter_reads(
     inside = changed & (t > si.t[0] + step_s) & (t < si.t[-1])
     tc, ec = t[inside], e[inside]
     if tc.size < COUNTER_GRID_MIN_READS or np.any(np.diff(e) < 0):  # a counter that went back: no grid fit
-        return None
-    # the reads must fall at many phases of the grid: reads at a fixed rate commensurate with it (0.25 s
-    # against 0.1 s) see it at two phases only, and any phase between them fits as well
-    seen = np.sort(np.mod(tc, step_s))
-    widest = max(float(np.max(np.diff(seen))) if seen.size > 1 else step_s, float(seen[0] + step_s - seen[-1]))
-    if widest > COUNTER_GRID_MAX_PHASE_GAP * step_s:
         return None
     phases = np.arange(0.0, step_s, 0.001)
     tau = phases[:, None] + step_s * np.floor((tc[None, :] - phases[:, None]) / step_s)
@@ -486,6 +522,8 @@ def grid_counter_reads(
     if not (med > 0 and rss[k] < COUNTER_GRID_MAX_RSS_RATIO * med and rss[k] < own):
         return None
     phase = float(phases[k])
+    if not _sharp_phase(rss, k, med, phases, np.mod(tc, step_s), step_s):
+        return None
     # every read (not only the changes) moves to its update; the old value sits just before it
     tau_all = phase + step_s * np.floor((t - phase) / step_s)
     first_new = np.concatenate(([True], np.diff(e) != 0))
