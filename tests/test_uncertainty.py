@@ -229,3 +229,56 @@ def test_grid_placement_on_a_short_vllm_run():
         errors[name] = cal.ratio / truth - 1
     assert abs(errors["grid"]) < 0.0005 and errors["held"] < -0.003, errors
 
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 43: ten load shapes recorded for it (bench/loads.py, docs/h200-loads), all held out
+
+
+@pytest.fixture(scope="module")
+def loads():
+    fit = _fit_module()
+    ws = fit.loads_recordings()
+    return fit, fit.per_load(ws, est.DEFAULT_ERROR_MODEL)
+
+
+LOAD_SHAPES = {"compute-high", "compute-low", "compute-thin", "compute-fp32", "memory-high", "memory-low",
+               "decode-large", "decode-small", "bursty-high", "bursty-low"}
+
+
+def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
+    """The replay covers every shape bench/loads.py recorded (three recordings), each at 50 ms .. 2 s (a burst's
+    windows are whole cycles: 80 ms or 250 ms at the shortest), with enough windows to state a coverage; the
+    per-load table (docs/ENERGY.md) is printed (``pytest -s``)."""
+    fit, res = loads
+    assert set(res) == LOAD_SHAPES
+    for load, ev in res.items():
+        assert len(ev) >= 3, load
+        for group, x in ev.items():
+            assert x["n"] >= 37, (load, group)
+    with capsys.disabled():
+        print("\n" + fit.loads_table("held out: bench/loads.py, default constants", res))
+
+
+def test_held_out_loads_as_measured(loads):
+    """What the landed interval does on the held-out shapes (2026-12-04), so a change to the estimator shows here:
+    from 0.5 s on every shape is covered at least 79%, from 2 s at least 96%; the bursts are over-covered
+    (the load term: 98-100%); the worst short windows are compute at the power cap with small kernels (~31%)."""
+    _, res = loads
+    for load, ev in res.items():
+        for group, x in ev.items():
+            if x["length_s"] >= 0.45:
+                assert x["coverage"] >= 0.79, (load, group, x)
+            if x["length_s"] >= 1.9:
+                assert x["coverage"] >= 0.96, (load, group, x)
+    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.30
+
+
+@pytest.mark.xfail(strict=True, reason="issue 43's target is not met yet: docs/ENERGY.md, 'Coverage per load shape'")
+def test_target_holds_on_every_held_out_load_and_length(loads):
+    """Issue 43's target: 85-95% coverage at every window length on every held-out load, with the median
+    half-width <= 2x the p90 error.  Strict: when the model meets it, this fails (XPASS) until the mark goes."""
+    _, res = loads
+    for load, ev in res.items():
+        for group, x in ev.items():
+            assert 0.85 <= x["coverage"] <= 0.95 and x["median_half_width"] <= 2 * x["p90_abs_error"], (load, group)
