@@ -148,7 +148,8 @@ def work_left(backend: str, levels: tuple[int, ...], repeats: int, queries: list
 
 def _energy_audit(folder: RecordSink, backend: str, sensors: list[Sensor], since_s: float) -> list[dict[str, Any]]:
     """The run-level energy audit of this backend's records of this session (``ipw.telemetry.audit``), once,
-    after its last query: the counter over the span vs the queries plus the idle between them."""
+    after its last query: the counter over the span vs the queries plus the idle between them, per
+    concurrency level when the backend ran more than one."""
     from ipw.telemetry.audit import audit_dicts
 
     # a Ray task's sink is no RunFolder: its records stream to the driver

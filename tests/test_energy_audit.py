@@ -68,6 +68,53 @@ def test_audit_of_a_sensor_agrees_and_catches_a_lost_share(monkeypatch):
     sensor.close()
 
 
+def test_the_target_is_stated_in_the_line():
+    """A difference over 0.3% of the counter says "misses ±0.3%" (``within_target`` False), whether or not
+    it lies within the stated uncertainty; one within it says nothing more."""
+    windows = [(0.0, 1.0), (1.1, 2.0)]
+    wide = audit("gpu0", windows, [100.0, 90.0], [(3.0, 0.2), (4.0, 0.2)], 5.0, (0.5, 0.0), 196.0, 1.0)
+    assert wide.agrees and wide.within_target is False
+    assert "(+0.51%, misses ±0.3%), agrees within" in wide.line()
+    close = audit("gpu0", windows, [100.0, 90.0], [(3.0, 0.2), (4.0, 0.2)], 5.0, (0.5, 0.0), 195.5, 1.0)
+    assert close.within_target is True and "misses" not in close.line() and close.line().startswith("energy audit gpu0: ")
+    assert audit("gpu0", windows, [1.0, 1.0], [(0.0, 0.0)] * 2, 1.0, (0.0, 0.0), None, 0.0).within_target is None
+
+
+def test_a_sweep_is_audited_per_level(monkeypatch):
+    """A backend's records at two concurrency levels: one audit per level and GPU, each over its level's
+    span, its line naming the level; a level whose records lost 2% of their energy DISAGREES and misses
+    ±0.3% on its own line while the other agrees, though over the whole span the loss would be a smaller
+    share.  One level (or records that do not say): one audit, its line as before."""
+    sig, clock = synthetic(60.0, load=[(20.0, 26.0), (32.0, 38.0)])  # each level ends after its load
+    make_fake(monkeypatch, [sig], clock)
+    sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
+    low = [(18.0 + 0.3 * k, 18.0 + 0.3 * k + 0.05) for k in range(20)] + [(24.0, 25.5), (25.8, 27.5)]
+    high = [(31.0 + 0.6 * k, 31.0 + 0.6 * k + 1.5) for k in range(12)]  # overlapping: 2-3 in flight
+    recs = _records(sensor, clock, low + high)
+    for r in recs[:len(low)]:
+        r["concurrency"] = 1
+    for r in recs[len(low):]:
+        r["concurrency"] = 4
+        part = json.loads(r["energy_parts"])[0]
+        r["energy_parts"] = json.dumps([{**part, "energy_j": 0.98 * part["energy_j"]}])
+    one, four = audit_dicts([sensor], recs, since_s=1000.0)
+    assert (one["concurrency"], one["queries"], four["concurrency"], four["queries"]) == (1, len(low), 4, len(high))
+    assert one["line"].startswith("energy audit gpu0 at 1 in flight: ") and one["agrees"] and one["within_target"], one["line"]
+    assert four["line"].startswith("energy audit gpu0 at 4 in flight: ")
+    assert four["agrees"] is False and four["within_target"] is False and "misses ±0.3%" in four["line"], four["line"]
+    assert one["end_s"] <= four["start_s"]  # each level's own span
+    # the same records as one level: one audit, its line without a level
+    (a,) = audit_dicts([sensor], [{**r, "concurrency": 4} for r in recs], since_s=1000.0)
+    assert a["line"].startswith("energy audit gpu0: ") and a["queries"] == len(low) + len(high)
+    assert abs(a["difference_j"] / a["counter_j"]) < abs(four["difference_j"] / four["counter_j"])
+    (b,) = audit_dicts([sensor], [{k: v for k, v in r.items() if k != "concurrency"} for r in recs[:len(low)]], since_s=1000.0)
+    assert b["line"].startswith("energy audit gpu0: ") and b["concurrency"] is None and b["agrees"], b["line"]
+    # the proxy's sessions: a scope named in the line
+    (c,) = audit_dicts([sensor], recs[:len(low)], since_s=1000.0, scope="in session 2")
+    assert c["line"].startswith("energy audit gpu0 in session 2: ")
+    sensor.close()
+
+
 class _SleepyBackend:
     """A backend whose queries take ~60 ms of wall time (the GPU's power is the NVML fake's)."""
 

@@ -14,8 +14,13 @@ the counter.  Here, per measured GPU:
   half-width of the difference: the queries' and gaps' stated intervals (independent parts in quadrature,
   shared ones added up; ``ipw.analysis.stats.measurement_sd``) and the counter's ends.
 
+The target (issue 43): the difference within ``CONSERVATION_TARGET`` (±0.3%) of the counter; a line that
+misses it says so (``within_target``), beside whether it agrees within its stated uncertainty.
+
 ``audit`` is pure; ``run_audit`` gathers its inputs from a finished backend's NVML sensor and its records
-(``ipw.runner``, once per backend, after its last query).  The manifest keeps every field; ``ipw run``
+(``ipw.runner``, once per backend, after its last query).  A backend that ran more than one concurrency
+level is audited per level (each level's span, its queries and the idle between them; its line says "at
+16 in flight"): one level's miss is not hidden in the total.  The manifest keeps every field; ``ipw run``
 prints one line when a GPU's difference exceeds its uncertainty (``EnergyAudit.line``); ``ipw doctor
 --self-test`` shows the same audit over its own windows.
 """
@@ -24,12 +29,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from ipw.telemetry.uncertainty import Z90, measurement_sd
+
+#: Conservation's target: the counter's energy over a span and the queries' plus the idle between them
+#: differ by at most this share of the counter (issue 43), at every concurrency level and in every session.
+CONSERVATION_TARGET = 0.003
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class EnergyAudit:
     difference_j: float | None
     uncertainty_j: float | None  # ±90% of the difference
     note: str = ""
+    concurrency: int | None = None  # the level audited, when a backend ran more than one
+    scope: str = ""  # what the line names beside the component: "at 16 in flight", "in session 2"
 
     @property
     def agrees(self) -> bool | None:
@@ -53,15 +64,25 @@ class EnergyAudit:
             return None
         return abs(self.difference_j) <= self.uncertainty_j
 
+    @property
+    def within_target(self) -> bool | None:
+        """Whether the difference is within ``CONSERVATION_TARGET`` of the counter (None: nothing to compare)."""
+        if self.difference_j is None or not self.counter_j:
+            return None
+        return abs(self.difference_j / self.counter_j) <= CONSERVATION_TARGET
+
     def line(self) -> str:
-        """One line for a person: the balance and whether it holds."""
+        """One line for a person: the balance, whether it holds within its uncertainty, and a miss of the
+        ±0.3% target."""
+        who = f"{self.component} {self.scope}" if self.scope else self.component
         if self.difference_j is None or self.counter_j is None:
-            return f"energy audit {self.component}: not checked ({self.note or 'no counter over the span'})"
+            return f"energy audit {who}: not checked ({self.note or 'no counter over the span'})"
         rel = self.difference_j / self.counter_j if self.counter_j else float("nan")
         verdict = "agrees" if self.agrees else "DISAGREES"
-        return (f"energy audit {self.component}: counter {self.counter_j:.1f} J over {self.end_s - self.start_s:.1f} s vs "
+        miss = f", misses ±{CONSERVATION_TARGET:.1%}" if self.within_target is False else ""
+        return (f"energy audit {who}: counter {self.counter_j:.1f} J over {self.end_s - self.start_s:.1f} s vs "
                 f"{self.queries} queries {self.queries_j:.1f} J + idle between {self.idle_between_j or 0.0:.1f} J: "
-                f"difference {self.difference_j:+.1f} J ({rel:+.2%}), {verdict} within ±{self.uncertainty_j:.1f} J (90%)"
+                f"difference {self.difference_j:+.1f} J ({rel:+.2%}{miss}), {verdict} within ±{self.uncertainty_j:.1f} J (90%)"
                 + (f"; {self.note}" if self.note else ""))
 
 
@@ -108,21 +129,47 @@ def _part_sd(part: dict[str, Any]) -> tuple[float, float]:
     return measurement_sd([part])
 
 
-def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
+def levels(records: Sequence[dict[str, Any]]) -> list[tuple[int | None, list[dict[str, Any]]]]:
+    """``records`` by concurrency level (their ``concurrency``; None where a record does not say), in the
+    order the levels first ran."""
+    groups: dict[int | None, list[dict[str, Any]]] = {}
+    for r in sorted(records, key=lambda r: float(r["start_s"])):
+        c = r.get("concurrency")
+        groups.setdefault(None if c is None else int(c), []).append(r)
+    return list(groups.items())
+
+
+def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]], scope: str = "") -> list[EnergyAudit]:
     """The audit of every GPU an NVML sensor measured, over ``records`` (dicts with start_s, end_s and
-    energy_parts, as records.jsonl holds them).  Sensors without a counter are skipped."""
+    energy_parts, as records.jsonl holds them): one per GPU, or one per GPU and concurrency level when the
+    records have more than one (``levels``).  Sensors without a counter are skipped.  ``scope``: what the
+    lines name beside the GPU (the proxy's "in session 2")."""
+    out = []
+    from ipw.telemetry.nvml import NvmlSensor
+
+    nvml = [s for s in sensors if isinstance(s, NvmlSensor)]  # the NVML sampler: a counter beside the samples
+    if not nvml or not records:
+        return []
+    end_all = max(float(r["end_s"]) for r in records)
+    for sensor in nvml:
+        _counter_past(sensor.sampler, end_all)
+    groups = levels(records)
+    for level, group in groups:
+        named = "" if len(groups) < 2 else f"at {level} in flight" if level is not None else "at no level recorded"
+        where = " ".join(x for x in (scope, named) if x)
+        out += [replace(a, concurrency=level, scope=where) for a in _audit_records(nvml, group)]
+    return out
+
+
+def _audit_records(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list[EnergyAudit]:
+    """``run_audit`` over one group of records: their span, their queries and the gaps between them."""
     out = []
     windows = [(float(r["start_s"]), float(r["end_s"])) for r in records]
     parts = [json.loads(r["energy_parts"]) if isinstance(r.get("energy_parts"), str) else (r.get("energy_parts") or [])
              for r in records]
-    from ipw.telemetry.nvml import NvmlSensor
-
     for sensor in sensors:
-        if not isinstance(sensor, NvmlSensor) or not windows:
-            continue  # the NVML sampler: a counter beside the samples
         sampler = sensor.sampler
         start_s, end_s = min(a for a, _ in windows), max(b for _, b in windows)
-        _counter_past(sampler, end_s)
         between = gaps(windows)
         gap_est = sensor.energy_windows(between) if between else {}
         for component in sampler.components():
@@ -147,13 +194,16 @@ def run_audit(sensors: Sequence[Any], records: Sequence[dict[str, Any]]) -> list
     return out
 
 
-def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since_s: float) -> list[dict[str, Any]]:
+def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since_s: float,
+                scope: str = "") -> list[dict[str, Any]]:
     """``run_audit`` over the records that started at or after ``since_s`` (this session's: a resumed run's
     earlier records predate the counter this sampler read), as the manifest keeps it: each field, whether
-    it ``agrees``, and its ``line``.  Never raises: a failure is one entry with ``error``."""
+    it ``agrees`` within its uncertainty and is ``within_target`` (±0.3%), and its ``line``.  Never raises:
+    a failure is one entry with ``error``."""
     try:
         mine = [r for r in records if r.get("start_s") is not None and float(r["start_s"]) >= since_s]
-        return [{**a.__dict__, "agrees": a.agrees, "line": a.line()} for a in run_audit(sensors, mine)]
+        return [{**a.__dict__, "agrees": a.agrees, "within_target": a.within_target, "line": a.line()}
+                for a in run_audit(sensors, mine, scope)]
     except Exception as exc:  # the audit never costs a run
         return [{"error": f"{type(exc).__name__}: {exc}"}]
 
