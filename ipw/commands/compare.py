@@ -28,7 +28,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     # the cascade (issue 44 item 3) belongs beside it here, as another ipw.analysis.router.PolicyScore
     scores = None
     if router.router is not None:
-        from ipw.commands.route import router_scores
+        from ipw.analysis.router import router_scores
 
         scores = router_scores(runs, router_path=router.router, local=routing.local, cloud=routing.cloud,
                                threshold=router.router_threshold, max_accuracy_loss=router.max_accuracy_loss,
@@ -39,7 +39,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
         for table in render.rich_tables(render.tables(result)):
             console.print(table)
         if scores is not None:
-            from ipw.commands.route import beside_rows, print_scores
+            from ipw.analysis.router import beside_rows, print_scores
 
             print_scores(scores, console, beside=beside_rows(result))
         for note in result.notes:
@@ -47,7 +47,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     elif fmt == "json" and scores is not None:
         import json
 
-        from ipw.commands.route import scores_doc
+        from ipw.analysis.router import scores_doc
         from ipw.sanitize import json_bidi
 
         doc = {**json.loads(render.to_json(result)), **scores_doc(scores)}
@@ -55,7 +55,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     else:
         sys.stdout.write({"json": render.to_json, "csv": render.to_csv, "markdown": render.to_markdown}[fmt](result))
         if scores is not None:
-            from ipw.commands.route import scores_markdown
+            from ipw.analysis.router import scores_markdown
 
             sys.stdout.write(scores_markdown(scores, result) if fmt == "markdown" else
                              "".join(f"trained_router,,,{k},{v},,\n" for k, v in scores_csv(scores)))
