@@ -292,14 +292,15 @@ class EndSummary:
 
 
 def audit_lines(manifest: RunManifest) -> list[str]:
-    """One line per GPU whose run-level energy audit disagrees beyond its stated uncertainty, or failed
-    (the manifest's ``backends[].energy_audit``, ``ipw.telemetry.audit``); nothing when all agree."""
+    """One line per GPU (and concurrency level) whose run-level energy audit disagrees beyond its stated
+    uncertainty or misses the ±0.3% conservation target, or failed (the manifest's ``backends[].energy_audit``,
+    ``ipw.telemetry.audit``); nothing when all agree within the target."""
     out = []
     for b in manifest.backends or []:
         for a in b.get("energy_audit") or []:
             if "error" in a:
                 out.append(f"energy audit {b.get('name')}: could not run ({a['error']})")
-            elif a.get("agrees") is False:
+            elif a.get("agrees") is False or a.get("within_target") is False:
                 out.append(f"{b.get('name')}: {a.get('line')}")
     return out
 
