@@ -62,7 +62,7 @@ def test_readme_two_commands_and_ci():
     text = README.read_text(encoding="utf-8")
     assert f"\n{RUN_COMMAND}\n" in text
     assert f"\n{TEST_COMMAND}\n" in text
-    assert f"\n{TEST_COMMAND}\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"\n{TEST_COMMAND} || exit 1\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")  # its failure stops CI
     assert len(text.splitlines()) <= 250, "the README is the five-minute read; the rest goes to docs/"
 
 
