@@ -139,12 +139,15 @@ def cache_key(version: str, flags: frozenset[str], machine: str | None = None, c
 
 # -- llama-server from the wheel's build tree ------------------------------------------------------------
 
+SERVER_LIB_DIR = "lib/llama-server"  # the server's shared libraries, relative to the prefix of its bin/
 # Added (cmake -S SRC -B BUILD ...) to the build tree the wheel was compiled in, then only the target
 # llama-server is built.  llama.cpp embedded in llama-cpp-python leaves its tools out by default; its web
 # UI is left out too (ipw only speaks to the server's API, and the UI would be fetched from Hugging Face
-# at build time: a build that needs no network, and the same binary with or without one).
-SERVER_ARGS = ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF")
-SERVER_LIB_DIR = "lib/llama-server"  # the server's shared libraries, relative to the prefix of its bin/
+# at build time: a build that needs no network, and the same binary with or without one).  The build run
+# path gets the bundle's own in front, so that bundle-server's rewrite (in place: never longer) fits
+# whatever the build folder's name; it changes links only, no compilation.
+SERVER_ARGS = ("-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               f"-DCMAKE_BUILD_RPATH=$ORIGIN/../{SERVER_LIB_DIR}")
 
 
 def pinned_commit(changelog: str, version: str) -> str | None:
