@@ -5,7 +5,7 @@
 #
 #   bash bench/audit_h200.sh OUT N TREE...     (TREE: a checkout or `git archive` holding ipw/ and bench/)
 #
-# Output: OUT/audit.txt and OUT/audit-runs.tgz; the figures are in docs/GPU.md and the session folders under docs/gpu/.
+# Output: OUT/audit.txt and OUT/audit-runs.tgz; the figures are in docs/GPU.md and the session folders under bench/evidence/telemetry/gpu/.
 set -u
 OUT=$(realpath "$1"); N=$2; shift 2
 R=/tmp/audit-h200; rm -rf $R; mkdir -p $R

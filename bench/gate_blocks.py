@@ -21,8 +21,8 @@ logged, since the machine is shared.
     .venv/bin/python bench/gate_blocks.py --blocks 160 --work /tmp/gate-blocks     # blocks (resumable), analysis
     .venv/bin/python bench/gate_blocks.py --analyse-only --work /tmp/gate-blocks
 
-Output: bench/gate-blocks/ (summary.md, summary.json, every verdict and block as CSV); the figures are in
-    docs/CHECK.md, "Measured error rates on this VM".
+Output: bench/evidence/gate/gate-blocks/ (summary.md, summary.json, every verdict and block as CSV); the
+    figures are in docs/CHECK.md, "Measured error rates on this VM".
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main() -> int:
     parser.add_argument("--analyse-only", action="store_true")
     parser.add_argument("--lag", type=int, default=2, help="committed mode: rounds between baseline and candidate "
                         "(at least)")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "gate-blocks")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "evidence" / "gate" / "gate-blocks")
     args = parser.parse_args()
     if not args.analyse_only:
         make_blocks(args.work, args.blocks)

@@ -30,8 +30,8 @@ time and the load average before and after it are logged, since the machine is s
     .venv/bin/python bench/gate_rates.py --cycles 17 --work /tmp/gate-rates     # runs (resumable), then analysis
     .venv/bin/python bench/gate_rates.py --analyse-only --work /tmp/gate-rates
 
-Output: bench/gate-rates/ (summary.md, summary.json, verdicts.csv, runs.csv, per_query.csv); the figures are
-    in docs/CHECK.md, "Measured error rates on this VM".
+Output: bench/evidence/gate/gate-rates/ (summary.md, summary.json, verdicts.csv, runs.csv, per_query.csv); the
+    figures are in docs/CHECK.md, "Measured error rates on this VM".
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def main() -> int:
     parser.add_argument("--analyse-only", action="store_true")
     parser.add_argument("--lag", type=int, default=8, help="committed mode: stream positions between baseline and "
                         "candidate (at least)")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "gate-rates")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "evidence" / "gate" / "gate-rates")
     args = parser.parse_args()
     if not args.analyse_only:
         make_runs(args.work, args.cycles)

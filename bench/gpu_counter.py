@@ -8,7 +8,8 @@ A read costs ~3-4 ms on an H200, so the counter is read a few hundred times a se
 every 100 ms (docs/ARCHITECTURE.md, 'Energy method').  ``bench/gpu_figures.py`` interpolates it at ipw's query windows.
 
 Output: the CSV named (the reference counter of a GPU session), read by bench/gpu_figures.py and
-    bench/serving_validate.py; kept in the session's evidence folder (docs/gpu/, docs/serving/).
+    bench/serving_validate.py; kept in the session's evidence folder (bench/evidence/telemetry/gpu/,
+    bench/evidence/serving/).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
 # matplotlib and its dependencies.  The machine's own python3 brings numpy, pandas, pyarrow, CMake,
 # scikit-build-core and nvcc.  Packages go to $SITE (default /tmp/ipw-site), ipw runs from this checkout.
 #
-# Output: OUT/gpu-runs.tgz; the figures are in docs/GPU.md (the session folders under docs/gpu/).
+# Output: OUT/gpu-runs.tgz; the figures are in docs/GPU.md (the session folders under bench/evidence/telemetry/gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=$1

@@ -20,7 +20,7 @@
 #    pinned nothing: the GPU's local CPUs were all 16 of the machine's, one NUMA node.)
 # Each step runs only while SECONDS (default 540) allow.
 #
-# Output: OUT/validate.tgz, OUT/audit.txt, OUT/overhead.tgz; the figures are in docs/GPU.md, "Decode speed under ipw (target ≥ 0.97)", and docs/gpu/.
+# Output: OUT/validate.tgz, OUT/audit.txt, OUT/overhead.tgz; the figures are in docs/GPU.md, "Decode speed under ipw (target ≥ 0.97)", and bench/evidence/telemetry/gpu/.
 set -u
 cd "$(dirname "$0")/.."
 OUT=$(realpath "$1"); BUDGET=${2:-540}; STEPS=${3:-validate audit sides issue}

@@ -27,26 +27,30 @@ HERE = Path(__file__).resolve().parent
 # where the figures go, for scripts whose docstring has no ``Output:`` paragraph (yet)
 OUTPUT = {
     "attribution.py": "``--out`` (attribution.json, attribution.md, attribution_raw.npz); the committed runs in "
-                      "docs/h200-attribution/ and docs/gpu/; the figures are in docs/ENERGY.md, "
-                      '"Results on an NVIDIA H200".',
+                      "bench/evidence/telemetry/h200-attribution/ and bench/evidence/telemetry/gpu/; the figures "
+                      'are in docs/ENERGY.md, "Results on an NVIDIA H200".',
     "loads.py": "``DIR/loads.npz``, ``DIR/loads.json``, ``DIR/counter.csv.gz``; the committed recordings in "
-                "docs/h200-loads/; read by bench/uncertainty_fit.py.",
-    "uncertainty_fit.py": "printed, and ``--json``; the committed fit in docs/h200-attribution/uncertainty_fit.md "
-                          '(.json); the figures are in docs/ENERGY.md, "How far to trust a reading (issue 27)".',
-    "serving_validate.py": "Markdown on stdout, everything in ``--json``; the committed sessions in docs/serving/; "
-                           'the figures are in docs/SERVING.md, "Validation on the H200" sections.',
+                "bench/evidence/telemetry/h200-loads/; read by bench/uncertainty_fit.py.",
+    "uncertainty_fit.py": "printed, and ``--json``; the committed fit in "
+                          "bench/evidence/telemetry/h200-attribution/uncertainty_fit.md (.json); the figures are in "
+                          'docs/ENERGY.md, "How far to trust a reading (issue 27)".',
+    "serving_validate.py": "Markdown on stdout, everything in ``--json``; the committed sessions in "
+                           'bench/evidence/serving/; the figures are in docs/SERVING.md, "Validation on the H200" '
+                           "sections.",
     "serving_h200.sh": "OUT/serving.tgz, OUT/serving.md, OUT/serve.tgz, OUT/serve.md; the committed sessions in "
-                       'docs/serving/h200-*/; the figures are in docs/SERVING.md, "Validation on the H200" sections, '
-                       'and docs/PERFORMANCE.md, "ipw serve: what the measuring proxy costs a client".',
+                       'bench/evidence/serving/h200-*/; the figures are in docs/SERVING.md, "Validation on the H200" '
+                       'sections, and docs/PERFORMANCE.md, "ipw serve: what the measuring proxy costs a client".',
     "vllm_h200.sh": "OUT/vllm-PART.md, OUT/vllm-PART.tar.xz and the counter; the committed session in "
-                    'docs/serving/vllm-h200-2026-12-04/; the figures are in docs/GPU.md, "`ipw run` with vLLM on '
-                    'the H200 (issue 41, 2026-12-04)", and docs/SERVING.md, "vLLM against llama-server on the H200".',
+                    'bench/evidence/serving/vllm-h200-2026-12-04/; the figures are in docs/GPU.md, "`ipw run` with '
+                    'vLLM on the H200 (issue 41, 2026-12-04)", and docs/SERVING.md, "vLLM against llama-server on '
+                    'the H200".',
 }
 
-# the folders of bench/ (results kept beside the scripts)
+# the folders of bench/
 FOLDERS = {
-    "gate-blocks": "raw results of bench/gate_blocks.py (docs/CHECK.md, \"Measured error rates on this VM\").",
-    "gate-rates": "raw results of bench/gate_rates.py (docs/CHECK.md, \"Measured error rates on this VM\").",
+    "evidence": "the raw evidence behind the figures in docs/ (run folders, counter traces, logs, tarballs), kept "
+                "apart from the prose and grouped by the question it answers; bench/evidence/README.md has a line "
+                "per folder: what it holds, the page that cites it, the script that made it.",
     "results": "not committed: the default ``--out`` of bench/attribution.py and bench/multigpu.py.",
 }
 
@@ -128,7 +132,11 @@ def render(folder: Path = HERE) -> str:
     names = folders(folder)
     if names:
         out += ["", "## Folders", ""]
-        out += [f"- `{n}/`: {FOLDERS.get(n, '')}" for n in names]
+        for n in names:
+            out.append(f"- `{n}/`: {FOLDERS.get(n, '')}")
+            if n == "evidence":  # its groups, with the folders each holds
+                out += [f"  - `{n}/{g.name}/`: {', '.join(sorted(p.name for p in g.iterdir() if p.is_dir()))}"
+                        for g in sorted((folder / n).iterdir()) if g.is_dir()]
     return "\n".join(out) + "\n"
 
 

@@ -11,7 +11,7 @@ tenth of the records to the last (flat memory: no growth with the number of quer
     .venv/bin/python bench/load_server.py --repeats 1 --no-write
 
 Output: docs/RELIABILITY.md, section "Load: 5,000+ queries against a local server at concurrency 8", and the
-    memory trace docs/load/trace.csv (``--no-write``: printed only).
+    memory trace bench/evidence/serving/load/trace.csv (``--no-write``: printed only).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _shared import machine, write_section  # noqa: E402
 
 DOC = ROOT / "docs" / "RELIABILITY.md"
-TRACE = ROOT / "docs" / "load" / "trace.csv"
+TRACE = ROOT / "bench" / "evidence" / "serving" / "load" / "trace.csv"
 SECTION = "## Load: 5,000+ queries against a local server at concurrency 8"
 IPW = str(Path(sys.executable).with_name("ipw"))
 CATEGORIES = ["arithmetic", "science", "general_knowledge", "dates", "strings", "logic", "unit_conversion", "long_context"]
@@ -142,7 +142,7 @@ x {a['repeats']} repeats = **{res['n_expected']:,} queries**
 against a managed llama.cpp server (`python -m llama_cpp.server`, SmolLM2-135M-Instruct, chat API,
 2 threads, max_tokens {a['max_tokens']}) with **{a['concurrency']} requests in flight**, on {machine()}. The
 resident memory of the ipw process and of the server was sampled every {a['every_s']:g} s with the
-record count (trace: `docs/load/trace.csv`).
+record count (trace: `bench/evidence/serving/load/trace.csv`).
 
 | measure | result |
 |---|---|

@@ -12,12 +12,12 @@
 
 Writes a small summary (JSON) and prints it; the run folder is left in ``--work`` (large: delete it).
 
-    nice -n 10 .venv/bin/python bench/million.py --work /tmp/ipw-million --out docs/million/summary.json
+    nice -n 10 .venv/bin/python bench/million.py --work /tmp/ipw-million --out bench/evidence/scale/million/summary.json
     .venv/bin/python bench/million.py --queries 20000 --kill-at 10000 --work /tmp/m --out /tmp/m.json  # a try
     .venv/bin/python bench/million.py --analyse /tmp/ipw-million/runs/RUN --work /tmp/ipw-million --out ...
         # time compare and report of a finished run again
 
-Output: the ``--out`` summary (JSON), docs/million/summary.json for the committed figures; they are in
+Output: the ``--out`` summary (JSON), bench/evidence/scale/million/summary.json for the committed figures; they are in
     docs/PERFORMANCE.md, "A million queries".
 """
 

@@ -1,7 +1,7 @@
 """Multi-GPU measurement on a real machine of two NVIDIA GPUs: selection, foreign activity, per-GPU sums.
 
     PYTHONPATH=. python3 bench/multigpu.py [--out DIR] [--seconds 5] [--repeats 3] [--fake]
-    PYTHONPATH=. python3 bench/multigpu.py --reanalyse docs/multigpu   # offline, from a run's files
+    PYTHONPATH=. python3 bench/multigpu.py --reanalyse bench/evidence/scale/multigpu   # offline, from a run's files
 
 Needs numpy, torch with CUDA and nvidia-ml-py; of ipw only ``ipw.telemetry`` (no typer, rich, pandas).
 About two minutes at the defaults.  Writes ``multigpu.json`` (every window's numbers),
@@ -31,8 +31,8 @@ points (:func:`ipw.telemetry.estimator.counter_energy_between`).
 Never changes clocks, power limits or MIG; uses no NCCL (NCCL_NVLS_ENABLE=0 and the other multicast
 switches are passed on to the workers all the same).
 
-Output: ``--out`` (multigpu.json, multigpu.md, multigpu_raw.npz), the committed run in docs/multigpu/; the
-    figures are in docs/MULTIGPU.md, "Results on two NVIDIA H200s".
+Output: ``--out`` (multigpu.json, multigpu.md, multigpu_raw.npz), the committed run in
+    bench/evidence/scale/multigpu/; the figures are in docs/MULTIGPU.md, "Results on two NVIDIA H200s".
 """
 
 from __future__ import annotations

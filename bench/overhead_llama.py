@@ -28,7 +28,7 @@ The outputs of both sides are compared query by query (greedy decoding: they mus
     .venv/bin/python bench/overhead_llama.py --rounds 3 --queries 20 --no-write
 
 Output: docs/PERFORMANCE.md, section "Harness overhead: llama.cpp in a worker process" (``--no-write``:
-    printed only; ``--json``: the raw result); GPU rounds in docs/GPU.md and docs/overhead-*/.
+    printed only; ``--json``: the raw result); GPU rounds in docs/GPU.md and bench/evidence/overhead/overhead-*/.
 """
 
 from __future__ import annotations

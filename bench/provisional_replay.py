@@ -25,7 +25,7 @@ live); the comparison is between the replay's own provisional and settled values
     .venv/bin/python bench/provisional_replay.py RUN_FOLDER [--period-s S] [--json OUT.json]
 
 Output: printed, and ``--json``; the figures are in docs/SERVING.md, "`ipw serve`: a measuring proxy", and
-    docs/serving/*/README.md.
+    bench/evidence/serving/*/README.md.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@
 
 Recordings (all from one NVIDIA H200, already in the repository):
 
-- ``docs/h200-attribution/attribution_raw.npz`` + ``attribution.json`` (bench/attribution.py,
+- ``bench/evidence/telemetry/h200-attribution/attribution_raw.npz`` + ``attribution.json`` (bench/attribution.py,
   2026-11-29): every signal the sampler recorded, and 12 blocks of identical windows (50 ms, 0.15 s,
   0.5 s, 2 s, 8 s, and the periodic load) with a back-to-back counter reference at each block's edges.
   The reference per window is the block's counter energy times the window's share of the block's time
   (the windows tile the block).  **Fit: the first block of each length (rep 0). Held out: the second
   (rep 1), and the periodic load (both reps).**
-- ``docs/h200-attribution/fresh-2026-12-01-s5/`` (the same bench, ``--repeats 1``, another H200 lent two
-  days later, recorded after the fit was made): **held out entirely.**
+- ``bench/evidence/telemetry/h200-attribution/fresh-2026-12-01-s5/`` (the same bench, ``--repeats 1``,
+  another H200 lent two days later, recorded after the fit was made): **held out entirely.**
 - ``tests/data/h200_trace.npz`` and ``h200_qtrace.npz`` (2026-11-29, another recording on the same
   machine type, synthetic loads and LLM decoding): **held out entirely.**  Windows of 50 ms .. 8 s tile
   each steady or decoding phase at least 4 s long; the counter, read at 100-200 Hz there, is decimated to
@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE = ROOT / "bench" / "evidence" / "telemetry"  # h200-attribution/, h200-loads/
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -238,11 +239,11 @@ def loads_windows(folder: Path, recording: str) -> list[Window]:
 
 
 def loads_recordings() -> list[Window]:
-    return [w for r in LOADS_RECORDINGS for w in loads_windows(ROOT / "docs" / "h200-loads" / r, r)]
+    return [w for r in LOADS_RECORDINGS for w in loads_windows(EVIDENCE / "h200-loads" / r, r)]
 
 
 def all_windows() -> list[Window]:
-    att = ROOT / "docs" / "h200-attribution"
+    att = EVIDENCE / "h200-attribution"
     data = ROOT / "tests" / "data"
     ws = attribution_windows(att / "attribution.json", att / "attribution_raw.npz")
     fresh = att / "fresh-2026-12-01-s5"
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     ws = all_windows()
     fit_set = [w for w in ws if w.set == "fit"]
     held = [w for w in ws if w.set == "held-out"]
-    att = ROOT / "docs" / "h200-attribution"
+    att = EVIDENCE / "h200-attribution"
     floor = ratio_spread(att / "attribution.json", att / "attribution_raw.npz")
     model = fit(fit_set, round(floor, 4))
     print(f"fitted: {model}  (defaults in ipw.telemetry.estimator: {est.DEFAULT_ERROR_MODEL})\n")

@@ -27,10 +27,10 @@
 #
 # The pieces: .gpufiles/vllm/v1, v2, v3 (87.5 MiB: tar+xz of the wheels, uncompressed inside; PIECE_MIB=30 each;
 # .gpufiles/vllm/README) and .gpufiles/a, b, c (llama-server's sources and the bundled GGUF: bench/serving_h200.sh
-# pack).  Each call carries the checkout too, 64 MiB in all: ~25 MiB with docs/, ~3 MiB with docs/*/ (the raw
+# pack).  Each call carries the checkout too, 64 MiB in all: ~25 MiB with bench/evidence/, ~3 MiB with it (the raw
 # result folders) moved aside, so one folder a call, or two.  $W (/tmp/ipw-vllm) and /tmp/ipw-serving survive
 # between calls while the machine is warm (~30 s after a call), so the calls follow each other at once.
-# The run of 2026-12-04 (docs/serving/vllm-h200-2026-12-04/), docs/*/ moved aside, 4 calls:
+# The run of 2026-12-04 (bench/evidence/serving/vllm-h200-2026-12-04/), its raw result folders moved aside, 4 calls:
 #
 # call 1, carry [".gpufiles/vllm/v1", ".gpufiles/vllm/v3"] (seconds):
 #   bash bench/vllm_h200.sh stash .gpufiles/vllm/v1 .gpufiles/vllm/v3

@@ -204,7 +204,7 @@ def test_counter_over_the_span_on_the_h200_runs():
     from ipw.telemetry import estimator as est
     from ipw.telemetry.audit import counter_span_j
 
-    root = Path(__file__).resolve().parent.parent / "docs" / "gpu" / "h200-2026-12-01-s5"
+    root = Path(__file__).resolve().parent.parent / "bench" / "evidence" / "telemetry" / "gpu" / "h200-2026-12-01-s5"
     cnt = pd.read_csv(root / "counter.csv.gz")
     dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
     runs = sorted((root / "runs").iterdir())
@@ -328,7 +328,8 @@ def test_the_h200_fake_engine_runs_have_a_counter_over_their_span(tmp_path):
     from ipw.telemetry import estimator as est
     from ipw.telemetry.audit import counter_over
 
-    tgz = Path(__file__).resolve().parent.parent / "docs" / "gpu" / "h200-2026-12-02-s8" / "audit-runs.tgz"
+    gpu = Path(__file__).resolve().parent.parent / "bench" / "evidence" / "telemetry" / "gpu"
+    tgz = gpu / "h200-2026-12-02-s8" / "audit-runs.tgz"
     with tarfile.open(tgz) as tar:
         safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4+
         tar.extractall(tmp_path, members=[m for m in tar.getmembers() if m.name.startswith("./runs-main/")], **safe)

@@ -113,7 +113,7 @@ def test_record_trace_bad_path_and_bad_file(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # the real H200 trace (tests/data/h200-nvml-trace.json.gz: `ipw doctor --record-trace ... --seconds 24`
 # on one H200, driver 580.159.04; 8 s idle, 8 s of bf16 matmuls, 8 s idle; its log is
-# docs/platforms/h200-record-trace.log), replayed through the NVML fake
+# bench/evidence/telemetry/platforms/h200-record-trace.log), replayed through the NVML fake
 
 
 H200_TRACE = Path(__file__).parent / "data" / "h200-nvml-trace.json.gz"

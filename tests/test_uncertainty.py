@@ -1,8 +1,8 @@
 """Issue 27: the ±90% interval of a sampled window holds on H200 recordings the fit never saw, and the
 counter's sparse reads are placed on its update grid.
 
-The replays use the recordings committed in docs/h200-attribution (bench/attribution.py: identical windows
-with a back-to-back counter reference; the fresh 2026-12-01 recording was made after the fit) and tests/data
+The replays use the recordings committed in bench/evidence/telemetry/h200-attribution (bench/attribution.py:
+identical windows with a back-to-back counter reference; the fresh 2026-12-01 recording was made after the fit) and tests/data
 (LLM decoding and synthetic loads, full-rate counter).  bench/uncertainty_fit.py made the fit (on the
 2026-11-29 recording's first block of each length) and prints the tables in docs/ENERGY.md.
 """
@@ -80,7 +80,7 @@ def test_periodic_load_is_labeled_and_covered(held_out):
     assert not any(w.terms.aliasing_period_s is not None for w in ws if w.group != fit.PERIODIC)
 
 
-GPU_RUNS = ROOT / "docs" / "gpu" / "h200-2026-12-01"
+GPU_RUNS = ROOT / "bench" / "evidence" / "telemetry" / "gpu" / "h200-2026-12-01"
 
 
 def test_grid_placement_recovers_the_dense_calibration():
@@ -197,7 +197,7 @@ def test_grid_placement_places_reads_with_a_wide_phase_gap_elsewhere():
 
 
 def test_grid_placement_on_a_short_vllm_run():
-    """The vLLM in-process run of docs/serving/vllm-h200-2026-12-04 (19 s; 16 counter reads, 0.25-2 s
+    """The vLLM in-process run of bench/evidence/serving/vllm-h200-2026-12-04 (19 s; 16 counter reads, 0.25-2 s
     apart; 15 changes whose phases leave a 31 ms gap): the grid is placed at 70 ms, where the
     back-to-back counter (counter-rest.csv.gz) saw the updates (69-72 ms), and its calibration ratio is
     that counter's within 0.05%; held half a step before each read it came out 0.37% low."""
@@ -205,7 +205,7 @@ def test_grid_placement_on_a_short_vllm_run():
     import tarfile
 
     pd = pytest.importorskip("pandas")
-    folder = ROOT / "docs" / "serving" / "vllm-h200-2026-12-04"
+    folder = ROOT / "bench" / "evidence" / "serving" / "vllm-h200-2026-12-04"
     with tarfile.open(folder / "vllm-rest.tar.xz") as tf:
         member = next(m for m in tf.getmembers() if m.name.startswith("./inproc/") and m.name.endswith("/power.parquet"))
         f = tf.extractfile(member)
@@ -232,7 +232,7 @@ def test_grid_placement_on_a_short_vllm_run():
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 43: ten load shapes recorded for it (bench/loads.py, docs/h200-loads), all held out
+# issue 43: ten load shapes recorded for it (bench/loads.py, bench/evidence/telemetry/h200-loads), all held out
 
 
 @pytest.fixture(scope="module")

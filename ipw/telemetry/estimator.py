@@ -438,9 +438,10 @@ COUNTER_GRID_MAX_PHASE_GAP = 0.25
 #: than this share of a step: the placement is then uncertain by at most that, uniformly (2 ms sd, as
 #: ``COUNTER_TIME_SD_GRID_S`` says).  Between two reads' phases the misfit is flat on the H200 recordings
 #: (within 1%: the samples do not pin the phase there), so the fit is only as sharp as the reads around it;
-#: the vLLM run of docs/serving/vllm-h200-2026-12-04 (15 changes, a 31 ms gap between their phases) had
-#: reads 4 ms apart around the phase, where the back-to-back counter saw the updates; a fake-engine run
-#: of docs/gpu/h200-2026-12-02-s8 (12 changes) had 20 ms, and placed there its span's counter was 1.5% off.
+#: the vLLM run of bench/evidence/serving/vllm-h200-2026-12-04 (15 changes, a 31 ms gap between their
+#: phases) had reads 4 ms apart around the phase, where the back-to-back counter saw the updates; a
+#: fake-engine run of bench/evidence/telemetry/gpu/h200-2026-12-02-s8 (12 changes) had 20 ms, and placed
+#: there its span's counter was 1.5% off.
 COUNTER_GRID_MAX_BAND = 0.07
 #: ... "near the least misfit": within this factor of it, or this share of the median misfit when the
 #: least is smaller (a noise-free recording's misfit of zero would make any band one phase wide).
