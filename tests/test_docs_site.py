@@ -1,9 +1,11 @@
 """The documentation: the README's two commands, the MkDocs site built from docs/ (mkdocs.yml) in strict
-mode, links the site builder does not check (README.md's, links to the raw evidence folders), and that every
-command, option and config key is documented on the site's pages."""
+mode, links the site builder does not check (README.md's), docs/ holding the prose only, every raw evidence
+path a page names (bench/evidence/...) existing, and every command, option and config key documented on the
+site's pages."""
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import re
 from pathlib import Path
@@ -19,7 +21,8 @@ from ipw.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-# the site's own pages: the quick start, the user guide and the existing docs/*.md (not the raw evidence folders)
+EVIDENCE = ROOT / "bench" / "evidence"
+# the site's own pages: the quick start, the user guide and docs/*.md
 PAGES = sorted([*DOCS.glob("*.md"), *(DOCS / "guide").glob("*.md")])
 
 RUN_COMMAND = "bash .ci/setup && .venv/bin/ipw run"
@@ -86,6 +89,35 @@ def test_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+def test_docs_holds_prose_only():
+    """docs/ is the site's pages and nothing else, under 1 MB (issue 46): the raw evidence (run folders,
+    traces, tarballs) is in bench/evidence/, which a page names as a code span."""
+    files = [p for p in DOCS.rglob("*") if p.is_file()]
+    assert sorted(files) == PAGES, sorted(set(files) ^ set(PAGES))
+    assert sum(p.stat().st_size for p in files) < 1_000_000
+
+
+EVIDENCE_PATH = re.compile(r"bench/evidence/[\w./*-]*")
+
+
+def test_evidence_paths_exist():
+    """Every bench/evidence/ path that README.md or a page names (a folder, a file or a glob) exists, so a
+    figure leads to its raw files; bench/evidence/README.md has a line for every evidence folder."""
+    missing = []
+    for source in [README, *PAGES]:
+        for n, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+            for m in EVIDENCE_PATH.finditer(line):
+                path = m.group(0).rstrip(".,;:")
+                if not glob.glob(str(ROOT / path)):
+                    missing.append(f"{source.relative_to(ROOT)}:{n}: {path}")
+    assert not missing, "\n".join(missing)
+    index = (EVIDENCE / "README.md").read_text(encoding="utf-8")
+    folders = sorted(p.relative_to(EVIDENCE).as_posix() for p in EVIDENCE.glob("*/*") if p.is_dir())
+    assert len(folders) > 20
+    unlisted = [f for f in folders if f"\n- `{f}/`: " not in index]
+    assert not unlisted, f"bench/evidence/README.md: no line for {unlisted}"
+
+
 def _commands(cmd: click.Command, path: list[str]):
     if isinstance(cmd, click.Group):
         for name, sub in cmd.commands.items():
@@ -140,21 +172,20 @@ def test_site_builds_strict(tmp_path, monkeypatch):
 
 
 _GOOD = {
-    "index.md": "# Home\n\nSee [a](guide/a.md#part-one), [raw](raw/x.json) and [the raw folder](raw/).\n",
+    "index.md": "# Home\n\nSee [a](guide/a.md#part-one) and [a file](files/x.json).\n",
     "guide/a.md": "# A\n\n## Part one\n\nBack [home](../index.md).\n",
     "guide/b.md": "# B\n",
-    "raw/x.json": "{}\n",
-    "raw/notes.md": "# Raw notes, outside the nav\n",
+    "files/x.json": "{}\n",
 }
 _NAV = "nav:\n  - Home: index.md\n  - Guide:\n      - A: guide/a.md\n      - B: guide/b.md\n"
 
 
 @needs_mkdocs
-@pytest.mark.parametrize("case", ["good", "missing page", "missing anchor", "outside docs", "nav to nothing",
-                                  "page not in nav"])
+@pytest.mark.parametrize("case", ["good", "missing page", "missing anchor", "outside docs", "folder",
+                                  "nav to nothing", "page not in nav"])
 def test_strict_fails_on_broken_links(tmp_path, monkeypatch, case):
-    """mkdocs.yml's settings, on a scratch site: a broken link between pages, to an anchor or out of docs/,
-    a nav entry without its page and a page the nav leaves out each fail the build."""
+    """mkdocs.yml's settings, on a scratch site: a broken link between pages, to an anchor, out of docs/ or
+    to a folder, a nav entry without its page and a page the nav leaves out each fail the build."""
     from mkdocs.exceptions import Abort
 
     monkeypatch.setenv("NO_MKDOCS_2_WARNING", "1")
@@ -166,6 +197,8 @@ def test_strict_fails_on_broken_links(tmp_path, monkeypatch, case):
         pages["guide/b.md"] += "\nSee [a](a.md#part-two).\n"
     elif case == "outside docs":
         pages["guide/b.md"] += "\nSee [the script](../../bench/x.py).\n"
+    elif case == "folder":
+        pages["guide/b.md"] += "\nSee [the files](../files/).\n"
     elif case == "nav to nothing":
         nav += "      - C: guide/c.md\n"
     elif case == "page not in nav":
@@ -178,7 +211,7 @@ def test_strict_fails_on_broken_links(tmp_path, monkeypatch, case):
     (tmp_path / "mkdocs.yml").write_text(settings[:settings.index("\nnav:\n") + 1] + nav, encoding="utf-8")
     if case == "good":
         _build(tmp_path / "mkdocs.yml", tmp_path / "site")
-        assert (tmp_path / "site" / "raw" / "x.json").is_file()
+        assert (tmp_path / "site" / "files" / "x.json").is_file()
     else:
         with pytest.raises(Abort, match="strict mode"):
             _build(tmp_path / "mkdocs.yml", tmp_path / "site")
