@@ -999,6 +999,10 @@ class Proxy:
         session.writer.close()
         folder = session.folder
         try:
+            backends = folder.manifest.backends or []
+            entry = dict(backends[0]) if backends else {}
+            # before the power trace and the sensors' close: the audit's read of the counter past the end is in both
+            audit = self._energy_audit(max(1, len(entry.get("sessions", []))))
             for sensor in self.sensors:
                 if sensor.supports_trace:
                     folder.add_power(session.spec.name, sensor.trace())
@@ -1013,9 +1017,8 @@ class Proxy:
                 "sampler_overhead": {s.name: s.overhead() for s in self.sensors},
                 "meter_cost": {k: round(v, 4) for k, v in session.meter.cost.items()},
                 **({"routing": session.routing_line()} if session.router is not None else {}),
+                **({"energy_audit": audit} if audit else {}),
             }
-            backends = folder.manifest.backends or []
-            entry = dict(backends[0]) if backends else {}
             entry["sessions"] = [*entry.get("sessions", [])[:-1], line]  # the last session is this one
             folder.write_manifest(backends=[entry], dataset=_dataset(session))
             folder.finish(status, **({"reason": reason} if reason else {}))
@@ -1025,6 +1028,22 @@ class Proxy:
             if self.backend is not None:
                 self.backend.close()
         return line
+
+    def _energy_audit(self, n: int) -> list[dict[str, Any]]:
+        """The session's energy audit (``ipw.telemetry.audit``; ``ipw run`` has one per backend and level): the
+        counter over the span of this session's requests (both routes' with --route: they share the meter) vs
+        their energies plus the idle between them, its lines "in session N"; [] without an NVML sensor."""
+        from ipw.telemetry.audit import audit_dicts
+
+        session = self.session
+        if not any(getattr(s, "supports_energy_windows", False) for s in self.sensors):
+            return []
+        try:
+            records = [r for name in dict.fromkeys(spec.name for spec in session.specs.values())
+                       for r in session.folder.records_of(name)]
+        except Exception as exc:  # the audit never costs the session
+            return [{"error": f"{type(exc).__name__}: {exc}"}]
+        return audit_dicts(self.sensors, records, since_s=session.meter.started_s, scope=f"in session {n}")
 
 
 def is_llama_server(upstream: Upstream, key: str | None) -> bool:

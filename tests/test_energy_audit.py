@@ -115,6 +115,22 @@ def test_a_sweep_is_audited_per_level(monkeypatch):
     sensor.close()
 
 
+def test_audit_lines_name_the_flagged_audits_of_backends_and_proxy_sessions():
+    """``audit_lines`` (what ``ipw run`` prints; ``ipw serve`` prints its session's through ``flagged_lines``):
+    one line per audit that disagrees, misses ±0.3% or could not run, of a backend or of a proxy session."""
+    from types import SimpleNamespace
+
+    from ipw.telemetry.audit import audit_lines, flagged_lines
+
+    ok = {"agrees": True, "within_target": True, "line": "energy audit gpu0: fine"}
+    miss = {"agrees": True, "within_target": False, "line": "energy audit gpu0 in session 2: (+0.5%, misses ±0.3%)"}
+    manifest = SimpleNamespace(backends=[
+        {"name": "b", "energy_audit": [ok, {"error": "OSError: gone"}]},
+        {"name": "p", "sessions": [{"energy_audit": [ok]}, {"status": "serving"}, {"energy_audit": [miss]}]}])
+    assert audit_lines(manifest) == ["energy audit b: could not run (OSError: gone)", f"p: {miss['line']}"]
+    assert flagged_lines("p", [ok]) == [] and flagged_lines("p", None) == []
+
+
 class _SleepyBackend:
     """A backend whose queries take ~60 ms of wall time (the GPU's power is the NVML fake's)."""
 
@@ -153,7 +169,7 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
     import time
 
     from ipw.backends.base import register_backend, unregister_backend
-    from ipw.commands.run import audit_lines
+    from ipw.telemetry.audit import audit_lines
     from ipw.config import load_config
     from ipw.runner import execute
     from runfolders import start_run

@@ -1430,3 +1430,128 @@ def test_a_request_framed_two_ways_is_refused(tmp_path):
         proxy.stop(grace_s=5)
         stub.close()
     assert len(_records(proxy.session.folder.path)) == 1
+
+
+def _nvml_session(tmp_path, monkeypatch, stub, counter_off: float = 0.0, resume=None, status: str = "complete"):
+    """A proxy session over the stub with a real NvmlSensor on the NVML fake (real clock): six requests, the GPU
+    at 5 W around the first and the last and at 400 W for a second between them (on the counter's 0.1 s steps,
+    which the fake's counter holds).  A counter read's update is placed within ±50 ms only (the fake's reads,
+    0.25 s on the dot, do not pin the update grid): at the span's ends at 5 W that is 0.1% of the span's
+    energy at most.  ``counter_off``: the counter's increments from the first request on are that share too
+    high, after 2 s at 400 W where it is right (a counter uniformly off is absorbed by the calibration of the
+    samples on it: the requests' energies are as far off).  The proxy and its stop's session line."""
+    import http.client
+
+    import numpy as np
+
+    from ipw.telemetry.nvml import NvmlSensor
+    from nvml_fakes import RealClock, make_fake, real_offset_ns, synthetic
+
+    t0_s, offset_ns = time.monotonic() - 5, real_offset_ns()
+    loads: list[tuple[float, float]] = [(-10.0, -9.0)]
+    off_from = math.inf
+
+    def signals():
+        sig, _ = synthetic(150.0, idle_w=5.0, load_w=400.0, load=loads, offset_ns=offset_ns, t0_s=t0_s)
+        steps = sig.ctr_t_ns / 1e9 - t0_s - 0.1  # each increment's step
+        inc = np.diff(sig.ctr_mj, prepend=sig.ctr_mj[0]) * np.where(steps >= off_from, 1.0 + counter_off, 1.0)
+        sig.ctr_mj = (sig.ctr_mj[0] + np.cumsum(inc)).astype(sig.ctr_mj.dtype)
+        return sig
+
+    def step_after(wait_s: float) -> float:  # seconds after t0 of the counter's step at least wait_s from now
+        return math.ceil((time.monotonic() - t0_s + wait_s) * 10) / 10
+
+    def load_from(a_s: float, b_s: float) -> None:  # the same signal until then
+        loads.append((a_s, b_s))
+        sig.__dict__.update(signals().__dict__)
+
+    sig = signals()
+    make_fake(monkeypatch, [sig], RealClock())
+    opts = ServeOptions(upstream=stub.base_url, name="stub", port=0, idle_s=1.0)
+    proxy = start(opts, tmp_path / "out", upstream_pids=[os.getpid()], command=["test"], resume=resume,
+                  probe=lambda pids, remote=False: [NvmlSensor()])
+    host, port = proxy.server.server_address[:2]
+    ask = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+    def call() -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", body=ask, headers={"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        conn.close()
+
+    def until(t_s: float) -> None:
+        time.sleep(max(0.0, t0_s + t_s - time.monotonic()))
+
+    try:
+        stub.modes = ["json"] * 6
+        if counter_off:
+            on = step_after(0.3)
+            off_from = on + 2.2
+            load_from(on, on + 2.0)
+            until(on + 2.3)
+        call()
+        on = step_after(0.3)  # the load: from a step 0.3-0.4 s on, for 1 s
+        load_from(on, on + 1.0)
+        for _ in range(4):
+            time.sleep(0.3)
+            call()
+        until(on + 1.3)
+        call()
+    finally:
+        line = proxy.stop(grace_s=5, status=status)
+    return proxy, line
+
+
+def test_a_session_with_an_nvml_sensor_is_audited_and_compare_lists_it(tmp_path, monkeypatch, run_cli):
+    """Issue 43: a proxy session is audited as ``ipw run``'s backends are (``ipw.telemetry.audit``): its manifest
+    line holds one audit "in session N" over its requests; it agrees within ±0.3%, so ``ipw serve`` prints no
+    audit line at its stop, and ``ipw compare`` of the folder lists it.  A resumed folder's second session has
+    its own, "in session 2"."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ipw.commands.serve import _audit_lines
+
+    stub = Stub()
+    try:
+        proxy, line = _nvml_session(tmp_path, monkeypatch, stub, status="interrupted")  # resumed below
+        folder = proxy.session.folder.path
+        _, again = _nvml_session(tmp_path, monkeypatch, stub, resume=folder)
+    finally:
+        stub.close()
+    (a,) = line["energy_audit"]
+    assert a["component"] == "gpu0" and a["queries"] == 6 and a["counter_j"] is not None, a
+    assert a["line"].startswith("energy audit gpu0 in session 1: ") and a["within_target"], a["line"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["backends"][0]["sessions"][0]["energy_audit"] == json.loads(json.dumps(line["energy_audit"]))
+    printed = StringIO()
+    _audit_lines(proxy, line, Console(file=printed, width=100))
+    assert printed.getvalue() == ("" if a["agrees"] else f"stub: {a['line']}\n")
+    (b,) = again["energy_audit"]
+    assert b["queries"] == 6 and b["line"].startswith("energy audit gpu0 in session 2: "), b["line"]
+    code, out, err = run_cli("compare", folder)
+    shown = " ".join(out.split())  # rich may wrap the notes
+    assert code == 0 and all(f"run {manifest['run_id']}, stub: {x['line']}" in shown for x in (a, b)), err
+
+
+def test_a_session_whose_counter_is_one_percent_off_prints_that_it_misses_the_target(tmp_path, monkeypatch):
+    """The fake's counter 1% over its samples during the session (``_nvml_session``): the session's audit misses
+    ±0.3%, and ``ipw serve`` says so at its stop in one line (as ``ipw run`` does for a backend's)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ipw.commands.serve import _audit_lines
+
+    stub = Stub()
+    try:
+        proxy, line = _nvml_session(tmp_path, monkeypatch, stub, counter_off=0.01)
+    finally:
+        stub.close()
+    (a,) = line["energy_audit"]
+    assert a["within_target"] is False and "misses ±0.3%" in a["line"], a["line"]
+    printed = StringIO()
+    _audit_lines(proxy, line, Console(file=printed, width=100))
+    assert printed.getvalue().splitlines() == [f"stub: {a['line']}"]
+    assert printed.getvalue().startswith("stub: energy audit gpu0 in session 1: counter ")

@@ -197,10 +197,12 @@ def _small(path: Path) -> bool:
 
 
 def energy_audits(manifest: RunManifest) -> tuple[str, ...]:
-    """Each backend's run-level energy audit as the manifest keeps it (``backends[].energy_audit``), one
+    """Each backend's run-level energy audit as the manifest keeps it (``backends[].energy_audit``), and each
+    proxy session's (``ipw serve``: ``backends[].sessions[].energy_audit``, its lines "in session N"), one
     ``"backend: line"`` each; runs made before the audit have none."""
     return tuple(f"{b.get('name')}: {a.get('line') or a.get('error')}" for b in manifest.backends or []
-                 for a in b.get("energy_audit") or [] if a.get("line") or a.get("error"))
+                 for audits in [b.get("energy_audit"), *(s.get("energy_audit") for s in b.get("sessions") or [])]
+                 for a in audits or [] if a.get("line") or a.get("error"))
 
 
 def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool = True) -> list[_Part]:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ipw.analysis.render import Table
     from ipw.config import RunConfig
     from ipw.datasets import QuerySet
-    from ipw.results import KeptQueries, RunManifest
+    from ipw.results import KeptQueries
 
 
 def _progress_columns():
@@ -188,6 +188,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
 
     # 4. write: the summary of the finished folder (judged first when the config has a [judge])
     from ipw.analysis.render import metrics_table, rich_tables, with_basis
+    from ipw.telemetry.audit import audit_lines
 
     summary_dir, judge_failed = _judge_finished(folder.path, config, status, console)
     try:
@@ -289,20 +290,6 @@ RUN_END_ROUTING = ("routing", "power_envelope")  # compare's routing tables that
 class EndSummary:
     comparison: Comparison  # ``ipw compare RUN_DIR``'s (its defaults: the same seed, so the same CIs)
     routing: list[Table]  # compare's routing summary and power envelope (with a cloud-role backend), its judge table
-
-
-def audit_lines(manifest: RunManifest) -> list[str]:
-    """One line per GPU (and concurrency level) whose run-level energy audit disagrees beyond its stated
-    uncertainty or misses the ±0.3% conservation target, or failed (the manifest's ``backends[].energy_audit``,
-    ``ipw.telemetry.audit``); nothing when all agree within the target."""
-    out = []
-    for b in manifest.backends or []:
-        for a in b.get("energy_audit") or []:
-            if "error" in a:
-                out.append(f"energy audit {b.get('name')}: could not run ({a['error']})")
-            elif a.get("agrees") is False or a.get("within_target") is False:
-                out.append(f"{b.get('name')}: {a.get('line')}")
-    return out
 
 
 def end_summary(run_dir) -> EndSummary:

@@ -97,6 +97,15 @@ def _summary(proxy: Any, line: dict[str, Any], console: Console) -> None:
     console.print(f"run folder: {session.folder.path}  (ipw compare / ipw report / ipw check read it)")
 
 
+def _audit_lines(proxy: Any, line: dict[str, Any], console: Console) -> None:
+    """The session's energy audit lines that disagree beyond their uncertainty or miss the ±0.3% target
+    (``ipw.telemetry.audit.flagged_lines``, as ``ipw run`` prints its own), one line each."""
+    from ipw.telemetry.audit import flagged_lines
+
+    for text in flagged_lines(proxy.session.spec.name, line.get("energy_audit")):
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 def _start(options, managed, given: ProxyOptions, resume: Path | None, console: Console):
     from ipw.backends.openai_http import is_loopback
     from ipw.serve import start
@@ -134,6 +143,7 @@ def serve_command(given: ProxyOptions, serve: ServeOnly) -> int:
         console.print("ipw serve: stopping (requests in flight may finish)", highlight=False, markup=False, soft_wrap=True)
     line = proxy.stop()
     _summary(proxy, line, stdout())
+    _audit_lines(proxy, line, console)
     return 0
 
 
@@ -169,6 +179,7 @@ def wrap_command(command: list[str], given: ProxyOptions, wrap: WrapOnly) -> int
               else None if code == 0 else f"the command exited with {code}")
     line = proxy.stop(status="complete" if code == 0 and not stopped else "interrupted", reason=reason)
     _summary(proxy, line, stdout())
+    _audit_lines(proxy, line, console)
     return code if code >= 0 else 128 - code
 
 

@@ -20,9 +20,11 @@ misses it says so (``within_target``), beside whether it agrees within its state
 ``audit`` is pure; ``run_audit`` gathers its inputs from a finished backend's NVML sensor and its records
 (``ipw.runner``, once per backend, after its last query).  A backend that ran more than one concurrency
 level is audited per level (each level's span, its queries and the idle between them; its line says "at
-16 in flight"): one level's miss is not hidden in the total.  The manifest keeps every field; ``ipw run``
-prints one line when a GPU's difference exceeds its uncertainty (``EnergyAudit.line``); ``ipw doctor
---self-test`` shows the same audit over its own windows.
+16 in flight"): one level's miss is not hidden in the total.  The proxy (``ipw serve``) audits each of its
+sessions at its stop (``backends[].sessions[].energy_audit``, its lines "in session 2").  The manifest keeps
+every field; ``ipw run`` and ``ipw serve`` print one line when a GPU's difference exceeds its uncertainty or
+misses the target (``audit_lines``, ``flagged_lines``); ``ipw doctor --self-test`` shows the same audit over
+its own windows.
 """
 
 from __future__ import annotations
@@ -206,6 +208,30 @@ def audit_dicts(sensors: Sequence[Any], records: Sequence[dict[str, Any]], since
                 for a in run_audit(sensors, mine, scope)]
     except Exception as exc:  # the audit never costs a run
         return [{"error": f"{type(exc).__name__}: {exc}"}]
+
+
+def flagged_lines(name: str, audits: Sequence[dict[str, Any]] | None) -> list[str]:
+    """``"name: line"`` for each of ``audits`` (``audit_dicts``' entries, of a backend or a proxy session)
+    that disagrees beyond its stated uncertainty or misses the ±0.3% target, and one line for an audit that
+    could not run; nothing when all agree within the target."""
+    out = []
+    for a in audits or []:
+        if "error" in a:
+            out.append(f"energy audit {name}: could not run ({a['error']})")
+        elif a.get("agrees") is False or a.get("within_target") is False:
+            out.append(f"{name}: {a.get('line')}")
+    return out
+
+
+def audit_lines(manifest: Any) -> list[str]:
+    """What ``ipw run`` prints at its end (``flagged_lines``) over a run's manifest: each backend's audit
+    (``backends[].energy_audit``) and each proxy session's (``backends[].sessions[].energy_audit``)."""
+    out = []
+    for b in manifest.backends or []:
+        out += flagged_lines(str(b.get("name")), b.get("energy_audit"))
+        for s in b.get("sessions") or []:
+            out += flagged_lines(str(b.get("name")), s.get("energy_audit"))
+    return out
 
 
 #: The counter is read once more this long after the last query ends (its next update, 100 ms on the
