@@ -69,9 +69,13 @@ def run_backend(
         return {"name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
                 "load_s": round(time.monotonic() - t0, 3), "stopped": str(exc)}  # load_s: until it stopped
     except IpwError as exc:  # an engine that could not start (a server's root cause, say): its one line names it
+        backend.close()  # whatever its start left (bounded: a worker's close kills what does not end)
         if f"backend {spec.name!r}" in exc.message:
             raise
         raise IpwError(f"backend {spec.name!r}: {exc.message}", exc.exit_code) from exc
+    except BaseException:  # Ctrl-C or SIGTERM while it loads, or a bug: its processes go too
+        backend.close()
+        raise
     load_s = time.monotonic() - t0
     sensors = probe(backend)
     window = Window(sensors)

@@ -35,6 +35,7 @@ import psutil
 from ipw.errors import IpwError
 
 SERVER_KINDS = ("llama-cpp", "llama-server", "vllm")
+KILL_WAIT_S = 10.0  # the wait for a process after SIGKILL; one stuck in the kernel is left, not waited on
 _LIVE: set["ManagedServer"] = set()
 
 
@@ -396,13 +397,26 @@ class ManagedServer:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver's teardown?): not waited on
+                pass
         _, alive = psutil.wait_procs(procs, timeout=grace_s)
-        for proc in alive + process_group(self.proc.pid):
+        killed = alive + [p for p in process_group(self.proc.pid) if p.pid not in {q.pid for q in alive}]
+        for proc in killed:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+        _, stuck = psutil.wait_procs(killed, timeout=KILL_WAIT_S) if killed else ([], [])
+        if killed:  # one line: what did not end within grace_s of SIGTERM
+            line = (f"note: the {self.label} on port {self.port}: killed (SIGKILL) {len(killed)} process(es) that had "
+                    f"not exited {grace_s:g} s after SIGTERM (pid {', '.join(str(p.pid) for p in killed)})")
+            if stuck:
+                line += (f"; pid {', '.join(str(p.pid) for p in stuck)} did not exit even after SIGKILL "
+                         f"({KILL_WAIT_S:g} s): left behind, not waited on")
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
         return self.proc.returncode
 
 

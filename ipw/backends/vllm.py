@@ -220,7 +220,8 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if self._driver is None or not self._driver.is_alive():
+        driver = self._driver
+        if driver is None or not driver.is_alive():
             raise QueryError("the vLLM engine is not running", "engine_dead")
         with self._tok_lock:
             ids, stops = self._prompt_ids(prompt)
@@ -229,7 +230,9 @@ class VllmEngine:
         params = SamplingParams(**values, output_kind=RequestOutputKind.DELTA)
         request = _Request(ids, params, time.monotonic())
         self._queue.put(request)
-        request.done.wait()
+        while not request.done.wait(1.0):  # the driver may have stopped after the check above: never wait forever
+            if not driver.is_alive() and not request.done.is_set():
+                raise QueryError("the vLLM engine stopped before answering", "engine_dead")
         if request.error is not None:
             raise request.error
         end = time.monotonic()

@@ -46,6 +46,13 @@ from ipw.errors import IpwError
 
 MAX_RESTARTS = 3
 LOAD_TIMEOUT_S = 600.0  # a vLLM engine takes 25-35 s on 2 cores; a large GGUF from a slow disk longer
+CLOSE_TIMEOUT_S = 30.0  # a worker's close: its answer, then its exit
+#: a read of the answer pipe wakes this often to see whether the worker is still there: a process the engine
+#: forked (vLLM's engine core with the fork start method) holds the pipe open after the worker is gone
+POLL_S = 1.0
+LEFTOVER_GRACE_S = 3.0  # what a closed worker left (its engine's processes) may end by itself, then SIGKILL
+#: the wait for a process after SIGKILL; one stuck in the kernel (a GPU driver's teardown) is left, not waited on
+KILL_WAIT_S = 10.0
 
 class EngineStopped(IpwError):
     """A backend whose engine died while loading, or crashed more than ``MAX_RESTARTS`` times: the run
@@ -220,12 +227,18 @@ class Worker:
                 raise TimeoutError
 
     def _read_until(self, mine: _Call, deadline: float | None) -> None:
-        """Read answers, handing each to its caller, until ``mine`` has come (or the worker died)."""
+        """Read answers, handing each to its caller, until ``mine`` has come (or the worker died).  No read
+        blocks for more than ``POLL_S``: the end of the pipe is not the only sign of a dead worker (a process
+        it forked may hold the pipe open), so an idle pipe is a check of the worker's process."""
         while mine.answer is None:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self._in_fd], [], [], left)[0]:
-                    raise TimeoutError
+            wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                raise TimeoutError
+            if not select.select([self._in_fd], [], [], wait)[0]:
+                if self.proc.poll() is not None and not select.select([self._in_fd], [], [], 0)[0]:
+                    self._died()  # gone, and nothing left to read: whatever holds the pipe is not the worker
+                    return
+                continue
             chunk = os.read(self._in_fd, self.READ_BYTES)
             if not chunk:  # the pipe closed: the worker exited or died
                 self._died()
@@ -243,7 +256,7 @@ class Worker:
                     call.wake.set()
 
     def _died(self) -> None:
-        returncode = self.proc.wait()
+        returncode = self._reap(KILL_WAIT_S)
         with self._lock:
             self.died = WorkerDied(returncode, _tail(self.log_path))
             pending, self._pending = self._pending, {}
@@ -256,26 +269,125 @@ class Worker:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def _reap(self, timeout_s: float) -> int | None:
+        """The worker's exit status, waiting up to ``timeout_s``, then SIGKILL (its session) and
+        ``KILL_WAIT_S`` more; None when it is still there (stuck in the kernel): it is not waited on."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+        try:
+            return self.proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _descendants(self) -> list[Any]:
+        """The worker's descendants now (``psutil``: this runs in ipw, never in the worker); one that left
+        the worker's session (``setsid``) is still found here, while the worker is alive."""
+        import psutil
+
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
+        except psutil.Error:
+            return []
+
+    def _pipe_holders(self) -> list[Any]:
+        """The processes, other than this one and the worker, that still hold the answer pipe open once the
+        worker has exited (what it forked: a fork inherits the pipe), found through ``/proc`` (none elsewhere),
+        only when the pipe has not ended.  One that left the worker's session is found here too."""
+        import psutil
+
+        try:
+            while select.select([self._in_fd], [], [], 0)[0]:  # what is left to read, then the end
+                if not os.read(self._in_fd, self.READ_BYTES):
+                    return []  # the pipe ended: nobody holds it
+            target = f"pipe:[{os.fstat(self._in_fd).st_ino}]"
+            pids = [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+        except OSError:
+            return []
+        holders = []
+        for pid in pids:
+            if pid in (os.getpid(), self.proc.pid):
+                continue
+            try:
+                if any(os.readlink(fd.path) == target for fd in os.scandir(f"/proc/{pid}/fd")):
+                    holders.append(psutil.Process(pid))
+            except (OSError, psutil.Error):
+                continue
+        return holders
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> str | None:
+        """Stop the worker: its ``close`` request, a wait for its exit, then SIGKILL for it if it is still
+        there and for what it left (its session's processes, its descendants and whatever still holds its
+        answer pipe: vLLM's engine core) once they had ``LEFTOVER_GRACE_S`` to end by themselves.  Every wait
+        is bounded.  Returns one line saying what had to be killed (None when nothing had to)."""
+        import psutil
+
+        from ipw.backends.servers import process_group
+
+        tree = self._descendants()  # before the worker goes: its children are re-parented then
         if self.alive():
             try:
                 self.call("close", timeout_s=timeout_s)
             except WorkerDied:
                 pass
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()  # leftovers of the session (children of the engine), if any
-        self.proc.wait()
+        killed: list[str] = []
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                killed.append(f"the worker (pid {self.proc.pid}), which had not exited {timeout_s:.0f} s after "
+                              "its close")
+        found: dict[int, Any] = {p.pid: p for p in tree}
+        for proc in process_group(self.proc.pid) + (self._pipe_holders() if self.proc.poll() is not None else []):
+            found.setdefault(proc.pid, proc)
+        left = _running([p for pid, p in found.items() if pid != self.proc.pid], LEFTOVER_GRACE_S)
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        if left:
+            killed.append(f"{len(left)} process(es) it left running (pid {', '.join(str(p.pid) for p in left)})")
+        returncode = self._reap(0 if killed else KILL_WAIT_S)  # SIGKILL for its session too
+        stuck = _running(left, KILL_WAIT_S)
+        stuck_pids = [p.pid for p in stuck] + ([self.proc.pid] if returncode is None else [])
         with self._lock:
             if self.died is None:
-                self.died = WorkerDied(self.proc.returncode, "")
+                self.died = WorkerDied(returncode, "")
         for fd in (self._out_fd, self._in_fd):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        if not killed and not stuck_pids:
+            return None
+        line = ("killed (SIGKILL) " + " and ".join(killed)) if killed else ""
+        if stuck_pids:
+            line += ("; " if line else "") + (f"pid {', '.join(map(str, stuck_pids))} did not exit even after SIGKILL "
+                                              f"({KILL_WAIT_S:.0f} s; stuck in the kernel, e.g. a GPU driver's "
+                                              "teardown?): left behind, not waited on")
+        return line
+
+
+def _running(procs: list[Any], wait_s: float) -> list[Any]:
+    """Those of ``procs`` (``psutil.Process``) still running after up to ``wait_s``; a zombie has ended (a
+    container's first process may never reap the orphans it inherits)."""
+    import psutil
+
+    def running(proc: Any) -> bool:
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        procs = [p for p in procs if running(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(0.05)
 
 
 class WorkerBackend(BackendBase):
@@ -321,19 +433,29 @@ class WorkerBackend(BackendBase):
         """The spec the engine is built from in the worker (subclasses resolve files here first)."""
         return self.spec
 
+    def _close_worker(self, worker: Worker, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """``Worker.close``, and its one line on stderr when something had to be killed."""
+        line = worker.close(timeout_s)
+        if line:
+            sys.stderr.write(f"note: backend {self.spec.name!r}: {line}\n")
+            sys.stderr.flush()
+
     def _start(self) -> None:
         worker = Worker(self.python(), self._log_path())
         try:
             answer = worker.call("load", timeout_s=LOAD_TIMEOUT_S, engine=self.ENGINE,
                                  spec=dataclasses.asdict(self.engine_spec()))
         except WorkerDied as died:
-            worker.close()
+            self._close_worker(worker)
             self.crashes.append(exit_text(died.returncode))
             self._last_crash = str(died)
             raise EngineStopped(f"backend {self.spec.name!r}: the {self.LABEL} worker died while loading "
                                 f"{self.spec.model}: {died}") from None
+        except BaseException:  # Ctrl-C (or SIGTERM) while it loads: the worker and its engine go too
+            self._close_worker(worker, timeout_s=5)
+            raise
         if not answer["ok"]:
-            worker.close()
+            self._close_worker(worker)
             raise IpwError(self._load_failure(answer["message"], worker))
         self.concurrency = int(answer.get("concurrency", 1))
         self._worker = worker
@@ -374,7 +496,7 @@ class WorkerBackend(BackendBase):
         while self.restarts < MAX_RESTARTS:
             self.restarts += 1
             if self._worker is not None:
-                self._worker.close(timeout_s=5)
+                self._close_worker(self._worker, timeout_s=5)
                 self._worker = None
             try:
                 self._start()
@@ -430,8 +552,8 @@ class WorkerBackend(BackendBase):
 
     def close(self) -> None:
         if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+            worker, self._worker = self._worker, None
+            self._close_worker(worker)
 
 
 def pack_times(times: Any) -> str:
@@ -532,8 +654,9 @@ def serve(fd_in: int, fd_out: int) -> None:
             answer(rid, lambda m=msg: getattr(engine, m["method"])(**m.get("kwargs", {})))
         else:
             send(rid, ok=False, kind="user", message=f"unknown worker request {op!r}")
+    until = time.monotonic() + CLOSE_TIMEOUT_S / 2  # answers in flight may end; ipw kills the worker later
     for thread in threads:
-        thread.join()
+        thread.join(max(0.0, until - time.monotonic()))
     try:
         if engine is not None:
             engine.close()
