@@ -1,5 +1,5 @@
 """llama.cpp's own batching server (``server = "llama-server"``), for real: ipw starts the binary that
-``.ci/setup`` builds (the llama.cpp vendored in llama-cpp-python, static, this CPU's flags) with the
+``.ci/setup`` builds (the llama.cpp vendored in llama-cpp-python, in the wheel's own build tree, this CPU's flags) with the
 bundled SmolLM2 and ``--parallel`` slots, sends concurrent requests through the ``openai`` backend,
 reads the server's own per-request ``timings``, and stops it.
 
