@@ -1036,7 +1036,7 @@ class Proxy:
         from ipw.telemetry.audit import audit_dicts
 
         session = self.session
-        if not any(getattr(s, "supports_energy_windows", False) for s in self.sensors):
+        if not any(s.supports_energy_windows for s in self.sensors):
             return []
         try:
             records = [r for name in dict.fromkeys(spec.name for spec in session.specs.values())
