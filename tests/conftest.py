@@ -1,4 +1,7 @@
+import importlib
 import json
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,3 +87,14 @@ def scripted(request):
     register_backend("scripted", request.module.ScriptedJudge, replace=True)
     yield
     unregister_backend("scripted")
+
+
+@contextmanager
+def bench_module(name: str):
+    """A bench/ script imported as a module (bench/ on sys.path while it is used: its siblings import each other)."""
+    bench = str(Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(bench)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -14,11 +14,8 @@ BENCH = ROOT / "bench"
 
 @pytest.fixture(scope="module")
 def index():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("index")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("index") as mod:
+        yield mod
 
 
 def test_committed_readme_is_up_to_date(index):

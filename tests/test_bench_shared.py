@@ -3,12 +3,13 @@ scripts share (no script carries its own copy)."""
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -16,11 +17,8 @@ BENCH = ROOT / "bench"
 
 @pytest.fixture(scope="module")
 def shared():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("_shared")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("_shared") as mod:
+        yield mod
 
 
 DOC = """# Performance
