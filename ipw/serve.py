@@ -599,6 +599,16 @@ class Handler(BaseHTTPRequestHandler):
         elif conn is not None:
             conn.close()
 
+    def _finish_upstream(self) -> None:
+        """The request's deadline is cancelled (its connection dropped if it fired), then the connection
+        released: it never fires on a connection that serves another request."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            if self._deadline.expired:  # it shut the upstream's socket
+                self._drop_upstream()
+            self._deadline = None
+        self._release_upstream()
+
     def _drain_upstream(self, resp: Any) -> None:
         """After [DONE] (the client's answer is complete): the rest of the upstream's body, its last chunk,
         read for ``DRAIN_S`` at most, so that its connection can serve another request (else it is closed)."""
@@ -758,12 +768,7 @@ class Handler(BaseHTTPRequestHandler):
                                f"{scrub(str(exc))[:120]})", "malformed_stream")
             self.close_connection = True
         finally:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                if self._deadline.expired:  # it shut the upstream's socket
-                    self._drop_upstream()
-                self._deadline = None
-            self._release_upstream()
+            self._finish_upstream()
             if self._ended is None:  # ended by an error before the answer was complete: never left open in the meter
                 try:
                     partial = (seen.completion(start, time.monotonic(), session.meter.token_times(job))
@@ -797,6 +802,7 @@ class Handler(BaseHTTPRequestHandler):
     def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream, start: float) -> None:
         raw = resp.read(MAX_RESPONSE_BODY)
         end = time.monotonic()
+        self._finish_upstream()  # idle again before the client has its answer (as for a stream)
         try:
             data = json.loads(raw)
         except ValueError:
@@ -877,9 +883,12 @@ class Handler(BaseHTTPRequestHandler):
                                       None if seen.finish else QueryError("stream ended before [DONE]", "connection"))
             if record is not None:
                 self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
-        self._send_chunk(b"")  # the end of the chunked body
         if not resp.isclosed():  # ended at [DONE]
             self._drain_upstream(resp)
+        # the upstream connection is idle again before the client's answer ends, so that the client's next
+        # request finds it (else a kept-alive client could race the release and open a second one)
+        self._finish_upstream()
+        self._send_chunk(b"")  # the end of the chunked body
 
     def _end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
                     error: Exception | None = None) -> QueryRecord | None:

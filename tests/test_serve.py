@@ -360,8 +360,9 @@ def test_an_upstream_that_trickles_is_cut_at_the_timeout(tmp_path):
     assert record["error_category"] == "timeout"
 
 
-def _chunked_stream(drop: bool = False) -> _ChunkedUpstream:
-    """An upstream that streams as llama-server does, in HTTP chunks: its events (usage and [DONE] last)."""
+def _chunked_stream(drop: bool = False, tail_s: float = 0.0) -> _ChunkedUpstream:
+    """An upstream that streams as llama-server does, in HTTP chunks: its events (usage and [DONE] last),
+    and the body's last chunk ``tail_s`` after [DONE]."""
     events = [{"choices": [{"index": 0, "delta": {"content": "w "}, "finish_reason": None}]},
               {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
               {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}]
@@ -369,18 +370,21 @@ def _chunked_stream(drop: bool = False) -> _ChunkedUpstream:
     def write(out) -> None:
         for data in [json.dumps(e).encode() for e in events] + [b"[DONE]"]:
             _chunk(out, b"data: " + data + b"\n\n")
+        time.sleep(tail_s)
 
     return _ChunkedUpstream(write, drop)
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_upstream_connections_are_kept_alive_across_requests_and_client_connections(tmp_path, drop):
+@pytest.mark.parametrize("drop, tail_s", [(False, 0.0), (True, 0.0), (False, 0.3)])
+def test_upstream_connections_are_kept_alive_across_requests_and_client_connections(tmp_path, drop, tail_s):
     """A stream's upstream connection serves the next request, on the same client connection or another,
     once the upstream's body was read to its end after [DONE]; one that the upstream closed meanwhile is
-    replaced by a new one (the request is sent again), and the client never sees it."""
+    replaced by a new one (the request is sent again), and the client never sees it.  With ``tail_s``
+    the upstream's last chunk comes late: the client's answer ends only once the connection is idle
+    again, so its next request cannot race the release and open a second connection."""
     import http.client
 
-    upstream = _chunked_stream(drop=drop)
+    upstream = _chunked_stream(drop=drop, tail_s=tail_s)
     proxy = _proxy(tmp_path, upstream.url, [os.getpid()])
     host, port = proxy.server.server_address[:2]
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True})
