@@ -238,7 +238,7 @@ def test_grid_placement_on_a_short_vllm_run():
 @pytest.fixture(scope="module")
 def loads():
     fit = _fit_module()
-    ws = fit.loads_recordings()
+    ws = [w for w in fit.loads_recordings() if w.set == "held-out"]  # recording 1's fit shapes left out
     return fit, fit.per_load(ws, est.DEFAULT_ERROR_MODEL)
 
 
@@ -261,17 +261,37 @@ def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
 
 
 def test_held_out_loads_as_measured(loads):
-    """What the landed interval does on the held-out shapes (2026-12-04), so a change to the estimator shows here:
-    from 0.5 s on every shape is covered at least 79%, from 2 s at least 96%; the bursts are over-covered
-    (the load term: 98-100%); the worst short windows are compute at the power cap with small kernels (~31%)."""
+    """What the landed interval does on the held-out shapes (2026-12-04, with the samples' noise term fitted on
+    recording 1's compute-high, memory-low, decode-large and bursty-high), so a change to the estimator shows
+    here: from 0.5 s on every shape is covered at least 83%, from 2 s at least 96%; the bursts are over-covered
+    (the load term: 98-100%); the worst short windows are compute at the power cap with small kernels (~40%,
+    31% before the noise term)."""
     _, res = loads
     for load, ev in res.items():
         for group, x in ev.items():
             if x["length_s"] >= 0.45:
-                assert x["coverage"] >= 0.79, (load, group, x)
+                assert x["coverage"] >= 0.83, (load, group, x)
             if x["length_s"] >= 1.9:
                 assert x["coverage"] >= 0.96, (load, group, x)
-    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.30
+            if load.startswith(("memory", "decode")):  # 65-78% at 50 ms before the noise term
+                assert x["coverage"] >= 0.80, (load, group, x)
+    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.38
+
+
+def test_the_samples_noise_term_falls_as_one_over_the_root_of_the_duration():
+    """``ErrorTerms.noise_j`` is the window's energy x sqrt(sample period / duration) (one period at least), and
+    ``ErrorModel.sample_noise`` weighs it into the half-width in quadrature with the other terms."""
+    t = np.arange(0.0, 10.0, 0.02)
+    si = est._PowerIntegral(t, np.full(t.size, 500.0), est.MAX_SAMPLE_GAP_S)
+    short = est.error_terms(si, 4.0, 4.05, 25.0, 1.0, 0.0)
+    long = est.error_terms(si, 4.0, 6.0, 1000.0, 1.0, 0.0)
+    tiny = est.error_terms(si, 4.0, 4.01, 5.0, 1.0, 0.0)
+    assert short.noise_j == pytest.approx(25.0 * np.sqrt(0.02 / 0.05), rel=0.01)
+    assert long.noise_j == pytest.approx(1000.0 * np.sqrt(0.02 / 2.0), rel=0.01)
+    assert tiny.noise_j == pytest.approx(5.0)  # shorter than one sample period: the whole energy, not more
+    only_noise = est.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005)
+    assert short.half_width_j(only_noise) == pytest.approx(1.645 * 0.005 * short.noise_j)
+    assert short.half_width_j(est.DEFAULT_ERROR_MODEL) >= short.half_width_j(only_noise)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 43's target is not met yet: docs/ENERGY.md, 'Coverage per load shape'")

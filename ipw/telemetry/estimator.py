@@ -127,6 +127,11 @@ class ErrorModel:
     - how the samples represent a load whose power varies fast, for the whole window:
       ``load x spread x duration`` (on the H200, 10 s blocks of 50 ms windows read 1.4-1.8% low
       against the counter, and of 0.5 s windows 0.2-0.4% high, while steady loads agree within 0.1%);
+    - the samples' own error, relative to the window's energy: ``sample_noise x sqrt(period / duration)``
+      (each ~20 ms sample is off by about ``sample_noise`` of the power it reports, independently of its
+      neighbours, whatever the load's spread: on the H200's memory and decoding loads, 139-563 W, 50 ms
+      windows erred by 0.43-0.56% (1 sd) where their samples spread by 0.3-0.5%, and the error fell as
+      1/sqrt(duration); docs/ENERGY.md, "Coverage per load shape");
     - the calibration ratio's own error, relative: ``sqrt(2) x counter_time_sd_s x P / counter energy of
       the calibration span`` (how well the counter's values are placed in time at its two ends) plus
       ``calibration_floor`` (the ratio's drift over the span);
@@ -139,6 +144,7 @@ class ErrorModel:
     within: float = 0.0
     calibration_floor: float = 0.0022
     load: float = 0.3
+    sample_noise: float = 0.005
     z: float = 1.645
 
 
@@ -710,7 +716,8 @@ def calibration_ratio(
 class ErrorTerms:
     """A sampled window's error sources in joules, each at a multiplier of 1 (``ErrorModel`` weighs them):
     the two edges (period x power range), the within-period variation (period x spread x sqrt(n)), the
-    calibration (1 sd, already relative x energy), the uncovered energy, and whether the samples
+    calibration (1 sd, already relative x energy), the uncovered energy, the samples' own noise
+    (energy x sqrt(period / duration)), and whether the samples
     around it look like a periodic load that beats against the sample grid."""
 
     edge_start_j: float
@@ -720,12 +727,13 @@ class ErrorTerms:
     calibration_j: float
     uncovered_j: float
     aliasing_period_s: float | None = None
+    noise_j: float = 0.0  # |energy| x sqrt(period / duration): the samples' own error at a relative 1
 
     def half_width_j(self, model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
         """The ±90% half-width (J) under ``model``."""
         sd = math.sqrt((model.edge * self.edge_start_j) ** 2 + (model.edge * self.edge_end_j) ** 2
                        + (model.within * self.within_j) ** 2 + (model.load * self.load_j) ** 2
-                       + self.calibration_j ** 2)
+                       + (model.sample_noise * self.noise_j) ** 2 + self.calibration_j ** 2)
         h = model.z * sd
         if self.aliasing_period_s is not None:
             h *= ALIASING_WIDEN
@@ -784,7 +792,7 @@ def error_terms(si: _PowerIntegral, start_s: float, end_s: float, energy_j: floa
         edge_start_j=per * si.edge_step_w(start_s), edge_end_j=per * si.edge_step_w(end_s),
         within_j=per * spread * math.sqrt(n), load_j=spread * min(dur, LOAD_TERM_MAX_S),
         calibration_j=abs(energy_j) * calibration_rel_sd, uncovered_j=max(0.0, uncovered),
-        aliasing_period_s=alias,
+        aliasing_period_s=alias, noise_j=abs(energy_j) * math.sqrt(per / max(dur, per)) if per > 0 else 0.0,
     )
 
 
