@@ -348,5 +348,46 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines() or [""])[0][:300]
 
 
+#: After the command has returned, how long the process may take to exit (its threads, child processes and
+#: exit handlers) before ``entry`` prints every thread's stack and ends it with the command's exit code.  On
+#: the H200 a failed vLLM start once printed its error, finished its run folder and then did not exit for
+#: about 8 minutes (docs/GPU.md); whatever holds an exit like that is named in the stacks, not waited for.
+EXIT_GRACE_S = 30.0
+
+
+def _exit_watchdog(code: int, grace_s: float) -> None:
+    """A daemon thread that, if the process is still alive ``grace_s`` after the command returned, writes
+    every thread's stack to stderr and ends the process with ``code`` (daemon threads run on while the
+    interpreter joins the others and runs its exit handlers: where such a hang happens)."""
+    import faulthandler
+    import threading
+    import time
+
+    def bite() -> None:
+        time.sleep(grace_s)
+        sys.stdout.flush()
+        sys.stderr.write(f"ipw: the command ended (exit {code}) but the process was still running {grace_s:g} s "
+                         "later; its threads' stacks follow (a bug in ipw? please report them). Exiting now.\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(code)
+
+    threading.Thread(target=bite, name="ipw-exit-watchdog", daemon=True).start()
+
+
+def entry() -> None:
+    """The ``ipw`` console script: ``main``, then an exit that cannot hang (``EXIT_GRACE_S``;
+    ``IPW_EXIT_GRACE_S`` sets it, 0 turns the watchdog off).  Not armed by ``main``, which tests call in
+    their own process."""
+    code = main()
+    try:
+        grace_s = float(os.environ.get("IPW_EXIT_GRACE_S", EXIT_GRACE_S))
+    except ValueError:
+        grace_s = EXIT_GRACE_S
+    if grace_s > 0:
+        _exit_watchdog(code, grace_s)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

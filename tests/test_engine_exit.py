@@ -64,3 +64,17 @@ def test_a_failed_start_that_leaves_a_stray_exits_bounded_and_kills_it(tmp_path,
         assert "worker died 4 times, 3 restarts (last: SIGKILL" in manifest["reason"], manifest["reason"]
         assert len(strays) == 4 and len(notes) == 4, result.stderr[-3000:]  # the start and its 3 restarts
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["run", "--no-such-flag"], 2)])
+def test_an_exit_held_by_a_thread_ends_after_the_grace_with_the_commands_code(argv, code):
+    """The console script (``ipw.cli.entry``): a non-daemon thread that never ends holds the interpreter's exit;
+    after ``IPW_EXIT_GRACE_S`` the stacks are printed and the process exits with the command's own code."""
+    script = ("import sys, threading, time; threading.Thread(target=time.sleep, args=(600,), name='holder').start(); "
+              "from ipw.cli import entry; sys.argv = ['ipw'] + sys.argv[1:]; entry()")
+    t0 = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "IPW_EXIT_GRACE_S": "1"})
+    assert result.returncode == code, result.stderr
+    assert time.monotonic() - t0 < 60
+    assert "still running 1 s later" in result.stderr and "threading.py" in result.stderr, result.stderr
