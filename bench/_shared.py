@@ -9,7 +9,8 @@
   pseudo-terminal or a file, paused and resumed in turns, reaped with their CPU time.
 - ``query_stats``, ``ipw_rows``: per-query timings of a bare loop and of an ipw run folder.
 
-A script imports it as ``from _shared import ...`` (Python puts a script's own folder first on its path).
+It stays at the top of bench/, beside the question folders that hold the scripts: a script puts bench/ on its
+path (``sys.path.insert(0, str(ROOT / "bench"))``) and imports it as ``from _shared import ...``.
 
 Output: none (imported by the scripts).
 """

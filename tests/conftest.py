@@ -91,10 +91,15 @@ def scripted(request):
 
 @contextmanager
 def bench_module(name: str):
-    """A bench/ script imported as a module (bench/ on sys.path while it is used: its siblings import each other)."""
-    bench = str(Path(__file__).resolve().parents[1] / "bench")
-    sys.path.insert(0, bench)
+    """A bench/ script imported as a module, ``name`` its path under bench/ without ``.py``: ``"index"``,
+    ``"scale/compare_scale"``.  While it is used, bench/ (its ``_shared``) and the script's own folder (its
+    siblings) are on sys.path, as they are when the script runs."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    folder, _, module = name.rpartition("/")
+    paths = list(dict.fromkeys([str(bench), str(bench / folder)]))
+    sys.path[:0] = paths
     try:
-        yield importlib.import_module(name)
+        yield importlib.import_module(module)
     finally:
-        sys.path.remove(bench)
+        for path in paths:
+            sys.path.remove(path)

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import bench_module
 from runfolders import write_run
 from ipw.analysis.stats import bootstrap_draws, lower_quantile, resample_weights
 
@@ -301,10 +302,8 @@ def test_windowed_quantiles_match_brute_force(n, tied):
 
 def test_compare_matches_independent_recomputation_at_larger_n(tmp_path):
     """25,000 queries (Poisson weights, quantile windows): point values against plain pandas."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import compare_scale
-
-    paths = compare_scale.generate(tmp_path, 25_000)
+    with bench_module("scale/compare_scale") as compare_scale:
+        paths = compare_scale.generate(tmp_path, 25_000)
     from ipw.analysis.compare import compare
     from ipw.analysis.render import to_dict
 
@@ -322,7 +321,7 @@ def test_compare_matches_independent_recomputation_at_larger_n(tmp_path):
 
 
 def test_scale_bench_runs_small(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_scale.py"), "--queries", "2000",
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "scale" / "compare_scale.py"), "--queries", "2000",
                           "--repeats", "1", "--no-write"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr
     row = json.loads(out.stdout)

@@ -1,7 +1,7 @@
 """The documentation: the README's two commands, the MkDocs site built from docs/ (mkdocs.yml) in strict
 mode, links the site builder does not check (README.md's), docs/ holding the prose only, every raw evidence
-path a page names (bench/evidence/...) existing, and every command, option and config key documented on the
-site's pages."""
+path (bench/evidence/...) and every bench script a page names existing, and every command, option and config
+key documented on the site's pages."""
 
 from __future__ import annotations
 
@@ -118,6 +118,20 @@ def test_evidence_paths_exist():
     assert not unlisted, f"bench/evidence/README.md: no line for {unlisted}"
 
 
+BENCH_SCRIPT = re.compile(r"bench/[\w/]*\.(?:py|sh)\b")
+
+
+def test_bench_script_paths_exist():
+    """Every bench script that README.md, a page or an evidence folder's README names (``bench/scale/million.py``)
+    is there: the scripts live in bench/'s question folders, and a page that names one by an old path fails."""
+    missing = []
+    for source in [README, *PAGES, *EVIDENCE.rglob("README.md")]:
+        for n, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+            missing += [f"{source.relative_to(ROOT)}:{n}: {m.group(0)}" for m in BENCH_SCRIPT.finditer(line)
+                        if not (ROOT / m.group(0)).is_file()]
+    assert not missing, "\n".join(missing)
+
+
 def _commands(cmd: click.Command, path: list[str]):
     if isinstance(cmd, click.Group):
         for name, sub in cmd.commands.items():
@@ -196,7 +210,7 @@ def test_strict_fails_on_broken_links(tmp_path, monkeypatch, case):
     elif case == "missing anchor":
         pages["guide/b.md"] += "\nSee [a](a.md#part-two).\n"
     elif case == "outside docs":
-        pages["guide/b.md"] += "\nSee [the script](../../bench/x.py).\n"
+        pages["guide/b.md"] += "\nSee [the script](../../bench/scale/million.py).\n"
     elif case == "folder":
         pages["guide/b.md"] += "\nSee [the files](../files/).\n"
     elif case == "nav to nothing":

@@ -300,7 +300,7 @@ def test_the_counter_is_read_past_the_span_until_it_encloses_it(drop):
 
 
 def test_a_run_that_starts_right_after_the_sampler_is_audited():
-    """The fake-engine runs on the H200 (2026-12-02, bench/audit_h200.sh): the sampler read the counter
+    """The fake-engine runs on the H200 (2026-12-02, bench/telemetry/audit_h200.sh): the sampler read the counter
     once, 0.125 s before the first query, so no change of the counter came before the span; the first
     read counts as a knot (half a step before it), and the span's energy is known."""
     import time
@@ -332,7 +332,7 @@ class _TraceSampler:
 
 
 def test_the_h200_fake_engine_runs_have_a_counter_over_their_span(tmp_path):
-    """The five fake-engine runs of bench/audit_h200.sh on the H200 (2026-12-02): the sampler's first
+    """The five fake-engine runs of bench/telemetry/audit_h200.sh on the H200 (2026-12-02): the sampler's first
     counter read came 0.12-0.13 s before the first query, so no change of the counter preceded the span
     and every run said "no counter over the span".  With the first read as a knot, the counter over each
     span (up to the last read in the trace: the audit's reads past the end are not in it) is within 1%

@@ -150,7 +150,7 @@ def test_single_queries_beside_begin_end_reads(traces):
 
     The reference printed is the counter interpolated through its change points at the query's
     edges.  It is not ground truth for short windows (interpolating a ~100 ms step spreads a burst
-    over the step, biasing it low); bench/attribution.py establishes per-window accuracy.
+    over the step, biasing it low); bench/telemetry/attribution.py establishes per-window accuracy.
     """
     tr = traces["qtrace"]
     queries = [m for m in tr.marks if m["kind"] == "query"]

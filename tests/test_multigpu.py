@@ -1,6 +1,6 @@
 """Two GPUs through an autospec'd pynvml (tests/nvml_fakes.py): each sensor measures only the GPUs it
 selects, reports the others' activity as foreign, and per-GPU parts sum to the total with nothing
-counted twice.  What bench/multigpu.py checks on a real two-GPU machine (docs/MULTIGPU.md)."""
+counted twice.  What bench/scale/multigpu.py checks on a real two-GPU machine (docs/MULTIGPU.md)."""
 
 from __future__ import annotations
 

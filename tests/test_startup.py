@@ -1,6 +1,6 @@
 """``ipw --help`` and ``ipw list`` stay fast: heavy modules are imported only by the commands that need them.
 
-Not a timing test (timings live in bench/startup.py and docs/PERFORMANCE.md): each command runs in a fresh
+Not a timing test (timings live in bench/overhead/startup.py and docs/PERFORMANCE.md): each command runs in a fresh
 interpreter, and the modules it imported are read from ``sys.modules`` when it finishes.
 """
 

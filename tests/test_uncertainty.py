@@ -1,9 +1,9 @@
 """Issue 27: the ±90% interval of a sampled window holds on H200 recordings the fit never saw, and the
 counter's sparse reads are placed on its update grid.
 
-The replays use the recordings committed in bench/evidence/telemetry/h200-attribution (bench/attribution.py:
+The replays use the recordings committed in bench/evidence/telemetry/h200-attribution (bench/telemetry/attribution.py:
 identical windows with a back-to-back counter reference; the fresh 2026-12-01 recording was made after the fit) and tests/data
-(LLM decoding and synthetic loads, full-rate counter).  bench/uncertainty_fit.py made the fit (on the
+(LLM decoding and synthetic loads, full-rate counter).  bench/telemetry/uncertainty_fit.py made the fit (on the
 2026-11-29 recording's first block of each length) and prints the tables in docs/ENERGY.md.
 """
 
@@ -24,7 +24,7 @@ DATA = Path(__file__).resolve().parent / "data"
 
 
 def _fit_module():
-    spec = importlib.util.spec_from_file_location("uncertainty_fit", ROOT / "bench" / "uncertainty_fit.py")
+    spec = importlib.util.spec_from_file_location("uncertainty_fit", ROOT / "bench" / "telemetry" / "uncertainty_fit.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["uncertainty_fit"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -86,7 +86,7 @@ GPU_RUNS = ROOT / "bench" / "evidence" / "telemetry" / "gpu" / "h200-2026-12-01"
 def test_grid_placement_recovers_the_dense_calibration():
     """The live sampler's own counter reads (~0.45 s apart, in power.parquet of the 2026-12-01 H200 runs)
     placed on the counter's update grid give, at every 15th query as it became final, the calibration
-    ratio that the back-to-back counter (bench/gpu_counter.py, counter.csv) gives over the same span,
+    ratio that the back-to-back counter (bench/telemetry/gpu_counter.py, counter.csv) gives over the same span,
     within 0.1%; held half a step before each read (the fallback), they were off by up to 0.8%."""
     pd = pytest.importorskip("pandas")
     cnt = pd.read_csv(GPU_RUNS / "counter.csv")
@@ -232,7 +232,7 @@ def test_grid_placement_on_a_short_vllm_run():
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 43: ten load shapes recorded for it (bench/loads.py, bench/evidence/telemetry/h200-loads), all held out
+# issue 43: ten load shapes recorded for it (bench/telemetry/loads.py, bench/evidence/telemetry/h200-loads), all held out
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ LOAD_SHAPES = {"compute-high", "compute-low", "compute-thin", "compute-fp32", "m
 
 
 def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
-    """The replay covers every shape bench/loads.py recorded (three recordings), each at 50 ms .. 2 s (a burst's
+    """The replay covers every shape bench/telemetry/loads.py recorded (three recordings), each at 50 ms .. 2 s (a burst's
     windows are whole cycles: 80 ms or 250 ms at the shortest), with enough windows to state a coverage; the
     per-load table (docs/ENERGY.md) is printed (``pytest -s``)."""
     fit, res = loads
@@ -257,7 +257,7 @@ def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
         for group, x in ev.items():
             assert x["n"] >= 37, (load, group)
     with capsys.disabled():
-        print("\n" + fit.loads_table("held out: bench/loads.py, default constants", res))
+        print("\n" + fit.loads_table("held out: bench/telemetry/loads.py, default constants", res))
 
 
 def test_held_out_loads_as_measured(loads):

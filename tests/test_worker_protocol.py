@@ -1,4 +1,4 @@
-"""The worker protocol without a real engine (ipw/backends/worker.py, bench/fake_engine.py): the caller
+"""The worker protocol without a real engine (ipw/backends/worker.py, bench/overhead/fake_engine.py): the caller
 reads its own answer off the pipe (no reader thread), answers reach their callers with many requests in
 flight, a worker killed mid-call fails every call in flight, and a call that times out kills the worker."""
 
@@ -15,12 +15,12 @@ import pytest
 from ipw.backends.base import BackendSpec, GenerationSettings, QueryError
 from ipw.backends.worker import WorkerDied
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "overhead"  # fake_engine.py
 
 
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
-    """A started fake-engine backend (its worker imports bench/fake_engine.py): ``fake(answer_ms, concurrency)``."""
+    """A started fake-engine backend (its worker imports bench/overhead/fake_engine.py): ``fake(answer_ms, concurrency)``."""
     monkeypatch.syspath_prepend(str(BENCH))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(BENCH), *filter(None, [os.environ.get("PYTHONPATH")])]))
     from fake_engine import FakeBackend

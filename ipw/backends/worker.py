@@ -558,7 +558,7 @@ class WorkerBackend(BackendBase):
 
 def pack_times(times: Any) -> str:
     """A completion's token times in its one answer message: the doubles' bytes in base64 (exact, and a
-    third of the cost of JSON floats to write and read: ``bench/roundtrip.py``)."""
+    third of the cost of JSON floats to write and read: ``bench/overhead/roundtrip.py``)."""
     return base64.b64encode(array.array("d", times).tobytes()).decode("ascii")
 
 

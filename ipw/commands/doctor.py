@@ -21,7 +21,7 @@ from typing import Any
 from ipw.errors import IpwError
 from ipw.options import DoctorOptions, check_options, options_of
 from ipw.telemetry.selftest import OVERHEAD_BUDGET, STEP_TOLERANCE, gpu_self_test, torch_load
-from ipw.telemetry.selftest import step_lag_s  # noqa: F401 - where bench/attribution.py finds it
+from ipw.telemetry.selftest import step_lag_s  # noqa: F401 - where bench/telemetry/attribution.py finds it
 
 
 class _Out:

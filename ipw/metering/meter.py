@@ -47,7 +47,7 @@ Slice = tuple[float, float, Closed, frozenset[int]]
 #: the interpreter's switch interval while requests are measured (CPython's default is 5 ms): a thread woken
 #: by an answer, or by a streamed token, waits up to this long for the lock held by another thread (the NVML
 #: sampler, the snapshots, the meter's split, the record writer); ``ipw run`` and ``ipw serve`` set it;
-#: bench/harness_breakdown.py, docs/PERFORMANCE.md
+#: bench/overhead/harness_breakdown.py, docs/PERFORMANCE.md
 SWITCH_INTERVAL_S = 0.0005
 #: how long the meter's thread waits at most for a period's sensors to become final (NVML: until its sampler
 #: has read past the period's end; the CPU model: its read after the end)

@@ -81,7 +81,7 @@ MIN_SAMPLES_POLL_INTERVAL_S = 0.2
 MIN_COUNTER_INTERVAL_S = 0.1
 #: Driver sample timestamps trail the power they report.  On the H200 the samples cross half way
 #: between two power levels a median 11.9 ms after the host starts or stops a load (43 edges in two
-#: runs of bench/attribution.py and the doctor's self-test: rises 9.8 ms, falls 13.3 ms, range
+#: runs of bench/telemetry/attribution.py and the doctor's self-test: rises 9.8 ms, falls 13.3 ms, range
 #: 6-19 ms; the recordings in tests/data gave 12-16 ms by correlation): docs/ENERGY.md.  Integration
 #: moves samples this much earlier.  It matters for isolated short windows (without it a 50 ms burst
 #: after idle loses ~11 ms of its power); over back-to-back or long windows it mostly cancels (the

@@ -64,7 +64,7 @@ def _change_period(fn: Callable[[], float], duration_s: float, pause_s: float = 
 class _DenseCounter(threading.Thread):
     """The self-test's reference: reads the energy counter back to back during given intervals
     (around the edges of each compared phase), so the counter is known there to a few ms rather
-    than to the sampler's ~0.5 s read spacing.  A test harness, like bench/attribution.py's."""
+    than to the sampler's ~0.5 s read spacing.  A test harness, like bench/telemetry/attribution.py's."""
 
     def __init__(self, nvml: Any, handle: Any) -> None:
         super().__init__(name="ipw-doctor-reference", daemon=True)
