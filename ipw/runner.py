@@ -29,9 +29,10 @@ from ipw.telemetry.probe import default_probe
 from ipw.metering.window import IdleBaseline, Window, measure_idle
 
 
-def _generate(backend: Backend, query: Query, config: RunConfig) -> tuple[Completion | None, Exception | None]:
+def run_query(backend: Backend, query: Query, config: RunConfig) -> tuple[Completion | None, Exception | None]:
     """One query; a failure becomes the error of its record, never a crash (user errors and a stopped
-    engine still stop)."""
+    engine still stop).  Public as the one call per query into the engine (its worker's round trip) that
+    bench/overhead/harness_breakdown.py times apart from what ipw adds around it."""
     try:
         return backend.generate(query.render(), config.generation), None
     except IpwError:  # EngineStopped included
@@ -105,7 +106,7 @@ def run_backend(
                     start = time.monotonic()
                     tokens = window.begin(start)
                     recorder.started()
-                    completion, error = _generate(backend, query, config)
+                    completion, error = run_query(backend, query, config)
                     end = time.monotonic()
                     closed = window.end(tokens, end)
                     recorder.put(closed, tokens, first_token_s(completion), functools.partial(
@@ -211,7 +212,7 @@ def run_concurrent(
         meter.start(job)
         completion: Completion | None = None
         try:
-            completion, error = _generate(backend, query, config)
+            completion, error = run_query(backend, query, config)
         finally:
             start, end = meter.end(job, completion)
         return completion, error, start, end

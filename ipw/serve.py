@@ -559,10 +559,12 @@ class Handler(BaseHTTPRequestHandler):
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
-    def _open(self, method: str, path: str, body: bytes | None, stream: bool,
-              deadline: float | None = None) -> tuple[http.client.HTTPConnection, Any]:
+    def open_upstream(self, method: str, path: str, body: bytes | None, stream: bool,
+                      deadline: float | None = None) -> tuple[http.client.HTTPConnection, Any]:
         """Send the request upstream on a kept-alive upstream connection if one is idle, else a new one (one
-        retry on a new connection when a kept-alive one was closed by the server)."""
+        retry on a new connection when a kept-alive one was closed by the server), and read the response's
+        headers.  Public, with ``send_chunk`` and ``end_stream``, as the steps of a request through the proxy
+        that bench/serving/serve_timeline.py times."""
         session = self.server.session
         upstream = session.upstream_of(self._route)
         for attempt in (0, 1):
@@ -622,7 +624,10 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, http.client.HTTPException):
             self._drop_upstream()
 
-    def _send_chunk(self, data: bytes) -> None:
+    def send_chunk(self, data: bytes) -> None:
+        """One chunk of the chunked answer to the client (``b""``: the terminal one); a client gone raises
+        ``_ClientGone``.  Public: bench/serving/serve_timeline.py times the first event, the energy chunk and
+        the terminal chunk sent."""
         try:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as exc:
@@ -668,7 +673,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self._authorized() or self._looped():
             return
         try:
-            conn, resp = self._open("GET", MODELS, None, stream=False)
+            conn, resp = self.open_upstream("GET", MODELS, None, stream=False)
             payload = resp.read(MAX_RESPONSE_BODY)
         except (OSError, http.client.HTTPException) as exc:
             self._drop_upstream()
@@ -726,7 +731,8 @@ class Handler(BaseHTTPRequestHandler):
         self._settled: QueryRecord | None = None
         try:
             try:
-                conn, resp = self._open("POST", path, payload, stream, deadline=start + session.options.timeout_s)
+                conn, resp = self.open_upstream("POST", path, payload, stream,
+                                                deadline=start + session.options.timeout_s)
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_upstream()
                 error = QueryError(f"upstream {session.upstream.url}: {type(exc).__name__}: {scrub(str(exc))}",
@@ -845,17 +851,17 @@ class Handler(BaseHTTPRequestHandler):
             data = b"\n".join(data_lines)
             if data == b"[DONE]":
                 if not ended:  # no usage chunk came: the energy goes in a last chunk of its own
-                    ended, record = True, self._end_stream(job, body, api, seen, start)
+                    ended, record = True, self.end_stream(job, body, api, seen, start)
                     if record is not None:
-                        self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
-                self._send_chunk(event + b"\n")
+                        self.send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+                self.send_chunk(event + b"\n")
                 break
             try:
                 chunk = json.loads(data) if data else None
             except ValueError:
                 chunk = None
             if not isinstance(chunk, dict):
-                self._send_chunk(event + b"\n")
+                self.send_chunk(event + b"\n")
                 continue
             last = chunk
             if isinstance(chunk.get("usage"), dict) and not chunk.get("choices"):
@@ -863,12 +869,12 @@ class Handler(BaseHTTPRequestHandler):
                 # it, and the client gets it whether it asked for usage or not (then as the last event)
                 if not ended:
                     seen.take(chunk, api)
-                    ended, record = True, self._end_stream(job, body, api, seen, start)
+                    ended, record = True, self.end_stream(job, body, api, seen, start)
                     if record is not None:
                         chunk["usage"] = {**chunk["usage"], "energy": self._energy(record)}
-                        self._send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
+                        self.send_chunk(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
                     elif asked_usage:
-                        self._send_chunk(event + b"\n")
+                        self.send_chunk(event + b"\n")
                 continue
             if seen.take(chunk, api):
                 meter.token(job)
@@ -877,21 +883,23 @@ class Handler(BaseHTTPRequestHandler):
                     if timings is not None:
                         meter.prefill(job, timings.prompt_ms, timings.prompt_n)
                         prefilled = True
-            self._send_chunk(event + b"\n")
+            self.send_chunk(event + b"\n")
         if not ended:  # the stream ended without [DONE]
-            record = self._end_stream(job, body, api, seen, start,
-                                      None if seen.finish else QueryError("stream ended before [DONE]", "connection"))
+            record = self.end_stream(job, body, api, seen, start,
+                                     None if seen.finish else QueryError("stream ended before [DONE]", "connection"))
             if record is not None:
-                self._send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
+                self.send_chunk(b"data: " + json.dumps(self._usage_chunk(last, record)).encode() + b"\n\n")
         if not resp.isclosed():  # ended at [DONE]
             self._drain_upstream(resp)
         # the upstream connection is idle again before the client's answer ends, so that the client's next
         # request finds it (else a kept-alive client could race the release and open a second one)
         self._finish_upstream()
-        self._send_chunk(b"")  # the end of the chunked body
+        self.send_chunk(b"")  # the end of the chunked body
 
-    def _end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
-                    error: Exception | None = None) -> QueryRecord | None:
+    def end_stream(self, job: int, body: dict[str, Any], api: str, seen: _Stream, start: float,
+                   error: Exception | None = None) -> QueryRecord | None:
+        """A streamed answer is over (its usage event came, or the stream ended): its completion, from what the
+        stream showed, and its record.  Public: bench/serving/serve_timeline.py times a request from here."""
         completion = seen.completion(start, time.monotonic(), self.server.session.meter.token_times(job))
         if error is None and not completion.text.strip():
             error = QueryError(f"empty answer (finish_reason={seen.finish or 'none'})", "empty_answer")

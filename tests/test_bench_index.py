@@ -1,8 +1,9 @@
 """bench/README.md indexes every script of every question folder and every other folder of bench/, and is what
-bench/index.py writes."""
+bench/index.py writes; the scripts reach ipw through its public names only."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,85 @@ def test_entry_parses_docstring_and_shell_header(index, tmp_path):
                  "run": [".venv/bin/python bench/gate/q.py --a", "    --b"], "output": 'docs/X.md, section "Y".'}
     assert s["question"] == "Why?" and s["output"] == "OUT/x.tgz."
     assert s["run"] == ["bash bench/gate/s.sh OUT   # the run", " " * 24 + "# its comment"]
+
+
+# The private ipw names a bench script may use, as (script, name): ipw/telemetry/estimator.py's integrals and its
+# calibration, which bench/telemetry/uncertainty_fit.py refits on recordings (estimator.py is being changed by
+# another change: a public interface for them comes with it).  Nothing else: a script that needs more of ipw
+# gets a public, documented function or method for it (Meter.split_due, check.pool_blocks, runner.run_query...).
+PRIVATE_ALLOWED = {("telemetry/uncertainty_fit.py", "_calibrate"), ("telemetry/uncertainty_fit.py", "_PowerIntegral"),
+                   ("telemetry/uncertainty_fit.py", "_CounterIntegral")}
+
+
+def _private(name: str) -> bool:
+    return len(name) > 1 and name.startswith("_") and not name.startswith("__")
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes and methods, and the names and attributes it assigns."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+    return {n for n in out if _private(n)}
+
+
+def _private_uses(tree: ast.AST, ipw_private: set[str]) -> set[str]:
+    """The private ipw names a script uses: imported from ipw (``from ipw.x import _y``, ``ipw._x``), an attribute
+    that ipw defines (``meter._periods``, ``Meter._settle = ...``; ``self._x`` only when the script does not define
+    ``_x`` itself), or a string naming one that a call gets (``getattr(cls, "_open")``)."""
+    own = _defined(tree)
+    uses = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ipw":
+            uses |= {part for part in node.module.split(".") if _private(part)}
+            uses |= {alias.name for alias in node.names if _private(alias.name)}
+        elif isinstance(node, ast.Import):
+            uses |= {part for alias in node.names if alias.name.split(".")[0] == "ipw"
+                     for part in alias.name.split(".") if _private(part)}
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in ipw_private:
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls") and node.attr in own
+            if not mine:
+                uses.add(node.attr)
+        elif isinstance(node, ast.Call):
+            uses |= {a.value for a in [*node.args, *(k.value for k in node.keywords)]
+                     if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value in ipw_private}
+    return uses
+
+
+def test_bench_scripts_use_no_private_ipw_name(index):
+    """A benchmark measures what ipw offers, through public (or documented) names: a private one can change under
+    it unseen, and the figures it wrote would no longer say what the code does.  Only PRIVATE_ALLOWED is let
+    through, and each of its entries must still be used (an entry no script needs goes)."""
+    ipw_private = set().union(*(_defined(ast.parse(p.read_text(encoding="utf-8"))) for p in (ROOT / "ipw").rglob("*.py")))
+    assert {"_periods", "_settle_all", "_PowerIntegral"} <= ipw_private  # the scan sees ipw's private names
+    used = {(name, private) for path, name in index.all_scripts() if path.suffix == ".py"
+            for private in _private_uses(ast.parse(path.read_text(encoding="utf-8")), ipw_private)}
+    assert sorted(used - PRIVATE_ALLOWED) == [], "bench scripts use private ipw names: add a public, documented one"
+    assert sorted(PRIVATE_ALLOWED - used) == [], "PRIVATE_ALLOWED: entries no script uses any more"
+
+
+def test_private_uses_finds_each_way_of_reaching_a_private_name():
+    ipw_private = {"_periods", "_settle", "_open", "_pool", "_x"}
+    code = """
+from ipw.analysis.check import _pool, check_runs
+from ipw.metering import _hidden
+import ipw._internal.mod
+meter._periods.popleft()
+Meter._settle = settle
+getattr(Handler, "_open")
+llm._model                      # not an ipw name
+class Mine:
+    def __init__(self):
+        self._x = 1             # the script's own
+    def f(self):
+        return self._x, other._x
+"""
+    assert _private_uses(ast.parse(code), ipw_private) == {"_pool", "_hidden", "_internal", "_periods", "_settle",
+                                                            "_open", "_x"}
+    clean = "from ipw.metering.meter import Meter\nclass A:\n    def f(self):\n        self._x = 1\n        return self._x\n"
+    assert _private_uses(ast.parse(clean), ipw_private) == set()

@@ -118,10 +118,25 @@ def test_a_burst_over_whole_blocks_is_noise_not_a_regression(tmp_path):
     assert energy.status == "inconclusive" and 0.01 < energy.p_value < 0.05 and result.exit_code == 0
     pooled_a = [(m, f) for side, m, f in loaded if side == "A"]
     pooled_b = [(m, f) for side, m, f in loaded if side == "B"]
-    from ipw.analysis.check import _pool
+    from ipw.analysis.check import pool_blocks
 
-    by_queries = _row(check_runs(*_pool(pooled_a), *_pool(pooled_b), DEFAULT), "energy_per_query")
+    by_queries = _row(check_runs(*pool_blocks(pooled_a), *pool_blocks(pooled_b), DEFAULT), "energy_per_query")
     assert by_queries.change == pytest.approx(12.5) and by_queries.status == "regression"
+
+
+def test_pool_blocks_makes_one_run_of_the_whole_query_set(tmp_path):
+    """pool_blocks (a round of blocks as one committed baseline: bench/gate/gate_blocks.py): blocks of every shard
+    pool into one run of the whole query set, each block a repeat; a round that misses a shard is refused."""
+    from ipw.analysis.check import pool_blocks
+
+    _, loaded = _job(tmp_path)  # job_plan(16, 4): blocks 0-7 are round 1, every shard once a side
+    round_a = [(m, f) for side, m, f in loaded[:8] if side == "A"]
+    manifest, frame = pool_blocks(round_a)
+    assert manifest.shard is None and manifest.dataset == round_a[0][0].shard["dataset"]
+    assert sorted(frame["query_id"]) == sorted(f"q{i}" for i in range(N))
+    assert sorted(frame["repeat"].unique()) == [0, 1, 2, 3]
+    with pytest.raises(IpwError, match="every shard"):
+        pool_blocks(round_a[:3])
 
 
 def test_four_whole_blocks_still_work(tmp_path):

@@ -763,6 +763,50 @@ def test_meter_thread_waits_on_the_sensors_event_and_a_lone_request_has_its_whol
     assert share.busy_s == pytest.approx(end - start, rel=1e-12)
 
 
+def test_a_meter_without_its_thread_splits_the_periods_that_are_due(monkeypatch):
+    """``open(thread=False)`` and ``split_due``, as bench/serving/provisional_replay.py drives a meter on a
+    simulated clock: a closed period is split once the clock is ``delay_s`` past its end and the work of every
+    request in it is known (a prefill the server has not reported yet holds it), not before; ``close`` splits
+    what is left, and the energy is conserved."""
+    import types
+
+    from ipw.metering import meter as meter_module
+    from ipw.metering.meter import Meter
+    from ipw.metering.window import Window
+
+    clock = [100.0]
+    monkeypatch.setattr(meter_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0],
+                                                                    perf_counter=time.perf_counter))
+    meter = Meter(Window([_powered(lambda: 50.0)]), live_tokens=True, expect_prefill=True, period_s=1.0)
+    meter.open(thread=False)
+    assert meter.started_s == 100.0
+    a = meter.start()
+    clock[0] = 100.5
+    b = meter.start()
+    clock[0] = 101.0
+    meter.token(a)
+    clock[0] = 101.5
+    meter.end(a, None)  # the period (100-101.5) is a period long: it closes, with b in flight
+    meter.split_due(101.6, 0.15)
+    assert meter.cost["periods"] == 0, "not due: its sensors' readings are not final yet"
+    meter.split_due(110.0, 0.15)
+    assert meter.cost["periods"] == 0, "due, but b's prefill (its work) is not known yet"
+    clock[0] = 102.0
+    meter.token(b)
+    meter.prefill(b, 5.0, 10)
+    meter.split_due(110.0, 0.15)
+    assert meter.cost["periods"] == 1
+    (reading,) = meter.share(a).readings  # a's share was made by split_due
+    assert 0.0 < reading.energy_j < 50.0 * 1.5
+    clock[0] = 102.5
+    meter.end(b, None)
+    meter.close()
+    parts = reading.energy_j + sum(r.energy_j for r in meter.share(b).readings)
+    row = meter.tally.sums["pkg"]
+    assert meter.cost["periods"] == 2 and parts + row["unattributed_j"] == pytest.approx(row["span_j"], rel=1e-9)
+    assert row["span_j"] == pytest.approx(50.0 * 2.5, rel=1e-9)
+
+
 def test_cpu_model_window_wait_is_its_read_after_the_end():
     from ipw.telemetry.cpu_model import CpuModelSensor
 

@@ -95,7 +95,7 @@ def _scaled(block: dict, factor: float):
 def analyse(work: Path, results: Path, lag: int) -> dict:
     import numpy as np
 
-    from ipw.analysis.check import DEFAULT_THRESHOLDS, _pool, check_interleaved, check_runs, parse_threshold
+    from ipw.analysis.check import DEFAULT_THRESHOLDS, check_interleaved, check_runs, parse_threshold, pool_blocks
     from ipw.interleave import job_plan
 
     thresholds = [parse_threshold(t) for t in DEFAULT_THRESHOLDS]
@@ -122,7 +122,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
     def round_run(r: int, second: bool, factor: float = 1.0):
         """Round r's blocks (the first or second of each pair) pooled as one run of the whole query set."""
         picks = [stream.get(r * ROUND + 2 * s + int(second)) for s in range(SHARDS)]
-        return None if None in picks else _pool([_scaled(p, factor) for p in picks])
+        return None if None in picks else pool_blocks([_scaled(p, factor) for p in picks])
 
     n_rounds = (last + 1) // ROUND
     for r in range(n_rounds):

@@ -72,12 +72,7 @@ class FakeBackend(WorkerBackend):
         levels = tuple(int(c) for c in spec.options.get("concurrency", []) or [])
         self.levels = levels if len(levels) > 1 else ()
         if len(levels) == 1:
-            self.concurrency = levels[0]
-
-    def _start(self) -> None:
-        super()._start()
-        if len(self.levels) == 0 and self.spec.options.get("concurrency"):
-            self.concurrency = int(self.spec.options["concurrency"][0])
+            self.concurrency = levels[0]  # and once loaded, the engine says the same (FakeEngine.concurrency)
 
 
 def register() -> None:

@@ -105,8 +105,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
         sensor = Trace(samples["t_s"].to_numpy(float), samples["power_w"].to_numpy(float), device, clock, power_lag_s)
         meter = Meter(Window([sensor]), split=split, live_tokens=True, expect_prefill=True, period_s=period_s,
                       idle_w={device: float(idle_w.get(device, 0.0))})
-        meter.started_s = meter.opened_s = clock.t_s
-        meter.tokens = meter.window.begin(clock.t_s)  # the span, without the meter's thread: periods split below
+        meter.open(thread=False)  # the span, at the clock's time, without the meter's thread: periods split below
         events: list[tuple[float, int, int, str]] = []  # (time, order, row, kind)
         for i, r in records.iterrows():
             streamed = r["ttft_s"] < r["latency_s"] - 1e-9
@@ -122,14 +121,9 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
         times: dict[int, list[float]] = {}
         provisional: dict[int, tuple[float | None, float, str]] = {}
 
-        def split_due() -> None:
-            while meter._periods and meter._periods[0].closed_s + sensor_delay_s <= clock.t_s \
-                    and meter._known(meter._periods[0]):
-                meter._settle(meter._periods[0])
-
         for t, _, i, kind in events:
             clock.t_s = t
-            split_due()
+            meter.split_due(clock.t_s, sensor_delay_s)
             r = records.iloc[i]
             if kind == "start":
                 jobs[i] = meter.start()
@@ -151,8 +145,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
                 value = sum(x.energy_j for x in estimate.readings if x.energy_j is not None) if estimate.readings else None
                 provisional[i] = (value, estimate.rel_90, estimate.source)
         clock.t_s = float(records["end_s"].max()) + 10.0
-        meter._stopping = True
-        meter.close()
+        meter.close()  # no meter thread: close splits what is left, here
         settled = {i: sum(x.energy_j for x in meter.share(j).readings if x.energy_j is not None) for i, j in jobs.items()}
     finally:
         meter_module.time = real_time

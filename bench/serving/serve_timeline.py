@@ -51,7 +51,9 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
 
     def wrap(cls: Any, method: str, before: str | None, after: str | None,
              hook: Callable[..., None] | None = None) -> None:
-        original = getattr(cls, method)
+        original = getattr(cls, method, None)
+        if original is None:  # not in this tree (Session.write: the records are written on a thread since 2026-12-03)
+            return
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if hook is not None:
@@ -77,7 +79,7 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
             local.stamps = None
 
     serve.Handler.do_POST = do_post  # type: ignore[method-assign]
-    original_send_chunk = serve.Handler._send_chunk
+    original_send_chunk = serve.Handler.send_chunk
 
     def send_chunk(self: Any, data: bytes) -> None:
         original_send_chunk(self, data)
@@ -88,7 +90,7 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
             if key:
                 stamps.setdefault(key, time.monotonic())
 
-    serve.Handler._send_chunk = send_chunk  # type: ignore[method-assign]
+    serve.Handler.send_chunk = send_chunk  # type: ignore[method-assign]
     original_events = serve.sse_events
 
     def sse_events(read: Any) -> Any:  # when each upstream event was found
@@ -100,9 +102,9 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
 
     serve.sse_events = sse_events
     wrap(Meter, "start", None, "job_started")
-    wrap(serve.Handler, "_open", "upstream_open", "upstream_headers")
+    wrap(serve.Handler, "open_upstream", "upstream_open", "upstream_headers")
     wrap(http.client.HTTPConnection, "connect", "connect_begin", "connected")
-    wrap(serve.Handler, "_end_stream", "usage_received", None)
+    wrap(serve.Handler, "end_stream", "usage_received", None)
     wrap(Meter, "end", None, "window_cut")
     wrap(Meter, "share", None, "share_ready")
     wrap(serve.Session, "build", None, "record_built")
@@ -115,7 +117,7 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
         reads.append((t0, time.monotonic()))
 
     snapshots.Counters.snap = snap  # type: ignore[method-assign]
-    original_settle = Meter._settle
+    original_settle = Meter.split_period
 
     def settle(self: Any, batch: Any) -> Any:
         t0 = time.monotonic()
@@ -123,7 +125,7 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
         settles.append((t0, time.monotonic()))
         return result
 
-    Meter._settle = settle  # type: ignore[method-assign]
+    Meter.split_period = settle  # type: ignore[method-assign]
 
     running = serve.start(serve.ServeOptions(upstream=upstream_url, name="timeline", port=0, idle_s=0.0), out_dir,
                           upstream_pids=[upstream_pid])
@@ -241,6 +243,7 @@ def main() -> None:
         end = s.get("window_cut")
         if end is not None:
             row["edge_read"] = min((b for a, b in reads if a >= end), default=float("nan"))
+        if "share_ready" in s:  # the handler waited for the share (it does only with --energy-wait now)
             row["settle_begin"] = max((a for a, b in settles if b <= s["share_ready"]), default=float("nan"))
         rows.append(row)
     proxy_s = [r["client_done"] - r["sent"] for r in rows]

@@ -355,9 +355,12 @@ def _shard_of(manifest: RunManifest) -> tuple[int, int]:
     return (int(manifest.shard["index"]), int(manifest.shard["count"])) if manifest.shard else (1, 1)
 
 
-def _pool(blocks: list[tuple[RunManifest, Any]]) -> tuple[RunManifest, Any]:
+def pool_blocks(blocks: list[tuple[RunManifest, Any]]) -> tuple[RunManifest, Any]:
     """Blocks as one run whose blocks are repeats: each query's value is the mean over the blocks that ran it.
-    Blocks of shards pool into one run of the whole query set (every shard must be there)."""
+    Blocks of shards pool into one run of the whole query set (every shard must be there).
+
+    ``check_interleaved`` pools each side's blocks with it; bench/gate/gate_blocks.py pools a round of blocks
+    into the committed baseline (and candidate) that ``check_runs`` compares, as a job's own blocks are."""
     import pandas as pd
 
     manifests = [m for m, _ in blocks]
@@ -446,8 +449,8 @@ def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: li
     a_runs = [same for (side, _), same in runs.items() if side == "A"]
     drift: tuple[Drift, ...] = ()
     if all(len(same) > 1 for same in a_runs):  # the first round's A blocks against the last round's
-        seen = check_runs(*_pool([same[0] for same in a_runs]), *_pool([same[-1] for same in a_runs]), thresholds,
-                          n_boot=1, seed=seed, work_gate=False)
+        seen = check_runs(*pool_blocks([same[0] for same in a_runs]), *pool_blocks([same[-1] for same in a_runs]),
+                          thresholds, n_boot=1, seed=seed, work_gate=False)
         drift = tuple(Drift(v.backend, v.metric, v.change, v.unit)
                       for v in seen.verdicts)
     else:
@@ -458,8 +461,8 @@ def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: li
         half = abs(d.change) / 2
         if np.isfinite(half) and half > merged.get((d.backend, d.metric), (float("-inf"), ""))[0]:
             merged[(d.backend, d.metric)] = (half, f"half the drift of the A blocks ({fmt.change(d.change, d.unit)})")
-    pooled = check_runs(*_pool([(m, f) for side, m, f in blocks if side == "A"]),
-                        *_pool([(m, f) for side, m, f in blocks if side == "B"]), thresholds, alpha=alpha,
+    pooled = check_runs(*pool_blocks([(m, f) for side, m, f in blocks if side == "A"]),
+                        *pool_blocks([(m, f) for side, m, f in blocks if side == "B"]), thresholds, alpha=alpha,
                         strict=strict, floors=merged, work_gate=work_gate, n_boot=n_boot, seed=seed, unsteady=unsteady)
     gated = {t.text: (t, gated_metric(t.metric)) for t in thresholds}  # parse_threshold made sure each is gated
     by_pairs = {text: t for text, (t, metric) in gated.items() if metric is not None and metric.follows_machine}

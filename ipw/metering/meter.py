@@ -262,12 +262,14 @@ class Meter:
 
     # -- the span, cut at every request event (request threads) -----------------------------------
 
-    def open(self) -> None:
-        """Start the span and the meter's thread."""
+    def open(self, thread: bool = True) -> None:
+        """Start the span and the meter's thread; without ``thread``, the caller splits the periods
+        (``split_due``; ``share`` and ``close`` split what is left)."""
         self.started_s = self.opened_s = time.monotonic()
         self.tokens = self.window.begin(self.started_s)
-        self._thread = threading.Thread(target=self._run, name="ipw-meter", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="ipw-meter", daemon=True)
+            self._thread.start()
 
     def _cut(self, now: float, last: bool = False) -> None:
         """Close the slice that ends ``now`` (under the lock) and put it in the open period, or with the
@@ -525,7 +527,7 @@ class Meter:
                 all(s[2].wait(max(0.0, deadline - time.monotonic())) for s in period.slices)
                 if not all(s[2].ready() for s in period.slices) and time.monotonic() < deadline and not self._stopping:
                     continue
-            self._settle(period)
+            self.split_period(period)
 
     def _settle_all(self) -> None:
         """Split every closed period now, with what is known (no meter thread)."""
@@ -534,11 +536,26 @@ class Meter:
                 if not self._periods:
                     return
                 period = self._periods[0]
-            self._settle(period)
+            self.split_period(period)
 
-    def _settle(self, period: _Period) -> None:
+    def split_due(self, now_s: float, delay_s: float) -> None:
+        """Split, in the caller's thread, every closed period that ended at least ``delay_s`` before ``now_s`` and
+        whose requests' work is known, oldest first: for a meter opened without its thread (``open(thread=False)``).
+        bench/serving/provisional_replay.py replays a recorded session so, on a simulated clock: a period is split
+        once its sensors' readings would be final (``delay_s`` after its end), as the meter's thread splits it on
+        a live one."""
+        while True:
+            with self.lock:
+                period = self._periods[0] if self._periods else None
+                if period is None or period.closed_s + delay_s > now_s or not self._known(period):
+                    return
+            self.split_period(period)
+
+    def split_period(self, period: _Period) -> None:
         """Split one period (the oldest closed one) among its requests, make the shares of the requests that
-        ended in it final, and add what is ready of the idle slices to the unattributed energy."""
+        ended in it final, and add what is ready of the idle slices to the unattributed energy.  The meter's
+        thread calls it once per period (one batch of shares); bench/serving/serve_timeline.py times each
+        call, as a step of a request's way through ``ipw serve``."""
         t0 = time.perf_counter()
         with self.lock:
             idle = list(self._idle)
