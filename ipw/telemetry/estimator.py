@@ -113,7 +113,7 @@ class Calibration:
 class ErrorModel:
     """The error model behind a sampled window's ``uncertainty_j``: a ±90% half-width built from the
     error's sources (docs/ENERGY.md, "How far to trust a reading"), with constants fitted on H200
-    recordings by ``bench/uncertainty_fit.py`` and checked on recordings the fit did not use.
+    recordings by ``bench/telemetry/uncertainty_fit.py`` and checked on recordings the fit did not use.
 
     One standard deviation, in joules, is the root sum of squares of
 
