@@ -196,8 +196,12 @@ SKIPPED: dict[str, str] = {
 # ---------------------------------------------------------------------------------------------------------------
 # what runs, and how
 
-LIMIT = "--limit 1 --warmup 0 --idle-s 0"  # a run of the default or a repository config: 1 query, no warm-up/idle
-SMALL = "--limit 1 --warmup 0 --idle-s 0 --backend smollm2-135m"  # one query of the default's in-process SmolLM2
+# a run of the bundled set (the default's or a repository config's): its first science query (a short answer:
+# the arithmetic ones run to max_tokens), no warm-up, no idle baseline
+LIMIT = "--category science --limit 1 --warmup 0 --idle-s 0"
+ONE = "--limit 1 --warmup 0 --idle-s 0 --backend smollm2-135m"  # one query of the default's in-process SmolLM2
+SMALL = f"--category science {ONE}"
+QUIET = "--idle-s 0"  # ipw serve/wrap: no idle baseline before the proxy opens (3 s)
 TINY = """dataset = "{queries}"
 warmup = 0
 idle_s = 0
@@ -345,7 +349,7 @@ RUNS: dict[str, Run] = {
         subs=(("results/RUN", "{baseline}"), ("router.json", "{router}")), files=("report.html",)),
     "ipw serve --route router.json --local http://127.0.0.1:8081/v1 --cloud http://127.0.0.1:8082/v1 --port 8000": Run(
         subs=(("router.json", "{router}"), ("http://127.0.0.1:8081/v1", "{llama}"), ("http://127.0.0.1:8082/v1", "{stub}"),
-              ("--port 8000", "--port 0")), how="serve", check=_serve_energy(route=True)),
+              ("--port 8000", "--port 0")), extra=QUIET, how="serve", check=_serve_energy(route=True)),
     # serving: the tiny config
     "ipw run CONFIG --concurrency 1,4,16,64": Run(subs=(("CONFIG", "{tiny}"),), extra="--limit 2"),
     "ipw run CONFIG --energy-split local": Run(subs=(("CONFIG", "{tiny}"),), extra="--limit 2"),
@@ -363,32 +367,32 @@ RUNS: dict[str, Run] = {
               ("baseline/floor.json", "{floor}")), files=("verdict.md", "verdict.xml")),
     "ipw merge SHARD_RUN [SHARD_RUN ...] [--out DIR]": Run(subs=(("SHARD_RUN", "{shard}"),)),
     # datasets: one query of the in-process SmolLM2
-    "ipw run --dataset my_queries.jsonl --limit 20": Run(subs=(("my_queries.jsonl", "{queries}"),), extra=SMALL),
-    "ipw run --backend llama-cpp:smollm2-135m --dataset ipw-core": Run(extra="--limit 1 --warmup 0 --idle-s 0"),
+    "ipw run --dataset my_queries.jsonl --limit 20": Run(subs=(("my_queries.jsonl", "{queries}"),), extra=ONE),
+    "ipw run --backend llama-cpp:smollm2-135m --dataset ipw-core": Run(extra=LIMIT),
     "ipw run --backend llama-cpp:/models/qwen2.5-1.5b-q4_k_m.gguf --limit 50": Run(
-        subs=(("/models/qwen2.5-1.5b-q4_k_m.gguf", "{gguf}"),), extra="--limit 1 --warmup 0 --idle-s 0"),
+        subs=(("/models/qwen2.5-1.5b-q4_k_m.gguf", "{gguf}"),), extra=LIMIT),
     "ipw run configs/small-models.toml --repeats 3": Run(extra=SMALL),
     "ipw run --dataset ~/data/mmlu_test.parquet --category high_school_physics --sample 50 --seed 1": Run(
-        subs=(("~/data/mmlu_test.parquet", "{mmlu}"),), extra=SMALL, shown_in="docs/guide/benchmarks.md",
+        subs=(("~/data/mmlu_test.parquet", "{mmlu}"),), extra=ONE, shown_in="docs/guide/benchmarks.md",
         expect=("detected dataset preset",)),
     "ipw run --dataset ~/data/gsm8k_saved --split test --dataset-preset gsm8k --limit 100": Run(
-        subs=(("~/data/gsm8k_saved", "{gsm8k}"),), extra=SMALL),
+        subs=(("~/data/gsm8k_saved", "{gsm8k}"),), extra=ONE),
     "ipw run --carbon-intensity 350": Run(extra=SMALL, check=_carbon),
     "ipw run --grid-region DE": Run(extra=SMALL, check=_carbon),
     'ipw run configs/small-models.toml --shard "$SLURM_ARRAY_TASK_ID/8" --out "results/shards-$SLURM_ARRAY_JOB_ID"':
-        Run(extra="--limit 8 --warmup 0 --idle-s 0 --backend smollm2-135m",
+        Run(extra="--category science --limit 8 --warmup 0 --idle-s 0 --backend smollm2-135m",
             env=(("SLURM_ARRAY_TASK_ID", "1"), ("SLURM_ARRAY_JOB_ID", "42"))),
     # serve: one real llama-server for the session
     "ipw serve --upstream http://127.0.0.1:8080/v1 --port 8000 --out results/": Run(
-        subs=(("http://127.0.0.1:8080/v1", "{llama}"), ("--port 8000", "--port 0")), how="serve",
+        subs=(("http://127.0.0.1:8080/v1", "{llama}"), ("--port 8000", "--port 0")), extra=QUIET, how="serve",
         check=_serve_energy()),
     "ipw serve --backend llama-server:smollm2-135m --parallel 16 --port 8000": Run(
-        subs=(("--port 8000", "--port 0"),), how="serve", check=_serve_energy()),
+        subs=(("--port 8000", "--port 0"),), extra=QUIET, how="serve", check=_serve_energy()),
     "ipw wrap --backend llama-server:smollm2-135m --parallel 8 -- .venv/bin/python my_client.py": Run(
-        subs=(("my_client.py", "{client}"),), how="wrap", shown_in="docs/guide/serve.md",
+        subs=(("my_client.py", "{client}"),), extra=QUIET, how="wrap", shown_in="docs/guide/serve.md",
         expect=("{'energy_j': ", "'split_method': 'none'")),
     "ipw wrap --upstream http://127.0.0.1:8080/v1 -- sh -c 'my-bench --base-url \"$OPENAI_BASE_URL\"'": Run(
-        subs=(("http://127.0.0.1:8080/v1", "{llama}"),), how="wrap", expect=("energy_j",)),
+        subs=(("http://127.0.0.1:8080/v1", "{llama}"),), extra=QUIET, how="wrap", expect=("energy_j",)),
     # machine
     "ipw list": Run(expect=("smollm2-135m", "ipw-core", "llama-cpp")),
     "ipw doctor": Run(),
@@ -562,7 +566,9 @@ class Workspace:
             text = text.replace(old, new.format_map(self))
         if spec.how == "wrap" and "my_client.py" in command:
             self["client"]
-        args = shlex.split(text) + shlex.split(spec.extra)
+        args = shlex.split(text)
+        end = args.index("--") if "--" in args else len(args)  # wrap's own options come before its command
+        args[end:end] = shlex.split(spec.extra)
         if spec.how == "ipw":
             with _environ(dict(spec.env)):
                 args = [os.path.expandvars(a) for a in args]
