@@ -8,6 +8,8 @@
 - ``Child``, ``signal_tree``, ``alternate``, ``run_pty``, ``run_plain``: child processes under a
   pseudo-terminal or a file, paused and resumed in turns, reaped with their CPU time.
 - ``query_stats``, ``ipw_rows``: per-query timings of a bare loop and of an ipw run folder.
+- ``config_head``: the top of a benchmark's run config (dataset, repeats, warm-up, no idle baseline, out_dir,
+  greedy generation), up to its ``[[backends]]``.
 
 It stays at the top of bench/, beside the question folders that hold the scripts: a script puts bench/ on its
 path (``sys.path.insert(0, str(ROOT / "bench"))``) and imports it as ``from _shared import ...``.
@@ -174,6 +176,13 @@ def run_plain(cmd: list[str], env: dict | None = None) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     return {"spawn": spawn, "wall_s": time.monotonic() - spawn, "rc": proc.returncode,
             "output": proc.stdout + proc.stderr}
+
+
+def config_head(dataset: object, out_dir: Path, warmup: int, max_tokens: int, limit: int | None = None) -> str:
+    """A run config's top, through its ``[[backends]]`` line: the caller appends the backend's keys."""
+    head = f'dataset = "{dataset}"\n' + (f"limit = {limit}\n" if limit is not None else "")
+    return (head + f'repeats = 1\nwarmup = {warmup}\nidle_s = 0\nout_dir = "{out_dir}"\n\n'
+            f"[generation]\nmax_tokens = {max_tokens}\ntemperature = 0.0\n\n[[backends]]\n")
 
 
 def write_section(doc: Path, section: str, body: str) -> None:

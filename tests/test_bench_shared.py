@@ -99,3 +99,18 @@ def test_no_bench_script_imports_helpers_from_another_script():
     users = [p.name for p in SCRIPTS
              if re.search(r"^\s*(from overhead_llama import|import overhead_llama)", p.read_text(encoding="utf-8"), re.M)]
     assert users == []
+
+
+def test_config_head_is_a_run_config_top_that_a_backend_completes(shared, tmp_path):
+    """The benchmarks' one run-config top (overhead_http, overhead_llama, harness_breakdown): ipw reads it, with
+    a backend's keys after its ``[[backends]]``; ``limit`` only where given."""
+    import tomllib
+
+    from ipw.config import load_config
+
+    text = shared.config_head("ipw-core-default", tmp_path / "runs", 1, 8, limit=3)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text + 'name = "s"\nkind = "llama-cpp"\nmodel = "smollm2-135m"\n', encoding="utf-8")
+    config = load_config(cfg)
+    assert (config.limit, config.warmup, config.idle_s, config.generation.max_tokens) == (3, 1, 0, 8)
+    assert "limit" not in tomllib.loads(shared.config_head("d", tmp_path, 0, 8) + 'name = "s"\n')

@@ -213,18 +213,9 @@ def fake_nvml(seconds: float) -> None:
 
 
 def config_text(args, out_dir: Path, dataset: Path, level: int) -> str:
-    common = f"""dataset = "{dataset}"
-repeats = 1
-warmup = {args.warmup}
-idle_s = 0
-out_dir = "{out_dir}"
+    from _shared import config_head
 
-[generation]
-max_tokens = {args.max_tokens}
-temperature = 0.0
-
-[[backends]]
-"""
+    common = config_head(dataset, out_dir, args.warmup, args.max_tokens)
     if args.engine == "fake":
         return common + f"""name = "fake"
 kind = "fake"

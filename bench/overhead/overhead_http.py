@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: this file is bench/<question>/<script>.py
 sys.path.insert(0, str(ROOT / "bench"))
-from _shared import (DOC, IPW, Child, ipw_rows, loads, machine, median, run_plain,  # noqa: E402
+from _shared import (DOC, IPW, Child, config_head, ipw_rows, loads, machine, median, run_plain,  # noqa: E402
                             write_section)
 
 SECTION = "## Harness overhead: HTTP (openai backend against a local llama.cpp server)"
@@ -99,19 +99,7 @@ def bare_worker(args) -> int:
 # --- the benchmark -----------------------------------------------------------------------------------
 
 def config_toml(args, base_url: str, concurrency: int, out_dir: Path) -> str:
-    return f"""dataset = "{args.dataset}"
-limit = {args.queries}
-repeats = 1
-warmup = {args.warmup}
-idle_s = 0
-out_dir = "{out_dir}"
-
-[generation]
-max_tokens = {args.max_tokens}
-temperature = 0.0
-
-[[backends]]
-name = "{MODEL}-http"
+    return config_head(args.dataset, out_dir, args.warmup, args.max_tokens, args.queries) + f"""name = "{MODEL}-http"
 kind = "openai"
 model = "{MODEL}"
 role = "cloud"

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/_shared.py
-from _shared import (DOC, IPW, Child, alternate, ipw_rows, loads, machine, median, query_stats,
+from _shared import (DOC, IPW, Child, alternate, config_head, ipw_rows, loads, machine, median, query_stats,
                      write_section)
 
 SECTION = "## Harness overhead: llama.cpp in a worker process"
@@ -156,19 +156,7 @@ def engine_worker(args) -> int:
 # --- one trial of each side ------------------------------------------------------------------------------
 
 def config_toml(args, out_dir: Path) -> str:
-    return f"""dataset = "{args.dataset}"
-limit = {args.queries}
-repeats = 1
-warmup = {args.warmup}
-idle_s = 0
-out_dir = "{out_dir}"
-
-[generation]
-max_tokens = {args.max_tokens}
-temperature = 0.0
-
-[[backends]]
-name = "{MODEL}"
+    return config_head(args.dataset, out_dir, args.warmup, args.max_tokens, args.queries) + f"""name = "{MODEL}"
 kind = "llama-cpp"
 model = "{MODEL}"
 role = "local"
