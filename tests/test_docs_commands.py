@@ -9,29 +9,36 @@ continuations and the other links of an ``&&``/``|``/``;`` chain are dropped; a 
 fails ``test_every_listed_command_is_still_shown``.
 
 Running a command (``test_documented_command``): its text, with placeholders (``results/A``, ``RUN``,
-``CONFIG``, ``~/data/...``, ports and URLs) replaced by real paths, runs in a scratch workspace (links to
-.venv, .ci and configs, so that the doc's relative paths work; ``ipw`` in process, ``serve``/``wrap`` as a
-process of their own) and must exit with the code the doc implies; where the doc shows output, the
-fragments in ``expect`` (present in that doc's text, whitespace aside) must be in the real output. The
-inputs are real and small, made once per session by the documented commands themselves:
+``CONFIG``, ``~/data/...``, ports and URLs) replaced by real paths and a synopsis's ``[optional]`` parts left
+out, runs in a scratch workspace (links to .venv, .ci and configs, so that the doc's relative paths work;
+``ipw`` in process, ``serve``, ``wrap`` and ``--ray local`` as a process of their own) and must exit with the
+code the doc implies; where the doc shows output, the fragments in ``expect`` (present in that doc's text,
+whitespace aside) must be in the real output. RUNS states each command's substitutions and the limiting flags
+added to it (``extra``). The inputs are real and small, made once per session by the documented commands
+themselves, lazily, whatever order the tests run in:
 
 - **default**: the embedded default (``ipw run``: SmolLM2 in process, Gemma-3-270M behind llama-server) and
-  ``configs/local-vs-cloud.toml``, each at 1 query, no warm-up, no idle baseline (``LIMIT``): the
-  README's output, then every ``compare``/``report``/``check``/``rescore`` of ``results/A``/``results/B``
-  (A = local-vs-cloud, B = the default; a check's candidate is a copy of its baseline, the one case a
-  3-minute test can make comparable: exit 0; the README's ``.ci/baseline-default`` check gets a copy of that
-  committed 24-query run, as a fresh one takes ~100 s).
-- **route**: ``ipw route train/score``, ``compare``/``report --router`` and ``serve --route`` on a copy of
-  the committed baseline ``.ci/baseline-default`` (a real default run; 24 queries, the fewest a router takes).
-- **serving**: a tiny config (``TINY``: SmolLM2 behind llama-server, 4 queries, 8 tokens) as ``CONFIG``:
-  the ``--concurrency 1,4,16,64`` sweep (2 queries a level), ``--energy-split local``, every ``--deadline``
-  command on the sweep; the CI example of docs/CHECK.md (``configs/my-model.toml`` = TINY, its baseline a
-  copy, the floor from ``ipw check --calibrate``); ``ipw merge`` of a ``--shard 1/1`` run of it.
-- **datasets**: ``--dataset``/``--backend``/``--repeats``/carbon/``--shard`` variants of ``ipw run`` at one
-  query of SmolLM2 in process (``SMALL``): what they test is the option, not the second backend.
-- **serve**: ``ipw serve``/``ipw wrap`` against one real llama-server (SmolLM2) started for the session,
-  one request each, stopped by SIGTERM; docs/guide/serve.md's client script is the one wrap runs.
-- **machine**: ``ipw list``, ``ipw doctor`` and ``--record-trace`` (1 s instead of 24).
+  ``configs/local-vs-cloud.toml`` (three backends, 2 threads each), each on the bundled set's first science
+  query, no warm-up, no idle baseline (``LIMIT``; the arithmetic queries run to max_tokens, ~100 s of a
+  2-thread config on a busy 2-core VM): the README's output, then every ``compare``/``report``/``check``/
+  ``rescore`` of ``results/A``/``results/B`` (A = local-vs-cloud, B = the default). A check's candidate is a
+  copy of its baseline (exit 0; two real runs of one query on a shared VM can differ beyond +5%); the
+  README's ``.ci/baseline-default`` check gets a copy of that committed 24-query run (a fresh one: ~100 s).
+- **route**: ``ipw route train/score``, ``compare``/``report --router`` and ``serve --route`` (its local
+  upstream the session's llama-server, its cloud a stub) on a copy of the committed baseline (a real run of
+  the default: 24 queries, a router needs 20).
+- **serving**: a tiny config (``TINY``: SmolLM2 behind llama-server, 8 tokens, ``--limit 2``) as ``CONFIG``:
+  the ``--concurrency 1,4,16,64`` sweep, ``--energy-split local``, ``--ray local`` (a Ray instance on this
+  machine, ~15 s), every ``--deadline`` command on the sweep; docs/CHECK.md's CI example
+  (``configs/my-model.toml`` = TINY, ``baseline/my-model`` a copy of the candidate, ``baseline/floor.json``
+  from check.md's ``ipw check --calibrate RUN RUN --floor FILE``); ``ipw merge`` of a ``--shard 1/1`` run.
+- **datasets**: the ``--dataset``/``--backend``/``--repeats``/carbon/``--shard`` variants of ``ipw run`` at
+  one query of SmolLM2 in process (``ONE``, ``SMALL``: the option is what they show, not the second backend);
+  an MMLU-layout Parquet file made here, tests/data/presets' GSM8K ``save_to_disk`` folder.
+- **serve**: ``ipw serve``/``ipw wrap`` (``--idle-s 0``: ``QUIET``) against one real llama-server (SmolLM2)
+  started for the session, or one they start; one request each, then SIGTERM (exit 0); the run folder holds
+  it with its estimated energy. ``wrap`` runs docs/guide/serve.md's ``my_client.py`` as the page shows it.
+- **machine**: ``ipw list``, ``ipw doctor`` (without a BMC) and ``--record-trace`` (1 s instead of 24).
 """
 
 from __future__ import annotations
@@ -178,8 +185,6 @@ SKIPPED: dict[str, str] = {
     "ipw run configs/small-models.toml --ray HEAD_IP:6379 --shards 16": "needs a multi-node Ray cluster",
     "ray job submit --address http://HEAD_IP:8265 -- ipw run configs/small-models.toml --ray auto":
         "needs a Ray cluster with its dashboard (ray[default])",
-    "ipw run CONFIG --ray local": "starts a Ray instance on this machine: tens of seconds on 2 cores "
-                                  "(tests/test_ray.py runs a Ray cluster)",
     'sbatch --dependency=afterok:$jobid --wrap "ipw merge results/shards-$jobid/* --out results"':
         "needs Slurm (sbatch); ipw merge itself runs here (its synopsis, docs/guide/ray.md)",
     "ipw check --rerun BASE.toml CAND.toml [--blocks 16] [--shards 4] [--out DIR] [--backend NAME ...] [--limit N] "
@@ -259,7 +264,7 @@ class Run:
     shown_in: str = ""
     files: tuple[str, ...] = ()  # what it writes (relative to the workspace)
     env: tuple[tuple[str, str], ...] = ()  # for $VARIABLES in the command
-    how: str = "ipw"  # ipw (in process), serve (a process, one request, SIGTERM), wrap (a process to its end)
+    how: str = "ipw"  # ipw (in process), process (a process of its own, to its end), serve (one request, SIGTERM)
     same_as: str = ""  # a synopsis whose required form is that command: its result
     check: Callable[[Result, Workspace], None] | None = None
 
@@ -353,6 +358,7 @@ RUNS: dict[str, Run] = {
     # serving: the tiny config
     "ipw run CONFIG --concurrency 1,4,16,64": Run(subs=(("CONFIG", "{tiny}"),), extra="--limit 2"),
     "ipw run CONFIG --energy-split local": Run(subs=(("CONFIG", "{tiny}"),), extra="--limit 2"),
+    "ipw run CONFIG --ray local": Run(subs=(("CONFIG", "{tiny}"),), extra="--limit 2", how="process"),
     "ipw compare results/<run> --deadline p95_latency=2s": Run(subs=(("results/<run>", "{sweep}"),)),
     "ipw report results/<run> --deadline p95_latency=2s": Run(subs=(("results/<run>", "{sweep}"),), files=("report.html",)),
     "ipw compare results/SWEEP --deadline p95_latency=2s": Run(subs=(("results/SWEEP", "{sweep}"),)),
@@ -389,10 +395,11 @@ RUNS: dict[str, Run] = {
     "ipw serve --backend llama-server:smollm2-135m --parallel 16 --port 8000": Run(
         subs=(("--port 8000", "--port 0"),), extra=QUIET, how="serve", check=_serve_energy()),
     "ipw wrap --backend llama-server:smollm2-135m --parallel 8 -- .venv/bin/python my_client.py": Run(
-        subs=(("my_client.py", "{client}"),), extra=QUIET, how="wrap", shown_in="docs/guide/serve.md",
+        subs=(("my_client.py", "{client}"),), extra=QUIET, how="process", shown_in="docs/guide/serve.md",
         expect=("{'energy_j': ", "'split_method': 'none'")),
     "ipw wrap --upstream http://127.0.0.1:8080/v1 -- sh -c 'my-bench --base-url \"$OPENAI_BASE_URL\"'": Run(
-        subs=(("http://127.0.0.1:8080/v1", "{llama}"),), extra=QUIET, how="wrap", expect=("energy_j",)),
+        subs=(("http://127.0.0.1:8080/v1", "{llama}"), ("my-bench", "{my_bench}")), extra=QUIET, how="process",
+        expect=("'energy_j': ",)),
     # machine
     "ipw list": Run(expect=("smollm2-135m", "ipw-core", "llama-cpp")),
     "ipw doctor": Run(),
@@ -540,10 +547,12 @@ class Workspace:
             match = CLIENT_BLOCK.search((ROOT / "docs" / "guide" / "serve.md").read_text(encoding="utf-8"))
             assert match, "docs/guide/serve.md: the my_client.py block"
             (root / "my_client.py").write_text(match.group(1), encoding="utf-8")
+            return "my_client.py"
+        if name == "my_bench":  # a load generator that takes the URL as a flag, on PATH
             bench = root / "bin" / "my-bench"
             bench.write_text(MY_BENCH.format(python=sys.executable), encoding="utf-8")
             bench.chmod(0o755)
-            return "my_client.py"
+            return "my-bench"
         raise KeyError(name)
 
     def _llama(self) -> str:
@@ -555,7 +564,6 @@ class Workspace:
         backend.attach(self.root / "llama")
         backend.load()
         self.stack.callback(backend.close)
-        self["client"]  # my-bench on PATH for wrap
         return str(backend.base_url)
 
     def argv(self, command: str) -> tuple[list[str], Run]:
@@ -564,8 +572,6 @@ class Workspace:
         for old, new in spec.subs:
             assert old in text, (command, old)
             text = text.replace(old, new.format_map(self))
-        if spec.how == "wrap" and "my_client.py" in command:
-            self["client"]
         args = shlex.split(text)
         end = args.index("--") if "--" in args else len(args)  # wrap's own options come before its command
         args[end:end] = shlex.split(spec.extra)
@@ -584,13 +590,11 @@ class Workspace:
             args, spec = self.argv(command)
             for name in spec.files:
                 (self.root / name).unlink(missing_ok=True)
-            if spec.how == "ipw":
-                self.results[command] = self._ipw(args, dict(spec.env))
-            elif spec.how == "serve":
-                self.results[command] = self._serve(args)
-            else:
-                self.results[command] = self._process(args, timeout=300)
+            self.results[command] = self._ipw(args, dict(spec.env)) if spec.how == "ipw" else self._launch(spec, args)
         return self.results[command]
+
+    def _launch(self, spec: Run, args: list[str]) -> Result:
+        return self._serve(args) if spec.how == "serve" else self._process(args, timeout=300)
 
     def _ipw(self, args: list[str], env: dict[str, str]) -> Result:
         out, err = io.StringIO(), io.StringIO()
