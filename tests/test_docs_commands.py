@@ -173,6 +173,8 @@ def flat(text: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # what cannot run here, and why
 
+RERUN = ("16 blocks, each an ipw run process: minutes (at its least, 4 blocks of 2 queries of TINY, 29 s here, and "
+         "an energy verdict over 2 block pairs of a shared VM that can flip); tests/test_interleave.py covers it")
 SKIPPED: dict[str, str] = {
     "ipw run configs/gpu-serving.toml": "needs a GPU (SmolLM2 on llama-server built with CUDA, up to 64 in flight)",
     "ipw run configs/gpu-vllm.toml": "needs a GPU and vLLM with CUDA",
@@ -189,9 +191,9 @@ SKIPPED: dict[str, str] = {
         "needs Slurm (sbatch); ipw merge itself runs here (its synopsis, docs/guide/ray.md)",
     "ipw check --rerun BASE.toml CAND.toml [--blocks 16] [--shards 4] [--out DIR] [--backend NAME ...] [--limit N] "
     "[--base-python PY] [--cand-python PY] [--fail-if ...] [--markdown FILE] [--github] [--junit FILE]":
-        "16 blocks, each an ipw run process of both configs: minutes (tests/test_interleave.py)",
+        RERUN,
     "ipw check --rerun BASE.toml CAND.toml [--blocks 16] [--shards 4] [--base-python PY] [--cand-python PY] "
-    "[--out DIR] [...]": "16 blocks, each an ipw run process of both configs: minutes (tests/test_interleave.py)",
+    "[--out DIR] [...]": RERUN,
     "cand/.venv/bin/ipw check --rerun base/configs/my-model.toml cand/configs/my-model.toml "
     "--base-python base/.venv/bin/python --cand-python cand/.venv/bin/python --out gate --github "
     "--markdown verdict.md --junit verdict.xml":
@@ -281,10 +283,18 @@ def _trace(result: Result, ws: Workspace) -> None:
     json.loads(gzip.decompress((ws.root / "my-machine.json.gz").read_bytes()))
 
 
-def _carbon(result: Result, ws: Workspace) -> None:
-    """The run folder carries the grid's carbon intensity."""
+def _carbon(**expected: object) -> Callable[[Result, Workspace], None]:
+    """The run folder carries the grid's carbon intensity: the number given, or the region's."""
+    def check(result: Result, ws: Workspace) -> None:
+        carbon = json.loads((result.folder(ws) / "manifest.json").read_text())["carbon"]
+        assert {k: carbon[k] for k in expected} == expected and carbon["g_per_kwh"] > 0, carbon
+    return check
+
+
+def _merged(result: Result, ws: Workspace) -> None:
+    """ipw merge prints the merged run folder's path (docs/guide/ray.md)."""
     manifest = json.loads((result.folder(ws) / "manifest.json").read_text())
-    assert "carbon" in json.dumps(manifest), "the run records the grid's intensity"
+    assert manifest["status"] == "complete" and manifest["merged_from"], manifest
 
 
 def _serve_energy(route: bool = False) -> Callable[[Result, Workspace], None]:
@@ -296,8 +306,10 @@ def _serve_energy(route: bool = False) -> Callable[[Result, Workspace], None]:
         assert not route or energy["route"]["to"] in ("local", "cloud"), energy
         folder = re.search(r"run folder (\S+?)\.? ", result.err)
         assert folder, result.err
-        records = [json.loads(line) for line in (ws.root / folder.group(1) / "records.jsonl").read_text().splitlines()]
+        path = ws.root / folder.group(1)
+        records = [json.loads(line) for line in (path / "records.jsonl").read_text().splitlines()]
         assert len(records) == 1 and records[0]["energy_quality"] == "estimated" and records[0]["energy_j"] > 0
+        assert json.loads((path / "manifest.json").read_text())["status"] == "complete", "SIGTERM finishes it"
     return check
 
 
@@ -371,7 +383,7 @@ RUNS: dict[str, Run] = {
     "--fail-if accuracy:-2pp --fail-if ttft_p50:+20% --github --markdown verdict.md --junit verdict.xml": Run(
         subs=(("baseline/my-model", "{baseline_model}"), ("candidate/*", "{candidate_dir}/*"),
               ("baseline/floor.json", "{floor}")), files=("verdict.md", "verdict.xml")),
-    "ipw merge SHARD_RUN [SHARD_RUN ...] [--out DIR]": Run(subs=(("SHARD_RUN", "{shard}"),)),
+    "ipw merge SHARD_RUN [SHARD_RUN ...] [--out DIR]": Run(subs=(("SHARD_RUN", "{shard}"),), check=_merged),
     # datasets: one query of the in-process SmolLM2
     "ipw run --dataset my_queries.jsonl --limit 20": Run(subs=(("my_queries.jsonl", "{queries}"),), extra=ONE),
     "ipw run --backend llama-cpp:smollm2-135m --dataset ipw-core": Run(extra=LIMIT),
@@ -383,8 +395,8 @@ RUNS: dict[str, Run] = {
         expect=("detected dataset preset",)),
     "ipw run --dataset ~/data/gsm8k_saved --split test --dataset-preset gsm8k --limit 100": Run(
         subs=(("~/data/gsm8k_saved", "{gsm8k}"),), extra=ONE),
-    "ipw run --carbon-intensity 350": Run(extra=SMALL, check=_carbon),
-    "ipw run --grid-region DE": Run(extra=SMALL, check=_carbon),
+    "ipw run --carbon-intensity 350": Run(extra=SMALL, check=_carbon(g_per_kwh=350)),
+    "ipw run --grid-region DE": Run(extra=SMALL, check=_carbon(zone="DE")),
     'ipw run configs/small-models.toml --shard "$SLURM_ARRAY_TASK_ID/8" --out "results/shards-$SLURM_ARRAY_JOB_ID"':
         Run(extra="--category science --limit 8 --warmup 0 --idle-s 0 --backend smollm2-135m",
             env=(("SLURM_ARRAY_TASK_ID", "1"), ("SLURM_ARRAY_JOB_ID", "42"))),
