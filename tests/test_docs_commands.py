@@ -644,7 +644,18 @@ class Workspace:
         return Result(proc.returncode, out + "\n" + json.dumps(energy), "".join(lines) + err)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(autouse=True)
+def _signal_handlers_kept():
+    """A command run in this process (``ipw serve``/``wrap``, Ray's ``ray.init``) may leave its own SIGINT or
+    SIGTERM handler behind; later tests (test_serve's Ctrl-C and SIGTERM tests) need the ones they started with."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
+
+
+@pytest.fixture(scope="module")  # its llama-server stops with this module: test_llama_server counts strays
 def docs_ws(tmp_path_factory) -> Iterator[Workspace]:
     with contextlib.ExitStack() as stack:
         yield Workspace(tmp_path_factory.mktemp("docs-commands"), stack)
