@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from ipw.telemetry import estimator as est
 from nvml_fakes import (  # noqa: F401  (re-exported: tests/test_doctor.py imports them from here)
     BUFFER_US,
     Clock,
@@ -189,6 +191,23 @@ def test_synthetic_windows_are_exact(monkeypatch):
     (r,) = finish(sensor, clock, short)
     assert r.energy_j == pytest.approx(10.0, rel=0.02) and "short window: ±" in r.note
     sensor.close()
+
+
+@pytest.mark.parametrize("load_w", [690.0, 600.0])
+def test_a_window_at_the_power_limit_has_a_wider_interval_and_says_so(monkeypatch, load_w):
+    # the fake GPU's enforced limit is 700 W: 690 W is at it (>= 95%), 600 W below it
+    sig, clock = synthetic(load_w=load_w)
+    make_fake(monkeypatch, [sig], clock)
+    sensor = NvmlSensor(threaded=False, clock_ns=clock.mono, wall_ns=clock.wall)
+    assert sensor.info().params["power_limits_w"] == {"gpu0": 700.0}
+    (r,) = finish(sensor, clock, window(sensor, clock, 25.0, 25.1))
+    sensor.close()
+    rel = r.uncertainty_j / r.energy_j
+    model = est.DEFAULT_ERROR_MODEL
+    noise = model.capped_noise if load_w == 690.0 else model.sample_noise
+    # a steady square wave: no edge or spread terms, so the samples' noise and the calibration make the width
+    assert rel > model.z * noise * (0.02 / 0.1) ** 0.5
+    assert ("at the GPU's power limit (700 W)" in r.note) == (load_w == 690.0)
 
 
 def test_fallback_uncalibrated_counter_instant(monkeypatch):

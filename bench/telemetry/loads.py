@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         counter = subprocess.Popen([sys.executable, str(ROOT / "bench" / "telemetry" / "gpu_counter.py"), str(out / "counter.csv")])
         sensor = NvmlSensor([0])  # ipw under test: its defaults, its own thread
         meta["sample_shift_s"] = sensor.sampler.sample_shift_s
+        meta["power_limit_w"] = sensor.sampler.power_limits_w().get("gpu0")  # the capped-noise term's limit
     t_start = time.monotonic()
     blocks: dict[str, np.ndarray] = {}
 

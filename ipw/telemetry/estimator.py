@@ -131,7 +131,10 @@ class ErrorModel:
       (each ~20 ms sample is off by about ``sample_noise`` of the power it reports, independently of its
       neighbours, whatever the load's spread: on the H200's memory and decoding loads, 139-563 W, 50 ms
       windows erred by 0.43-0.56% (1 sd) where their samples spread by 0.3-0.5%, and the error fell as
-      1/sqrt(duration); docs/ENERGY.md, "Coverage per load shape");
+      1/sqrt(duration); docs/ENERGY.md, "Coverage per load shape"), ``capped_noise`` instead where the GPU
+      draws its power limit (the window's mean power at least ``CAP_SHARE`` of the enforced limit): the
+      power controller moves clocks and voltage within the samples' periods there, and the H200's
+      compute loads at the 700 W cap erred 1.5-3x more than any load below it;
     - the calibration ratio's own error, relative: ``sqrt(2) x counter_time_sd_s x P / counter energy of
       the calibration span`` (how well the counter's values are placed in time at its two ends) plus
       ``calibration_floor`` (the ratio's drift over the span);
@@ -145,6 +148,7 @@ class ErrorModel:
     calibration_floor: float = 0.0022
     load: float = 0.3
     sample_noise: float = 0.005
+    capped_noise: float = 0.02
     z: float = 1.645
 
 
@@ -166,6 +170,9 @@ ALIASING_WIDEN = 1.0
 #: labeled all 66, and also 19 of the 400 windows of 50 ms (identical windows back to back are a periodic
 #: load too, at ~2.5 sample periods) and 2 of 0.15 s.
 ALIASING_MIN_SHARE = 0.4
+#: A window draws the GPU's power limit when its mean power is at least this share of the enforced limit
+#: (the H200's compute loads held 679-694 W under its 700 W cap: 97-99%; its memory loads 563 W: 80%).
+CAP_SHARE = 0.95
 
 
 # --------------------------------------------------------------------------------------------------
@@ -728,16 +735,21 @@ class ErrorTerms:
     uncovered_j: float
     aliasing_period_s: float | None = None
     noise_j: float = 0.0  # |energy| x sqrt(period / duration): the samples' own error at a relative 1
+    capped: bool = False  # the window draws the GPU's power limit: ``capped_noise`` weighs ``noise_j``
 
     def half_width_j(self, model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
         """The ±90% half-width (J) under ``model``."""
         sd = math.sqrt((model.edge * self.edge_start_j) ** 2 + (model.edge * self.edge_end_j) ** 2
                        + (model.within * self.within_j) ** 2 + (model.load * self.load_j) ** 2
-                       + (model.sample_noise * self.noise_j) ** 2 + self.calibration_j ** 2)
+                       + (self.noise(model) * self.noise_j) ** 2 + self.calibration_j ** 2)
         h = model.z * sd
         if self.aliasing_period_s is not None:
             h *= ALIASING_WIDEN
         return h + self.uncovered_j
+
+    def noise(self, model: ErrorModel = DEFAULT_ERROR_MODEL) -> float:
+        """The samples' own relative error (1 sd, per sample) that ``model`` gives this window."""
+        return model.capped_noise if self.capped else model.sample_noise
 
 
 def aliasing_period_s(t_s: np.ndarray, p_w: np.ndarray, period_s: float) -> float | None:
@@ -770,8 +782,10 @@ def aliasing_period_s(t_s: np.ndarray, p_w: np.ndarray, period_s: float) -> floa
 
 
 def error_terms(si: _PowerIntegral, start_s: float, end_s: float, energy_j: float, coverage: float,
-                calibration_rel_sd: float, alias_cache: dict[int, float | None] | None = None) -> ErrorTerms:
-    """The error sources of one window of sampled power (see ``ErrorModel``).  The aliasing check looks
+                calibration_rel_sd: float, alias_cache: dict[int, float | None] | None = None,
+                power_limit_w: float | None = None) -> ErrorTerms:
+    """The error sources of one window of sampled power (see ``ErrorModel``); ``power_limit_w``, the GPU's
+    enforced power limit where known, tells a window that draws it (``capped``).  The aliasing check looks
     at the samples from 1 s before the window to 1 s after it; with ``alias_cache`` (one per batch of
     windows) windows that start in the same half second share one check over the 2 s around it (a batch
     of 1,000 windows of 50 ms costs 120 checks, not 1,000)."""
@@ -793,7 +807,13 @@ def error_terms(si: _PowerIntegral, start_s: float, end_s: float, energy_j: floa
         within_j=per * spread * math.sqrt(n), load_j=spread * min(dur, LOAD_TERM_MAX_S),
         calibration_j=abs(energy_j) * calibration_rel_sd, uncovered_j=max(0.0, uncovered),
         aliasing_period_s=alias, noise_j=abs(energy_j) * math.sqrt(per / max(dur, per)) if per > 0 else 0.0,
+        capped=at_power_limit(energy_j, dur * coverage, power_limit_w),
     )
+
+
+def at_power_limit(energy_j: float, covered_s: float, power_limit_w: float | None) -> bool:
+    """Whether ``energy_j`` over ``covered_s`` is a mean power of at least ``CAP_SHARE`` of the limit."""
+    return bool(power_limit_w) and covered_s > 0 and energy_j / covered_s >= CAP_SHARE * float(power_limit_w or 0)
 
 
 def _aliasing_between(si: _PowerIntegral, lo_s: float, hi_s: float) -> float | None:
@@ -848,6 +868,7 @@ def estimate_windows(
     counter_time_sd_s: float = COUNTER_TIME_SD_HELD_S,
     error_model: ErrorModel = DEFAULT_ERROR_MODEL,
     reading_period_s: float = 0.0,
+    power_limit_w: float | None = None,
 ) -> list[WindowEstimate]:
     """Estimate the energy of each ``(start_s, end_s)`` window.
 
@@ -868,6 +889,8 @@ def estimate_windows(
     placed in time (``COUNTER_TIME_SD_GRID_S`` after :func:`grid_counter_reads`, else held).
     ``reading_period_s``: how long one power reading stands for, where that is longer than their spacing
     (a reading averaged over a second, polled every 0.1 s): the error terms use the longer period.
+    ``power_limit_w``: the GPU's enforced power limit, where known; a window that draws it gets the
+    wider noise of ``ErrorModel.capped_noise`` and says so in its note.
     """
     si = None
     if _given(samples_t_s) and _given(samples_w):
@@ -913,11 +936,14 @@ def estimate_windows(
                     notes.append("uncalibrated" + (f" ({cal.note})" if cal is not None and cal.note else ""))
                 if cov < MIN_COVERAGE:
                     notes.append(f"samples cover {cov:.1%} of the window")
-                terms = error_terms(si, start_s, end_s, energy, cov, cal_sd, alias_cache)
+                terms = error_terms(si, start_s, end_s, energy, cov, cal_sd, alias_cache, power_limit_w)
                 unc = terms.half_width_j(error_model) * (ratio or 1.0)
                 if terms.aliasing_period_s is not None:
                     notes.append(f"aliasing: periodic load ({terms.aliasing_period_s * 1000:.0f} ms) near a multiple "
                                  f"of the {si.period_s * 1000:.0f} ms sample period, interval widened")
+                if terms.capped and error_model.capped_noise > error_model.sample_noise:
+                    notes.append(f"at the GPU's power limit ({power_limit_w:.0f} W): the clocks move within the "
+                                 "samples' periods, interval widened")
                 r = ratio or 1.0
                 edges = (error_model.z * error_model.edge * terms.edge_start_j * r,
                          error_model.z * error_model.edge * terms.edge_end_j * r)

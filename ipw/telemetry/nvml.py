@@ -474,6 +474,7 @@ class NvmlSensor(SensorBase):
                 "instant_period_s": s.instant_period_s,
                 "settle_margin_s": s.settle_margin_s,
                 "sample_shift_s": s.sample_shift_s,
+                "power_limits_w": s.power_limits_w(),
                 "calibration_lookback_s": CALIBRATION_LOOKBACK_S,
                 "calibration_bounds": list(CALIBRATION_BOUNDS),
                 "short_window_s": SHORT_WINDOW_S,

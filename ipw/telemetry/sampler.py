@@ -426,7 +426,7 @@ class NvmlSampler:
         self._poll_samples(now)
         self._read_counter(now, adapt=False)  # a first call costs more than the rest
         self._read_instant(now)
-        self._probe_watch()
+        self._probe_limits()
         self._read_watch(now)
         self._next_watch_ns = now + int(self.watch_period_s * 1e9)
         self._next_samples_ns = now + int(self.samples_period_s * 1e9)
@@ -674,9 +674,10 @@ class NvmlSampler:
             self._instant_of(g)
         self._last_instant_ns = now_ns
 
-    def _probe_watch(self) -> None:
-        """The enforced power limit of each watched GPU (its busy threshold); None where unknown."""
-        for g in self._watch:
+    def _probe_limits(self) -> None:
+        """The enforced power limit of each GPU, measured (a window that draws it has a wider interval) or
+        watched (its busy threshold); None where unknown."""
+        for g in self._gpus + self._watch:
             limit = None
             try:
                 mw = self._nvml.nvmlDeviceGetEnforcedPowerLimit(g.gpu.handle)
@@ -755,12 +756,17 @@ class NvmlSampler:
                 calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
                 instant_w=a["instant_w"], sample_shift_s=shift,
                 counter_time_sd_s=COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S,
+                power_limit_w=self._power_limit_w.get(g.gpu.component),
             )
             if bad:
                 why = ("counter distrusted, not used: " if drop else "counter check: ") + "; ".join(check.problems if check is not None else ())
                 ests = [replace(e, note="; ".join(filter(None, [why, e.note]))) for e in ests]
             out[g.gpu.component] = ests
         return out
+
+    def power_limits_w(self) -> dict[str, float | None]:
+        """The enforced power limit of each measured GPU (W; None where NVML did not give it)."""
+        return {g.gpu.component: self._power_limit_w.get(g.gpu.component) for g in self._gpus}
 
     def watched(self) -> list[dict[str, Any]]:
         """The watched (not measured) GPUs: component, status of their instant power, power limit."""
