@@ -247,7 +247,7 @@ LOAD_SHAPES = {"compute-high", "compute-low", "compute-thin", "compute-fp32", "m
 
 
 def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
-    """The replay covers every shape bench/telemetry/loads.py recorded (three recordings), each at 50 ms .. 2 s (a burst's
+    """The replay covers every shape bench/telemetry/loads.py recorded (four recordings), each at 50 ms .. 2 s (a burst's
     windows are whole cycles: 80 ms or 250 ms at the shortest), with enough windows to state a coverage; the
     per-load table (docs/ENERGY.md) is printed (``pytest -s``)."""
     fit, res = loads
@@ -261,21 +261,26 @@ def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
 
 
 def test_held_out_loads_as_measured(loads):
-    """What the landed interval does on the held-out shapes (2026-12-04, with the samples' noise term fitted on
-    recording 1's compute-high, memory-low, decode-large and bursty-high), so a change to the estimator shows
-    here: from 0.5 s on every shape is covered at least 83%, from 2 s at least 96%; the bursts are over-covered
-    (the load term: 98-100%); the worst short windows are compute at the power cap with small kernels (~40%,
-    31% before the noise term)."""
+    """What the landed interval does on the held-out shapes (2026-12-04: the samples' noise terms fitted on
+    recording 1's compute-high, memory-low, decode-large and bursty-high; recordings 1-4 of the other shapes and
+    2 and 4 of those, pooled per shape), so a change to the estimator shows here: from 0.5 s on every shape is
+    covered at least 80% (memory-high 82%), from 2 s at least 96%; memory and decode at least 74% at every length
+    (memory-high 75-77% up to 0.15 s: 63-66% on recording 4, where it drew 622 W); the bursts are over-covered
+    (the load term: 98-100%); the worst short windows are compute at the power limit with small kernels (62-69%:
+    47% before the capped-noise term, 31% before the noise term)."""
     _, res = loads
     for load, ev in res.items():
         for group, x in ev.items():
             if x["length_s"] >= 0.45:
-                assert x["coverage"] >= 0.83, (load, group, x)
+                assert x["coverage"] >= 0.80, (load, group, x)
             if x["length_s"] >= 1.9:
                 assert x["coverage"] >= 0.96, (load, group, x)
-            if load.startswith(("memory", "decode")):  # 65-78% at 50 ms before the noise term
-                assert x["coverage"] >= 0.80, (load, group, x)
-    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.38
+            if load.startswith(("memory", "decode")):
+                assert x["coverage"] >= 0.74, (load, group, x)
+    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.60
+    # at the power limit (compute): the capped-noise term lifted every short window of every compute shape
+    for load in ("compute-low", "compute-high", "compute-thin", "compute-fp32"):
+        assert min(x["coverage"] for x in res[load].values()) >= 0.60, load
 
 
 def test_the_samples_noise_term_falls_as_one_over_the_root_of_the_duration():
@@ -292,6 +297,23 @@ def test_the_samples_noise_term_falls_as_one_over_the_root_of_the_duration():
     only_noise = est.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005)
     assert short.half_width_j(only_noise) == pytest.approx(1.645 * 0.005 * short.noise_j)
     assert short.half_width_j(est.DEFAULT_ERROR_MODEL) >= short.half_width_j(only_noise)
+
+
+def test_a_window_at_the_power_limit_takes_the_capped_noise():
+    """A window whose mean power is at least ``CAP_SHARE`` of the enforced limit is ``capped``: its samples' noise
+    is weighed by ``ErrorModel.capped_noise``, not ``sample_noise``; without a known limit nothing is capped."""
+    t = np.arange(0.0, 10.0, 0.02)
+    si = est._PowerIntegral(t, np.full(t.size, 690.0), est.MAX_SAMPLE_GAP_S)
+    at = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=700.0)
+    below = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=800.0)  # 690 W is 86% of 800 W
+    unknown = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0)
+    assert at.capped and not below.capped and not unknown.capped
+    only_noise = est.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005,
+                                capped_noise=0.02)
+    assert at.half_width_j(only_noise) == pytest.approx(1.645 * 0.02 * at.noise_j)
+    assert below.half_width_j(only_noise) == pytest.approx(1.645 * 0.005 * below.noise_j)
+    assert est.at_power_limit(66.5, 0.1, 700.0) and not est.at_power_limit(66.4, 0.1, 700.0)
+    assert not est.at_power_limit(66.5, 0.0, 700.0) and not est.at_power_limit(66.5, 0.1, None)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 43's target is not met yet: docs/ENERGY.md, 'Coverage per load shape'")

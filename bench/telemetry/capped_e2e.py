@@ -9,8 +9,10 @@ real CLI, its NVML sensor at its defaults) sends the bundled ipw-core queries to
 request in flight.  The script then reads the run folder: per backend, each query's GPU energy, its ±90%
 interval relative to the energy, and how many GPU readings say they are at the power limit.
 
-Writes DIR/run/ (the run folder), DIR/capped_e2e.json and DIR/capped_e2e.md.  Needs torch with CUDA,
-nvidia-ml-py and ipw's core dependencies.  Never changes clocks, power limits or MIG.
+Needs torch with CUDA, nvidia-ml-py and ipw's core dependencies.  Never changes clocks, power limits or MIG.
+
+Output: DIR/runs/<run> (the run folder), DIR/capped_e2e.json and .md; the committed run in
+bench/evidence/telemetry/gpu/h200-2026-12-04-capped/; the figures are in docs/GPU.md, "At the power limit".
 """
 
 from __future__ import annotations

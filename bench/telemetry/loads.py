@@ -1,4 +1,4 @@
-"""Record eight kinds of GPU load for the error model of a sampled window (issue 43).  Run on a real NVIDIA GPU.
+"""Record ten kinds of GPU load for the error model of a sampled window (issue 43).  Run on a real NVIDIA GPU.
 
     PYTHONPATH=. python3 bench/telemetry/loads.py --out DIR [--block-s 24] [--only compute-high,...]
     PYTHONPATH=. python3 bench/telemetry/loads.py --out DIR --dry-run    # CPU torch, no NVML: the loop and the file

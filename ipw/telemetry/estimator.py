@@ -148,7 +148,7 @@ class ErrorModel:
     calibration_floor: float = 0.0022
     load: float = 0.3
     sample_noise: float = 0.005
-    capped_noise: float = 0.02
+    capped_noise: float = 0.01
     z: float = 1.645
 
 
