@@ -79,6 +79,66 @@ IDLE_S = 3.0
 WARM_S = 15.0  # the sampler has this much data before the first block (as the runner's idle baseline)
 
 
+#: ``--clocks``: the driver's other sample buffers, polled by a thread of this bench (not ipw's sampler), to test
+#: whether the clocks or the utilization tell the loads' short-window errors apart (issue 43).
+CLOCK_BUFFERS = {"clk": "NVML_PROCESSOR_CLK_SAMPLES", "memclk": "NVML_MEMORY_CLK_SAMPLES",
+                 "util": "NVML_GPU_UTILIZATION_SAMPLES"}
+
+
+class ClockPoller:
+    """Polls ``CLOCK_BUFFERS`` of GPU 0 every ``period_s`` on a thread of its own; ``arrays()``: each buffer's
+    driver timestamps (us, wall clock) and values, and (monotonic ns, wall us) pairs to convert them."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        import threading
+
+        import pynvml
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self.data: dict[str, list[tuple[int, float]]] = {k: [] for k in CLOCK_BUFFERS}
+        self.last = dict.fromkeys(CLOCK_BUFFERS, 0)
+        self.pairs: list[tuple[int, int]] = []
+        self.errors: dict[str, str] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self.thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self.stop.wait(period_s):
+            self.poll()
+
+    def poll(self) -> None:
+        nv = self.nvml
+        self.pairs.append((time.monotonic_ns(), time.time_ns() // 1000))
+        for key, const in CLOCK_BUFFERS.items():
+            if key in self.errors:
+                continue
+            try:
+                vtype, samples = nv.nvmlDeviceGetSamples(self.handle, getattr(nv, const), self.last[key])
+            except nv.NVMLError as exc:
+                self.errors[key] = str(exc)
+                continue
+            attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal"}.get(int(vtype), "uiVal")
+            new = [(int(x.timeStamp), float(getattr(x.sampleValue, attr))) for x in samples if int(x.timeStamp) > self.last[key]]
+            if new:
+                self.data[key].extend(new)
+                self.last[key] = max(t for t, _ in new)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.poll()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        out = {"clock_pairs": np.array(self.pairs, dtype=np.int64).reshape(-1, 2)}
+        for key, rows in self.data.items():
+            a = np.array(sorted(rows), dtype=np.float64).reshape(-1, 2)
+            out[f"{key}_ts_us"], out[f"{key}_value"] = a[:, 0].astype(np.int64), a[:, 1]
+        return out
+
+
 class Work:
     """One load's step (a fixed amount of GPU work, then a synchronize) on ``device``."""
 
@@ -181,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-s", type=float, default=24.0, help="seconds of each block (default 24)")
     ap.add_argument("--only", default="", help="comma-separated load names (default: all)")
     ap.add_argument("--dry-run", action="store_true", help="torch on the CPU, small sizes, no NVML, no counter")
+    ap.add_argument("--clocks", action="store_true", help="also record the driver's clock and utilization samples (ClockPoller)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda:0"
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("bench/telemetry/loads.py needs torch with a CUDA device (or --dry-run)")
-    sensor = counter = None
+    sensor = counter = clocks = None
     meta: dict[str, Any] = {"bench": "bench/telemetry/loads.py", "block_s": args.block_s, "lead_s": LEAD_S, "trail_s": TRAIL_S,
                             "idle_s": IDLE_S, "host": platform.node(), "python": platform.python_version(),
                             "torch": torch.__version__, "loads": [], "dry_run": args.dry_run}
@@ -202,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         sensor = NvmlSensor([0])  # ipw under test: its defaults, its own thread
         meta["sample_shift_s"] = sensor.sampler.sample_shift_s
         meta["power_limit_w"] = sensor.sampler.power_limits_w().get("gpu0")  # the capped-noise term's limit
+        clocks = ClockPoller() if args.clocks else None
     t_start = time.monotonic()
     blocks: dict[str, np.ndarray] = {}
 
@@ -209,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         arrays = {f"units_{k}": v for k, v in blocks.items()}
         if sensor is not None:
             arrays.update(sensor.sampler.arrays("gpu0"))
+        if clocks is not None:
+            arrays.update(clocks.arrays())
+            meta["clock_errors"] = clocks.errors
         np.savez_compressed(out / "loads.npz", **arrays)
         (out / "loads.json").write_text(json.dumps(meta, indent=1))
 
@@ -240,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(out / "counter.csv", "rb") as f, gzip.open(out / "counter.csv.gz", "wb", 6) as g:
                 shutil.copyfileobj(f, g)
             (out / "counter.csv").unlink()
+        if clocks is not None:
+            clocks.close()
         if sensor is not None:
             meta["sampler_overhead"] = sensor.overhead()
             save()
