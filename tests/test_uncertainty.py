@@ -247,7 +247,7 @@ LOAD_SHAPES = {"compute-high", "compute-low", "compute-thin", "compute-fp32", "m
 
 
 def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
-    """The replay covers every shape bench/telemetry/loads.py recorded (four recordings), each at 50 ms .. 2 s (a burst's
+    """The replay covers every shape bench/telemetry/loads.py recorded (five recordings), each at 50 ms .. 2 s (a burst's
     windows are whole cycles: 80 ms or 250 ms at the shortest), with enough windows to state a coverage; the
     per-load table (docs/ENERGY.md) is printed (``pytest -s``)."""
     fit, res = loads
@@ -262,25 +262,41 @@ def test_every_load_shape_is_replayed_at_every_window_length(loads, capsys):
 
 def test_held_out_loads_as_measured(loads):
     """What the landed interval does on the held-out shapes (2026-12-04: the samples' noise terms fitted on
-    recording 1's compute-high, memory-low, decode-large and bursty-high; recordings 1-4 of the other shapes and
-    2 and 4 of those, pooled per shape), so a change to the estimator shows here: from 0.5 s on every shape is
-    covered at least 80% (memory-high 82%), from 2 s at least 96%; memory and decode at least 74% at every length
-    (memory-high 75-77% up to 0.15 s: 63-66% on recording 4, where it drew 622 W); the bursts are over-covered
-    (the load term: 98-100%); the worst short windows are compute at the power limit with small kernels (62-69%:
-    47% before the capped-noise term, 31% before the noise term)."""
+    recording 1's compute-high, memory-low, decode-large and bursty-high; recordings 1-5 of the other shapes and
+    2, 4 and 5 of those, pooled per shape), so a change to the estimator shows here: from 0.5 s on every shape is
+    covered at least 79% (decode-small 80%: on recording 5 its host-paced power defeats the time-share reference,
+    docs/ENERGY.md), from 2 s at least 93%; memory and decode at least 77% at every length; the bursts are
+    over-covered (the load term: 98-100%); the worst short windows are compute at the power limit with small
+    kernels (65-72%: 47% before the capped-noise term, 31% before the noise term)."""
     _, res = loads
     for load, ev in res.items():
         for group, x in ev.items():
             if x["length_s"] >= 0.45:
-                assert x["coverage"] >= 0.80, (load, group, x)
+                assert x["coverage"] >= 0.79, (load, group, x)
             if x["length_s"] >= 1.9:
-                assert x["coverage"] >= 0.96, (load, group, x)
+                assert x["coverage"] >= 0.93, (load, group, x)
             if load.startswith(("memory", "decode")):
-                assert x["coverage"] >= 0.74, (load, group, x)
-    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.60
+                assert x["coverage"] >= 0.77, (load, group, x)
     # at the power limit (compute): the capped-noise term lifted every short window of every compute shape
     for load in ("compute-low", "compute-high", "compute-thin", "compute-fp32"):
-        assert min(x["coverage"] for x in res[load].values()) >= 0.60, load
+        assert min(x["coverage"] for x in res[load].values()) >= 0.63, load
+    assert min(x["coverage"] for ev in res.values() for x in ev.values()) >= 0.63
+
+
+def test_the_counter_resolved_reference_covers_every_steady_load_from_half_a_second():
+    """Item 2 of issue 43: against the counter's own increments (windows of whole updates, no assumption about
+    the load) every steady shape of every recording is covered at least 95% at 0.5 s and 100% at 2 s, with
+    errors of at most 0.3% (sd) at 0.5 s and 0.15% at 2 s; below 0.5 s the placement of the updates (reads
+    4-5 ms apart) makes that reference no cleaner than the unit reference (docs/ENERGY.md)."""
+    fit = _fit_module()
+    for rec in fit.LOADS_RECORDINGS:
+        for load, x in fit.resolved_reference(fit.EVIDENCE / "h200-loads" / rec, est.DEFAULT_ERROR_MODEL).items():
+            assert 0.99 < x["counter_over_samples"] < 1.06, (rec, load, x)
+            if load.startswith("bursty"):
+                continue
+            assert 0.998 < x["counter_over_samples"] < 1.001, (rec, load, x)  # steady loads: one ratio
+            assert x["500 ms coverage"] >= 0.95 and x["2000 ms coverage"] == 1.0, (rec, load, x)
+            assert x["500 ms sd"] <= 0.003 and x["2000 ms sd"] <= 0.0015, (rec, load, x)
 
 
 def test_the_samples_noise_term_falls_as_one_over_the_root_of_the_duration():

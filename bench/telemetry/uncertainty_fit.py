@@ -20,11 +20,12 @@ Recordings (all from one NVIDIA H200, already in the repository):
   0.5 s window at a change of load).  Shorter windows have no reference there (the "steady" phase is
   not steady to 1% at 0.15 s: its 0.5 s windows differ from its mean by up to 4% on the counter).
 
-- ``bench/evidence/telemetry/h200-loads/rec1..rec4`` (bench/telemetry/loads.py, issue 43: ten load shapes, blocks of identical
+- ``bench/evidence/telemetry/h200-loads/rec1..rec5`` (bench/telemetry/loads.py, issue 43: ten load shapes, blocks of identical
   units, a back-to-back counter): **fit: recording 1's compute-high, memory-low, decode-large and bursty-high**
   (``FIT_LOADS``; the samples' noise terms, ``ErrorModel.sample_noise`` and, at the power limit, ``capped_noise``,
-  with ``within``); held out: the other six shapes, recording 2 of those four, and recording 4 (all ten shapes,
-  a fresh lease, recorded after ``sample_noise`` was fitted).
+  with ``within``); held out: the other six shapes, recording 2 of those four, recording 4 (all ten shapes,
+  a fresh lease, recorded after ``sample_noise`` was fitted) and recording 5 (the eight steady shapes, another
+  lease, recorded after ``capped_noise`` was fitted).
 
 Each window is replayed as the live sensor computes it (``ipw.telemetry.sampler``: the data up to
 0.2 s after the window's block, counter reads placed on the update grid, the default sample shift), and
@@ -169,7 +170,7 @@ def trace_windows(npz_path: Path, marks_path: Path, key: str) -> list[Window]:
 #: bench/telemetry/loads.py (issue 43): its windows are all held out (the model's constants were fitted on the
 #: 2026-11-29 attribution recording before these were made).
 LOADS_LENGTHS = {"50 ms": 0.05, "0.15 s": 0.15, "0.5 s": 0.5, "2 s": 2.0}
-LOADS_RECORDINGS = ("rec1", "rec2", "rec3", "rec4")
+LOADS_RECORDINGS = ("rec1", "rec2", "rec3", "rec4", "rec5")
 #: The load shapes the fit sees (recording 1 only; issue 43: fit on some shapes, test on the others): one of
 #: each kind (compute, memory, decode, bursts).  Every other shape, and recordings 2 and 3, are held out.
 FIT_LOADS = ("compute-high", "memory-low", "decode-large", "bursty-high")
@@ -423,11 +424,12 @@ def counter_updates(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[str, float]]:
     """Item 2 of issue 43, the other reference: windows of whole counter updates, placed on the update grid
-    fitted to the back-to-back counter in each steady block (a line through the updates' times), against the
+    fitted to the back-to-back counter in each steady block (the bursts: their block's ratio only) (a line through the updates' times), against the
     counter's own increments over them.  Per steady load: for each length, the sd of the relative error, its
     p90 and the interval's coverage, and ``tau_ms``, the error in joules per edge over the mean power (ms):
     constant across lengths where the edges (or the update times) make the error.  Also the share of the
-    instant-power reads that equal one of the 20 ms samples stamped within 0.1 s of them (to 1 mW)."""
+    instant-power reads that equal one of the 20 ms samples stamped within 0.1 s of them (to 1 mW), and the
+    block's counter / integrated samples (the calibration ratio that one load alone would give)."""
     meta = json.loads((folder / "loads.json").read_text())
     arr = np.load(folder / "loads.npz")
     st, sw, ct, cj = arr["samples_t_s"], arr["samples_w"], arr["counter_t_s"], arr["counter_j"]
@@ -436,15 +438,14 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
     limit = meta.get("power_limit_w") or H200_POWER_LIMIT_W
     out = {}
     for load in meta["loads"]:
-        if load["kind"] == "bursty":
-            continue  # the counter's 100 ms updates cut a burst's cycle anywhere: no steady power to compare
+        bursty = load["kind"] == "bursty"  # the 100 ms updates cut a burst's cycle anywhere: its ratio only
         b = arr[f"units_{load['name']}"]
         k = np.flatnonzero((ut > b[0] + 0.05) & (ut < b[-1] - 0.05))
         n = np.round((ut[k] - ut[k[0]]) / 0.1)
         grid = np.polyval(np.polyfit(n, ut[k], 1), n)
         power = (uj[k[-1]] - uj[k[0]]) / (grid[-1] - grid[0])
         row: dict[str, float] = {"power_w": float(power)}
-        for m in RESOLVED_UPDATES:
+        for m in () if bursty else RESOLVED_UPDATES:
             starts = range(0, k.size - m, m if m < 20 else 5)
             wins = [(float(grid[i]), float(grid[i + m])) for i in starts]
             truth = np.array([uj[k[i + m]] - uj[k[i]] for i in starts])
@@ -456,6 +457,8 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
             row[f"{m * 100} ms p90"] = float(np.percentile(np.abs(rel), 90))
             row[f"{m * 100} ms coverage"] = float(np.mean(np.abs(e - truth) <= hw))
             row[f"{m * 100} ms tau_ms"] = float(np.std(e - truth) / power / math.sqrt(2) * 1000)
+        si = est._PowerIntegral(st - meta.get("sample_shift_s", DEFAULT_SAMPLE_SHIFT_S), sw, est.MAX_SAMPLE_GAP_S)
+        row["counter_over_samples"] = float((uj[k[-1]] - uj[k[0]]) / si.window(grid[0], grid[-1])[0])
         sel = (it > b[0]) & (it < b[-1])
         same = [np.any(np.abs(sw[(st > t - 0.1) & (st < t + 0.1)] - w) < 0.001) for t, w in zip(it[sel], iw[sel])]
         row["instant_equals_a_sample"] = float(np.mean(same)) if same else float("nan")
@@ -467,12 +470,14 @@ def resolved_table(res: dict[str, dict[str, dict[str, float]]]) -> str:
     heads = " | ".join(f"{m * 100} ms" for m in RESOLVED_UPDATES)
     lines = ["windows of whole counter updates against the counter's increments (item 2: the other reference): "
              "per length, coverage / sd of the error / tau (ms of the mean power per edge)", "",
-             f"| recording | load | W | {heads} | instant = a sample |", "|---|---|---:|" + "---|" * len(RESOLVED_UPDATES) + "---:|"]
+             f"| recording | load | W | {heads} | instant = a sample | counter / samples |",
+             "|---|---|---:|" + "---|" * len(RESOLVED_UPDATES) + "---:|---:|"]
     for rec, loads in res.items():
         for load, x in loads.items():
             cells = " | ".join(f"{x[f'{m * 100} ms coverage']:.0%} / {x[f'{m * 100} ms sd']:.2%} / {x[f'{m * 100} ms tau_ms']:.2f}"
-                               for m in RESOLVED_UPDATES)
-            lines.append(f"| {rec} | {load} | {x['power_w']:.0f} | {cells} | {x['instant_equals_a_sample']:.0%} |")
+                               if f"{m * 100} ms sd" in x else "—" for m in RESOLVED_UPDATES)
+            lines.append(f"| {rec} | {load} | {x['power_w']:.0f} | {cells} | {x['instant_equals_a_sample']:.0%} | "
+                         f"{x['counter_over_samples']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -503,12 +508,14 @@ def main(argv: list[str] | None = None) -> int:
             print(table(f"{name}, {label} constants", ev))
     fit_shapes = ", ".join(FIT_LOADS)
     for name, sel in ((f"fit: bench/telemetry/loads.py recording 1, {fit_shapes}", [w for w in loads if w.set == "fit"]),
-                      ("held out: the same shapes, recordings 2 and 4", [w for w in loads if w.set == "held-out"
-                                                                         and w.load in FIT_LOADS]),
-                      ("held out: the other shapes, recordings 1, 2 and 4 (and 3: compute-thin, compute-fp32)",
+                      ("held out: the same shapes, recordings 2, 4 and 5", [w for w in loads if w.set == "held-out"
+                                                                            and w.load in FIT_LOADS]),
+                      ("held out: the other shapes, recordings 1, 2, 4 and 5 (and 3: compute-thin, compute-fp32)",
                        [w for w in loads if w.load not in FIT_LOADS]),
                       ("held out: recording 4 alone (all ten shapes, recorded after the fit of sample_noise)",
-                       [w for w in loads if w.recording == "rec4"])):
+                       [w for w in loads if w.recording == "rec4"]),
+                      ("held out: recording 5 alone (the eight steady shapes, recorded after the fit of capped_noise)",
+                       [w for w in loads if w.recording == "rec5"])):
         for label, m in models:
             r = per_load(sel, m)
             res[f"{name} [{label}]"] = r
