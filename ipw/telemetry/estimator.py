@@ -171,7 +171,8 @@ ALIASING_WIDEN = 1.0
 #: load too, at ~2.5 sample periods) and 2 of 0.15 s.
 ALIASING_MIN_SHARE = 0.4
 #: A window draws the GPU's power limit when its mean power is at least this share of the enforced limit
-#: (the H200's compute loads held 679-694 W under its 700 W cap: 97-99%; its memory loads 563 W: 80%).
+#: (the H200's compute loads held 664-694 W under its 700 W cap, 95-99%: fp32 products sat at the threshold on two
+#: leases, so 44-72% of their windows count; its memory loads 563-623 W: 80-89%).
 CAP_SHARE = 0.95
 
 
