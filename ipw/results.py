@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, cast
@@ -361,6 +362,9 @@ class RunManifest:
 
 
 LOCK_FILE = "ipw.lock"
+#: A second writer that finds the folder locked waits at most this long (s) for the holder's PID, which the
+#: holder writes just after it takes the lock, so that the refusal can name it.
+HOLDER_WAIT_S = 1.0
 
 
 def manifest_field(run_dir: str | Path, name: str) -> str:
@@ -396,6 +400,10 @@ class FolderLock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = self._holder()
+            deadline = time.monotonic() + HOLDER_WAIT_S
+            while holder is None and time.monotonic() < deadline:  # it writes its PID just after it locks
+                time.sleep(0.01)
+                holder = self._holder()
             os.close(self.fd)
             self.fd = -1
             raise IpwError(f"{folder}: another ipw process (pid {holder or 'unknown'}) is writing this run "
@@ -408,8 +416,9 @@ class FolderLock:
             print(f"note: {folder}: took over the lock of ipw pid {stale}, "
                   f"{'which holds it no longer' if alive else 'which is no longer running'}",
                   file=sys.stderr, flush=True)
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        pid = f"{os.getpid()}\n".encode()
+        os.pwrite(self.fd, pid, 0)  # then cut what a longer stale PID left: a reader never sees the file empty
+        os.ftruncate(self.fd, len(pid))
 
     def _holder(self) -> int | None:
         try:

@@ -159,6 +159,27 @@ def test_a_second_writer_is_refused_naming_the_holder(stub, tmp_path):
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.name != "ipw.lock"} == before
 
 
+def test_a_writer_that_locked_but_has_not_written_its_pid_yet_is_still_named(tmp_path):
+    """The race CI met (two resumes at once): the holder takes the flock, then writes its PID; a second writer
+    that comes in between waits for the PID (at most ``HOLDER_WAIT_S``) rather than saying "pid unknown"."""
+    import fcntl
+    import threading
+
+    from ipw.errors import IpwError
+    from ipw.results import LOCK_FILE, FolderLock
+
+    fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # locked, the PID not written yet
+    writer = threading.Timer(0.2, lambda: os.pwrite(fd, b"4242\n", 0))
+    writer.start()
+    try:
+        with pytest.raises(IpwError, match=r"another ipw process \(pid 4242\) is writing this run folder"):
+            FolderLock(tmp_path)
+    finally:
+        writer.join()
+        os.close(fd)
+
+
 def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_note(stub, tmp_path):
     run = _interrupted_run(stub, tmp_path, 6, keep=3)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
