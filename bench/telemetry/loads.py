@@ -94,7 +94,9 @@ class ClockPoller:
 
         import pynvml
 
-        self.nvml = pynvml
+        from ipw.telemetry.sampler import value_attr
+
+        self.nvml, self.value_attr = pynvml, value_attr
         pynvml.nvmlInit()
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         self.data: dict[str, list[tuple[int, float]]] = {k: [] for k in CLOCK_BUFFERS}
@@ -120,7 +122,7 @@ class ClockPoller:
             except nv.NVMLError as exc:
                 self.errors[key] = str(exc)
                 continue
-            attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal"}.get(int(vtype), "uiVal")
+            attr = self.value_attr(nv, int(vtype))
             new = [(int(x.timeStamp), float(getattr(x.sampleValue, attr))) for x in samples if int(x.timeStamp) > self.last[key]]
             if new:
                 self.data[key].extend(new)

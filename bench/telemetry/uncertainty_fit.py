@@ -188,13 +188,18 @@ REF_SPAN_S = 4.0
 TIME_REFERENCE_LOADS = ("decode-small",)
 
 
-def dense_counter(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """bench/telemetry/gpu_counter.py's CSV (gzipped or not): read times (monotonic s, the read's midpoint) and joules."""
+def counter_rows(path: Path) -> np.ndarray:
+    """bench/telemetry/gpu_counter.py's CSV (gzipped or not): one row per read, (t_before_s, t_after_s, mJ)."""
     import gzip
 
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        rows = np.loadtxt(f, delimiter=",", skiprows=1, usecols=(0, 1, 3))
+        return np.loadtxt(f, delimiter=",", skiprows=1, usecols=(0, 1, 3))
+
+
+def dense_counter(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The back-to-back counter's reads: times (monotonic s, the read's midpoint) and joules."""
+    rows = counter_rows(path)
     return (rows[:, 0] + rows[:, 1]) / 2, rows[:, 2] / 1000.0
 
 
@@ -413,19 +418,15 @@ RESOLVED_UPDATES = (1, 2, 5, 20)
 def counter_updates(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """The back-to-back counter's updates: each one's time (the middle of the two reads around it, ~4-5 ms
     apart) and the counter's value after it (J)."""
-    import gzip
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        rows = np.loadtxt(f, delimiter=",", skiprows=1, usecols=(0, 1, 3))
+    rows = counter_rows(path)
     ch = np.flatnonzero(np.diff(rows[:, 2]))
     return (rows[ch, 0] + rows[ch + 1, 1]) / 2, rows[ch + 1, 2] / 1000.0
 
 
 def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[str, float]]:
     """Item 2 of issue 43, the other reference: windows of whole counter updates, placed on the update grid
-    fitted to the back-to-back counter in each steady block (the bursts: their block's ratio only) (a line through the updates' times), against the
-    counter's own increments over them.  Per steady load: for each length, the sd of the relative error, its
+    fitted to the back-to-back counter in each steady block (a line through the updates' times), against the
+    counter's own increments over them (the bursts: their block's ratio only).  Per steady load: for each length, the sd of the relative error, its
     p90 and the interval's coverage, and ``tau_ms``, the error in joules per edge over the mean power (ms):
     constant across lengths where the edges (or the update times) make the error.  Also the share of the
     instant-power reads that equal one of the 20 ms samples stamped within 0.1 s of them (to 1 mW), and the
@@ -436,6 +437,7 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
     it, iw = arr["instant_t_s"], arr["instant_w"]
     ut, uj = counter_updates(folder / "counter.csv.gz")
     limit = meta.get("power_limit_w") or H200_POWER_LIMIT_W
+    si = est._PowerIntegral(st - meta.get("sample_shift_s", DEFAULT_SAMPLE_SHIFT_S), sw, est.MAX_SAMPLE_GAP_S)
     out = {}
     for load in meta["loads"]:
         bursty = load["kind"] == "bursty"  # the 100 ms updates cut a burst's cycle anywhere: its ratio only
@@ -445,11 +447,14 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
         grid = np.polyval(np.polyfit(n, ut[k], 1), n)
         power = (uj[k[-1]] - uj[k[0]]) / (grid[-1] - grid[0])
         row: dict[str, float] = {"power_w": float(power)}
-        for m in () if bursty else RESOLVED_UPDATES:
-            starts = range(0, k.size - m, m if m < 20 else 5)
-            wins = [(float(grid[i]), float(grid[i + m])) for i in starts]
-            truth = np.array([uj[k[i + m]] - uj[k[i]] for i in starts])
-            ests = _live_estimates(st, sw, ct, cj, wins, b[-1] + 0.2, limit)
+        lengths = () if bursty else RESOLVED_UPDATES
+        spans = {m: [(i, i + m) for i in range(0, k.size - m, m if m < 20 else 5)] for m in lengths}
+        flat = [ij for m in lengths for ij in spans[m]]  # one replay of the sensor for every length
+        replayed = dict(zip(flat, _live_estimates(st, sw, ct, cj, [(float(grid[i]), float(grid[j])) for i, j in flat],
+                                                  b[-1] + 0.2, limit)))
+        for m in lengths:
+            truth = np.array([uj[k[j]] - uj[k[i]] for i, j in spans[m]])
+            ests = [replayed[ij] for ij in spans[m]]
             e = np.array([x[0] for x in ests])
             hw = np.array([_half_width(Window("", "", "", x[0], t, x[1], x[2]), model) for x, t in zip(ests, truth)])
             rel = (e - truth) / truth
@@ -457,7 +462,6 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
             row[f"{m * 100} ms p90"] = float(np.percentile(np.abs(rel), 90))
             row[f"{m * 100} ms coverage"] = float(np.mean(np.abs(e - truth) <= hw))
             row[f"{m * 100} ms tau_ms"] = float(np.std(e - truth) / power / math.sqrt(2) * 1000)
-        si = est._PowerIntegral(st - meta.get("sample_shift_s", DEFAULT_SAMPLE_SHIFT_S), sw, est.MAX_SAMPLE_GAP_S)
         row["counter_over_samples"] = float((uj[k[-1]] - uj[k[0]]) / si.window(grid[0], grid[-1])[0])
         sel = (it > b[0]) & (it < b[-1])
         same = [np.any(np.abs(sw[(st > t - 0.1) & (st < t + 0.1)] - w) < 0.001) for t, w in zip(it[sel], iw[sel])]

@@ -814,7 +814,9 @@ def error_terms(si: _PowerIntegral, start_s: float, end_s: float, energy_j: floa
 
 def at_power_limit(energy_j: float, covered_s: float, power_limit_w: float | None) -> bool:
     """Whether ``energy_j`` over ``covered_s`` is a mean power of at least ``CAP_SHARE`` of the limit."""
-    return bool(power_limit_w) and covered_s > 0 and energy_j / covered_s >= CAP_SHARE * float(power_limit_w or 0)
+    if not power_limit_w or covered_s <= 0:
+        return False
+    return energy_j / covered_s >= CAP_SHARE * power_limit_w
 
 
 def _aliasing_between(si: _PowerIntegral, lo_s: float, hi_s: float) -> float | None:

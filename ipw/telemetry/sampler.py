@@ -270,7 +270,7 @@ class _GpuState:
     kinds: dict[str, _KindState] = field(default_factory=lambda: {k: _KindState() for k in KINDS})
 
 
-def _value_attr(nvml: ModuleType, value_type: int) -> str:
+def value_attr(nvml: ModuleType, value_type: int) -> str:
     """The member of an ``nvmlValue_t`` union that holds a value of ``value_type``."""
     names = {
         getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
@@ -597,7 +597,7 @@ class NvmlSampler:
             if not out:
                 continue
             value_type, samples = out
-            attr = _value_attr(nvml, value_type)
+            attr = value_attr(nvml, value_type)
             ts = np.fromiter((int(s.timeStamp) for s in samples), dtype=np.int64, count=len(samples))
             mw = np.fromiter((float(getattr(s.sampleValue, attr)) for s in samples), dtype=np.float64, count=len(samples))
             keep = ts > g.last_sample_ts_us
@@ -663,7 +663,7 @@ class NvmlSampler:
                     st.status = "failed"
             return
         with self._lock:
-            g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, _value_attr(nvml, v.valueType))) / 1000.0)
+            g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, value_attr(nvml, v.valueType))) / 1000.0)
             if count_as == "watch" and len(g.instant) >= FOREIGN_IDLE_READS:
                 g.idle_w = min(g.idle_w, statistics.median(g.instant.cols[1][-FOREIGN_IDLE_READS:]))
 
@@ -866,6 +866,7 @@ __all__ = [
     "DEFAULT_COUNTER_PERIOD_S",
     "DEFAULT_SAMPLES_PERIOD_S",
     "DEFAULT_SAMPLE_SHIFT_S",
+    "value_attr",
     "DEFAULT_WATCH_PERIOD_S",
     "counter_check",
     "foreign_verdict",
