@@ -15,14 +15,15 @@
 #   bash bench/serving/vllm_h200.sh generate MODEL_DIR  # the engine on the GPU: MODEL_DIR's config and tokenizer, random
 #                                              # weights (load_format dummy), 64 prompts x 64 tokens
 #
-#   bash bench/serving/vllm_h200.sh run sweep|rest|more OUT # `ipw run configs/gpu-vllm.toml` with the NVML counter of
+#   bash bench/serving/vllm_h200.sh run sweep|rest|more|killed OUT # `ipw run configs/gpu-vllm.toml` with the NVML counter of
 #                                              # bench/telemetry/gpu_counter.py:
 #                                              # sweep: vLLM's server and llama-server at 1/4/16/64 (one run folder);
 #                                              # rest: vLLM in process, 128 identical requests at 16 and 64, a server
 #                                              # killed mid-run, a GPU without the memory asked for;
 #                                              # more: vLLM in process at 16 and 64 over 3 repeats, the GPU without
 #                                              # the memory, vLLM's server with CUDA graphs (enforce_eager = false)
-#                                              # at 1/4/16/64; OUT/vllm-PART.md, .tar.xz and the counter
+#                                              # at 1/4/16/64; killed: only the server killed mid-run (issue 55: the
+#                                              # run must exit); OUT/vllm-PART.md, .tar.xz and the counter
 #                                              # (DEADLINE: epoch seconds the stage must end by)
 #
 # The pieces: .gpufiles/vllm/v1, v2, v3 (87.5 MiB: tar+xz of the wheels, uncompressed inside; PIECE_MIB=30 each;
@@ -265,23 +266,7 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
     runit oom-server 60 -b smollm2-135m-vllm-server --limit 8 --concurrency 1
     kill "$hog" 2> /dev/null || true; wait "$hog" 2> /dev/null || true
   }
-  if [ "$part" = sweep ]; then
-    local llama=(-b smollm2-135m-llama-server)
-    [ -x "$IPW_LLAMA_SERVER" ] || { echo "run: no $IPW_LLAMA_SERVER (serving_h200.sh build): llama-server left out"; llama=(); }
-    runit sweep 200 -b smollm2-135m-vllm-server "${llama[@]}"
-  elif [ "$part" = more ]; then
-    # in process over a longer span (3 repeats of the 200 queries), at 16 and at 64 in flight
-    runit inproc16 150 -b smollm2-135m-vllm --repeats 3
-    oom_starts
-    sed 's/^batch_size = 16$/batch_size = 64/' "$cfg" > "$R/gpu-vllm-b64.toml"
-    cfg="$R/gpu-vllm-b64.toml" runit inproc64 120 -b smollm2-135m-vllm --repeats 3
-    # CUDA graphs (enforce_eager = false: vLLM captures a graph per batch size at its start)
-    sed 's/^enforce_eager = true$/enforce_eager = false/' configs/gpu-vllm.toml > "$R/gpu-vllm-graphs.toml"
-    cfg="$R/gpu-vllm-graphs.toml" runit graphs 240 -b smollm2-135m-vllm-server --limit 100
-  else
-    runit inproc 120 -b smollm2-135m-vllm
-    runit symmetric 100 -b smollm2-135m-vllm-server --dataset "$R/data/symmetric.jsonl" --limit 128 --concurrency 16,64
-    # a server that dies mid-run: vLLM's server killed (SIGKILL) once its log shows 12 answers (the warm-up's 4
+  killed_run() {  # a server that dies mid-run (issue 55: ipw run must then exit, every wait bounded)
     # and 8 measured; records reach records.jsonl in batches, too late to trigger on), 4 in flight
     if [ "$(left)" -gt 150 ]; then
       local killer
@@ -300,6 +285,26 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
       nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$R/killed-gpu-after.txt" 2>&1
       nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9 2> /dev/null || true
     fi
+  }
+  if [ "$part" = sweep ]; then
+    local llama=(-b smollm2-135m-llama-server)
+    [ -x "$IPW_LLAMA_SERVER" ] || { echo "run: no $IPW_LLAMA_SERVER (serving_h200.sh build): llama-server left out"; llama=(); }
+    runit sweep 200 -b smollm2-135m-vllm-server "${llama[@]}"
+  elif [ "$part" = killed ]; then
+    killed_run
+  elif [ "$part" = more ]; then
+    # in process over a longer span (3 repeats of the 200 queries), at 16 and at 64 in flight
+    runit inproc16 150 -b smollm2-135m-vllm --repeats 3
+    oom_starts
+    sed 's/^batch_size = 16$/batch_size = 64/' "$cfg" > "$R/gpu-vllm-b64.toml"
+    cfg="$R/gpu-vllm-b64.toml" runit inproc64 120 -b smollm2-135m-vllm --repeats 3
+    # CUDA graphs (enforce_eager = false: vLLM captures a graph per batch size at its start)
+    sed 's/^enforce_eager = true$/enforce_eager = false/' configs/gpu-vllm.toml > "$R/gpu-vllm-graphs.toml"
+    cfg="$R/gpu-vllm-graphs.toml" runit graphs 240 -b smollm2-135m-vllm-server --limit 100
+  else
+    runit inproc 120 -b smollm2-135m-vllm
+    runit symmetric 100 -b smollm2-135m-vllm-server --dataset "$R/data/symmetric.jsonl" --limit 128 --concurrency 16,64
+    killed_run
     oom_starts
   fi
   kill -TERM "$counter"; wait "$counter" || true
@@ -315,7 +320,7 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
   fi
   python3 bench/serving/serving_validate.py analyze "${args[@]}" > "$R/validation-$part.md" 2>&1 || true
   local swept=$([ "$part" = more ] && one graphs || one "$part")
-  if [ "$part" != rest ] && [ -n "$swept" ]; then
+  if [ "$part" != rest ] && [ "$part" != killed ] && [ -n "$swept" ]; then
     ipw compare "$swept" --deadline p95_latency=2s > "$R/compare-$part.txt" 2>&1 || true
     ipw compare "$swept" --format json > "$R/compare-$part.json" 2> /dev/null || true
   fi
@@ -333,7 +338,7 @@ case "$stage" in
   install) [ ${#args[@]} -gt 0 ] && stash "${args[@]}"; install ;;
   check) check ;;
   generate) generate "${args[0]}" ;;
-  run) case "${1:-}" in sweep|rest|more) ;; *) echo "usage: bash bench/serving/vllm_h200.sh run sweep|rest|more OUT" >&2; exit 2 ;; esac
+  run) case "${1:-}" in sweep|rest|more|killed) ;; *) echo "usage: bash bench/serving/vllm_h200.sh run sweep|rest|more|killed OUT" >&2; exit 2 ;; esac
        run_stage "$1" "${args[1]}" ;;
-  *) echo "usage: bash bench/serving/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR | run sweep|rest|more OUT" >&2; exit 2 ;;
+  *) echo "usage: bash bench/serving/vllm_h200.sh download DEST | pack DEST | stash DIR... | install [DIR...] | check | generate MODEL_DIR | run sweep|rest|more|killed OUT" >&2; exit 2 ;;
 esac
