@@ -483,8 +483,8 @@ class ProxyOptions:
     host: str = option("--host", default="127.0.0.1", help="Address to listen on (default 127.0.0.1: this machine "
                        "only).")
     api_key_env: str | None = option("--api-key-env", help="Environment variable holding the upstream's API key: "
-                                     "sent upstream only, never written anywhere. The clients' own Authorization is "
-                                     "not forwarded.")
+                                     "sent upstream only, never written anywhere (with --route: the cloud's; the "
+                                     "local upstream gets none). The clients' own Authorization is not forwarded.")
     token: str | None = option("--token", envvar="IPW_SERVE_TOKEN", help="Require clients to send Authorization: "
                                "Bearer TOKEN (or set IPW_SERVE_TOKEN, which keeps it out of the process list).")
     log_prompts: bool = option("--log-prompts", default=False, help="Keep prompts and outputs in the records "

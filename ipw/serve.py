@@ -256,6 +256,11 @@ class Session:
     def upstream_of(self, route: str) -> Upstream:
         return self.cloud if route == "cloud" and self.cloud is not None else self.upstream
 
+    def key_of(self, route: str) -> str | None:
+        """The key sent to ``route``'s upstream: with --route, --api-key-env's key is the cloud's, and the local
+        upstream gets none (each upstream only its own credential); without, the one upstream's."""
+        return self.key if self.router is None or route == "cloud" else None
+
     def routing_line(self) -> dict[str, Any] | None:
         """The session's routing (the manifest's session line, the summary): requests and measured energy per
         route, and the energy saved against sending every request to the cloud: the local requests' measured
@@ -554,7 +559,7 @@ class Handler(BaseHTTPRequestHandler):
         headers = {"Content-Type": "application/json", "User-Agent": f"ipw-serve/{__version__}",
                    "Accept": "text/event-stream" if stream else "application/json",
                    HOP_HEADER: ",".join([*self._hops()[-(MAX_HOPS - 1):], self.server.hop_id])}
-        key = self.server.session.key
+        key = self.server.session.key_of(self._route)
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
@@ -1161,7 +1166,8 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
             estimate = ApiEnergyEstimate.load(None)
         window = Window(sensors)
         idle = measure_idle(window, options.idle_s) if options.idle_s > 0 and sensors else IdleBaseline({}, {}, 0.0)
-        llama = (backend.server_kind == "llama-server") if backend is not None else is_llama_server(upstream, key)
+        llama = ((backend.server_kind == "llama-server") if backend is not None
+                 else is_llama_server(upstream, None if options.route else key))  # --route: the key is the cloud's
         # tokens are timed as they pass, and llama-server reports each prefill at the first token
         meter = Meter(window, split=options.energy_split, live_tokens=True, expect_prefill=llama, idle_w=idle.power_w)
         session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama,
