@@ -236,6 +236,12 @@ class RunControl:
     full_table: bool = option("--full-table", default=False, help="End with every metric of every backend (ipw "
                               "compare's metrics table, one row per metric) instead of the summary: accuracy, "
                               "J/query, IPJ and errors per backend, which fits 100 columns.")
+    metrics_port: int | None = option("--metrics-port", low=1, high=65535, help="Serve Prometheus metrics of the "
+                                      "records at http://--metrics-host:PORT/metrics while the run goes (energy, "
+                                      "requests, tokens, errors; docs/guide/monitoring.md). Needs pip install "
+                                      "'ipw[prometheus]'.")
+    metrics_host: str = option("--metrics-host", default="127.0.0.1", requires=("--metrics-port",), help="With "
+                               "--metrics-port: the address to listen on (default 127.0.0.1: this machine only).")
 
 
 @dataclass(frozen=True)

@@ -65,16 +65,25 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
         if (have["index"], have["count"]) != (the_shard.index, the_shard.count):
             raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
                            f"--shard {have['index']}/{have['count']} or without --shard")
-    ray_options, connected = None, False
-    if control.ray is not None:
-        from ipw.ray_runner import RayOptions, connect
+    metrics, server = None, None
+    if control.metrics_port is not None:  # a port in use: one line, exit 2, before the run folder
+        from ipw.export.prometheus import Metrics
 
-        connected = connect(control.ray)  # a missing extra or no cluster fails before the run folder exists
-        ray_options = RayOptions(control.ray, control.shards)
+        metrics = Metrics()
+        server = metrics.serve_http(control.metrics_host, control.metrics_port)
+    ray_options, connected = None, False
     try:
+        if control.ray is not None:
+            from ipw.ray_runner import RayOptions, connect
+
+            connected = connect(control.ray)  # a missing extra or no cluster fails before the run folder exists
+            ray_options = RayOptions(control.ray, control.shards)
         return _run(config_path, given(overrides), resume=resume, the_shard=the_shard, ray_options=ray_options,
-                    repair=control.repair, full_table=control.full_table)
+                    repair=control.repair, full_table=control.full_table, metrics=metrics)
     finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
         if connected:
             import ray as ray_module
 
@@ -82,7 +91,7 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
 
 
 def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_options, repair=False,
-         full_table=False) -> int:
+         full_table=False, metrics=None) -> int:
     """One pass: load (the config, the queries, the backends: everything checked before any run folder
     exists) -> plan (the run folder, the shard) -> execute (every backend; records appended as they come)
     -> write (the summary of the finished folder, judged when the config has a [judge])."""
@@ -160,6 +169,8 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             # takes the numbers at most every PROGRESS_UPDATE_S, not per query
             state["n"] += 1
             state["last"] = record
+            if metrics is not None:  # --metrics-port: every record is final when written (ipw.export.prometheus)
+                metrics.observe(record)
             if record.correct is not None:  # None: unscored (a judge item), never counted wrong
                 state["correct"] += record.correct
                 state["scored"] += 1

@@ -205,7 +205,7 @@ class _Gauges:
         for key, name, help_text in (("in_flight", "ipw_requests_in_flight", "Requests in flight"),
                                      ("provisional", "ipw_requests_provisional", "Requests answered whose energy is "
                                       "not settled yet (provisional)")):
-            value = self._read(key) if read else None
+            value: Any = self._read(key) if read else None
             family = GaugeMetricFamily(name, help_text)
             if _finite(value):
                 family.add_metric([], value)
