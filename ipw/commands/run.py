@@ -117,6 +117,9 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     from ipw.telemetry.node_power import check_configured
 
     check_configured()  # the BMC that IPW_NODE_POWER names answers with power data, before any folder exists
+    from ipw.export import otel
+
+    otel_on = otel.check()  # OTEL_EXPORTER_OTLP_ENDPOINT: its settings and the extra (exit 2), before any folder
     carbon, carbon_note = None, None
     if resume is None:  # the grid's carbon intensity (ipw.carbon): a bad value or zone fails here, before any folder
         from ipw.carbon import resolve
@@ -152,6 +155,8 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     with _progress_columns() as progress:
         task = progress.add_task("queries", total=n_queries * config.repeats * sum(map(len, levels.values())),
                                  completed=len(done), rate="-", jpq="-", acc="-")
+        export = otel.start("run", lambda line: progress.console.print(escape(line), highlight=False, soft_wrap=True)
+                            ) if otel_on else None
 
         def show() -> None:
             record = state["last"]
@@ -171,6 +176,8 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             state["last"] = record
             if metrics is not None:  # --metrics-port: every record is final when written (ipw.export.prometheus)
                 metrics.observe(record)
+            if export is not None:  # OTLP: its counts and its span, exported by the SDK's threads
+                export.add(record)
             if record.correct is not None:  # None: unscored (a judge item), never counted wrong
                 state["correct"] += record.correct
                 state["scored"] += 1
@@ -196,6 +203,8 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             status = execute(folder, config, queries, on_record, done=done, dispatch=dispatch, notice=on_notice)
         finally:
             show()  # the final count
+            if export is not None:
+                export.close()  # the last export, bounded (otel.SHUTDOWN_S)
 
     # 4. write: the summary of the finished folder (judged first when the config has a [judge])
     from ipw.analysis.render import metrics_table, rich_tables, with_basis
