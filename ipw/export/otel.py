@@ -346,17 +346,23 @@ def span_attributes(record: QueryRecord, operation: str, model: str) -> dict[str
     return {k: v for k, v in attributes.items() if v is not None}
 
 
-def start(command: str, warn: Callable[[str], None], *, operation: bool = False, routed: bool = False) -> OtelExport:
+def start(command: str, warn: Callable[[str], None], *, operation: bool = False,
+          routed: bool = False) -> OtelExport | None:
     """The export that the environment asks for (``check`` said it does): OTLP/HTTP exporters, a batch span
-    processor and a periodic metric reader, each configured by its ``OTEL_*`` variables."""
+    processor and a periodic metric reader, each configured by its ``OTEL_*`` variables; None, with a warning,
+    where the SDK refuses its settings (the export never costs a run)."""
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     on = signals()
-    reader = PeriodicExportingMetricReader(OTLPMetricExporter()) if "metrics" in on else None
-    processor = BatchSpanProcessor(OTLPSpanExporter()) if "traces" in on else None
     endpoint = os.environ.get(ENDPOINT) or os.environ.get(SIGNALS[on[0]][0], "")
-    return OtelExport(command, warn, operation=operation, routed=routed, reader=reader, processor=processor,
-                      endpoint=endpoint)
+    try:
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter()) if "metrics" in on else None
+        processor = BatchSpanProcessor(OTLPSpanExporter()) if "traces" in on else None
+        return OtelExport(command, warn, operation=operation, routed=routed, reader=reader, processor=processor,
+                          endpoint=endpoint)
+    except Exception as exc:
+        warn(f"warning: no OpenTelemetry export to {redact_url(endpoint)}: {one_line(scrub(str(exc)))[:300]}")
+        return None
