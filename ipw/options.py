@@ -311,7 +311,7 @@ class CompareOptions:
                          help="table, json, csv or markdown.")
     n_boot: int | None = option("--n-boot", low=1, help="Bootstrap resamples (default 2000; fewer above 100,000 "
                                 "queries, see docs/PERFORMANCE.md).")
-    seed: int = option("--seed", default=0, help="Seed of the bootstrap resampling.")
+    seed: int = option("--seed", default=0, low=0, help="Seed of the bootstrap resampling.")
 
 
 @dataclass(frozen=True)
@@ -371,9 +371,9 @@ class RouteTrainOptions:
     threshold: float = option("--threshold", default=0.5, low=0.0, high=1.0, help="Default threshold stored in the "
                               "router: a query goes to the cheapest local backend whose predicted probability is at "
                               "least this (0..1).")
-    min_queries: int = option("--min-queries", default=20, help="Refuse to train on fewer scored queries.")
+    min_queries: int = option("--min-queries", default=20, low=0, help="Refuse to train on fewer scored queries.")
     folds: int = option("--folds", default=5, low=2, help="k of the k-fold (by query) out-of-sample scoring.")
-    seed: int = option("--seed", default=0, help="Seed of the folds and the bootstrap.")
+    seed: int = option("--seed", default=0, low=0, help="Seed of the folds and the bootstrap.")
     score: bool = option("--score/--no-score", default=True, help="Also score the design out of sample (k-fold by "
                          "query, held-out category) and keep the scores in the file.")
 
@@ -391,9 +391,9 @@ class RouteScoreOptions:
     max_accuracy_loss: str | None = option("--max-accuracy-loss", help="With a router: the operating point is the "
                                            "most energy-saving threshold whose out-of-fold accuracy loss against "
                                            "cloud-only is within this (e.g. 1%).")
-    min_queries: int | None = option("--min-queries", help="Refuse fewer scored queries (default 20).")
+    min_queries: int | None = option("--min-queries", low=0, help="Refuse fewer scored queries (default 20).")
     folds: int = option("--folds", default=5, low=2, help="k of the k-fold by query.")
-    seed: int = option("--seed", default=0, help="Seed of the folds and the bootstrap.")
+    seed: int = option("--seed", default=0, low=0, help="Seed of the folds and the bootstrap.")
     format: str = option("--format", "-f", default="table", choices=("table", "json"), help="table or json.")
 
 

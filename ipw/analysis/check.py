@@ -339,10 +339,11 @@ def _measurement(name: str, vb: dict[str, Any], vc: dict[str, Any], col_b: int, 
     for col, v in ((col_b, vb), (col_c, vc)):
         e, sd, sh = v["energy_j"], v.get("energy_sd_j"), v.get("energy_shared_sd_j")
         has = ~np.isnan(e)
+        total = float(np.nansum(np.where(has, e, 0.0)))
         if sd is not None:
             out.append(MeasurementError(col, np.where(has, np.nan_to_num(sd), 0.0)))
-        if sh is not None and np.nansum(sh) > 0:
-            shared.append(100 * float(np.nansum(np.where(has, sh, 0.0)) / np.nansum(np.where(has, e, 0.0))))
+        if sh is not None and np.nansum(sh) > 0 and total > 0:  # of 0 J no share can be stated (nor divided by)
+            shared.append(100 * float(np.nansum(np.where(has, sh, 0.0))) / total)
     if shared:
         notes.append(f"{name}: the energy's shared error (±{1.645 * max(shared):.0f}% at 90%, one for every query: the "
                      "estimate's model or the counter's calibration) is common to both runs on this machine and "

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Sequence
 
 from ipw.commands.output import stdout
-from ipw.errors import IpwError
 from ipw.options import PriceOptions, RouteRoles, RouteScoreOptions, RouteTrainOptions
 
 
@@ -17,10 +16,7 @@ def train_command(runs: Sequence[Path], roles: RouteRoles, options: RouteTrainOp
     from ipw.analysis import router as r
 
     out = options.out
-    if out.exists() and out.is_dir():
-        raise IpwError(f"--out {out}: is a folder; give the router file to write (router.json)")
-    if not out.parent.is_dir():
-        raise IpwError(f"--out {out}: its folder {out.parent} does not exist")
+    r.check_out(out)  # before the training: a file that cannot be replaced is refused at once
     r.sklearn_modules()
     data = r.route_data(runs, local=roles.local, cloud=roles.cloud, grading=options.grading)
     router = r.train(data, threshold=options.threshold, min_queries=options.min_queries)
