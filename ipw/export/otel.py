@@ -156,6 +156,7 @@ class OtelExport:
         self.bound = prometheus.BoundedLabels()
         self.sources: dict[str, Callable[[], Any]] = {"power": lambda: dict(self.last_power)}
         self.last_power: dict[str, float] = {}  # ipw run: each device's mean power over its last lone request
+        self.models: dict[str, str] = {}  # ipw serve: each request's model, by request id, until it is written
         self.node = node_identity()[0].node
         # monotonic -> wall clock, once: each span's window is the record's [start_s, end_s] (monotonic seconds)
         self.offset_ns = time.time_ns() - time.monotonic_ns()
@@ -239,6 +240,20 @@ class OtelExport:
             self._add(record, model)
         except Exception as exc:
             self.failed(f"{type(exc).__name__}: {exc}")
+
+    def requested(self, request_id: str, model: Any) -> None:
+        """ipw serve: the model a request asked for (its body's ``model``), until its record is written."""
+        if isinstance(model, str):
+            with self._lock:
+                self.models[request_id] = model
+
+    def written(self, record: QueryRecord, settled: bool = True) -> None:
+        """ipw serve: a record is in the run folder; counted, and its span sent, when its energy is ``settled``
+        (a record whose energy never settled is kept labelled provisional in the folder, and never exported)."""
+        with self._lock:
+            model = self.models.pop(f"{record.query_id}/{record.repeat}", None)
+        if settled:
+            self.add(record, model)
 
     def _add(self, record: QueryRecord, model: str | None) -> None:
         from opentelemetry.trace import Status, StatusCode
@@ -366,3 +381,15 @@ def start(command: str, warn: Callable[[str], None], *, operation: bool = False,
     except Exception as exc:
         warn(f"warning: no OpenTelemetry export to {redact_url(endpoint)}: {one_line(scrub(str(exc)))[:300]}")
         return None
+
+
+def for_session(session: Any) -> OtelExport | None:
+    """``ipw serve``'s export, its gauges read from ``session`` (an ``ipw.serve.Session``), as its Prometheus
+    metrics' are (``ipw.export.prometheus.for_session``); None unless the environment asks for it."""
+    if not check():
+        return None
+    export = start("serve", session.notice, operation=True, routed=session.router is not None)
+    if export is not None:
+        export.watch(power=session.meter.window.power_w, idle=lambda: dict(session.idle.power_w),
+                     in_flight=session.meter.in_flight, provisional=lambda: len(session.pending))
+    return export
