@@ -23,9 +23,7 @@ import csv
 import json
 import os
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -42,7 +40,15 @@ ISO_FILE = "iso3166-alpha2-to-alpha3.json"
 FEED_KEY_ENV = "ELECTRICITYMAPS_API_KEY"
 FEED_URL_ENV = "IPW_ELECTRICITYMAPS_URL"
 FEED_URL = "https://api.electricitymap.org/v3"
-FEED_TIMEOUT_S = 10.0
+FEED_TIMEOUT_S = 10.0  # the whole request (a feed that trickles is cut there)
+#: the most characters kept of a text a feed or a manifest gives (a zone, a date, an emission factor type)
+MAX_TEXT_CHARS = 200
+
+
+def bounded(value: Any) -> str:
+    """A text from outside (a feed's field, a manifest's) as it is stored: at most MAX_TEXT_CHARS characters
+    ("" for none); shown through :func:`ipw.sanitize.one_line` like every such text."""
+    return str(value)[:MAX_TEXT_CHARS] if value else ""
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,8 @@ class CarbonIntensity:
         """A manifest's ``carbon``, or None where the run carries none (absent, or a feed that failed)."""
         if not isinstance(data, dict) or not isinstance(data.get("g_per_kwh"), (int, float)):
             return None
-        return cls(float(data["g_per_kwh"]), str(data.get("source") or ""), str(data.get("zone") or ""),
-                   str(data.get("date") or ""), str(data.get("detail") or ""))
+        return cls(float(data["g_per_kwh"]), bounded(data.get("source")), bounded(data.get("zone")),
+                   bounded(data.get("date")), bounded(data.get("detail")))
 
     def label(self) -> str:
         """One line: value, zone, source, date."""
@@ -121,15 +127,15 @@ def lookup(region: str) -> CarbonIntensity:
 
 
 def feed_key() -> str:
-    """Electricity Maps' key from the environment (registered as a secret); an IpwError when it is unset."""
-    from ipw.sanitize import register
+    """Electricity Maps' key from the environment (registered as a secret); an IpwError when it is unset or
+    holds a character an HTTP header cannot carry (the value never shown)."""
+    from ipw.sanitize import read_key
 
-    key = os.environ.get(FEED_KEY_ENV, "").strip()
-    if not key:
+    if not os.environ.get(FEED_KEY_ENV, "").strip():
         raise IpwError(f"--grid-live: set {FEED_KEY_ENV} to an Electricity Maps API key (or drop --grid-live for "
                        "the offline table)")
-    register(key)
-    return key
+    # checked as every API key is: a CR LF in it would be printed in http.client's error, and sent as a header
+    return read_key(FEED_KEY_ENV, "", where=f"--grid-live: the environment variable {FEED_KEY_ENV}")
 
 
 def feed_url() -> str:
@@ -143,25 +149,26 @@ class FeedUnavailable(Exception):
 
 def live(zone: str, key: str, *, timeout_s: float = FEED_TIMEOUT_S) -> CarbonIntensity:
     """Electricity Maps' latest carbon intensity of ``zone``; FeedUnavailable when there is none to be had."""
+    from ipw import outside
+
     base = feed_url()
     url = f"{base}/carbon-intensity/latest?{urllib.parse.urlencode({'zone': zone})}"
-    request = urllib.request.Request(url, headers={"auth-token": key, "Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = json.loads(response.read(1 << 20))
-    except urllib.error.HTTPError as exc:
-        raise FeedUnavailable(f"{base} answered HTTP {exc.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        raise FeedUnavailable(f"{base} could not be reached ({reason})") from None
+        body = json.loads(outside.get(url, {"auth-token": key, "Accept": "application/json"}, timeout_s=timeout_s,
+                                      limit=1 << 20))
+    except outside.OutsideError as exc:
+        raise FeedUnavailable(f"{base} answered {exc}" if exc.status is not None and exc.status not in outside.REDIRECTS
+                              else f"{base} could not be reached ({exc})") from None
+    except ValueError:
+        raise FeedUnavailable(f"{base} answered with no JSON") from None
     value = body.get("carbonIntensity") if isinstance(body, dict) else None
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= MAX_G_PER_KWH:
         raise FeedUnavailable(f"{base} gave no usable carbonIntensity for zone {zone!r}")
-    factor = body.get("emissionFactorType")
+    factor = bounded(body.get("emissionFactorType"))
     detail = ", ".join(x for x in (f"{factor} emission factors" if factor else "",
                                    "estimated by Electricity Maps" if body.get("isEstimated") else "") if x)
-    return CarbonIntensity(float(value), "electricitymaps (live)", str(body.get("zone") or zone),
-                           str(body.get("datetime") or time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())), detail)
+    return CarbonIntensity(float(value), "electricitymaps (live)", bounded(body.get("zone")) or bounded(zone),
+                           bounded(body.get("datetime")) or time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), detail)
 
 
 def check_request(carbon_intensity: float | None, grid_region: str | None, grid_live: bool) -> None:

@@ -194,6 +194,7 @@ def check_idle_s(value: float, loc: str) -> None:
 
 
 MAX_NAME_CHARS = 64
+MAX_SOURCE_CHARS = 200  # a pue_source: where a figure comes from, in a line
 # letters of other scripts that print like Latin ones (after casefolding): two backend names that differ
 # only in these print alike in every table
 _LOOKALIKE = str.maketrans({
@@ -301,6 +302,8 @@ def parse_config(text: str, path: str) -> RunConfig:
                 raise IpwError(f"{loc(key)}: must be >= 0")
         if "pue" in fields:  # PUE = facility energy / IT energy: never below 1
             check_range(fields["pue"], loc("pue"), low=1.0, high=MAX_PUE)
+        if len(fields.get("pue_source", "")) > MAX_SOURCE_CHARS:  # kept in every manifest, shown in notes
+            raise IpwError(f"{loc('pue_source')}: {len(fields['pue_source'])} characters; at most {MAX_SOURCE_CHARS}")
         for key in _AT_LEAST_ONE:
             if key in fields and fields[key] < 1:
                 raise IpwError(f"{loc(key)}: must be >= 1, got {fields[key]}")

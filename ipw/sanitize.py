@@ -80,10 +80,47 @@ def scrub(text: str) -> str:
             start -= 1
         while end < len(text) and text[end] == "*":
             end += 1
+        start, end = _json_safe(text, start, end)
+        if start >= end:  # nothing left that can go without breaking the text
+            continue
         if start > at or not out:
             out.append(text[at:start] + "***")
         at = max(at, end)
     return "".join(out) + text[at:]
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _json_safe(text: str, start: int, end: int) -> tuple[int, int]:
+    """The span ``[start, end)`` of a text to scrub, narrowed so that replacing it never breaks the JSON it is
+    in (a manifest, a record), nor a JSON text inside that JSON: it neither starts nor ends inside a
+    backslash escape (``\\r``, ``\\"``, ``\\u00e9``, ``\\\\\\"`` a level down), nor ends with a backslash,
+    nor starts or ends with a quote (escaped or not: a level down it may end a string).  What it leaves out
+    is at most an escape at each end; the rest of the key goes."""
+    k = start  # inside a \uXXXX (after its u): past its hex digits
+    while k > 0 and start - k < 3 and text[k - 1] in _HEX:
+        k -= 1
+    if k > 1 and text[k - 1] == "u" and text[k - 2] == "\\":
+        start = k + 4
+    elif start > 0 and text[start - 1] == "\\":  # inside a run of backslashes: past the run and what it escapes
+        start = _past_escape(text, start)
+    while start < end and text[start] in '"\\':  # a quote, or backslashes before one: a string's end a level down
+        past = _past_escape(text, start) if text[start] == "\\" else start + 1
+        if text[past - 1] != '"':
+            break  # an escape of any other character goes whole
+        start = past
+    while end > start and text[end - 1] in '"\\':
+        end -= 1
+    return start, end
+
+
+def _past_escape(text: str, i: int) -> int:
+    """The end of the escape whose run of backslashes ``text[i]`` is in (or follows): past the backslashes,
+    the character they escape, and a ``u``'s four hex digits."""
+    while i < len(text) and text[i] == "\\":
+        i += 1
+    return min(len(text), i + (5 if text[i: i + 1] == "u" else 1))
 
 
 def scrub_tail(text: str) -> str:
@@ -94,11 +131,12 @@ def scrub_tail(text: str) -> str:
     return text[: max(0, len(text) - n)]
 
 
-def read_key(env: str, backend: str) -> str:
+def read_key(env: str, backend: str, where: str = "") -> str:
     """The API key in the environment variable ``env``, stripped of surrounding whitespace (a CRLF key
     file, a decoded secret); an IpwError, which never shows the value, when it is unset, empty or holds
-    a character an HTTP header cannot carry."""
-    where = f"backend {backend!r}: the environment variable {env} (api_key_env)"
+    a character an HTTP header cannot carry.  ``where`` starts the error (default: the backend's
+    api_key_env)."""
+    where = where or f"backend {backend!r}: the environment variable {env} (api_key_env)"
     raw = os.environ.get(env)
     if raw is None:
         raise IpwError(f"{where} is not set")

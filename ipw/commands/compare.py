@@ -42,8 +42,10 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
             from ipw.analysis.router import beside_rows, print_scores
 
             print_scores(scores, console, beside=beside_rows(result))
+        from ipw.sanitize import one_line  # notes hold texts from outside: a feed's zone, a config's pue_source
+
         for note in result.notes:
-            console.print(f"note: {note}", highlight=False, markup=False)
+            console.print(f"note: {one_line(note)}", highlight=False, markup=False)
     elif fmt == "json" and scores is not None:
         import json
 

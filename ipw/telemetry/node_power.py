@@ -59,9 +59,7 @@ import re
 import shutil
 import ssl
 import subprocess
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -174,28 +172,32 @@ class RedfishClient:
                 self._context = ssl.create_default_context()
 
     def get(self, path: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-        """The JSON object at ``path`` (``/redfish/v1/...``); IpwError in one line otherwise."""
-        url = self.base + path
-        request = urllib.request.Request(url, headers=self._headers)
+        """The JSON object at ``path`` (``/redfish/v1/...``), within ``timeout_s`` in all; IpwError in one
+        line otherwise.  A redirect is followed on this service only: the credentials never leave it."""
+        from ipw import outside
+        from ipw.sanitize import one_line
+
+        if not path.startswith("/"):  # a link the BMC gave: a path on this service, never another address
+            raise IpwError(f"Redfish {self.base}: a link that is not a path on this service "
+                           f"({one_line(path)[:200]})")
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s, context=self._context) as response:
-                body = response.read(4 << 20)
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
-                raise IpwError(f"Redfish {self.base}: the BMC refused the credentials (HTTP {exc.code} on {path}); "
-                               f"check {ENV_USER} / {ENV_PASSWORD}") from None
-            raise IpwError(f"Redfish {self.base}: HTTP {exc.code} on {path}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            body = outside.get(self.base + path, self._headers, timeout_s=timeout_s, limit=4 << 20,
+                               context=self._context)
+        except outside.OutsideError as exc:
+            if exc.status in (401, 403):
+                raise IpwError(f"Redfish {self.base}: the BMC refused the credentials (HTTP {exc.status} on "
+                               f"{one_line(path)[:200]}); check {ENV_USER} / {ENV_PASSWORD}") from None
+            if exc.status is not None:
+                raise IpwError(f"Redfish {self.base}: {exc} on {one_line(path)[:200]}") from None
             hint = (f"; a self-signed BMC certificate: set {ENV_VERIFY}=/path/to/its-ca.pem (or 0 to skip "
-                    "verification)") if isinstance(reason, ssl.SSLCertVerificationError) else ""
-            raise IpwError(f"Redfish {self.base}: cannot reach the BMC ({reason}){hint}") from None
+                    "verification)") if isinstance(exc.cause, ssl.SSLCertVerificationError) else ""
+            raise IpwError(f"Redfish {self.base}: cannot reach the BMC ({exc}){hint}") from None
         try:
             data = json.loads(body)
         except ValueError:
-            raise IpwError(f"Redfish {self.base}: {path} is not JSON (not a Redfish service?)") from None
+            raise IpwError(f"Redfish {self.base}: {one_line(path)[:200]} is not JSON (not a Redfish service?)") from None
         if not isinstance(data, dict):
-            raise IpwError(f"Redfish {self.base}: {path} is not a JSON object (not a Redfish service?)")
+            raise IpwError(f"Redfish {self.base}: {one_line(path)[:200]} is not a JSON object (not a Redfish service?)")
         return data
 
 
