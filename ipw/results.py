@@ -3,7 +3,9 @@ records.parquet (:class:`QueryRecord`), power.parquet, judge.jsonl (:class:`Judg
 and ipw.lock; docs/ARCHITECTURE.md tabulates each file with the methods that write and read it.
 
 ``records.jsonl`` is appended and fsynced as records become final (several at once when they are ready
-together), before ``ipw run`` reports them: a crash loses no reported record.
+together), before ``ipw run`` reports them: a crash loses no reported record.  ``ipw serve`` answers before
+a record is final: each answered request's record is in ``pending.jsonl`` first (:class:`PendingLog`), which
+every reader of the log reads with it (``record_chunks``).
 This is the only module that turns records into pandas frames, and the one reader of run folders
 (resume, compare, report, check, merge, rescore): a folder is read whole, or an IpwError names the
 file (and line) and what is wrong with it.  Nothing is dropped silently: only a torn *last* line of
@@ -18,6 +20,7 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -495,6 +498,8 @@ class RunFolder:
                 keys = None
             if log.exists():
                 _cut_torn_tail(log)  # the query in flight when the process died
+            if fold_pending(path):  # ipw serve's answered requests whose final record the kill kept out of the log
+                keys = record_keys(log)
             # the records appended from now on are not in records.parquet: readers must not trust it
             (path / "records.parquet").unlink(missing_ok=True)
         except BaseException:
@@ -537,6 +542,10 @@ class RunFolder:
             if not _rewrite_in_place(path, _json_text(self.manifest.to_dict())):
                 raise
 
+    def pending_log(self) -> PendingLog:
+        """``ipw serve``'s log of answered requests whose final record is not written yet (``PendingLog``)."""
+        return PendingLog(self.path / PENDING_FILE)
+
     def append(self, record: QueryRecord) -> None:
         self.append_many([record])
 
@@ -571,6 +580,7 @@ class RunFolder:
         the first write error of the run is raised (an IpwError naming the file)."""
         problem: IpwError | None = None
         try:
+            fold_pending(self.path)  # ipw serve: whatever is still pending (nothing, when every record was written)
             write_records_parquet(self.path / "records.jsonl", self.path / "records.parquet")
             updates["records"] = {**log_digest(self.path / "records.jsonl"), **log_tail(self.path / "records.jsonl")}
         except IpwError as exc:
@@ -627,6 +637,102 @@ def _append_synced(path: Path, text: str) -> None:
             os.fsync(fh.fileno())
     except OSError as exc:
         raise write_error(path, exc) from None
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+PENDING_FILE = "pending.jsonl"
+
+
+def record_key(row: dict[str, Any] | QueryRecord) -> tuple[str, str, int, int]:
+    """What identifies a record of a log (its ``KEY_FIELDS`` and concurrency level; 1 in older runs)."""
+    get = row.get if isinstance(row, dict) else lambda name: getattr(row, name)
+    return str(get("backend")), str(get("query_id")), int(get("repeat") or 0), int(get("concurrency") or 1)
+
+
+class PendingLog:
+    """``ipw serve``'s ``pending.jsonl``: the record of each answered request, on disk (fsynced) before its answer
+    leaves (``add``), until its final record is in records.jsonl (``done``).  Its energy is the settled one
+    (``--energy-wait``), else the provisional one the answer carried, labelled so by the caller.  A kill in between
+    loses no request a client saw answered: every reader of records.jsonl takes an entry whose key the log lacks as
+    a record (``record_chunks``), and ``--resume`` and ``finish`` move those into the log (``fold_pending``).  The
+    file is emptied whenever no entry is outstanding, so that it stays small."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._outstanding: set[tuple[str, str, int, int]] = set()
+        try:
+            self._fd = os.open(own_file(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise write_error(path, exc) from None
+
+    def add(self, record: QueryRecord) -> None:
+        """``record`` on disk when this returns (an OS error: an IpwError naming the file, and nothing of it left
+        there)."""
+        data = (record.to_json() + "\n").encode("utf-8")
+        with self._lock:
+            size = os.fstat(self._fd).st_size
+            try:
+                _write_all(self._fd, data)
+            except OSError as exc:
+                os.ftruncate(self._fd, size)  # no torn line, which would stop every read of the folder
+                raise write_error(self.path, exc) from None
+            self._outstanding.add(record_key(record))
+        try:
+            os.fsync(self._fd)  # outside the lock: requests that end together share the disk's flushes
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
+
+    def done(self, record: QueryRecord) -> None:
+        """``record``'s final line is in records.jsonl (fsynced): its entry is no longer needed."""
+        with self._lock:
+            self._outstanding.discard(record_key(record))
+            if not self._outstanding:
+                try:
+                    os.ftruncate(self._fd, 0)
+                except OSError:  # kept: readers skip entries the log holds
+                    pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _pending_rows(log: Path) -> dict[tuple[str, str, int, int], dict[str, Any]]:
+    """The entries of the pending.jsonl beside a records.jsonl (the last per key), {} without one."""
+    side = log.with_name(PENDING_FILE)
+    if log.name != "records.jsonl" or not own_file(side).is_file() or side.stat().st_size == 0:
+        return {}
+    return {record_key(row): row for chunk in _log_chunks(side, RECORDS_CHUNK) for row in chunk}
+
+
+def fold_pending(run_dir: str | Path) -> int:
+    """Append to records.jsonl (fsynced) each pending.jsonl entry whose key it lacks, then remove pending.jsonl:
+    the answered requests of an ``ipw serve`` that stopped (or was killed) before their final record was
+    written.  Returns how many were added.  Run by ``--resume`` and ``finish``; a fold cut short is done again
+    (an entry the log holds is skipped)."""
+    side = own_file(Path(run_dir) / PENDING_FILE)
+    if not side.is_file():
+        return 0
+    log = Path(run_dir) / "records.jsonl"
+    left = _pending_rows(log)
+    if left and log.exists():
+        _cut_torn_tail(log)  # an append after a torn line would make it a damaged line in the middle
+        for chunk in _log_chunks(log, RECORDS_CHUNK):
+            for row in chunk:
+                left.pop(record_key(row), None)
+    if left:
+        _append_synced(log, "".join(escape_surrogates(json.dumps(row, ensure_ascii=False), in_json=True) + "\n"
+                                    for row in left.values()))
+    side.unlink()
+    return len(left)
 
 
 QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that --resume need not parse it again
@@ -999,7 +1105,21 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def record_chunks(path: Path, size: int = RECORDS_CHUNK) -> Iterator[list[dict[str, Any]]]:
     """``read_records`` in lists of at most ``size`` rows: a chunk is yielded once its lines are checked (a
-    bad line raises when a line follows it, or at the end when it is complete, as in ``read_records``)."""
+    bad line raises when a line follows it, or at the end when it is complete, as in ``read_records``).
+    After the log's rows, the entries of a ``pending.jsonl`` beside it whose key the log lacks (``PendingLog``:
+    requests ``ipw serve`` answered before their record was final, then was killed)."""
+    pending = _pending_rows(path)
+    for rows in _log_chunks(path, size):
+        for row in rows if pending else ():
+            pending.pop(record_key(row), None)
+        yield rows
+    left = list(pending.values())
+    for at in range(0, len(left), size):
+        yield left[at:at + size]
+
+
+def _log_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+    """The rows of one JSONL log (``record_chunks``, without pending.jsonl)."""
     try:
         fh = open(own_file(path), encoding="utf-8")
     except FileNotFoundError:

@@ -192,7 +192,9 @@ class Session:
 
     A request's record is made once its share is settled (``settle``: on the meter's thread, or on the
     request's with ``--energy-wait``) and written by a writer thread of its own (``RecordWriter``: one
-    write and one fsync per batch, never on a request's path)."""
+    write and one fsync per batch, never on a request's path).  Before its answer leaves, a request's record is
+    in the folder's pending.jsonl (``answered``: the provisional one, labelled so, or the settled one), so that a
+    kill before the final record is written loses no request a client saw answered."""
 
     def __init__(self, folder: RunFolder, options: ServeOptions, upstream: Upstream, meter: Meter,
                  idle: IdleBaseline, estimate: Any = None, key: str | None = None, token: str | None = None,
@@ -232,6 +234,7 @@ class Session:
         for row in folder.log_frame().to_dict("records"):  # a resumed folder
             self.repeats[row["query_id"]] = max(self.repeats.get(row["query_id"], 0), int(row["repeat"]) + 1)
             self.queries.add(row["query_id"])
+        self.pending_log = folder.pending_log()
         self.writer = RecordWriter(folder, self._written)
 
     def pick(self, body: dict[str, Any]) -> str:
@@ -319,6 +322,22 @@ class Session:
         band = None if record.energy_j is None else round(record.energy_j * estimate.rel_90, 6)
         return dataclasses.replace(record, provisional_energy_j=record.energy_j, provisional_uncertainty_j=band)
 
+    def answered(self, job: int, ended: "Ended", record: QueryRecord | None, settled: bool) -> None:
+        """Before ``ended``'s answer leaves: its record on disk (pending.jsonl, fsynced) until its final one is
+        written.  ``record``: the settled one (``settled``, --energy-wait) or the provisional one the answer
+        carries; None: none was made (the energy is not in the response), the provisional one is made now.  A
+        provisional record is kept labelled as such (``unsettled``), never as measured."""
+        if record is None or not settled:
+            try:
+                record = unsettled(record or self.provisional(job, ended))
+            except Exception:  # no provisional value to be had: the request is kept without energy
+                record = unsettled(self.build(ended, []))
+        ended.on_disk = record
+        try:
+            self.pending_log.add(record)
+        except IpwError as exc:  # the disk is full: the answer still goes; the writer reports the folder's state
+            self.notice(f"ipw serve: {exc.message}")
+
     def settle(self, job: int, ended: "Ended", provisional: QueryRecord | None, wait: bool = False) -> QueryRecord | None:
         """Make ``job``'s record once its share is final and hand it to the writer: now (``wait``: this
         thread waits for the share, and gets the record), else on the meter's thread when the share is final."""
@@ -334,11 +353,13 @@ class Session:
                 if not wait:
                     self.keep(record, ended.override)
                 return record
-            except Exception as exc:  # never on a client's path: one line, and the record is lost
+            except Exception as exc:  # never on a client's path: one line, and the record kept is the provisional one
                 with self._lock:
                     self.pending.discard(request_id)
                 self.notice(f"ipw serve: the energy of request {request_id} was not settled: {type(exc).__name__}: "
                             f"{scrub(str(exc))[:200]}")
+                if not wait and ended.on_disk is not None:
+                    self.writer.put_record(with_override(ended.on_disk, ended.override))
                 return None
 
         if wait:
@@ -349,8 +370,7 @@ class Session:
     def keep(self, record: QueryRecord, override: QueryError | None) -> None:
         """A settled record: with ``override`` as its error (the client went away after its end), kept for
         ``GET /v1/ipw/energy/{id}`` and handed to the writer."""
-        if override is not None and record.error is None:
-            record = dataclasses.replace(record, error=f"QueryError: {override}", error_category=override.category)
+        record = with_override(record, override)
         request_id = f"{record.query_id}/{record.repeat}"
         with self._lock:
             self.pending.discard(request_id)
@@ -372,6 +392,7 @@ class Session:
 
     def _written(self, record: QueryRecord) -> None:
         """A record is on disk (the writer's thread)."""
+        self.pending_log.done(record)
         with self._lock:
             self.requests += 1
             self.errors += record.error is not None
@@ -403,6 +424,29 @@ class Session:
         return hmac.compare_digest((header or "").encode(errors="replace"), expected)
 
 
+def with_override(record: QueryRecord, override: QueryError | None) -> QueryRecord:
+    """``record`` with ``override`` as its error (the client went away after the request's end), if it had none."""
+    if override is None or record.error is not None:
+        return record
+    return dataclasses.replace(record, error=f"QueryError: {override}", error_category=override.category)
+
+
+UNSETTLED = "provisional"  # the energy source's prefix of a record whose energy never settled (pending.jsonl)
+
+
+def unsettled(record: QueryRecord) -> QueryRecord:
+    """A provisional record as the run folder keeps it until its settled one replaces it: its energy (the value
+    the answer carried) labelled estimated, and its source ``provisional:...``, so that a folder read after a
+    kill never shows it as settled or measured."""
+    if record.energy_j is None:
+        return record
+    parts = [{**p, "quality": "estimated"} if str(p.get("quality", "")).startswith("measured") else p
+             for p in json.loads(record.energy_parts)]
+    return dataclasses.replace(record, energy_quality="estimated", energy_source=f"{UNSETTLED}:{record.energy_source}",
+                               energy_parts=json.dumps(parts), phase_quality="estimated" if record.phase_quality else "",
+                               provisional_energy_j=record.energy_j)
+
+
 @dataclass
 class Ended:
     """What a metered request was once it ended: its body, API, repeat, outcome and window; ``override``: an
@@ -416,6 +460,7 @@ class Ended:
     window: tuple[float, float]
     override: QueryError | None = None
     route: str = ""  # with --route: "local" or "cloud" (the upstream it went to)
+    on_disk: QueryRecord | None = None  # its record in pending.jsonl (``Session.answered``)
 
 
 class _Stream:
@@ -808,6 +853,7 @@ class Handler(BaseHTTPRequestHandler):
                 self._settled = self._record = session.settle(job, self._ended, None, wait=True)
             else:
                 self._record = session.provisional(job, self._ended)
+        session.answered(job, self._ended, self._record, settled=self._settled is not None)  # on disk before the answer
         return self._record
 
     def _relay_json(self, job: int, body: dict[str, Any], api: str, resp: Any, seen: _Stream, start: float) -> None:
@@ -1019,6 +1065,7 @@ class Proxy:
         energy = self.session.meter.close()  # every ended request settled: its record is with the writer
         session = self.session
         session.writer.close()
+        session.pending_log.close()  # empty now: finish removes it
         folder = session.folder
         try:
             backends = folder.manifest.backends or []

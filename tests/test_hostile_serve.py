@@ -7,9 +7,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 
 from ipw.serve import ServeOptions, start
 from openai_stub import Stub
@@ -76,3 +81,114 @@ def test_route_sends_the_cloud_key_to_the_cloud_only(tmp_path, monkeypatch):
     assert [m for m, _, _ in local_seen].count("POST") == 1 and any(m == "GET" for m, _, _ in local_seen)
     assert all(auth is None for _, _, auth in local_seen), local_seen  # the probe, the request, /v1/models
     assert [auth for m, _, auth in cloud_seen if m == "POST"] == [f"Bearer {key}"], cloud_seen
+
+
+# -- 2. an answered request is on disk when its answer leaves -----------------------------------------------
+
+def _serve(tmp_path, *args: str) -> tuple[subprocess.Popen, str, Path]:
+    """A real ``ipw serve`` subprocess: it, its URL and its run folder, once it accepts requests."""
+    proc = subprocess.Popen([*IPW, "serve", "--port", "0", "--idle-s", "0.2", "--upstream-pid", str(os.getpid()),
+                             "--out", str(tmp_path / "out"), *args], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines: list[str] = []
+    while not lines or "run folder" not in lines[-1]:  # a note may come first (a stale lock taken over)
+        lines.append(proc.stderr.readline())
+        assert lines[-1], lines
+    match = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> .*run folder (\S+)\.", lines[-1])
+    assert match, lines
+    return proc, match.group(1), Path(match.group(2))
+
+
+def _ask_stream(url: str, prompt: str) -> dict:
+    """One streamed completion through the proxy, read to its end: its usage.energy."""
+    status, body = _post(url, {"prompt": prompt, "stream": True, "max_tokens": 2})
+    assert status == 200, body
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    return next(e["usage"]["energy"] for e in events if (e.get("usage") or {}).get("energy"))
+
+
+@pytest.mark.parametrize("n,after_s", [(12, 0.0), (5, 0.05)], ids=["12-at-once", "5-after-50ms"])
+def test_a_kill_right_after_the_answers_loses_no_answered_request(tmp_path, n, after_s):
+    """SIGKILL right after the last answer: every answered request is in the folder (those whose energy had not
+    settled with their provisional energy, labelled estimated and provisional, never measured); ``--resume``
+    takes them into records.jsonl once, and the finished folder holds each request once."""
+    from ipw.results import load_run, read_log
+    from ipw.serve import prompt_digest
+
+    stub = Stub()
+    stub.llama_server = True
+    procs = []
+    try:
+        proc, url, folder = _serve(tmp_path, "--upstream", stub.base_url)
+        procs.append(proc)
+        prompts = [f"question {i}" for i in range(n)]
+        energies = [_ask_stream(url, p) for p in prompts]
+        time.sleep(after_s)
+        proc.kill()  # SIGKILL: nothing settles or finishes
+        proc.wait()
+        assert all(e["provisional"] is True for e in energies)
+        rows = read_log(folder)
+        want = {prompt_digest({"prompt": p})[0] for p in prompts}
+        assert sorted(r["query_id"] for r in rows) == sorted(want), "every answered request is in the folder"
+        for r in rows:  # not settled before the kill: labelled so (here the CPU model's settled values are estimated too)
+            if r["energy_source"].startswith("provisional:"):
+                assert r["energy_quality"] == "estimated" and r["energy_j"] == r["provisional_energy_j"]
+                assert all(p["quality"] == "estimated" for p in json.loads(r["energy_parts"]))
+        _, frame = load_run(folder)  # what compare reads from a killed folder
+        assert len(frame) == n
+        proc, url, again = _serve(tmp_path, "--upstream", stub.base_url, "--resume", str(folder))
+        procs.append(proc)
+        assert again == folder
+        _ask_stream(url, "one more")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        stub.close()
+    manifest, frame = load_run(folder)
+    assert manifest.status == "complete" and len(frame) == n + 1
+    assert not frame.duplicated(["backend", "query_id", "repeat"]).any()
+    assert len(read_log(folder)) == n + 1 == len((folder / "records.jsonl").read_text().splitlines())
+
+
+def test_a_folder_read_before_the_energy_settles_shows_each_answered_request_labelled_provisional(tmp_path):
+    """While the sensors hold the windows back, the answered requests are in the folder with the provisional
+    energy their answers carried, labelled estimated (a ``provisional:`` source), never measured; once settled,
+    each request is there once, with its settled energy, and pending.jsonl is gone."""
+    from ipw.results import PENDING_FILE, load_run, read_log
+    from test_serve import _gated
+
+    stub = Stub()
+    held_after = [float("inf")]  # windows that end after this are held back (NVML's buffer not there yet)
+    sensor = _gated(lambda part: part.end < held_after[0])
+    opts = ServeOptions(upstream=stub.base_url, name="stub", port=0, idle_s=0.0)
+    proxy = start(opts, tmp_path / "out", upstream_pids=[os.getpid()], command=["test"],
+                  probe=lambda pids, remote=False: [sensor])
+    folder = proxy.session.folder.path
+    ask = {"messages": [{"role": "user", "content": "hi"}]}
+    try:
+        stub.modes = ["json"] * 4
+        assert _post(proxy.url, ask, "/chat/completions")[0] == 200  # settled: a power for the provisional values
+        deadline = time.monotonic() + 30
+        while not (folder / "records.jsonl").read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        held_after[0] = time.monotonic()
+        answers = [_post(proxy.url, ask, "/chat/completions") for _ in range(3)]
+        assert [status for status, _ in answers] == [200] * 3
+        given = [json.loads(body)["usage"]["energy"] for _, body in answers]
+        assert all(e["provisional"] is True and e["energy_j"] > 0 for e in given), given
+        rows = read_log(folder)  # what a kill now would leave
+        assert len((folder / "records.jsonl").read_text().splitlines()) == 1 and len(rows) == 4
+        pending = [r for r in rows if r["repeat"] > 0]
+        assert all(r["energy_quality"] == "estimated" and r["energy_source"].startswith("provisional:")
+                   for r in pending), pending
+        assert [r["energy_j"] for r in pending] == [e["energy_j"] for e in given]
+        assert len(load_run(folder)[1]) == 4
+    finally:
+        held_after[0] = float("inf")
+        proxy.stop(grace_s=5)
+        stub.close()
+    rows = read_log(folder)
+    assert len(rows) == 4 and all(r["energy_quality"] == "measured" and r["energy_source"] == "test.gate" for r in rows)
+    assert not (folder / PENDING_FILE).exists() and len(load_run(folder)[1]) == 4

@@ -7,9 +7,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ipw"
 FILES = ("manifest.json", "records.jsonl", "records.parquet", "power.parquet", "judge.jsonl", "queries.parquet",
-         "records.dropped.jsonl", "ipw.lock")
+         "records.dropped.jsonl", "ipw.lock", "pending.jsonl")
 # a file's name as a string of its own ("records.jsonl", 'power.parquet'), or results.py's constant for it
-NAMED = re.compile(r"""["'](%s)["']|\b(QUERIES_FILE|JUDGE_FILE|POWER_FILE|LOCK_FILE)\b"""
+NAMED = re.compile(r"""["'](%s)["']|\b(QUERIES_FILE|JUDGE_FILE|POWER_FILE|LOCK_FILE|PENDING_FILE)\b"""
                    % "|".join(re.escape(f) for f in FILES))
 
 #: Modules that still name a run-folder file, and why.  Shrink it; never grow it.  (Empty since issue 31's
