@@ -102,10 +102,20 @@ def _cloud() -> dict[str, dict[str, str]]:
     return {f"{row['provider']}:{row['region']}".lower(): row for row in csv.DictReader(text.splitlines())}
 
 
+def check_zone(region: str) -> str:
+    """A ``--grid-region`` as given, stripped; an IpwError when nothing is left: an empty zone is never read
+    as no region."""
+    zone = region.strip()
+    if not zone:
+        raise IpwError(f"--grid-region {region!r}: empty; give a zone (an ISO 3166 country code such as DE, a cloud "
+                       "region such as gcp:europe-west3) or leave the option out")
+    return zone
+
+
 def lookup(region: str) -> CarbonIntensity:
     """``region``'s intensity from the offline tables: a country (ISO 3166 alpha-2 or alpha-3 code) or a
     cloud region ``PROVIDER:REGION``; an IpwError for a zone the tables do not have."""
-    zone = region.strip()
+    zone = check_zone(region)
     if ":" in zone:
         row = _cloud().get(zone.lower())
         if row is None:
@@ -174,8 +184,10 @@ def live(zone: str, key: str, *, timeout_s: float = FEED_TIMEOUT_S) -> CarbonInt
 def check_request(carbon_intensity: float | None, grid_region: str | None, grid_live: bool) -> None:
     """The carbon options of a run, checked before anything runs (one line, exit 2): one source at most, a
     sane number, a zone the offline table knows (without --grid-live), a feed key (with it)."""
-    if carbon_intensity is not None and grid_region:
+    if carbon_intensity is not None and grid_region is not None:
         raise IpwError("--carbon-intensity and --grid-region: give one of them")
+    if grid_region is not None:
+        check_zone(grid_region)
     if grid_live and not grid_region:
         raise IpwError("--grid-live: needs --grid-region ZONE (an Electricity Maps zone such as DE or US-CAL-CISO)")
     if carbon_intensity is not None:

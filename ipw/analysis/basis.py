@@ -133,13 +133,13 @@ def intensities(runs: Sequence[RunInfo], infos: Sequence[BackendInfo], carbon_in
                 grid_region: str | None = None) -> tuple[dict[str, CarbonIntensity | None], list[str]]:
     """Each backend's carbon intensity: its run's (manifest ``carbon``), or the one given to re-price every run
     (``--carbon-intensity`` / ``--grid-region``, offline table); notes that say where each comes from."""
-    if carbon_intensity is not None and grid_region:
+    if carbon_intensity is not None and grid_region is not None:
         raise IpwError("--carbon-intensity and --grid-region: give one of them")
     given = None
     if carbon_intensity is not None:
         given = CarbonIntensity(check_intensity(carbon_intensity, "--carbon-intensity"), "given (--carbon-intensity)",
                                 "", "re-priced now")
-    elif grid_region:
+    elif grid_region is not None:  # '' too: lookup refuses it
         given = lookup(grid_region)
     by_run = {r.run_id: r for r in runs}
     out: dict[str, CarbonIntensity | None] = {}

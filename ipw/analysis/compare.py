@@ -330,7 +330,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     ``NAME=PUE`` (a backend, or a role: local, cloud) over the PUE the runs recorded."""
     check_basis(energy_basis)
     pue_given = [parse_pue(x) for x in pue]
-    if carbon_intensity is not None or grid_region:  # a bad value or zone fails before any run is read
+    if carbon_intensity is not None or grid_region is not None:  # a bad value or zone (or '') fails before any run is read
         intensities((), (), carbon_intensity, grid_region)
     ROUTING["router_accuracy"].check(router_accuracy, "--router-accuracy")  # the CLI's bound, for API callers
     if n_boot is not None and n_boot < 1:
