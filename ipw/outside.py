@@ -45,9 +45,9 @@ def _origin(url: str) -> tuple[str, str, int | None]:
         parts = urllib.parse.urlsplit(url)
         port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
     except ValueError:  # a port that is not a number, an unbalanced [
-        raise OutsideError(f"not a URL: {one_line(redact_url(url))[:200]}") from None
+        raise OutsideError(f"not a URL: {redact_url(one_line(url))[:200]}") from None
     if any(not 0x21 <= ord(c) <= 0x7E for c in url):  # http.client would refuse it, or send a control character
-        raise OutsideError(f"not a URL a request can carry: {one_line(redact_url(url))[:200]}")
+        raise OutsideError(f"not a URL a request can carry: {redact_url(one_line(url))[:200]}")
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
@@ -65,7 +65,7 @@ def get(url: str, headers: dict[str, str], *, timeout_s: float, limit: int,
         if status in REDIRECTS and location:
             url = urllib.parse.urljoin(url, location.strip())
             if _origin(url) != origin:
-                raise OutsideError(f"HTTP {status}: redirected to another origin ({one_line(redact_url(url))[:200]}); "
+                raise OutsideError(f"HTTP {status}: redirected to another origin ({redact_url(one_line(url))[:200]}); "
                                    "not followed, so that the credential is not sent there", status=status)
             continue
         if status != 200:

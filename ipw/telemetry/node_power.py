@@ -66,6 +66,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ipw.errors import IpwError
+from ipw.sanitize import one_line
 from ipw.telemetry.base import EnergyReading, SensorInfo
 from ipw.telemetry.polled import Channel, Platform, Poll, PolledSensor
 
@@ -85,6 +86,10 @@ MIN_CHANGES = 3
 OBSERVE_S = 300.0
 #: counter vs power x time: a BMC's sensors are coarser than a GPU's (a kWh counter's last digit)
 TOLERANCE = 0.15
+#: the most a BMC's power reading may be (W): a whole rack (an NVL72's is about 120 kW) stays below it
+MAX_NODE_W = 250_000.0
+#: the most its energy counter may read (J): MAX_NODE_W for 100 years is 7.9e14 J
+MAX_COUNTER_J = 1e15
 #: ``IPW_NODE_POWER`` in a message: how to set it
 USAGE = (f"{ENV_URL}=https://BMC (Redfish), ipmi://BMC (IPMI DCMI over the LAN) or ipmi:// (in-band), "
          f"credentials in {ENV_USER} / {ENV_PASSWORD}")
@@ -175,9 +180,9 @@ class RedfishClient:
         """The JSON object at ``path`` (``/redfish/v1/...``), within ``timeout_s`` in all; IpwError in one
         line otherwise.  A redirect is followed on this service only: the credentials never leave it."""
         from ipw import outside
-        from ipw.sanitize import one_line
 
-        if not path.startswith("/"):  # a link the BMC gave: a path on this service, never another address
+        # a link the BMC gave: a path on this service (never another address), that a request line can carry
+        if not path.startswith("/") or any(not 0x21 <= ord(ch) <= 0x7E for ch in path):
             raise IpwError(f"Redfish {self.base}: a link that is not a path on this service "
                            f"({one_line(path)[:200]})")
         try:
@@ -199,6 +204,10 @@ class RedfishClient:
         if not isinstance(data, dict):
             raise IpwError(f"Redfish {self.base}: {one_line(path)[:200]} is not a JSON object (not a Redfish service?)")
         return data
+
+
+#: the most characters kept of a chassis' Id or type (the BMC's text: the manifest records it)
+MAX_ID_CHARS = 64
 
 
 def _link(obj: dict[str, Any], key: str) -> str | None:
@@ -249,8 +258,8 @@ def _psus_legacy(power: dict[str, Any]) -> tuple[float | None, float | None]:
 def _chassis(client: RedfishClient, path: str) -> RedfishChassis:
     doc = client.get(path)
     links = doc.get("Links") if isinstance(doc.get("Links"), dict) else {}
-    ch = RedfishChassis(id=str(doc.get("Id", path.rsplit("/", 1)[-1])), path=path,
-                        chassis_type=str(doc.get("ChassisType", "")),
+    ch = RedfishChassis(id=str(doc.get("Id", path.rsplit("/", 1)[-1]))[:MAX_ID_CHARS], path=path,
+                        chassis_type=str(doc.get("ChassisType", ""))[:MAX_ID_CHARS],
                         top_level=not (links or {}).get("ContainedBy"),
                         env_metrics=_link(doc, "EnvironmentMetrics"), power=_link(doc, "Power"))
     if ch.env_metrics:
@@ -319,7 +328,32 @@ def discover(client: RedfishClient, chassis_id: str | None = None) -> tuple[Redf
         where = ", ".join(c.id for c in seen) or "no chassis"
         raise IpwError(f"Redfish {client.base}: no power data ({where}: no EnvironmentMetrics PowerWatts or "
                        "EnergykWh/EnergyJoules, no Power PowerControl, no power supply watts)")
-    return usable[0], seen
+    c = usable[0]
+    for field_name, value, high, unit in ((c.power_field, c.first_w, MAX_NODE_W, "W"),
+                                          (c.counter_field, c.first_counter_j, MAX_COUNTER_J, "J")):
+        why = impossible(value, high, unit)
+        if why:
+            raise IpwError(f"Redfish {client.base}: chassis {one_line(c.id)} {field_name} {why}")
+    return c, seen
+
+
+def impossible(value: float | None, high: float, unit: str) -> str | None:
+    """Why a BMC's reading cannot be a node's (below 0, above ``high``), or None: such a reading is never
+    recorded as measured."""
+    if value is None or 0 <= value <= high:
+        return None
+    return f"reads {value:g} {unit}: not a possible reading (0 to {high:g} {unit})"
+
+
+def possible(p: Poll, where: str) -> Poll:
+    """``p`` without a reading :func:`impossible` refuses, which it names in its errors instead (the window is
+    then unavailable where no other reading covers it, with that note)."""
+    for values, high, unit in ((p.power_w, MAX_NODE_W, "W"), (p.counter_j, MAX_COUNTER_J, "J")):
+        why = impossible(values.get("node"), high, unit)
+        if why:
+            del values["node"]
+            p.errors["node"] = f"{where} {why}; not used"
+    return p
 
 
 class RedfishPlatform(Platform):
@@ -378,7 +412,7 @@ class RedfishPlatform(Platform):
                         p.power_w["node"] = w
         except IpwError as exc:
             p.errors["node"] = exc.message
-        return p
+        return possible(p, f"Redfish {self.client.base}: chassis {one_line(c.id)}")
 
     def describe(self) -> str:
         c = self.chassis
@@ -481,7 +515,7 @@ class IpmiPlatform(Platform):
             p.power_w["node"] = self._reading(max(1.0, min(2 * TIMEOUT_S, 2 * self.period_s)))["instant_w"]
         except IpwError as exc:
             p.errors["node"] = exc.message
-        return p
+        return possible(p, f"IPMI DCMI {self.config.url}: the power reading")
 
     def describe(self) -> str:
         f = self.first
