@@ -14,7 +14,8 @@ from typing import Any, List, Optional, cast
 import typer
 
 from ipw.options import (CalibrateOptions, CheckOutputs, CompareOptions, ConvertOptions, DoctorOptions, GateOptions,
-                         MergeOptions, Option, PriceOptions, ProxyOptions, RerunOptions, RescoreOptions, ReportOptions,
+                         MergeOptions, MlflowExportOptions, Option, PriceOptions, ProxyOptions, RerunOptions,
+                         RescoreOptions, ReportOptions,
                          RouteRoles, RouterOptions, RouteScoreOptions, RouteTrainOptions, RoutingOptions, RunControl,
                          RunOptions, ServeOnly, WrapOnly, check_options, options_of)
 
@@ -265,6 +266,25 @@ def convert(
     from ipw.commands.convert import convert_command
 
     raise typer.Exit(convert_command(model, out_dir, options))
+
+
+export_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, add_completion=False,
+                         help="Export run folders into the tools operators already run (docs/guide/monitoring.md).")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("mlflow")
+@with_options
+def export_mlflow(
+    runs: List[Path] = typer.Argument(..., help="Run folders (results/<run_id>); each is one MLflow run, found again "
+                                      "by its ipw.run_id tag and updated when exported again."),
+    *, options: MlflowExportOptions,
+) -> None:
+    """Log run folders to MLflow (MLFLOW_TRACKING_URI): the config as parameters, every backend's metrics with
+    their CIs, the HTML report and manifest.json as artifacts. Needs pip install 'ipw[mlflow]'."""
+    from ipw.commands.export import mlflow_command
+
+    raise typer.Exit(mlflow_command(runs, options))
 
 
 EXIT_USAGE = 2  # a usage error or bad input (IpwError's default)

@@ -242,6 +242,10 @@ class RunControl:
                                       "'ipw[prometheus]'.")
     metrics_host: str = option("--metrics-host", default="127.0.0.1", requires=("--metrics-port",), help="With "
                                "--metrics-port: the address to listen on (default 127.0.0.1: this machine only).")
+    mlflow: bool = option("--mlflow", default=False, help="Log the finished run to MLflow (MLFLOW_TRACKING_URI; "
+                          "experiment MLFLOW_EXPERIMENT_NAME or ipw): its config, every backend's metrics with their "
+                          "CIs, the HTML report and the manifest, as ipw export mlflow does. The server is checked "
+                          "before the run starts. Needs pip install 'ipw[mlflow]'; docs/guide/monitoring.md.")
 
 
 @dataclass(frozen=True)
@@ -574,3 +578,12 @@ class DoctorOptions:
 @dataclass(frozen=True)
 class ConvertOptions:
     force: bool = option("--force", default=False, help="Convert again even when the folder holds a conversion.")
+
+
+# --- ipw export -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MlflowExportOptions:
+    experiment: str | None = option("--experiment", help="MLflow experiment (created if missing; default "
+                                    "MLFLOW_EXPERIMENT_NAME, else ipw).")

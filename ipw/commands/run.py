@@ -65,6 +65,11 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
         if (have["index"], have["count"]) != (the_shard.index, the_shard.count):
             raise IpwError(f"--shard {shard}: {resume} is shard {have['index']}/{have['count']}; resume it with "
                            f"--shard {have['index']}/{have['count']} or without --shard")
+    tracker = None
+    if control.mlflow:  # MLFLOW_TRACKING_URI unset, or no MLflow server answering: one line, exit 2, before the folder
+        from ipw.export.mlflow import connect as mlflow_connect
+
+        tracker = mlflow_connect()
     metrics, server = None, None
     if control.metrics_port is not None:  # a port in use: one line, exit 2, before the run folder
         from ipw.export.prometheus import Metrics
@@ -79,7 +84,7 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
             connected = connect(control.ray)  # a missing extra or no cluster fails before the run folder exists
             ray_options = RayOptions(control.ray, control.shards)
         return _run(config_path, given(overrides), resume=resume, the_shard=the_shard, ray_options=ray_options,
-                    repair=control.repair, full_table=control.full_table, metrics=metrics)
+                    repair=control.repair, full_table=control.full_table, metrics=metrics, tracker=tracker)
     finally:
         if server is not None:
             server.shutdown()
@@ -91,7 +96,7 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
 
 
 def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_options, repair=False,
-         full_table=False, metrics=None) -> int:
+         full_table=False, metrics=None, tracker=None) -> int:
     """One pass: load (the config, the queries, the backends: everything checked before any run folder
     exists) -> plan (the run folder, the shard) -> execute (every backend; records appended as they come)
     -> write (the summary of the finished folder, judged when the config has a [judge])."""
@@ -225,6 +230,11 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     for line in audit_lines(folder.manifest):
         console.print(escape(line), highlight=False)
     console.print(f"wrote {folder.path}" + (f" (judged: {summary_dir})" if summary_dir != folder.path else ""))
+    if tracker is not None:  # --mlflow: the folder the summary shows; a failed export is a warning, the folder stands
+        from ipw.export.mlflow import after_run
+
+        after_run(tracker, summary_dir, status,
+                  lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
     if status != "complete":
         console.print(f"[bold red]run {status}[/]: some queries have no record; continue it with "
                       f"ipw run --resume {escape(str(folder.path))}", highlight=False)
