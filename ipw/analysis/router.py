@@ -727,7 +727,7 @@ class _Doc:
         if not (isinstance(value, list) and all(type(x) in (int, float) for x in value)):
             raise self.bad(name, "must be a list of numbers")
         if not all(low <= x <= high for x in value):
-            raise self.bad(name, f"must be finite numbers from {low:g} to {high:g}")
+            raise self.bad(name, f"must be finite, from {low:g} to {high:g}")
         return np.asarray(value, float)
 
     def integer(self, obj: dict[str, Any], key: str, name: str, low: int, high: int) -> int:
