@@ -17,6 +17,7 @@ import errno
 import hashlib
 import hmac
 import http.client
+import io
 import json
 import re
 import secrets
@@ -50,6 +51,9 @@ MAX_IDLE_UPSTREAM = 256  # upstream connections kept alive for the next requests
 #: a client connection that sends nothing for this long is closed (an idle keep-alive connection, or one that
 #: stalls mid-request), so that idle clients cannot hold the proxy's threads and descriptors for ever
 CLIENT_IDLE_S = 60.0
+#: a client's request, its head and body, must have come within this many seconds of its first byte: the idle
+#: timeout is per read, so that a client that sends a byte now and then would otherwise hold a thread for ever
+CLIENT_REQUEST_S = 60.0
 #: out of file descriptors, the accept loop waits this long before it tries again (else it spins on a core)
 ACCEPT_BACKOFF_S = 0.05
 DRAIN_S = 1.0  # after [DONE], how long the rest of the upstream's body (its last chunk) is waited for
@@ -535,6 +539,41 @@ def sse_events(read: Callable[[], bytes], limit: int = MAX_LINE_BYTES) -> Iterat
         seen = last if last >= 0 else len(buf)
 
 
+class _ClientReader(io.RawIOBase):
+    """A client connection as its handler reads it (``rfile``, buffered on top): each read waits at most the
+    socket's timeout (``CLIENT_IDLE_S``), and, from a request's first byte until it is read (``done``), at most
+    what is left of ``CLIENT_REQUEST_S``; past it, a TimeoutError, on which the handler closes the connection."""
+
+    def __init__(self, sock: socket.socket, idle_s: float | None) -> None:
+        self._sock, self._idle_s = sock, idle_s
+        self._armed = False  # a request is being read
+        self._by: float | None = None  # its deadline (monotonic), from its first byte
+
+    def start(self) -> None:
+        """The handler waits for a request."""
+        self._armed, self._by = True, None
+
+    def done(self) -> None:
+        """The request is read: the socket's timeout is the idle one again (its writes' too)."""
+        if self._armed and self._by is not None:
+            self._sock.settimeout(self._idle_s)
+        self._armed, self._by = False, None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        if self._by is not None:
+            left = self._by - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the request did not come whole within {CLIENT_REQUEST_S:g} s")
+            self._sock.settimeout(left if self._idle_s is None else min(left, self._idle_s))
+        n = self._sock.recv_into(buf)
+        if self._armed and self._by is None and n:
+            self._by = time.monotonic() + CLIENT_REQUEST_S
+        return n
+
+
 class _ClientGone(Exception):
     """The client closed its connection while the answer was being written."""
 
@@ -560,6 +599,16 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # not a TCP socket
             pass
+        self.rfile.close()  # read through a deadline for each request instead
+        self._reader = _ClientReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        self._reader.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._reader.done()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -706,6 +755,7 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:
+        self._reader.done()  # the request (a head) is read
         self._route = ""
         if not self._framed(body=False):
             return
@@ -749,8 +799,10 @@ class Handler(BaseHTTPRequestHandler):
         if int(length) > session.options.max_body_bytes:
             return self._error(413, f"ipw serve: request body of {int(length)} bytes is over the limit of "
                                f"{session.options.max_body_bytes} (--max-body-mb)", "request_too_large")
+        data = self.rfile.read(int(length))
+        self._reader.done()  # the request is read: what follows has the idle timeout only
         try:
-            body = json.loads(self.rfile.read(int(length)))
+            body = json.loads(data)
         except (ValueError, RecursionError):
             return self._error(400, "ipw serve: the request body is not JSON", "invalid_request")
         if not isinstance(body, dict):

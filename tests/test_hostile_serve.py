@@ -38,6 +38,12 @@ def _recording(stub: Stub) -> list[tuple[str, str, str | None]]:
     return seen
 
 
+def _proxy(tmp_path, upstream: str, **options):
+    """An in-process proxy in front of ``upstream`` (this process's work is the upstream's)."""
+    opts = ServeOptions(upstream=upstream, name=options.pop("name", "stub"), port=0, idle_s=0.0, **options)
+    return start(opts, tmp_path / "out", upstream_pids=[os.getpid()], command=["test"])
+
+
 def _post(proxy_url: str, body: dict, path: str = "/completions") -> tuple[int, bytes]:
     from urllib.parse import urlsplit
 
@@ -192,3 +198,49 @@ def test_a_folder_read_before_the_energy_settles_shows_each_answered_request_lab
     rows = read_log(folder)
     assert len(rows) == 4 and all(r["energy_quality"] == "measured" and r["energy_source"] == "test.gate" for r in rows)
     assert not (folder / PENDING_FILE).exists() and len(load_run(folder)[1]) == 4
+
+
+# -- 3. a deadline for a client's whole request, not per read ------------------------------------------------
+
+def test_a_client_that_trickles_its_request_is_cut_at_the_request_deadline(tmp_path, monkeypatch):
+    """A byte now and then (each within the per-read idle timeout) held a proxy thread for ever: a request's head
+    and body get ``CLIENT_REQUEST_S`` from their first byte, whatever the reads.  An idle kept-alive connection
+    is the idle timeout's (the deadline starts at a request's first byte)."""
+    import socket
+
+    import ipw.serve
+
+    monkeypatch.setattr(ipw.serve, "CLIENT_REQUEST_S", 1.0)
+    stub = Stub()
+    proxy = _proxy(tmp_path, stub.base_url)
+    host, port = proxy.server.server_address[:2]
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+    def trickled(first: bytes, rest: bytes) -> float:
+        """Seconds until the proxy closes a connection that sends ``first`` then ``rest`` a byte per 0.1 s."""
+        sock = socket.create_connection((host, port), timeout=30)
+        t0 = time.monotonic()
+        try:
+            sock.sendall(first)
+            for i in range(len(rest)):
+                sock.sendall(rest[i:i + 1])
+                time.sleep(0.1)
+        except OSError:  # closed by the proxy
+            pass
+        else:
+            pytest.fail("the proxy read the whole trickled request")
+        finally:
+            sock.close()
+        return time.monotonic() - t0
+
+    try:
+        assert trickled(b"", head + b"X-Slow: " + b"a" * 300) >= 1.0  # the head; 30 s if it were not cut
+        assert trickled(head + b"Content-Length: %d\r\n\r\n" % (len(body) + 300), body + b" " * 300) >= 1.0  # the body
+        with socket.create_connection((host, port), timeout=30) as sock:  # idle between requests: not cut
+            time.sleep(1.5)
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    finally:
+        proxy.stop()
+        stub.close()
