@@ -529,6 +529,9 @@ class ProxyOptions:
                                "overlapping requests' energy is split: priced (each accounting period by priced work: "
                                "identical work costs the same) or local (each moment by the work done in it). "
                                "docs/SERVING.md.")
+    metrics: bool = option("--metrics/--no-metrics", default=True, help="Serve Prometheus metrics at GET /metrics on "
+                           "the proxy's port (settled energy, requests, tokens, errors, power; with --token, for a "
+                           "scrape that sends it): docs/guide/monitoring.md. Needs pip install 'ipw[prometheus]'.")
 
 
 MAX_PORT = 65535

@@ -87,6 +87,7 @@ class ServeOptions:
     route: str = ""  # the router file (ipw route train)
     cloud_upstream: str = ""
     cloud_name: str = ""
+    metrics: bool = True  # GET /metrics: Prometheus metrics of the settled records (ipw.export.prometheus)
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,11 @@ def _hashed(text: str) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
 
 
-def energy_object(record: QueryRecord, provisional: bool = False) -> dict[str, Any]:
+def energy_object(record: QueryRecord, request_id: str, provisional: bool = False) -> dict[str, Any]:
     """``usage.energy`` of a response: its record's energy, labeled as the record is.  ``provisional``: the
     record holds the provisional energy given at the answer (``Meter.provisional``), whose ±90% band is
-    ``uncertainty_j``; the settled value follows in the run folder and at ``settled_url``."""
-    request_id = f"{record.query_id}/{record.repeat}"
+    ``uncertainty_j``; the settled value follows in the run folder and at ``settled_url`` (``request_id``: the
+    request's random id, ``Ended.request_id``)."""
     out: dict[str, Any] = {
         "energy_j": record.energy_j, "net_energy_j": record.net_energy_j, "provisional": provisional,
         "quality": record.energy_quality, "source": record.energy_source, "scope": record.energy_scope,
@@ -240,6 +241,9 @@ class Session:
             self.queries.add(row["query_id"])
         self.pending_log = folder.pending_log()
         self.writer = RecordWriter(folder, self._written)
+        from ipw.export.prometheus import for_session  # None without the prometheus extra: /metrics says so
+
+        self.metrics = for_session(self) if options.metrics else None
 
     def pick(self, body: dict[str, Any]) -> str:
         """With --route: "local" or "cloud" for this request (a request the router cannot score: the cloud);
@@ -345,9 +349,11 @@ class Session:
     def settle(self, job: int, ended: "Ended", provisional: QueryRecord | None, wait: bool = False) -> QueryRecord | None:
         """Make ``job``'s record once its share is final and hand it to the writer: now (``wait``: this
         thread waits for the share, and gets the record), else on the meter's thread when the share is final."""
-        request_id = f"{prompt_digest(ended.body)[0]}/{ended.repeat}"
+        request_id = f"{prompt_digest(ended.body)[0]}/{ended.repeat}"  # its record's key (not the id clients see)
         with self._lock:
-            self.pending.add(request_id)
+            self.pending.add(ended.request_id)
+        if self.metrics is not None:  # its label: the model the request asked for
+            self.metrics.requested(request_id, ended.body.get("model"))
 
         def done(share: Any, error: BaseException | None) -> QueryRecord | None:
             try:
@@ -355,11 +361,11 @@ class Session:
                     raise error or RuntimeError("no share")
                 record = self.build(ended, share.readings, busy_s=share.busy_s, split=share, provisional=provisional)
                 if not wait:
-                    self.keep(record, ended.override)
+                    self.keep(record, ended.override, ended.request_id)
                 return record
             except Exception as exc:  # never on a client's path: one line, and the record kept is the provisional one
                 with self._lock:
-                    self.pending.discard(request_id)
+                    self.pending.discard(ended.request_id)
                 self.notice(f"ipw serve: the energy of request {request_id} was not settled: {type(exc).__name__}: "
                             f"{scrub(str(exc))[:200]}")
                 if not wait and ended.on_disk is not None:
@@ -371,14 +377,13 @@ class Session:
         self.meter.on_share(job, done)
         return None
 
-    def keep(self, record: QueryRecord, override: QueryError | None) -> None:
+    def keep(self, record: QueryRecord, override: QueryError | None, request_id: str) -> None:
         """A settled record: with ``override`` as its error (the client went away after its end), kept for
-        ``GET /v1/ipw/energy/{id}`` and handed to the writer."""
+        ``GET /v1/ipw/energy/{request_id}`` and handed to the writer."""
         record = with_override(record, override)
-        request_id = f"{record.query_id}/{record.repeat}"
         with self._lock:
             self.pending.discard(request_id)
-            self.settled[request_id] = energy_object(record)
+            self.settled[request_id] = energy_object(record, request_id)
             while len(self.settled) > SETTLED_KEEP:
                 self.settled.popitem(last=False)
         self.writer.put_record(record)
@@ -397,6 +402,8 @@ class Session:
     def _written(self, record: QueryRecord) -> None:
         """A record is on disk (the writer's thread)."""
         self.pending_log.done(record)
+        if self.metrics is not None:  # counted once, settled: never a provisional value (one that never settled)
+            self.metrics.written(record, settled=not record.energy_source.startswith(UNSETTLED + ":"))
         with self._lock:
             self.requests += 1
             self.errors += record.error is not None
@@ -465,6 +472,9 @@ class Ended:
     override: QueryError | None = None
     route: str = ""  # with --route: "local" or "cloud" (the upstream it went to)
     on_disk: QueryRecord | None = None  # its record in pending.jsonl (``Session.answered``)
+    # the id its answer carries, for its settled energy (``GET /v1/ipw/energy/ID``): random, so that it tells
+    # nothing of the prompt (a hash of it would let any client test whether a given prompt was sent)
+    request_id: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(16))
 
 
 class _Stream:
@@ -762,6 +772,8 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/health":
             return self._json(200, {"status": "ok", "in_flight": self.server.session.meter.in_flight()})
+        if path == "/metrics":
+            return self._metrics()
         if path.startswith(ENERGY_PATH):
             if not self._authorized():
                 return
@@ -808,6 +820,16 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             return self._error(400, "ipw serve: the request body must be a JSON object", "invalid_request")
         self._metered(api, path, body)
+
+    def _metrics(self) -> None:
+        """``GET /metrics``: the session's Prometheus metrics (with --token, for a scrape that sends it)."""
+        session = self.server.session
+        if not self._authorized():
+            return
+        if session.metrics is None:
+            why = "install it with: pip install 'ipw[prometheus]'" if session.options.metrics else "--no-metrics"
+            return self._error(404, f"ipw serve: no /metrics ({why})", "not_found")
+        self._send(200, *session.metrics.exposition())
 
     def _metered(self, api: str, path: str, body: dict[str, Any]) -> None:
         session = self.server.session
@@ -890,7 +912,7 @@ class Handler(BaseHTTPRequestHandler):
             if self._settled is None:  # settled on the meter's thread, and written, after the answer
                 session.settle(job, ended, self._record)
             else:  # --energy-wait: settled before the answer; written after it (the client never waits for the disk)
-                session.keep(self._settled, ended.override)
+                session.keep(self._settled, ended.override, ended.request_id)
 
     def _end(self, job: int, body: dict[str, Any], api: str, completion: Completion | None,
              error: Exception | None) -> QueryRecord | None:
@@ -1010,7 +1032,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _energy(self, record: QueryRecord) -> dict[str, Any]:
         """The answer's ``usage.energy``: provisional unless it waited for the settled value."""
-        out = energy_object(record, provisional=self._settled is None)
+        out = energy_object(record, cast(Ended, self._ended).request_id, provisional=self._settled is None)
         if self.server.session.router is not None:  # --route: where this request went
             out["route"] = {"to": record.role, "backend": record.backend}
         return out
@@ -1018,7 +1040,7 @@ class Handler(BaseHTTPRequestHandler):
     def _usage_chunk(self, last: dict[str, Any], record: QueryRecord) -> dict[str, Any]:
         """A chunk as a server sends for ``stream_options.include_usage``: no choices, and usage (with
         the request's energy)."""
-        return {"id": last.get("id", f"ipw-{record.query_id}"), "object": last.get("object", "chat.completion.chunk"),
+        return {"id": last.get("id", f"ipw-{cast(Ended, self._ended).request_id}"), "object": last.get("object", "chat.completion.chunk"),
                 "created": last.get("created", int(time.time())), "model": last.get("model", ""), "choices": [],
                 "usage": {"prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
                           "total_tokens": record.prompt_tokens + record.completion_tokens,

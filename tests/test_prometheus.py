@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import socket
+import subprocess
 import time
 import urllib.parse
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from ipw.export.prometheus import MAX_LABEL_VALUES, OTHER, Metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "docs" / "guide" / "grafana-ipw.json"
+DASHBOARD = ROOT / "configs" / "grafana" / "ipw.json"
 
 
 def samples(metrics_text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -61,6 +65,7 @@ def test_names_units_and_labels_follow_prometheus_and_the_genai_conventions():
              if not family.name.endswith("_created")}  # prometheus_client's start time of each counter series
     assert names == {"ipw_energy_joules": "counter", "ipw_requests": "counter", "ipw_tokens": "counter",
                      "ipw_request_errors": "counter", "ipw_answered_energy_joules": "counter",
+                     "ipw_correct_answers": "counter", "ipw_scored_requests": "counter",
                      "ipw_request_energy_joules": "histogram", "ipw_output_token_energy_joules": "histogram",
                      "ipw_device_power_watts": "gauge", "ipw_idle_power_watts": "gauge",
                      "ipw_requests_in_flight": "gauge", "ipw_requests_provisional": "gauge"}
@@ -102,13 +107,15 @@ def test_a_hostile_client_cannot_blow_up_the_series_count():
     metrics = Metrics(operation=True)
     for i in range(500):
         metrics.observe(record(energy_j=1.0, category="chat"), model=f"model-{i}")
+        if i == MAX_LABEL_VALUES:  # one value past the bound: "other" has its series
+            series = len(samples(scrape(metrics)))
     metrics.observe(record(energy_j=1.0, category="chat"), model="evil\n" + "x" * 10_000)
     text = scrape(metrics)
+    assert len(samples(text)) == series  # 468 more names made no new series
     models = {dict(ls)["gen_ai_request_model"] for (n, ls) in samples(text) if n == "ipw_requests_total"}
     assert len(models) == MAX_LABEL_VALUES + 1 and OTHER in models
     assert total(text, "ipw_requests_total") == 501 and total(text, "ipw_energy_joules_total") == 501.0
     assert total(text, "ipw_requests_total", gen_ai_request_model=OTHER) == 501 - MAX_LABEL_VALUES
-    assert len(text) < 200_000  # bounded whatever the clients send
     small = Metrics()
     small.observe(record(), model="evil\n\u202e" + "x" * 500)
     (model,) = {dict(ls)["gen_ai_request_model"] for (n, ls) in samples(scrape(small)) if n == "ipw_requests_total"}
@@ -214,3 +221,228 @@ def test_run_metrics_port_in_use_is_one_line_before_anything_starts(tmp_path, ru
     assert code == 2 and "--metrics-host: only with --metrics-port" in err
     code, out, err = run_cli("run", config, "-o", tmp_path / "runs", "--metrics-port", "70000")
     assert code == 2 and "--metrics-port" in err and not (tmp_path / "runs").exists()
+
+
+# -- ipw serve: GET /metrics -----------------------------------------------------------------------------------
+
+
+def _proxy(tmp_path, upstream: str, pids: list[int], token: str | None = None, **options):
+    from ipw.serve import ServeOptions, start
+
+    opts = ServeOptions(upstream=upstream, name="smol", port=0, idle_s=options.pop("idle_s", 0.5),
+                        token_required=token is not None, **options)
+    return start(opts, tmp_path / "out", token=token, upstream_pids=pids, command=["test"])
+
+
+def _records(proxy) -> list[dict]:
+    return [json.loads(line) for line in (proxy.session.folder.path / "records.jsonl").read_text().splitlines()]
+
+
+def _chat(base: str, model: str, text: str, stream: bool = False, token: str | None = None) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                       "temperature": 0, "stream": stream}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(base + "/chat/completions", data=body, headers=headers)
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return {"status": resp.status, "body": resp.read()}
+
+
+def _settled(proxy, n: int) -> None:
+    """Wait (at most 120 s) until ``n`` records are written and no answered request is provisional."""
+    deadline = time.monotonic() + 120
+    while (proxy.session.requests < n or proxy.session.pending) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proxy.session.requests == n and not proxy.session.pending
+
+
+def test_serve_metrics_count_each_settled_record_once_by_the_model_asked_for(tmp_path):
+    """The stub answers at once; each request is counted when its record is written, by the model its body
+    named (a hostile client's many names end in "other"), and /metrics wants the token when the proxy does."""
+    from openai_stub import Stub
+
+    stub = Stub()
+    stub.llama_server = True
+    token = "token-123456"
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], token=token, idle_s=0.0)
+    base = proxy.url.removesuffix("/v1")
+    try:
+        for i in range(80):  # "stub", and 40 other names
+            _chat(proxy.url, "stub" if i % 2 else f"m{i}", f"q{i}", stream=bool(i % 3), token=token)
+        _settled(proxy, 80)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _get(base + "/metrics")
+        assert refused.value.code == 401
+        request = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain; version=")
+            text = resp.read().decode()
+    finally:
+        proxy.stop()
+        stub.close()
+    records = _records(proxy)
+    assert len(records) == 80
+    assert total(text, "ipw_requests_total") == 80
+    assert total(text, "ipw_requests_total", gen_ai_request_model="stub", gen_ai_operation_name="chat") == 40
+    assert total(text, "ipw_energy_joules_total") == pytest.approx(sum(r["energy_j"] or 0 for r in records), rel=1e-12)
+    assert total(text, "ipw_tokens_total", gen_ai_token_type="output") == sum(r["completion_tokens"] for r in records)
+    models = {dict(ls)["gen_ai_request_model"] for (n, ls) in samples(text) if n == "ipw_requests_total"}
+    assert len(models) == MAX_LABEL_VALUES + 1 and OTHER in models  # "stub", the first 31 other names, "other"
+    assert total(text, "ipw_requests_in_flight") == 0 and total(text, "ipw_requests_provisional") == 0
+
+
+def test_no_metrics_turns_the_route_off(tmp_path):
+    from openai_stub import Stub
+
+    stub = Stub()
+    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], idle_s=0.0, metrics=False)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as off:
+            _get(proxy.url.removesuffix("/v1") + "/metrics")
+    finally:
+        proxy.stop()
+        stub.close()
+    assert off.value.code == 404 and b"--no-metrics" in off.value.read()
+
+
+# -- a real Prometheus scraping ipw serve in front of the real llama-server ------------------------------------
+
+PROMETHEUS = os.environ.get("IPW_PROMETHEUS", "/usr/bin/prometheus")
+
+
+def _llama_server_built() -> bool:
+    from ipw.backends.servers import find_llama_server
+    from ipw.errors import IpwError
+
+    try:
+        return bool(find_llama_server())
+    except IpwError:
+        return False
+
+
+class Prometheus:
+    """Debian's prometheus server on a free port, scraping ``target`` (HOST:PORT) every second; its config and
+    storage in ``folder``."""
+
+    def __init__(self, folder: Path, target: str) -> None:
+        self.port = _free_port()
+        config = folder / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                          "scrape_configs:\n  - job_name: ipw\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
+                          f"    static_configs:\n      - targets: ['{target}']\n")
+        self.log = folder / "prometheus.log"
+        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+                                      f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+                                     stdout=subprocess.DEVNULL, stderr=self.log.open("wb"))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(f"{self.url}/-/ready", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"prometheus did not start: {self.log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def query(self, expr: str) -> list[dict]:
+        """An instant query through the HTTP API: its result vector (an error status fails the test)."""
+        data = json.loads(_get(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+        assert data["status"] == "success", (expr, data)
+        return data["data"]["result"]
+
+    def value(self, expr: str) -> float | None:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_for(self, expr: str, want: float, timeout_s: float = 60.0) -> None:
+        """Until ``expr`` is ``want`` (a scrape after the records were written)."""
+        deadline = time.monotonic() + timeout_s
+        while self.value(expr) != want and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert self.value(expr) == want, f"{expr} never became {want} ({self.value(expr)})"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def cookbook_queries() -> list[str]:
+    """The PromQL blocks of docs/guide/monitoring.md."""
+    text = (ROOT / "docs" / "guide" / "monitoring.md").read_text()
+    return re.findall(r"```promql\n(.*?)```", text, re.S)
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """Each panel's title and PromQL of the Grafana dashboard, its variables given values as Grafana would."""
+    board = json.loads(DASHBOARD.read_text())
+    out = []
+    for panel in board["panels"]:
+        for target in panel.get("targets", []):
+            expr = (target["expr"].replace("$__rate_interval", "1m").replace("$__range", "5m")
+                    .replace("$model", ".*").replace("${model:regex}", ".*"))
+            out.append((panel["title"], expr))
+    return out
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason=f"no Prometheus server at {PROMETHEUS}: bash .ci/setup --dev "
+                    "installs Debian's (apt), or set IPW_PROMETHEUS")
+@pytest.mark.skipif(not _llama_server_built(), reason="llama-server is not built: run `bash .ci/setup`")
+def test_a_real_prometheus_scraping_serve_sees_the_run_folders_totals(tmp_path):
+    from ipw.backends.base import BackendSpec, create_backend
+
+    backend = create_backend(BackendSpec("smol", "openai", "smollm2-135m", options={
+        "server": "llama-server", "n_threads": 1, "n_ctx": 256, "concurrency": 4, "server_timeout_s": 300.0}))
+    backend.attach(tmp_path / "llama")
+    backend.load()
+    proxy = prometheus = None
+    try:
+        proxy = _proxy(tmp_path, backend.base_url, backend.pids())
+        host, port = proxy.server.server_address[:2]
+        prometheus = Prometheus(tmp_path, f"{host}:{port}")
+        prometheus.wait_for('up{job="ipw"}', 1.0)
+        import concurrent.futures
+
+        asks = [(("smol", "smol-b")[i % 2], f"Name a colour, number {i}.", i % 3 == 0) for i in range(16)]
+        for wave in (asks[:8], asks[8:]):  # the second wave's answers carry a provisional energy (on the CPU model
+            # none is known before a period of the first was split)
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda a: _chat(proxy.url, *a), wave))
+            assert all(a["status"] == 200 for a in answers)
+            _settled(proxy, asks.index(wave[-1]) + 1)
+        prometheus.wait_for("sum(ipw_requests_total)", len(asks))  # the last scrape after settlement
+        energy = prometheus.value("sum(ipw_energy_joules_total)")
+        by_model = {r["metric"]["gen_ai_request_model"]: float(r["value"][1])
+                    for r in prometheus.query("sum by (gen_ai_request_model) (ipw_requests_total)")}
+        time.sleep(3)  # a few more scrapes: the rate() panels see the requests
+        panels = {(title, expr): prometheus.query(expr) for title, expr in dashboard_queries()}
+        cookbook = {expr: prometheus.query(expr) for expr in cookbook_queries()}  # each parses and runs
+        live_power = bool(proxy.session.meter.window.power_w())
+    finally:
+        if prometheus is not None:
+            prometheus.close()
+        if proxy is not None:
+            proxy.stop()
+        backend.close()
+    records = _records(proxy)
+    assert len(records) == len(asks) and by_model == {"smol": 8.0, "smol-b": 8.0}  # requests: exact
+    assert all(r["energy_j"] is not None and r["energy_j"] > 0 for r in records)
+    assert any(r["provisional_energy_j"] for r in records)
+    folder_j = sum(r["energy_j"] for r in records)
+    assert energy == pytest.approx(folder_j, rel=0.005)  # joules: within 0.5% (the exposition prints them exactly)
+    # every query of the dashboard parses and runs; each has data (W per device: where a sensor reads live power,
+    # which the CPU model of a machine without RAPL does not; errors: where there were some)
+    assert panels
+    for (title, expr), result in panels.items():
+        if "ipw_device_power_watts" in expr and not live_power or "errors" in expr and not any(r["error"] for r in records):
+            continue
+        assert result, f"dashboard panel {title!r}: {expr} returned no data"
+    assert len(cookbook) >= 7 and cookbook[cookbook_queries()[0]], "J per output token per model over 5 minutes"

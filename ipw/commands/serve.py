@@ -61,7 +61,7 @@ def proxy_options(proxy: ProxyOptions, port: int, serve: ServeOnly | None = None
                            log_prompts=proxy.log_prompts, max_body_bytes=int(proxy.max_body_mb * (1 << 20)),
                            timeout_s=proxy.timeout_s, idle_s=proxy.idle_s, role=proxy.role,
                            energy_in_response=proxy.energy_in_response, energy_wait=proxy.energy_wait,
-                           energy_split=proxy.energy_split,
+                           energy_split=proxy.energy_split, metrics=proxy.metrics,
                            **({"route": str(route), "cloud_upstream": cloud or "", "cloud_name": router.cloud}
                               if router is not None else {}))
     return options, managed

@@ -99,6 +99,9 @@ class Metrics:
                                  [*self.base, TOKEN_TYPE], **reg)
         self.errors = pc.Counter("ipw_request_errors", "Settled requests that ended in an error, by category",
                                  [*self.base, ERROR], **reg)
+        self.correct = pc.Counter("ipw_correct_answers", "Correct answers of scored requests (each 0..1; ipw run)",
+                                  self.base, **reg)
+        self.scored = pc.Counter("ipw_scored_requests", "Scored requests (ipw run)", self.base, **reg)
         self.answered = pc.Counter("ipw_answered_energy_joules", "Requests whose answer carried a provisional "
                                    "energy: that value and their settled one (J), counted at settlement",
                                    [*self.base, VALUE], **reg)
@@ -107,6 +110,8 @@ class Metrics:
         self.token_energy = pc.Histogram("ipw_output_token_energy_joules", "Settled energy per output token of "
                                          "requests with output (J)", self.base, buckets=TOKEN_J_BUCKETS, **reg)
         self.last_power: dict[str, float] = {}  # ipw run: each device's mean power over its last lone request
+        self.models: dict[str, str] = {}  # ipw serve: each request's model, by request id, until it is settled
+        self._lock = threading.Lock()
         self.sources: dict[str, Callable[[], Any]] = {"power": lambda: dict(self.last_power)}
         self.registry.register(_Gauges(self))
 
@@ -131,6 +136,9 @@ class Metrics:
         for kind, n in (("input", record.prompt_tokens), ("output", record.completion_tokens)):
             if _finite(n) and n:
                 self.tokens.labels(**labels, **{TOKEN_TYPE: kind}).inc(n)
+        if record.correct is not None and _finite(record.correct):  # scored (ipw run)
+            self.scored.labels(**labels).inc()
+            self.correct.labels(**labels).inc(record.correct)
         if record.error is not None:
             self.errors.labels(**labels, **{ERROR: self.bound(ERROR, record.error_category or "other")}).inc()
         energy = record.energy_j
@@ -150,6 +158,20 @@ class Metrics:
                 device = self.bound(DEVICE, part.get("component"))
                 if part.get("quality") != "estimated" and _finite(joules) and _finite(duration) and duration > 0:
                     self.last_power[device] = joules / duration
+
+    def requested(self, request_id: str, model: Any) -> None:
+        """ipw serve: the model a request asked for (its body's ``model``), until its record is written."""
+        if isinstance(model, str):
+            with self._lock:
+                self.models[request_id] = model
+
+    def written(self, record: QueryRecord, settled: bool = True) -> None:
+        """ipw serve: a record is in the run folder; counted when its energy is ``settled`` (a record whose energy
+        never settled is kept labelled provisional in the folder, and never counted)."""
+        with self._lock:
+            model = self.models.pop(f"{record.query_id}/{record.repeat}", None)
+        if settled:
+            self.observe(record, model)
 
     def exposition(self) -> tuple[bytes, str]:
         """The registry in Prometheus's text format, and its content type (``GET /metrics``)."""
