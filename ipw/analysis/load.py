@@ -228,7 +228,7 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     several = np.bincount(gbackend, minlength=len(bnames)) > 1
     run = RunInfo(str(path), run_id, str(manifest.status or "unknown"), dataset.get("name"),
                   dataset.get("fingerprint"), len(qids), len(frame), tuple(machines(manifest)),
-                  energy_audits(manifest), manifest.carbon)
+                  energy_audits(manifest), _carbon_of(path, manifest))
     nq, nb = len(qids), len(gbackend)
     key = gcode * nq + qcode
     size = nb * nq
@@ -301,7 +301,7 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     src_counts = np.bincount(gcode[has_e] * len(src_names) + src_code[has_e],
                              minlength=nb * len(src_names)).reshape(nb, len(src_names))
     del frame
-    facility = _pue_of(manifest)
+    facility = _pue_of(path, manifest)
     parts = []
     for g in range(nb):
         name, level = bnames[gbackend[g]], int(glevel[g])
@@ -334,14 +334,32 @@ def _node_energy(texts: Any) -> np.ndarray:
     return out
 
 
-def _pue_of(manifest: RunManifest) -> dict[str, tuple[float, str]]:
-    """Each configured backend's PUE and its stated source (``pue``, ``pue_source`` in its config table)."""
+def _pue_of(path: Path, manifest: RunManifest) -> dict[str, tuple[float, str]]:
+    """Each configured backend's PUE and its stated source (``pue``, ``pue_source`` in its config table); a
+    PUE that ipw would not have written (hand-edited: negative, NaN, below 1) is an IpwError naming the file
+    and field, never used."""
+    from ipw.carbon import bounded
+    from ipw.options import MAX_PUE, check_range
+
     out = {}
-    for b in (manifest.config or {}).get("backends") or []:
+    for i, b in enumerate((manifest.config or {}).get("backends") or []):
         options = b.get("options") or {} if isinstance(b, dict) else {}
-        if isinstance(options.get("pue"), (int, float)):
-            out[str(b.get("name"))] = (float(options["pue"]), str(options.get("pue_source") or ""))
+        if options.get("pue") is not None:
+            check_range(options["pue"], f"{Path(path) / 'manifest.json'}: field 'config.backends[{i}].options.pue'",
+                        low=1.0, high=MAX_PUE)
+            out[str(b.get("name"))] = (float(options["pue"]), bounded(options.get("pue_source")))
     return out
+
+
+def _carbon_of(path: Path, manifest: RunManifest) -> dict[str, Any] | None:
+    """The run's carbon intensity record (``manifest.carbon``); one that ipw would not have written
+    (hand-edited: a negative, NaN or huge intensity) is an IpwError naming the file and field, never used."""
+    from ipw.carbon import check_intensity
+
+    carbon = manifest.carbon
+    if isinstance(carbon, dict) and carbon.get("g_per_kwh") is not None:
+        check_intensity(carbon["g_per_kwh"], f"{Path(path) / 'manifest.json'}: field 'carbon.g_per_kwh'")
+    return carbon
 
 
 def judge_lines(run: RunInfo) -> list[JudgeEntry]:
