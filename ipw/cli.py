@@ -373,25 +373,38 @@ def _first_line(exc: BaseException) -> str:
 #: the H200 a failed vLLM start once printed its error, finished its run folder and then did not exit for
 #: about 8 minutes (docs/GPU.md); whatever holds an exit like that is named in the stacks, not waited for.
 EXIT_GRACE_S = 30.0
+#: How long the watchdog's report (the stacks, on stderr) may take before it ends the process anyway: a write
+#: to a pipe nobody reads, or to a stream another thread holds locked while its own write blocks, never ends.
+EXIT_REPORT_S = 5.0
 
 
 def _exit_watchdog(code: int, grace_s: float) -> None:
     """A daemon thread that, if the process is still alive ``grace_s`` after the command returned, writes
     every thread's stack to stderr and ends the process with ``code`` (daemon threads run on while the
-    interpreter joins the others and runs its exit handlers: where such a hang happens)."""
+    interpreter joins the others and runs its exit handlers: where such a hang happens).  The report is
+    written by a thread of its own, and the process ends ``EXIT_REPORT_S`` later whether or not it was; both
+    threads start now (a thread cannot be started once the interpreter is finalizing)."""
     import faulthandler
     import threading
     import time
 
-    def bite() -> None:
+    reported = threading.Event()
+
+    def report() -> None:
         time.sleep(grace_s)
         sys.stdout.flush()
         sys.stderr.write(f"ipw: the command ended (exit {code}) but the process was still running {grace_s:g} s "
                          "later; its threads' stacks follow (a bug in ipw? please report them). Exiting now.\n")
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        reported.set()
+
+    def bite() -> None:
+        time.sleep(grace_s)
+        reported.wait(EXIT_REPORT_S)
         os._exit(code)
 
+    threading.Thread(target=report, name="ipw-exit-report", daemon=True).start()
     threading.Thread(target=bite, name="ipw-exit-watchdog", daemon=True).start()
 
 

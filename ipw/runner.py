@@ -207,12 +207,21 @@ def run_concurrent(
     meter = Meter(window, split=config.energy_split, requests=len(work), idle_w=idle.power_w, period_s=RUN_PERIOD_S)
     methods: dict[str, int] = {}
     estimate = backend.energy_estimate
+    stopped: list[EngineStopped] = []  # the first request that found the engine stopped
 
     def one(job: int, query: Query) -> tuple[Completion | None, Exception | None, float, float]:
+        # once a request found the engine stopped, no other is sent: the request threads take the next
+        # queries before this thread, which waits on the results in query order, sees the failure, and
+        # each one sent to a dead server could wait for its whole timeout_s (--resume runs them)
+        if stopped:
+            raise EngineStopped(stopped[0].message)
         meter.start(job)
         completion: Completion | None = None
         try:
             completion, error = run_query(backend, query, config)
+        except EngineStopped as exc:
+            stopped.append(exc)
+            raise
         finally:
             start, end = meter.end(job, completion)
         return completion, error, start, end
@@ -235,7 +244,9 @@ def run_concurrent(
                 result = futures.pop(job).result()
             except EngineStopped:
                 # the engine stopped (a managed server exited): the requests not sent are dropped, and those
-                # submitted later that had finished keep their records (--resume runs the rest)
+                # submitted later that had finished keep their records (--resume runs the rest).  The wait is
+                # for the requests in flight: each ends within its timeout_s, at once where the server is
+                # gone (what it left is killed: ManagedServer._watch), and none starts after this
                 pool.shutdown(wait=True, cancel_futures=True)
                 for later, future in sorted(futures.items()):
                     if not future.cancelled() and future.exception() is None:
@@ -243,6 +254,7 @@ def run_concurrent(
                 raise
             write(job, *result)
     finally:
+        # on Ctrl-C too: the requests in flight end (each within its timeout_s); none starts after this
         pool.shutdown(wait=True, cancel_futures=True)
         energy = meter.close()
     return {"concurrency": concurrency, "requests": len(work), "start_s": meter.started_s, "end_s": meter.ended_s,

@@ -4,7 +4,9 @@ A server runs in its own session (so a Ctrl-C in the terminal reaches ipw, which
 bound to 127.0.0.1 on a free port, and is healthy once ``GET /v1/models`` (llama-server: ``GET /health``)
 answers 200.  It is stopped by its PID: SIGTERM to the process and its descendants, a wait, then
 SIGKILL.  An ``atexit`` hook stops any server still running when the interpreter exits.  Its stdout
-and stderr go to a log file (``server-<backend>.log`` in the run folder).
+and stderr go to a log file (``server-<backend>.log`` in the run folder), never to ipw's own: nothing it
+leaves behind can hold ipw's output open.  A server that exits by itself (killed, crashed) has what it
+left in its process group killed at once (``ManagedServer._watch``).
 
 Kinds: ``llama-cpp`` (``python -m llama_cpp.server`` in this environment: one request at a time),
 ``llama-server`` (llama.cpp's own batching server, ``--parallel N`` slots with continuous batching,
@@ -23,8 +25,10 @@ import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +40,8 @@ from ipw.errors import IpwError
 
 SERVER_KINDS = ("llama-cpp", "llama-server", "vllm")
 KILL_WAIT_S = 10.0  # the wait for a process after SIGKILL; one stuck in the kernel is left, not waited on
+#: how often a running server's watcher looks whether it has exited by itself (``ManagedServer._watch``)
+WATCH_S = 0.5
 _LIVE: set["ManagedServer"] = set()
 
 
@@ -279,6 +285,7 @@ class ManagedServer:
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self.log_offset = 0  # where this server's part of the log begins (a resumed run appends to it)
+        self._stopping = threading.Event()  # set by ``stop``: the watcher leaves the rest to it
 
     @property
     def label(self) -> str:
@@ -301,6 +308,7 @@ class ManagedServer:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(self)
+        threading.Thread(target=self._watch, name="ipw-server-watch", daemon=True).start()
         try:
             self._wait_healthy(t0 + timeout_s)
         except BaseException:
@@ -320,6 +328,25 @@ class ManagedServer:
                 raise IpwError(f"the {self.label} on port {self.port} was not healthy within its startup timeout "
                                f"(server_timeout_s); its log ends: {self.last_log_line()} (log: {self.log_path})")
             time.sleep(0.25)
+
+    def _watch(self) -> None:
+        """Until ``stop``: once the server has exited by itself, SIGKILL for what is left of its process group.
+        vLLM's engine core outlives a killed front end (re-parented, still in the group) and holds every
+        descriptor the server had when it forked, the listening socket among them: the port then still
+        accepts connections that nobody answers, so each request sent there waited for its whole
+        ``timeout_s`` (300 s a request on the H200, and the request threads went on sending the next
+        queries: the run outlived its device call), and its GPU memory stayed held until the run ended.
+        Killed, its socket closes: requests in flight are reset, new ones refused, and the backend stops at
+        once (``EngineStopped``).  Nothing of a server that has exited is of use: its log holds what it wrote."""
+        proc = self.proc
+        assert proc is not None  # started
+        while not self._stopping.wait(WATCH_S):
+            if proc.poll() is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group keeps the leader's pid while a member lives
+                except (ProcessLookupError, PermissionError):
+                    pass  # nothing left
+                return
 
     def exit_code(self) -> int | None:
         """The server's exit status once it has exited; None while it runs (or before it started)."""
@@ -376,8 +403,10 @@ class ManagedServer:
         engine core outlives a killed front end, re-parented, and is no longer its child, but it is still in
         the group (on the H200 one held 28 GiB of GPU memory after its server was killed)."""
         _LIVE.discard(self)
+        self._stopping.set()
         if self.proc is None:
             return None
+        # every wait below is bounded (grace_s, KILL_WAIT_S): at most 2 x (grace_s + KILL_WAIT_S) in all
         procs: list[psutil.Process] = []
         if self.proc.poll() is None:
             try:
