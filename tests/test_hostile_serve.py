@@ -244,3 +244,41 @@ def test_a_client_that_trickles_its_request_is_cut_at_the_request_deadline(tmp_p
     finally:
         proxy.stop()
         stub.close()
+
+
+# -- 4. request ids that tell nothing of the prompt ----------------------------------------------------------
+
+def test_a_request_id_is_unguessable_and_its_settled_energy_is_found_by_it(tmp_path):
+    """The id an answer carries (its settled energy's URL) was the prompt's SHA-256 and a repeat count: any client
+    could ask whether a prompt had been sent.  Now it is random; the settled energy is found by it alone."""
+    from ipw.serve import prompt_digest
+
+    stub = Stub()
+    proxy = _proxy(tmp_path, stub.base_url)
+    host, port = proxy.server.server_address[:2]
+
+    def get(path: str) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read())
+        conn.close()
+        return out
+
+    ask = {"messages": [{"role": "user", "content": "a secret question"}]}
+    try:
+        stub.modes = ["json", "json"]
+        ids = [json.loads(_post(proxy.url, ask, "/chat/completions")[1])["usage"]["energy"]["request_id"]
+               for _ in range(2)]
+        digest = prompt_digest(ask)[0]
+        assert len(set(ids)) == 2 and all(digest not in i and len(i) >= 22 for i in ids), ids
+        deadline = time.monotonic() + 30
+        while get(f"/v1/ipw/energy/{ids[1]}")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, settled = get(f"/v1/ipw/energy/{ids[1]}")
+        assert status == 200 and settled["request_id"] == ids[1] and settled["provisional"] is False
+        for guess in (f"{digest}/0", f"{digest}/1"):  # what a client could compute from a prompt
+            assert get(f"/v1/ipw/energy/{guess}")[0] == 404
+    finally:
+        proxy.stop()
+        stub.close()
