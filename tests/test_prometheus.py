@@ -94,11 +94,20 @@ def test_counters_count_settled_energy_only():
     assert total(text, "ipw_energy_joules_total") == sum(r.energy_j for r in settled)
     assert total(text, "ipw_answered_energy_joules_total", energy_value="provisional") == 9.5
     assert total(text, "ipw_answered_energy_joules_total", energy_value="settled") == 2.625
+    # ipw serve: a record written without a settled energy (its settlement failed: the folder keeps the provisional
+    # record, labelled so) is not counted; the model its request asked for is forgotten either way
+    metrics.requested("q0/0", "asked")
+    metrics.written(record(energy_j=7.0, energy_source="provisional:model.cpu"), settled=False)
+    metrics.requested("q1/0", "asked")
+    metrics.written(record(query_id="q1", energy_j=0.0))
+    text = scrape(metrics)
+    assert total(text, "ipw_energy_joules_total") == 3.875 and total(text, "ipw_requests_total") == 4
+    assert total(text, "ipw_requests_total", gen_ai_request_model="asked") == 1 and not metrics.models
     # a value a counter cannot hold (NaN, negative) is not counted, and never breaks the writer that observes it
     metrics.observe(record(energy_j=math.nan))
     metrics.observe(record(energy_j=-1.0))
     text = scrape(metrics)
-    assert total(text, "ipw_energy_joules_total") == 3.875 and total(text, "ipw_requests_total") == 5
+    assert total(text, "ipw_energy_joules_total") == 3.875 and total(text, "ipw_requests_total") == 6
 
 
 def test_a_hostile_client_cannot_blow_up_the_series_count():
@@ -120,6 +129,15 @@ def test_a_hostile_client_cannot_blow_up_the_series_count():
     small.observe(record(), model="evil\n\u202e" + "x" * 500)
     (model,) = {dict(ls)["gen_ai_request_model"] for (n, ls) in samples(scrape(small)) if n == "ipw_requests_total"}
     assert "\n" not in model and "\u202e" not in model and len(model) == 120
+
+
+def test_serve_route_labels_each_request_with_the_route_it_took():
+    metrics = Metrics(operation=True, routed=True)
+    metrics.observe(record(role="local", category="completions"), model="m")
+    metrics.observe(record(role="cloud", category="chat", energy_j=2.0), model="m")
+    text = scrape(metrics)
+    assert total(text, "ipw_energy_joules_total", route="cloud", gen_ai_operation_name="chat") == 2.0
+    assert total(text, "ipw_requests_total", route="local", gen_ai_operation_name="text_completion") == 1
 
 
 def test_live_gauges_read_their_sources_at_each_scrape_and_a_failing_one_is_left_out():
@@ -290,18 +308,33 @@ def test_serve_metrics_count_each_settled_record_once_by_the_model_asked_for(tmp
     assert total(text, "ipw_requests_in_flight") == 0 and total(text, "ipw_requests_provisional") == 0
 
 
-def test_no_metrics_turns_the_route_off(tmp_path):
+@pytest.mark.parametrize("why", ["--no-metrics", "no extra"])
+def test_without_metrics_the_route_says_why(tmp_path, monkeypatch, why):
+    """--no-metrics, or prometheus_client not installed: the proxy serves, /metrics answers 404 saying why (the
+    missing extra: also one line at the start)."""
+    import sys
+
     from openai_stub import Stub
 
+    if why == "no extra":
+        monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
     stub = Stub()
-    proxy = _proxy(tmp_path, stub.base_url, [os.getpid()], idle_s=0.0, metrics=False)
+    notices: list[str] = []
+    from ipw.serve import ServeOptions, start
+
+    proxy = start(ServeOptions(upstream=stub.base_url, name="smol", port=0, idle_s=0.0, metrics=why == "no extra"),
+                  tmp_path / "out", upstream_pids=[os.getpid()], command=["test"], notice=notices.append)
     try:
+        assert _chat(proxy.url, "m", "hi")["status"] == 200
         with pytest.raises(urllib.error.HTTPError) as off:
             _get(proxy.url.removesuffix("/v1") + "/metrics")
     finally:
         proxy.stop()
         stub.close()
-    assert off.value.code == 404 and b"--no-metrics" in off.value.read()
+    body = off.value.read().decode()
+    assert off.value.code == 404 and (why in body if why == "--no-metrics" else "pip install 'ipw[prometheus]'" in body)
+    assert notices == ([] if why == "--no-metrics" else [
+        "ipw serve: no GET /metrics: prometheus_client is not installed; install it with: pip install 'ipw[prometheus]'"])
 
 
 # -- a real Prometheus scraping ipw serve in front of the real llama-server ------------------------------------

@@ -239,7 +239,8 @@ def for_session(session: Any) -> Metrics | None:
     ``prometheus`` extra (``GET /metrics`` then says which extra to install)."""
     try:
         metrics = Metrics(operation=True, routed=session.router is not None)
-    except IpwError:
+    except IpwError as exc:  # the proxy serves without it, and says so once
+        session.notice(f"ipw serve: no GET /metrics: {exc.message}")
         return None
     metrics.watch(power=session.meter.window.power_w, idle=lambda: dict(session.idle.power_w),
                   in_flight=session.meter.in_flight, provisional=lambda: len(session.pending))
