@@ -87,6 +87,7 @@ class ServeOptions:
     route: str = ""  # the router file (ipw route train)
     cloud_upstream: str = ""
     cloud_name: str = ""
+    metrics: bool = True  # GET /metrics: Prometheus metrics of the settled records (ipw.export.prometheus)
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,9 @@ class Session:
             self.queries.add(row["query_id"])
         self.pending_log = folder.pending_log()
         self.writer = RecordWriter(folder, self._written)
+        from ipw.export.prometheus import for_session  # None without the prometheus extra: /metrics says so
+
+        self.metrics = for_session(self) if options.metrics else None
 
     def pick(self, body: dict[str, Any]) -> str:
         """With --route: "local" or "cloud" for this request (a request the router cannot score: the cloud);
@@ -348,6 +352,8 @@ class Session:
         request_id = f"{prompt_digest(ended.body)[0]}/{ended.repeat}"  # its record's key (not the id clients see)
         with self._lock:
             self.pending.add(ended.request_id)
+        if self.metrics is not None:  # its label: the model the request asked for
+            self.metrics.requested(request_id, ended.body.get("model"))
 
         def done(share: Any, error: BaseException | None) -> QueryRecord | None:
             try:
@@ -396,6 +402,8 @@ class Session:
     def _written(self, record: QueryRecord) -> None:
         """A record is on disk (the writer's thread)."""
         self.pending_log.done(record)
+        if self.metrics is not None:  # counted once, settled: never a provisional value (one that never settled)
+            self.metrics.written(record, settled=not record.energy_source.startswith(UNSETTLED + ":"))
         with self._lock:
             self.requests += 1
             self.errors += record.error is not None
@@ -764,6 +772,8 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/health":
             return self._json(200, {"status": "ok", "in_flight": self.server.session.meter.in_flight()})
+        if path == "/metrics":
+            return self._metrics()
         if path.startswith(ENERGY_PATH):
             if not self._authorized():
                 return
@@ -810,6 +820,16 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             return self._error(400, "ipw serve: the request body must be a JSON object", "invalid_request")
         self._metered(api, path, body)
+
+    def _metrics(self) -> None:
+        """``GET /metrics``: the session's Prometheus metrics (with --token, for a scrape that sends it)."""
+        session = self.server.session
+        if not self._authorized():
+            return
+        if session.metrics is None:
+            why = "install it with: pip install 'ipw[prometheus]'" if session.options.metrics else "--no-metrics"
+            return self._error(404, f"ipw serve: no /metrics ({why})", "not_found")
+        self._send(200, *session.metrics.exposition())
 
     def _metered(self, api: str, path: str, body: dict[str, Any]) -> None:
         session = self.server.session
