@@ -244,6 +244,9 @@ class Session:
         from ipw.export.prometheus import for_session  # None without the prometheus extra: /metrics says so
 
         self.metrics = for_session(self) if options.metrics else None
+        from ipw.export import otel  # OTLP: None unless OTEL_EXPORTER_OTLP_ENDPOINT asks for it
+
+        self.otel = otel.for_session(self)
 
     def pick(self, body: dict[str, Any]) -> str:
         """With --route: "local" or "cloud" for this request (a request the router cannot score: the cloud);
@@ -354,6 +357,8 @@ class Session:
             self.pending.add(ended.request_id)
         if self.metrics is not None:  # its label: the model the request asked for
             self.metrics.requested(request_id, ended.body.get("model"))
+        if self.otel is not None:
+            self.otel.requested(request_id, ended.body.get("model"))
 
         def done(share: Any, error: BaseException | None) -> QueryRecord | None:
             try:
@@ -402,8 +407,11 @@ class Session:
     def _written(self, record: QueryRecord) -> None:
         """A record is on disk (the writer's thread)."""
         self.pending_log.done(record)
+        settled = not record.energy_source.startswith(UNSETTLED + ":")
         if self.metrics is not None:  # counted once, settled: never a provisional value (one that never settled)
-            self.metrics.written(record, settled=not record.energy_source.startswith(UNSETTLED + ":"))
+            self.metrics.written(record, settled=settled)
+        if self.otel is not None:  # its counts and its span, once, settled (exported by the SDK's threads)
+            self.otel.written(record, settled=settled)
         with self._lock:
             self.requests += 1
             self.errors += record.error is not None
@@ -1166,6 +1174,8 @@ class Proxy:
             folder.write_manifest(backends=[entry], dataset=_dataset(session))
             folder.finish(status, **({"reason": reason} if reason else {}))
         finally:
+            if session.otel is not None:
+                session.otel.close()  # the last export, bounded (otel.SHUTDOWN_S), once the folder is finished
             for sensor in self.sensors:
                 sensor.close()
             if self.backend is not None:
@@ -1250,6 +1260,9 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     key = read_key(options.api_key_env, options.name) if options.api_key_env else None
     if token is not None:  # the clients' token is a secret too: scrubbed from every text ipw writes
         register(token)
+    from ipw.export import otel
+
+    otel.check()  # OTEL_EXPORTER_OTLP_ENDPOINT: its settings and the extra (exit 2), before the socket and the folder
     server = listen(options.host, options.port)  # before the run folder: a refusal leaves none
     try:
         if backend is None:

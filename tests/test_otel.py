@@ -392,11 +392,85 @@ def test_a_collector_that_is_down_hangs_or_refuses_costs_one_warning_and_no_reco
         assert collector.posts >= 1
 
 
-def test_a_bad_endpoint_is_refused_before_the_run_folder(stub, tmp_path):
-    proc = subprocess.run(IPW + ["run", str(_config(tmp_path, stub))], capture_output=True, text=True, timeout=300,
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_bad_endpoint_is_refused_before_the_run_folder(stub, tmp_path, command):
+    args = [str(_config(tmp_path, stub))] if command == "run" else [
+        "--upstream", stub.base_url, "--port", "0", "--idle-s", "0", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(IPW + [command, *args], capture_output=True, text=True, timeout=300,
                           env=_env("collector:4318"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: OTEL_EXPORTER_OTLP_ENDPOINT='collector:4318': expected an http(s)://HOST[:PORT] URL of an OTLP/HTTP "
         "collector (e.g. http://localhost:4318)"]
     assert not (tmp_path / "out").exists()
+
+
+def _ask(url: str, body: dict) -> bytes:
+    """POST ``body`` to ``url``: the whole answer (a JSON body, or a stream's events)."""
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read()
+
+
+def test_ipw_serve_exports_each_settled_request_to_a_real_receiver(stub, tmp_path):
+    import re
+    import signal
+
+    collector = Collector()
+    proc = subprocess.Popen([*IPW, "serve", "--upstream", stub.base_url, "--port", "0", "--idle-s", "0",
+                             "--upstream-pid", str(os.getpid()), "--out", str(tmp_path / "out")],
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], env=_env(collector.url))
+    try:
+        line = ""
+        while "run folder" not in line:
+            line = proc.stderr.readline()
+            assert line, "ipw serve ended before it served"
+        url = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> ", line).group(1)
+        asked = [("/chat/completions", {"model": "asked-a", "messages": [{"role": "user", "content": "one"}]}),
+                 ("/chat/completions", {"model": "asked-b", "messages": [{"role": "user", "content": "two"}],
+                                        "stream": True}),
+                 ("/completions", {"model": "asked-a", "prompt": "three", "max_tokens": 2})]
+        for path, body in asked:
+            assert b"[DONE]" in _ask(url + path, body)  # the stub streams every answer
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        collector.close()
+    assert proc.returncode == 0, err
+    assert "OpenTelemetry" not in err
+    records = _records(tmp_path / "out")
+    assert len(records) == 3 and all(r["energy_j"] is not None for r in records)
+    _no_secret(tmp_path / "out", err)
+
+    spans = {_attrs(s.attributes)["ipw.request_id"]: s for s in collector.spans()}
+    assert sorted(spans) == sorted(f"{r['query_id']}/{r['repeat']}" for r in records)  # one span per request
+    by_prompt = {r["prompt"]: r for r in records}
+    assert len(by_prompt) == 3
+    for r in records:
+        span = spans[f"{r['query_id']}/{r['repeat']}"]
+        a = _attrs(span.attributes)
+        assert span.kind == span.SPAN_KIND_SERVER and span.name == f"{a['gen_ai.operation.name']} " \
+                                                                   f"{a['gen_ai.request.model']}"
+        assert a["ipw.energy_j"] == r["energy_j"] and a["ipw.energy_quality"] == r["energy_quality"]
+        assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
+            r["prompt_tokens"], r["completion_tokens"])
+        assert span.end_time_unix_nano - span.start_time_unix_nano == pytest.approx(
+            (r["end_s"] - r["start_s"]) * 1e9, abs=1000)
+    seen = sorted((a["gen_ai.operation.name"], a["gen_ai.request.model"])
+                  for a in (_attrs(s.attributes) for s in spans.values()))
+    assert seen == [("chat", "asked-a"), ("chat", "asked-b"), ("text_completion", "asked-a")]
+
+    metrics = collector.last_metrics()
+    assert _sum_by(metrics["ipw.requests"][1]) == 3
+    assert sorted((_attrs(p.attributes)["gen_ai.request.model"], _attrs(p.attributes)["gen_ai.operation.name"],
+                   _point_value(p)) for p in metrics["ipw.requests"][1]) == [
+        ("asked-a", "chat", 1), ("asked-a", "text_completion", 1), ("asked-b", "chat", 1)]
+    assert _sum_by(metrics["ipw.energy"][1]) == pytest.approx(sum(r["energy_j"] for r in records), rel=1e-9)
+    assert _sum_by(metrics["ipw.tokens"][1], "gen_ai.token.type", "output") == sum(
+        r["completion_tokens"] for r in records)
+    assert [_point_value(p) for p in metrics["ipw.requests.in_flight"][1]] == [0]
+    assert [_point_value(p) for p in metrics["ipw.requests.provisional"][1]] == [0]
