@@ -296,6 +296,28 @@ def test_a_trickling_bmc_is_cut_at_the_total_deadline():
     assert srv.trickled < 60  # type: ignore[attr-defined]
 
 
+def test_a_bmc_discovery_has_a_total_deadline(monkeypatch):
+    """A BMC that lists 2,000 chassis and answers each GET in 0.05 s: each GET is within its own deadline,
+    and the discovery would take 100 s; it is given DISCOVER_S in all."""
+    monkeypatch.setattr(node_power, "DISCOVER_S", 1.0)
+    docs = bmc_docs()
+    docs["/redfish/v1/Chassis"] = {"Members": [{"@odata.id": f"/redfish/v1/Chassis/{i}"} for i in range(2000)]}
+    docs.update({f"/redfish/v1/Chassis/{i}": {"Id": str(i)} for i in range(2000)})
+    answer = bmc(docs)
+
+    def slow(h: BaseHTTPRequestHandler) -> None:
+        time.sleep(0.05)
+        answer(h)
+
+    with server(slow) as srv:
+        client = node_power.RedfishClient(node_power.node_config(bmc_env(srv.url)))
+        with pytest.raises(IpwError, match="took over 1 s together"):
+            node_power.discover(client)
+        asked = len(srv.seen)
+        assert client.get(ROOT) == docs[ROOT]  # the deadline was the discovery's only
+    assert asked < 200, asked  # of the 2,002 GETs the discovery needed
+
+
 # --- 5. --grid-region '' -------------------------------------------------------------------------------------
 
 def test_an_empty_grid_region_is_a_usage_error(tmp_path, run_cli, scripted, small_jsonl):

@@ -59,6 +59,7 @@ import re
 import shutil
 import ssl
 import subprocess
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -80,6 +81,8 @@ ENV_PERIOD = "IPW_BMC_PERIOD_S"
 DEFAULT_PERIOD_S = 1.0
 #: one HTTP request or ipmitool call may take this long (s)
 TIMEOUT_S = 5.0
+#: the whole discovery of a Redfish service (every GET of it) may take this long (s)
+DISCOVER_S = 30.0
 #: the update period is the median time between changes of the reading, once this many were seen
 MIN_CHANGES = 3
 #: the update period is observed over this much recent history (s)
@@ -168,6 +171,7 @@ class RedfishClient:
         self._headers = {"Authorization": f"Basic {token}", "Accept": "application/json",
                          "OData-Version": "4.0"}
         self._context: ssl.SSLContext | None = None
+        self.until: float | None = None  # while set (monotonic s): every GET ends by then (discover's deadline)
         if self.base.startswith("https://"):
             if config.verify is False:
                 self._context = ssl._create_unverified_context()  # asked for: IPW_BMC_VERIFY=0
@@ -185,10 +189,18 @@ class RedfishClient:
         if not path.startswith("/") or any(not 0x21 <= ord(ch) <= 0x7E for ch in path):
             raise IpwError(f"Redfish {self.base}: a link that is not a path on this service "
                            f"({one_line(path)[:200]})")
+        late = IpwError(f"Redfish {self.base}: the BMC's answers took over {DISCOVER_S:g} s together before its "
+                        f"power data was found (at {one_line(path)[:200]})")
+        if self.until is not None:
+            timeout_s = min(timeout_s, self.until - time.monotonic())
+            if timeout_s <= 0:
+                raise late
         try:
             body = outside.get(self.base + path, self._headers, timeout_s=timeout_s, limit=4 << 20,
                                context=self._context)
         except outside.OutsideError as exc:
+            if self.until is not None and time.monotonic() >= self.until:
+                raise late from None
             if exc.status in (401, 403):
                 raise IpwError(f"Redfish {self.base}: the BMC refused the credentials (HTTP {exc.status} on "
                                f"{one_line(path)[:200]}); check {ENV_USER} / {ENV_PASSWORD}") from None
@@ -308,7 +320,16 @@ def _chassis(client: RedfishClient, path: str) -> RedfishChassis:
 
 def discover(client: RedfishClient, chassis_id: str | None = None) -> tuple[RedfishChassis, list[RedfishChassis]]:
     """The chassis to read (``chassis_id``, else the first top-level one with power data, else the first
-    with any) and every chassis seen; IpwError when none has power data."""
+    with any) and every chassis seen; IpwError when none has power data, or when the BMC's answers took
+    over DISCOVER_S together (a BMC that lists thousands of chassis or supplies, each answered slowly)."""
+    client.until = time.monotonic() + DISCOVER_S
+    try:
+        return _discover(client, chassis_id)
+    finally:
+        client.until = None
+
+
+def _discover(client: RedfishClient, chassis_id: str | None) -> tuple[RedfishChassis, list[RedfishChassis]]:
     root = client.get("/redfish/v1/")
     collection = _link(root, "Chassis")
     if collection is None:
@@ -632,8 +653,6 @@ def doctor_rows() -> list[list[str]]:
     except Exception as exc:  # doctor reports, never crashes
         return rows + [["error", f"{type(exc).__name__}: {exc}"]]
     try:
-        import time
-
         deadline = time.monotonic() + max(3.0, 6 * config.period_s)
         while time.monotonic() < deadline and sensor.update_period_s() is None:
             time.sleep(config.period_s)
