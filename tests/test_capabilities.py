@@ -28,8 +28,9 @@ ALLOWED = {
     # values read from a dataset or a Parquet row (numpy scalars and arrays)
     "ipw/datasets.py": {"value"},
     "ipw/presets.py": {"value"},
-    "ipw/results.py": {"value", "self"},  # self: a dataclass's own fields, by name
+    "ipw/results.py": {"value", "self", "row"},  # self, row: a dataclass's own fields, by name
     # the platform, a lazy import, third-party objects (vLLM, tokenizers, a stream)
+    "ipw/export/mlflow.py": {"found"},  # an MLflow server's answer, whatever the server is
     "ipw/telemetry/snapshots.py": {"os"},
     "ipw/__init__.py": {"importlib.import_module(_LAZY[name])"},
     "ipw/backends/vllm.py": {"tokenizer", "llm", "out", "metrics"},
