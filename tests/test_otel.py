@@ -414,38 +414,47 @@ def _ask(url: str, body: dict) -> bytes:
         return response.read()
 
 
-def test_ipw_serve_exports_each_settled_request_to_a_real_receiver(stub, tmp_path):
+ASKED = [("/chat/completions", {"model": "asked-a", "messages": [{"role": "user", "content": "one"}]}),
+         ("/chat/completions", {"model": "asked-b", "messages": [{"role": "user", "content": "two"}], "stream": True}),
+         ("/completions", {"model": "asked-a", "prompt": "three", "max_tokens": 2})]
+
+
+def _serve_session(stub: Stub, tmp_path: Path, endpoint: str) -> tuple[list[dict], str]:
+    """A real ``ipw serve`` in front of the stub, exporting to ``endpoint``: ``ASKED`` sent one by one (each
+    answered), then SIGTERM; its records and its stderr."""
     import re
     import signal
 
-    collector = Collector()
     proc = subprocess.Popen([*IPW, "serve", "--upstream", stub.base_url, "--port", "0", "--idle-s", "0",
                              "--upstream-pid", str(os.getpid()), "--out", str(tmp_path / "out")],
-                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], env=_env(collector.url))
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], env=_env(endpoint))
     try:
         line = ""
         while "run folder" not in line:
             line = proc.stderr.readline()
             assert line, "ipw serve ended before it served"
         url = re.search(r"(http://127\.0\.0\.1:\d+/v1) -> ", line).group(1)
-        asked = [("/chat/completions", {"model": "asked-a", "messages": [{"role": "user", "content": "one"}]}),
-                 ("/chat/completions", {"model": "asked-b", "messages": [{"role": "user", "content": "two"}],
-                                        "stream": True}),
-                 ("/completions", {"model": "asked-a", "prompt": "three", "max_tokens": 2})]
-        for path, body in asked:
+        for path, body in ASKED:
             assert b"[DONE]" in _ask(url + path, body)  # the stub streams every answer
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-        collector.close()
     assert proc.returncode == 0, err
-    assert "OpenTelemetry" not in err
     records = _records(tmp_path / "out")
     assert len(records) == 3 and all(r["energy_j"] is not None for r in records)
     _no_secret(tmp_path / "out", err)
+    return records, err
 
+
+def test_ipw_serve_exports_each_settled_request_to_a_real_receiver(stub, tmp_path):
+    collector = Collector()
+    try:
+        records, err = _serve_session(stub, tmp_path, collector.url)
+    finally:
+        collector.close()
+    assert "OpenTelemetry" not in err
     spans = {_attrs(s.attributes)["ipw.request_id"]: s for s in collector.spans()}
     assert sorted(spans) == sorted(f"{r['query_id']}/{r['repeat']}" for r in records)  # one span per request
     by_prompt = {r["prompt"]: r for r in records}
@@ -474,3 +483,14 @@ def test_ipw_serve_exports_each_settled_request_to_a_real_receiver(stub, tmp_pat
         r["completion_tokens"] for r in records)
     assert [_point_value(p) for p in metrics["ipw.requests.in_flight"][1]] == [0]
     assert [_point_value(p) for p in metrics["ipw.requests.provisional"][1]] == [0]
+
+
+def test_a_hung_collector_costs_ipw_serve_no_answer_and_no_record(stub, tmp_path):
+    collector = Collector("hang")
+    try:
+        _, err = _serve_session(stub, tmp_path, collector.url)  # every answer came, every record is kept
+    finally:
+        collector.close()
+    warnings = [line for line in err.splitlines() if "OpenTelemetry export" in line]
+    assert len(warnings) == 1 and "ipw goes on" in warnings[0], err
+    assert "Traceback" not in err and collector.posts >= 1
