@@ -365,6 +365,8 @@ def test_ipw_run_exports_its_records_to_a_real_receiver(stub, tmp_path):
     (hist,) = metrics["ipw.request_energy"][1]
     assert hist.count == len(with_energy) and hist.sum == pytest.approx(sum(with_energy), rel=1e-9)
     assert {_attrs(p.attributes)["gen_ai.request.model"] for p in metrics["ipw.requests"][1]} == {"stub"}
+    assert _sum_by(metrics["ipw.scored_requests"][1]) == 4
+    assert _sum_by(metrics["ipw.correct_answers"][1]) == sum(r["correct"] for r in records)
 
 
 @pytest.mark.parametrize("mode", ["refused", "hang", "echo401"])

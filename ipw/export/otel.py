@@ -186,6 +186,10 @@ class OtelExport:
                                            "(output) tokens of settled requests")
         self.errors = meter.create_counter("ipw.request_errors", unit="{request}",
                                            description="Settled requests that ended in an error, by category")
+        self.correct = meter.create_counter("ipw.correct_answers", unit="{answer}",
+                                            description="Correct answers of scored requests (each 0..1; ipw run)")
+        self.scored = meter.create_counter("ipw.scored_requests", unit="{request}",
+                                           description="Scored requests (ipw run)")
         self.answered = meter.create_counter("ipw.answered_energy", unit="J", description="Requests whose answer "
                                              "carried a provisional energy: that value and their settled one (J)")
         self.request_energy = meter.create_histogram(
@@ -269,6 +273,9 @@ class OtelExport:
         for kind, n in (("input", record.prompt_tokens), ("output", record.completion_tokens)):
             if _finite(n) and n:
                 self.tokens.add(n, {**labels, TOKEN_TYPE: kind})
+        if record.correct is not None and _finite(record.correct):  # scored (ipw run)
+            self.scored.add(1, labels)
+            self.correct.add(record.correct, labels)
         if record.error is not None:
             self.errors.add(1, {**labels, ERROR: self.bound(ERROR, record.error_category or "other")})
         energy = record.energy_j
