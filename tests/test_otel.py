@@ -186,6 +186,10 @@ def test_a_settled_record_is_counted_and_becomes_one_span_over_its_window(memory
     export.add(_record(query_id="q2", energy_j=None, net_energy_j=None, energy_quality="unavailable",
                        error="QueryError: boom", error_category="timeout", completion_tokens=0, correct=0.0,
                        category="completions"))
+    data = memory.reader.get_metrics_data()
+    sums = {m.name: m.data for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            if m.name in ("ipw.energy", "ipw.requests", "ipw.tokens")}
+    assert len(sums) == 3 and all(d.is_monotonic and d.aggregation_temporality == 2 for d in sums.values())  # counters
     m = _metrics(memory.reader)
     labels = {"gen_ai.request.model": "asked-model", "gen_ai.operation.name": "chat"}
     assert m["ipw.energy"][0] == "J"
