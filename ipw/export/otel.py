@@ -239,9 +239,11 @@ class OtelExport:
 
         def devices(name: str) -> Callable[[Any], list[Any]]:
             def callback(options: Any) -> list[Any]:
-                labels = {device: self.bound(DEVICE, device) for device in sorted(self._read(name) or {})}
-                return [Observation(watts, {DEVICE: labels[device]}) for device, watts in (self._read(name) or {}).items()
-                        if device in labels and labels[device] != prometheus.OTHER and _finite(watts)]
+                watts = self._read(name) or {}
+                labels = {device: self.bound(DEVICE, device) for device in sorted(watts)}
+                # a gauge of several devices at once (past the label bound) would mean nothing: left out
+                return [Observation(w, {DEVICE: labels[d]}) for d, w in watts.items()
+                        if labels[d] != prometheus.OTHER and _finite(w)]
             return callback
 
         def count(name: str) -> Callable[[Any], list[Any]]:
