@@ -156,6 +156,7 @@ MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
 MAX_G_PER_KWH = 2000.0  # the dirtiest grids are ~1,000 gCO2e/kWh: more is a typo (ipw.carbon)
 MAX_PUE = 5.0  # a datacenter's PUE: the Uptime Institute's surveys average ~1.56, the worst sites ~2.5-3; more is a typo
 MAX_DOCTOR_S = 3600.0  # an hour of self-test or recording: more is a typo
+MAX_TIMEOUT_S = 86_400.0  # a day for one request through ipw serve: more is a typo (1e300 overflows a socket's timeout)
 
 # --- ipw run --------------------------------------------------------------------------------------------
 
@@ -501,8 +502,8 @@ class ProxyOptions:
                                "(default: their SHA-256 only).")
     max_body_mb: float = option("--max-body-mb", default=16.0, low=0.0, low_open=True, help="Largest request body "
                                 "accepted (413 above it).")
-    timeout_s: float = option("--timeout-s", default=600.0, low=0.0, low_open=True, help="Longest an upstream request "
-                              "may take, start to last byte.")
+    timeout_s: float = option("--timeout-s", default=600.0, low=0.0, low_open=True, high=MAX_TIMEOUT_S,
+                              help="Longest an upstream request may take, start to last byte (at most a day).")
     idle_s: float = option("--idle-s", default=3.0, low=0.0, high=MAX_IDLE_S, help="Seconds of idle baseline "
                            "measured before the proxy opens.")
     role: str = option("--role", default="local", choices=("local", "cloud"), help="Role of the records for routing: "

@@ -282,3 +282,29 @@ def test_a_request_id_is_unguessable_and_its_settled_energy_is_found_by_it(tmp_p
     finally:
         proxy.stop()
         stub.close()
+
+
+# -- 5.-9. refused before anything starts: one line, exit 2, no folder (a resumed one as it was) ------------
+
+def _refused(*args: str) -> str:
+    """``ipw serve ARGS`` in a subprocess that must exit 2 with one line, before it serves: its stderr."""
+    try:
+        done = subprocess.run([*IPW, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"it started serving: {exc.stderr!r}")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+def test_a_timeout_too_long_for_a_socket_is_refused(tmp_path):
+    """``--timeout-s 1e300`` started, then every request was dropped (the socket's timeout overflowed)."""
+    stub = Stub()
+    try:
+        for value in ("1e300", "86401"):
+            assert "--timeout-s" in _refused("--upstream", stub.base_url, "--timeout-s", value, "--out",
+                                             str(tmp_path / "out"))
+    finally:
+        stub.close()
+    assert not (tmp_path / "out").exists()
