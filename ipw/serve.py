@@ -1265,10 +1265,14 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
     otel.check()  # OTEL_EXPORTER_OTLP_ENDPOINT: its settings and the extra (exit 2), before the socket and the folder
     server = listen(options.host, options.port)  # before the run folder: a refusal leaves none
     try:
+        if resume is not None:  # before the folder is touched
+            _check_resume(RunManifest.read_unfinished(resume), options, resume)
         if backend is None:
             refuse_self(Upstream.parse(options.upstream), options.host, server.server_address[1])
+            refuse_unreachable(Upstream.parse(options.upstream), "--local" if options.route else "--upstream")
         if options.route:
             refuse_self(Upstream.parse(options.cloud_upstream), options.host, server.server_address[1])
+            refuse_unreachable(Upstream.parse(options.cloud_upstream), "--cloud")
         folder = _folder(options, out_dir, resume, command)
     except BaseException:
         server.server_close()
@@ -1374,6 +1378,21 @@ def refuse_self(upstream: Upstream, host: str, port: int) -> None:
                        "so every request would be forwarded to itself; give the server to forward to")
 
 
+#: how long the start waits for an upstream to accept a connection (a hosted API across the world: well under this)
+CONNECT_PROBE_S = 10.0
+
+
+def refuse_unreachable(upstream: Upstream, option: str) -> None:
+    """An IpwError naming ``option`` when nothing accepts a connection at ``upstream``'s address (a port nobody
+    listens on, a name that does not resolve): every request would fail, so the proxy does not start."""
+    try:
+        socket.create_connection((upstream.host, upstream.port), timeout=CONNECT_PROBE_S).close()
+    except (OSError, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise IpwError(f"{option} {upstream.url}: nothing accepts a connection there ({why}); start the server "
+                       "first, or give the address where it listens") from None
+
+
 def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -> None:
     for sensor in sensors:
         sensor.close()
@@ -1412,8 +1431,7 @@ def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | Non
     from ipw.telemetry.hardware import node_identity
 
     config = {"source": "ipw serve", "serve": asdict(options)}
-    if resume is not None:
-        _check_resume(RunManifest.read_unfinished(resume), options, resume)  # before the folder is touched
+    if resume is not None:  # checked (_check_resume) by the caller
         folder = RunFolder.reopen(resume)
         folder.write_manifest(status="running", resumed_at=(folder.manifest.resumed_at or [])
                               + [time.strftime("%Y-%m-%dT%H:%M:%S")])

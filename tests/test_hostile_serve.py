@@ -308,3 +308,29 @@ def test_a_timeout_too_long_for_a_socket_is_refused(tmp_path):
     finally:
         stub.close()
     assert not (tmp_path / "out").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_upstream_nobody_listens_on_is_refused_before_the_folder(tmp_path):
+    """An upstream port nobody listens on left a ``failed`` run folder (found after it was made)."""
+    from test_router import trained
+
+    dead = f"http://127.0.0.1:{_free_port()}/v1"
+    out = tmp_path / "out"
+    assert "--upstream" in _refused("--upstream", dead, "--out", str(out))
+    assert "--upstream" in _refused("--upstream", dead, "--upstream-pid", str(os.getpid()), "--out", str(out))
+    _, router = trained(tmp_path)
+    stub = Stub()
+    try:
+        assert "--cloud" in _refused("--route", str(router), "--local", stub.base_url, "--cloud", dead, "--out", str(out))
+        assert "--local" in _refused("--route", str(router), "--local", dead, "--cloud", stub.base_url, "--out", str(out))
+    finally:
+        stub.close()
+    assert not out.exists()
