@@ -562,20 +562,29 @@ class _ClientReader(io.RawIOBase):
     socket's timeout (``CLIENT_IDLE_S``), and, from a request's first byte until it is read (``done``), at most
     what is left of ``CLIENT_REQUEST_S``; past it, a TimeoutError, on which the handler closes the connection."""
 
-    def __init__(self, sock: socket.socket, idle_s: float | None) -> None:
-        self._sock, self._idle_s = sock, idle_s
+    def __init__(self, sock: socket.socket, idle_s: float | None, waiting: "_IdleClients") -> None:
+        self._sock, self._idle_s, self._waiting = sock, idle_s, waiting
         self._armed = False  # a request is being read
         self._by: float | None = None  # its deadline (monotonic), from its first byte
 
     def start(self) -> None:
-        """The handler waits for a request."""
+        """The handler waits for a request (idle until its first byte: ``_IdleClients``)."""
         self._armed, self._by = True, None
+        self._waiting.add(self)
 
     def done(self) -> None:
         """The request is read: the socket's timeout is the idle one again (its writes' too)."""
+        self._waiting.remove(self)
         if self._armed and self._by is not None:
             self._sock.settimeout(self._idle_s)
         self._armed, self._by = False, None
+
+    def cut(self) -> None:
+        """Close the connection's reading (and writing): its handler's wait for a request ends."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed already
+            pass
 
     def readable(self) -> bool:
         return True
@@ -589,7 +598,41 @@ class _ClientReader(io.RawIOBase):
         n = self._sock.recv_into(buf)
         if self._armed and self._by is None and n:
             self._by = time.monotonic() + CLIENT_REQUEST_S
+            self._waiting.remove(self)
         return n
+
+
+#: out of file descriptors, this part of the client connections waiting for a request is closed (the longest waiting)
+SHED_PART = 4
+
+
+class _IdleClients:
+    """The client connections that wait for a request (for its first byte), the longest-waiting first.  Out of file
+    descriptors, the proxy closes a part of them (``shed``), so that a new connection (``/health``, a request) can be
+    accepted instead of waiting in the listen queue until idle ones time out: an idle kept-alive connection may be
+    closed at any time (RFC 9112, 9.6), and one that never sent a byte has no request to lose."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[_ClientReader, None] = {}  # in the order they began to wait
+
+    def add(self, reader: _ClientReader) -> None:
+        with self._lock:
+            self._waiting[reader] = None
+
+    def remove(self, reader: _ClientReader) -> None:
+        with self._lock:
+            self._waiting.pop(reader, None)
+
+    def shed(self) -> int:
+        """Close the longest-waiting part (``SHED_PART``) of the connections, at least one; how many."""
+        with self._lock:
+            cut = list(self._waiting)[:max(1, len(self._waiting) // SHED_PART)]
+            for reader in cut:
+                del self._waiting[reader]
+        for reader in cut:
+            reader.cut()
+        return len(cut)
 
 
 class _ClientGone(Exception):
@@ -618,7 +661,7 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:  # not a TCP socket
             pass
         self.rfile.close()  # read through a deadline for each request instead
-        self._reader = _ClientReader(self.connection, self.timeout)
+        self._reader = _ClientReader(self.connection, self.timeout, self.server.idle_clients)
         self.rfile = io.BufferedReader(self._reader)
 
     def handle_one_request(self) -> None:
@@ -814,8 +857,11 @@ class Handler(BaseHTTPRequestHandler):
             return
         session = self.server.session
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None:
             return self._error(411, "ipw serve: send the body with a Content-Length", "length_required")
+        if not (length.isascii() and length.isdigit()):  # "³" is a digit to isdigit() and 3 to int()
+            return self._error(400, "ipw serve: Content-Length must be a number of bytes in ASCII digits",
+                               "invalid_request")
         if int(length) > session.options.max_body_bytes:
             return self._error(413, f"ipw serve: request body of {int(length)} bytes is over the limit of "
                                f"{session.options.max_body_bytes} (--max-body-mb)", "request_too_large")
@@ -1064,6 +1110,7 @@ class ProxyServer(ThreadingHTTPServer):
         if session is not None:
             self.session = session
         self.hop_id = secrets.token_hex(8)
+        self.idle_clients = _IdleClients()
         self._idle: list[http.client.HTTPConnection] = []  # upstream connections kept alive, the last used last
         self._idle_lock = threading.Lock()
         self._closed = False
@@ -1072,8 +1119,9 @@ class ProxyServer(ThreadingHTTPServer):
     def get_request(self) -> tuple[socket.socket, Any]:
         try:
             return super().get_request()
-        except OSError as exc:  # the caller drops the attempt; out of descriptors, wait for some to close first
+        except OSError as exc:  # the caller drops the attempt; out of descriptors, close idle clients, wait for them
             if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self.idle_clients.shed()
                 time.sleep(ACCEPT_BACKOFF_S)
             raise
 

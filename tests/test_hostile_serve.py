@@ -334,3 +334,68 @@ def test_an_upstream_nobody_listens_on_is_refused_before_the_folder(tmp_path):
     finally:
         stub.close()
     assert not out.exists()
+
+
+# -- 7. /health at the descriptor limit; a Content-Length that int() reads but HTTP does not -----------------
+
+def test_health_answers_at_the_descriptor_limit(tmp_path):
+    """A proxy out of file descriptors (RLIMIT_NOFILE lowered, every one held by an idle client) left ``/health``
+    waiting in the listen queue until idle clients timed out (60 s): out of descriptors, the proxy closes its
+    longest-idle client connections (an idle kept-alive connection may be closed at any time) and goes on."""
+    import resource
+    import socket
+    import urllib.request
+
+    limit = 160
+
+    def lowered() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    stub = Stub()
+    proc = subprocess.Popen([*IPW, "serve", "--port", "0", "--idle-s", "0", "--upstream", stub.base_url,
+                             "--upstream-pid", str(os.getpid()), "--out", str(tmp_path / "out")],
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=lowered)
+    idle: list[socket.socket] = []
+    try:
+        line = ""
+        while "run folder" not in line:
+            line = proc.stderr.readline()
+            assert line, "ipw serve ended before it served"
+        host, port = re.search(r"http://(127\.0\.0\.1):(\d+)/v1 ->", line).groups()
+        for _ in range(limit + 40):  # more than the proxy can hold: the rest wait in its listen queue
+            idle.append(socket.create_connection((host, int(port)), timeout=10))
+        health = json.loads(urllib.request.urlopen(f"http://{host}:{port}/health", timeout=20).read())
+        assert health["status"] == "ok"
+        stub.modes = ["json"]
+        assert _post(f"http://{host}:{port}/v1", {"messages": [{"role": "user", "content": "hi"}]},
+                     "/chat/completions")[0] == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        stub.close()
+
+
+def test_a_content_length_of_a_non_ascii_digit_is_a_400(tmp_path):
+    """``Content-Length: ³`` (``int()`` reads it as 3, ``isdigit()`` says yes) ended the handler with no answer."""
+    import socket
+
+    stub = Stub()
+    proxy = _proxy(tmp_path, stub.base_url)
+    host, port = proxy.server.server_address[:2]
+    try:
+        for value in ("³", "²", "¹"):  # a header is read as Latin-1: these are the bytes b3, b2, b9
+            with socket.create_connection((host, port), timeout=30) as sock:
+                sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {value}\r\n\r\n{{}}"
+                             .encode("latin-1"))
+                answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 400 ") and b"Content-Length" in answer, (value, answer)
+    finally:
+        proxy.stop()
+        stub.close()
+    assert not stub.bodies
