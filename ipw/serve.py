@@ -1321,6 +1321,10 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         if options.route:
             refuse_self(Upstream.parse(options.cloud_upstream), options.host, server.server_address[1])
             refuse_unreachable(Upstream.parse(options.cloud_upstream), "--cloud")
+        if probe is None:  # the BMC that IPW_NODE_POWER names answers with power data (as ipw run checks it)
+            from ipw.telemetry.node_power import check_configured
+
+            check_configured()
         folder = _folder(options, out_dir, resume, command)
     except BaseException:
         server.server_close()

@@ -18,6 +18,7 @@ import pytest
 
 from ipw.serve import ServeOptions, start
 from openai_stub import Stub
+from test_node_power import authed_emulator  # noqa: F401 - a fixture: sushy-emulator behind basic authentication
 
 ROOT = Path(__file__).resolve().parents[1]
 IPW = [sys.executable, "-m", "ipw.cli"]
@@ -286,11 +287,11 @@ def test_a_request_id_is_unguessable_and_its_settled_energy_is_found_by_it(tmp_p
 
 # -- 5.-9. refused before anything starts: one line, exit 2, no folder (a resumed one as it was) ------------
 
-def _refused(*args: str) -> str:
+def _refused(*args: str, env: dict[str, str] | None = None) -> str:
     """``ipw serve ARGS`` in a subprocess that must exit 2 with one line, before it serves: its stderr."""
     try:
         done = subprocess.run([*IPW, "serve", "--port", "0", *args], capture_output=True, text=True, timeout=60,
-                              cwd=ROOT)
+                              cwd=ROOT, env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"it started serving: {exc.stderr!r}")
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -399,3 +400,22 @@ def test_a_content_length_of_a_non_ascii_digit_is_a_400(tmp_path):
         proxy.stop()
         stub.close()
     assert not stub.bodies
+
+
+# -- 8. a BMC that refuses the credentials ------------------------------------------------------------------
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "sushy-emulator").exists(),
+                    reason="sushy-tools not installed (the dev extra)")
+def test_a_bmc_that_refuses_the_credentials_is_refused_before_the_folder(request, tmp_path):
+    """``IPW_NODE_POWER`` at a Redfish BMC (sushy-emulator behind basic authentication) that refuses the
+    credentials: ``ipw serve`` left a ``failed`` folder; now one line, exit 2, no folder, no password shown."""
+    bmc = request.getfixturevalue("authed_emulator")
+    stub = Stub()
+    try:
+        err = _refused("--upstream", stub.base_url, "--out", str(tmp_path / "out"),
+                       env={"IPW_NODE_POWER": bmc, "IPW_BMC_USER": "admin",
+                            "IPW_BMC_PASSWORD": "wrong-password"})
+    finally:
+        stub.close()
+    assert "refused the credentials (HTTP 401" in err and "wrong-password" not in err, err
+    assert not (tmp_path / "out").exists()
