@@ -171,6 +171,8 @@ SLOW_TESTS = {
         "test_metric_table.py::test_ipw_run_full_table_has_every_metric_the_summary_the_marked_ones"),
     "seconds of computing: a long run, a replay, a scan, every offset": (
         "test_uncertainty.py::test_every_load_shape_is_replayed_at_every_window_length",
+        "test_uncertainty.py::test_held_out_loads_as_measured",  # the three use `loads`: every load shape replayed
+        "test_uncertainty.py::test_target_holds_on_every_held_out_load_and_length",
         "test_uncertainty.py::test_the_counter_resolved_reference_covers_every_steady_load_from_half_a_second",
         "test_openai_http.py::test_long_concurrent_run_keeps_memory_flat",
         "test_openai_http.py::test_concurrency_overlaps_windows_keeps_order_and_splits_energy",
