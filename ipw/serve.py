@@ -1305,6 +1305,8 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         from ipw.analysis.router import load_router
 
         router = load_router(options.route)
+    if options.route:  # what --resume of the folder compares (a router retrained at the same path is another one)
+        options = dataclasses.replace(options, route_sha256=hashlib.sha256(Path(options.route).read_bytes()).hexdigest())
     key = read_key(options.api_key_env, options.name) if options.api_key_env else None
     if token is not None:  # the clients' token is a secret too: scrubbed from every text ipw writes
         register(token)
@@ -1454,11 +1456,12 @@ def _abandon(folder: RunFolder, sensors: list[Any], backend: Any, reason: str) -
 
 
 def _check_resume(manifest: RunManifest, options: ServeOptions, resume: str | Path) -> None:
-    """``--resume`` of a serve folder with the upstream and name it was made with (else two backends' records
-    would mix in one run under one name): an IpwError naming both values."""
+    """``--resume`` of a serve folder with the routing, upstream and name it was made with (else two backends' or
+    routings' records would mix in one run under one name): an IpwError naming both values."""
     made = (manifest.config or {}).get("serve")
     if not isinstance(made, dict):
         raise IpwError(f"{resume}: not a folder of ipw serve (resume a run with ipw run --resume)")
+    _check_resume_route(made, options, resume)
 
     def upstream(url: Any) -> str:
         if not url:
@@ -1475,6 +1478,37 @@ def _check_resume(manifest: RunManifest, options: ServeOptions, resume: str | Pa
     if made.get("name") != options.name:
         raise IpwError(f"--resume {resume}: the folder's records are named {made.get('name')!r}, not "
                        f"{options.name!r} (--name): resume it with --name {made.get('name')!r}, or start a new folder")
+
+
+def _check_resume_route(made: dict[str, Any], options: ServeOptions, resume: str | Path) -> None:
+    """``--resume`` of a ``--route`` folder with the router (its content: its SHA-256, or its path in folders
+    written before the digest) and the cloud it was made with, and of a folder without --route without one."""
+    then = str(made.get("route") or "")
+    if bool(then) != bool(options.route):
+        was = f"with --route {then}" if then else "without --route"
+        now = f"with --route {options.route}" if options.route else "without --route"
+        raise IpwError(f"--resume {resume}: the folder was made {was}, not {now}: resume it as it was made, or start "
+                       "a new folder")
+    if not then:
+        return
+    digest = str(made.get("route_sha256") or "")
+    if (digest != options.route_sha256) if digest else Path(then).resolve() != Path(options.route).resolve():
+        def router(path: str, sha: str) -> str:
+            return f"{path}" + (f" (sha256 {sha[:12]})" if sha else "")
+
+        raise IpwError(f"--resume {resume}: the folder was made with the router {router(then, digest)}, not "
+                       f"{router(options.route, options.route_sha256)}: resume it with the router it was made with, "
+                       "or start a new folder")
+
+    def cloud(url: Any) -> str:
+        try:
+            return Upstream.parse(str(url)).url
+        except IpwError:
+            return redact_url(str(url))
+
+    if cloud(made.get("cloud_upstream")) != cloud(options.cloud_upstream):
+        raise IpwError(f"--resume {resume}: the folder was made with --cloud {cloud(made.get('cloud_upstream'))}, not "
+                       f"--cloud {cloud(options.cloud_upstream)}: resume it with the same cloud, or start a new folder")
 
 
 def _folder(options: ServeOptions, out_dir: str | Path, resume: str | Path | None,

@@ -419,3 +419,54 @@ def test_a_bmc_that_refuses_the_credentials_is_refused_before_the_folder(request
         stub.close()
     assert "refused the credentials (HTTP 401" in err and "wrong-password" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+# -- 9. --resume of a --route folder with another router or cloud --------------------------------------------
+
+def test_resume_of_a_route_folder_with_another_router_or_cloud_is_refused(tmp_path):
+    """``--resume`` of a ``--route`` folder with another router file (or the same path retrained), another
+    ``--cloud``, or no ``--route`` at all mixed two routings' records in one run: one line naming both, exit 2,
+    the folder as it was."""
+    import shutil
+
+    from ipw.cli import main
+    from test_router import trained, write_routing_run
+
+    _, router = trained(tmp_path)
+    other = tmp_path / "other.json"
+    assert main(["route", "train", str(write_routing_run(tmp_path / "b", "other", rule="random", seed=7)),
+                 "--out", str(other), "--no-score"]) == 0
+    local, cloud, cloud2 = Stub(), Stub(), Stub()
+    procs = []
+    try:
+        proc, _, folder = _serve(tmp_path, "--route", str(router), "--local", local.base_url, "--cloud", cloud.base_url)
+        procs.append(proc)
+        proc.kill()  # SIGKILL: the folder stays running, to be resumed
+        proc.wait()
+        before = (folder / "manifest.json").read_text()
+        same = ["--route", str(router), "--local", local.base_url]
+        moved = tmp_path / "moved.json"
+        shutil.copy(router, moved)
+        for args, words in (
+            (["--route", str(other), "--local", local.base_url, "--cloud", cloud.base_url], ("router", str(other))),
+            ([*same, "--cloud", cloud2.base_url], ("--cloud", cloud2.base_url)),
+            (["--upstream", local.base_url], ("--route",)),
+        ):
+            err = _refused(*args, "--resume", str(folder), "--upstream-pid", str(os.getpid()), "--idle-s", "0")
+            assert all(w in err for w in words), (args, err)
+            assert (folder / "manifest.json").read_text() == before, args  # not resumed, not failed
+        shutil.copy(other, router)  # the same path, retrained
+        err = _refused(*same, "--cloud", cloud.base_url, "--resume", str(folder), "--upstream-pid", str(os.getpid()))
+        assert "router" in err and (folder / "manifest.json").read_text() == before, err
+        shutil.copy(moved, router)  # the router it was made with, at its path: resumed
+        proc, _, again = _serve(tmp_path, *same, "--cloud", cloud.base_url, "--resume", str(folder))
+        procs.append(proc)
+        assert again == folder
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for s in (local, cloud, cloud2):
+            s.close()
