@@ -87,6 +87,7 @@ class ServeOptions:
     route: str = ""  # the router file (ipw route train)
     cloud_upstream: str = ""
     cloud_name: str = ""
+    route_sha256: str = ""  # the router file's, when the proxy started (--resume takes the same router only)
     metrics: bool = True  # GET /metrics: Prometheus metrics of the settled records (ipw.export.prometheus)
 
 
