@@ -124,7 +124,8 @@ SPAWNS = frozenset({"subprocess", "Popen", "fork", "forkpty", "posix_spawn", "mu
 # summary lists the fast tests that took over FAST_S (SLOW_TESTS holds those of over 1 s on a loaded 2-core VM).
 SLOW_TESTS = {
     "runs every documented command (issue 46), engines included": ("test_docs_commands.py::test_documented_command",),
-    "ipw run starts the default's in-process worker before it refuses the input": (
+    # (the check runs once a process, llama_cpp._PROBED: whichever test asks first starts it; alone, each of these)
+    "ipw run checks the llama.cpp build in a worker process (llama_cpp.probe_engine) before it refuses the input": (
         "test_bad_input.py::test_bad_input_round2[empty shard]",
         "test_hostile_outside.py::test_a_bad_chassis_link_is_one_line_exit_2",
         "test_llama_server.py::test_missing_binary_fails_before_the_run_folder"),
