@@ -110,9 +110,9 @@ def bench_module(name: str):
 
 # The two test tiers (issue 57): `pytest -m "not slow"` is the inner loop; CI (.ci/run) runs everything.
 # A test is slow when it starts a process (an engine, llama-server, vLLM, Ray, the Redfish emulator, `ipw` as a
-# process of its own...), in its body, in a function of tests/ it calls, or in a fixture it uses. Marked at
-# collection from the names its code uses (SPAWNS), and held when it runs: a test outside the slow tier that
-# starts a process fails (pytest_runtest_makereport), so a new test cannot slip into the fast tier unmarked.
+# process of its own...), in its body, in a function of tests/ it calls, or in a fixture it uses, or when it takes
+# seconds (SLOW_TESTS). Marked at collection from the names its code uses (SPAWNS), and held when it runs: a test
+# outside the slow tier that starts a process fails (pytest_runtest_makereport), so none slips in unmarked.
 TESTS = Path(__file__).resolve().parent
 SLOW_MARKERS = ("llama", "vllm", "ray", "package")  # the engines', Ray's and the wheel's own markers
 # names whose use means a process: the modules and calls that start one, the classes of ipw that start a server,
