@@ -243,15 +243,19 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
   fi
   python3 bench/telemetry/gpu_counter.py "$R/counter-$part.csv" &
   counter=$!
-  trap 'kill -TERM "$counter" 2> /dev/null || true' EXIT
+  # the counter's PID expanded now: the trap runs where run_stage's locals are gone (a `set -u` error there left the
+  # counter running, holding the caller's stdout open: the device call never ended; issue 55)
+  trap "kill -TERM $counter 2> /dev/null || true" EXIT
   sleep 1
   runit() {  # NAME SECONDS-NEEDED ipw-run-options...: one run into $R/NAME unless DEADLINE is nearer
     local name=$1 need=$2; shift 2
     if [ "$(left)" -lt "$need" ]; then echo "$name: skipped, $(left) s before DEADLINE (needs ~$need)"; return 0; fi
     echo "$name: start at $(($(date +%s) - t0)) s"
     # interrupted (SIGINT: the records so far kept, the folder resumable) 45 s before DEADLINE, for the analysis
-    timeout -s INT -k 20 "$(($(left) - 45))" python3 -m ipw.cli run "$cfg" "$@" --out "$R/$name" > "$R/$name.txt" 2>&1
-    echo "exit $?" >> "$R/$name.txt"
+    # `|| rc=$?`: a run that fails (a server killed mid-run: exit 1) must not end the stage under `set -e`
+    local rc=0
+    timeout -s INT -k 20 "$(($(left) - 45))" python3 -m ipw.cli run "$cfg" "$@" --out "$R/$name" > "$R/$name.txt" 2>&1 || rc=$?
+    echo "exit $rc" >> "$R/$name.txt"
     tail -n 6 "$R/$name.txt"
     echo "$name: done at $(($(date +%s) - t0)) s"
   }
@@ -270,8 +274,9 @@ run_stage() {  # PART OUT: `ipw run` with vLLM (configs/gpu-vllm.toml) on this G
     # and 8 measured; records reach records.jsonl in batches, too late to trigger on), 4 in flight
     if [ "$(left)" -gt 150 ]; then
       local killer
+      rm -rf "$R/killed" "$R/killed-at.txt" "$R/killed-gpu-after.txt"  # a former try's server log would set off the killer
       ( for _ in $(seq 1200); do
-          n=$(grep -c "POST /v1/chat" "$R"/killed/*/server-*.log 2> /dev/null || true)
+          n=$(cat "$R"/killed/*/server-*.log 2> /dev/null | grep -c "POST /v1/chat" || true)
           if [ "${n:-0}" -ge 12 ]; then
             pkill -9 -f vllm.entrypoints.openai.api_server && echo "killed the vLLM server after $n answers" > "$R/killed-at.txt"
             break
