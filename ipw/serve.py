@@ -40,6 +40,7 @@ from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.sanitize import read_key, redact_url, register, scrub, scrub_tail
 from ipw.metering.window import IdleBaseline, Window, measure_idle
+from ipw.telemetry.uncertainty import measurement_90
 
 #: the paths a client may call (under /v1); the first two are metered
 METERED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -170,23 +171,12 @@ def energy_object(record: QueryRecord, request_id: str, provisional: bool = Fals
         # the ± that the choice of split adds (|priced - local|); null when the request ran alone; the
         # sensors' own error is in measurement_uncertainty_j (±90%; docs/SERVING.md)
         out["uncertainty_j"] = record.split_uncertainty_j
-        out["measurement_uncertainty_j"] = measurement_90(record)
+        out["measurement_uncertainty_j"] = measurement_90(record.energy_j, record.energy_parts)
     out.update({"split_method": record.split_method or "none",
                 "prompt_tokens": record.prompt_tokens, "completion_tokens": record.completion_tokens,
                 "duration_s": round(record.end_s - record.start_s, 6), "request_id": request_id,
                 "settled_url": f"/v1/ipw/energy/{request_id}"})
     return out
-
-
-def measurement_90(record: QueryRecord) -> float | None:
-    """The ±90% of a record's energy that its sensors state (independent and shared parts together), or None."""
-    from ipw.telemetry.uncertainty import Z90, measurement_sd
-
-    parts = json.loads(record.energy_parts)
-    if record.energy_j is None or not any(p.get("uncertainty_j") is not None for p in parts):
-        return None
-    independent, shared = measurement_sd(parts)
-    return round(Z90 * (independent ** 2 + shared ** 2) ** 0.5, 6)
 
 
 #: settled energies kept for ``GET /v1/ipw/energy/{id}``, the newest

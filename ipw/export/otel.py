@@ -371,7 +371,7 @@ def span_attributes(record: QueryRecord, operation: str, model: str) -> dict[str
     """A record's span attributes: the OpenTelemetry GenAI conventions' names where they have one
     (``model``: the model the request asked for), ipw's own (``ipw.`` + the record's field) for the rest;
     absent values left out."""
-    from ipw.serve import measurement_90
+    from ipw.telemetry.uncertainty import measurement_90
 
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation, "gen_ai.request.model": model,
@@ -382,7 +382,7 @@ def span_attributes(record: QueryRecord, operation: str, model: str) -> dict[str
         "ipw.energy_j": record.energy_j, "ipw.net_energy_j": record.net_energy_j,
         "ipw.energy_quality": record.energy_quality, "ipw.energy_source": record.energy_source,
         "ipw.energy_scope": record.energy_scope,
-        "ipw.measurement_uncertainty_j": measurement_90(record), "ipw.split_uncertainty_j": record.split_uncertainty_j,
+        "ipw.measurement_uncertainty_j": measurement_90(record.energy_j, record.energy_parts), "ipw.split_uncertainty_j": record.split_uncertainty_j,
         "ipw.split_method": record.split_method or None,
         "ipw.provisional_energy_j": record.provisional_energy_j,
         "ipw.provisional_uncertainty_j": record.provisional_uncertainty_j,

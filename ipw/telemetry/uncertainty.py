@@ -23,6 +23,16 @@ Z90 = 1.6448536269514722
 NVML_SHARED_REL = DEFAULT_ERROR_MODEL.calibration_floor
 
 
+def measurement_90(energy_j: float | None, energy_parts: str | Sequence[dict[str, Any]] | None) -> float | None:
+    """The ±90% (J) of a record's energy that its readings state (independent and shared parts together), or
+    None where the record has no energy or no reading states its error (``ipw serve``'s answers, its spans)."""
+    parts = json.loads(energy_parts) if isinstance(energy_parts, str) else (energy_parts or [])
+    if energy_j is None or not any(p.get("uncertainty_j") is not None for p in parts):
+        return None
+    independent, shared = measurement_sd(parts)
+    return round(float(Z90 * (independent ** 2 + shared ** 2) ** 0.5), 6)
+
+
 def measurement_sd(energy_parts: str | Sequence[dict[str, Any]] | None) -> tuple[float, float]:
     """``(independent, shared)`` 1-sd error (J) of a record's total energy from its readings
     (``energy_parts``: the JSON a record stores, or the list of reading dicts).
