@@ -126,11 +126,12 @@ def serve_command(given: ProxyOptions, serve: ServeOnly) -> int:
     console = Console(stderr=True)
     sigterm_as_interrupt()
     proxy = _start(options, managed, given, serve.resume, console)
-    target = proxy.session.upstream.url + (f" or {proxy.session.cloud.url} (--route {options.route})"
-                                           if proxy.session.cloud is not None else "")
-    console.print(f"ipw serve: {proxy.url} -> {target}; run folder {proxy.session.folder.path}. "
-                  "Ctrl-C (or SIGTERM) stops it and finishes the folder.", highlight=False, markup=False, soft_wrap=True)
-    try:
+    try:  # from here on a SIGTERM (or Ctrl-C), even as soon as the first line is out, finishes the folder
+        target = proxy.session.upstream.url + (f" or {proxy.session.cloud.url} (--route {options.route})"
+                                               if proxy.session.cloud is not None else "")
+        console.print(f"ipw serve: {proxy.url} -> {target}; run folder {proxy.session.folder.path}. "
+                      "Ctrl-C (or SIGTERM) stops it and finishes the folder.", highlight=False, markup=False,
+                      soft_wrap=True)
         shown = -1
         while True:
             time.sleep(0.5)
