@@ -228,6 +228,20 @@ def test_a_settled_record_is_counted_and_becomes_one_span_over_its_window(memory
     assert memory.warnings == []
 
 
+def test_ipw_serve_exports_a_written_record_once_settled_by_the_model_it_asked_for(memory):
+    """ipw serve's calls (shared with the Prometheus metrics: prometheus.ServeRecords): ``requested`` keeps the
+    request's model, ``written`` exports its record when settled; one that never settled is not exported."""
+    export = memory()
+    export.requested("q0/0", "asked")
+    export.written(_record(query_id="q0", energy_source="provisional:model.cpu"), settled=False)
+    export.requested("q1/0", "asked")
+    export.written(_record(query_id="q1"))
+    export.written(_record(query_id="q2"))  # no model asked for: the record's
+    points = _metrics(memory.reader)["ipw.requests"][1]
+    assert sorted((dict(p.attributes)["gen_ai.request.model"], p.value) for p in points) == [("asked", 1), ("m", 1)]
+    assert [s.name for s in memory.spans.get_finished_spans()] == ["chat asked", "chat m"] and not export.models
+
+
 def test_the_gauges_read_their_sources_at_each_export(memory):
     export = memory(command="run")
     export.add(_record())  # ipw run: a lone request's window gives each device's power

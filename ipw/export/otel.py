@@ -155,7 +155,7 @@ class _Failures(logging.Handler):
         self.export.failed(text)
 
 
-class OtelExport:
+class OtelExport(prometheus.ServeRecords):
     """One command's export: ``add`` each settled record, ``close`` at the end (bounded).
 
     The metrics are ``ipw.export.prometheus.Metrics``'s, by the same labels: ``operation`` labels requests by
@@ -173,13 +173,13 @@ class OtelExport:
 
         from ipw.telemetry.hardware import node_identity
 
+        super().__init__()  # requested and written: ipw serve's calls, as the Prometheus metrics'
         self.warn, self.endpoint = warn, endpoint
         self.operation, self.routed = operation, routed
         self.kind = SpanKind.SERVER if command == "serve" else SpanKind.CLIENT
         self.bound = prometheus.BoundedLabels()
         self.sources: dict[str, Callable[[], Any]] = {"power": lambda: dict(self.last_power)}
         self.last_power: dict[str, float] = {}  # ipw run: each device's mean power over its last lone request
-        self.models: dict[str, str] = {}  # ipw serve: each request's model, by request id, until it is written
         self.node = node_identity()[0].node
         # monotonic -> wall clock, once: each span's window is the record's [start_s, end_s] (monotonic seconds)
         self.offset_ns = time.time_ns() - time.monotonic_ns()
@@ -269,19 +269,7 @@ class OtelExport:
         except Exception as exc:
             self.failed(f"{type(exc).__name__}: {exc}")
 
-    def requested(self, request_id: str, model: Any) -> None:
-        """ipw serve: the model a request asked for (its body's ``model``), until its record is written."""
-        if isinstance(model, str):
-            with self._lock:
-                self.models[request_id] = model
-
-    def written(self, record: QueryRecord, settled: bool = True) -> None:
-        """ipw serve: a record is in the run folder; counted, and its span sent, when its energy is ``settled``
-        (a record whose energy never settled is kept labelled provisional in the folder, and never exported)."""
-        with self._lock:
-            model = self.models.pop(f"{record.query_id}/{record.repeat}", None)
-        if settled:
-            self.add(record, model)
+    count = add  # ipw serve: ServeRecords.written's (its counts and its span)
 
     def _add(self, record: QueryRecord, model: str | None) -> None:
         from opentelemetry.trace import Status, StatusCode

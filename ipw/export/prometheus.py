@@ -79,12 +79,40 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-class Metrics:
+class ServeRecords:
+    """ipw serve's two calls for each request, shared by its Prometheus metrics and its OpenTelemetry export
+    (``ipw.export.otel.OtelExport``): ``requested`` keeps the model the request asked for (its label) until
+    ``written`` counts its record (``count``), once it is in the run folder."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, str] = {}  # each request's model, by request id, until its record is written
+        self._models_lock = threading.Lock()
+
+    def count(self, record: QueryRecord, model: str | None = None) -> None:
+        raise NotImplementedError
+
+    def requested(self, request_id: str, model: Any) -> None:
+        """The model a request asked for (its body's ``model``), until its record is written."""
+        if isinstance(model, str):
+            with self._models_lock:
+                self.models[request_id] = model
+
+    def written(self, record: QueryRecord, settled: bool = True) -> None:
+        """A record is in the run folder; counted when its energy is ``settled`` (a record whose energy never
+        settled is kept labelled provisional in the folder, and never counted)."""
+        with self._models_lock:
+            model = self.models.pop(f"{record.query_id}/{record.repeat}", None)
+        if settled:
+            self.count(record, model)
+
+
+class Metrics(ServeRecords):
     """One registry: the counters and histograms of settled records (``observe``) and the live gauges
     (``watch``).  ``operation``: label requests by GenAI operation (ipw serve's chat or completions API);
     ``routed``: label by route (ipw serve --route)."""
 
     def __init__(self, *, operation: bool = False, routed: bool = False, limit: int = MAX_LABEL_VALUES) -> None:
+        super().__init__()
         pc = _client()
         self.registry = pc.CollectorRegistry()
         self.bound = BoundedLabels(limit)
@@ -110,8 +138,6 @@ class Metrics:
         self.token_energy = pc.Histogram("ipw_output_token_energy_joules", "Settled energy per output token of "
                                          "requests with output (J)", self.base, buckets=TOKEN_J_BUCKETS, **reg)
         self.last_power: dict[str, float] = {}  # ipw run: each device's mean power over its last lone request
-        self.models: dict[str, str] = {}  # ipw serve: each request's model, by request id, until it is settled
-        self._lock = threading.Lock()
         self.sources: dict[str, Callable[[], Any]] = {"power": lambda: dict(self.last_power)}
         self.registry.register(_Gauges(self))
 
@@ -159,19 +185,7 @@ class Metrics:
                 if part.get("quality") != "estimated" and _finite(joules) and _finite(duration) and duration > 0:
                     self.last_power[device] = joules / duration
 
-    def requested(self, request_id: str, model: Any) -> None:
-        """ipw serve: the model a request asked for (its body's ``model``), until its record is written."""
-        if isinstance(model, str):
-            with self._lock:
-                self.models[request_id] = model
-
-    def written(self, record: QueryRecord, settled: bool = True) -> None:
-        """ipw serve: a record is in the run folder; counted when its energy is ``settled`` (a record whose energy
-        never settled is kept labelled provisional in the folder, and never counted)."""
-        with self._lock:
-            model = self.models.pop(f"{record.query_id}/{record.repeat}", None)
-        if settled:
-            self.observe(record, model)
+    count = observe  # ipw serve: ServeRecords.written's
 
     def exposition(self) -> tuple[bytes, str]:
         """The registry in Prometheus's text format, and its content type (``GET /metrics``)."""
