@@ -370,6 +370,11 @@ LOCK_FILE = "ipw.lock"
 HOLDER_WAIT_S = 1.0
 
 
+def manifest_file(run_dir: str | Path) -> Path:
+    """A run folder's manifest as a file (an artifact to upload, say), never a link to one elsewhere."""
+    return own_file(Path(run_dir) / "manifest.json")
+
+
 def manifest_field(run_dir: str | Path, name: str) -> str:
     """Where an error about a manifest's field points: ``RUN_DIR/manifest.json: field 'NAME'``."""
     return f"{Path(run_dir) / 'manifest.json'}: field '{name}'"

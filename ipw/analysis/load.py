@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.errors import IpwError
-from ipw.results import JudgeEntry, RunManifest
+from ipw.results import JudgeEntry, RunManifest, manifest_field
 from ipw.telemetry.hardware import machines
 
 LOAD_COLUMNS = ["backend", "model", "role", "query_id", "category", "correct", "error", "completion_tokens",
@@ -345,7 +345,7 @@ def _pue_of(path: Path, manifest: RunManifest) -> dict[str, tuple[float, str]]:
     for i, b in enumerate((manifest.config or {}).get("backends") or []):
         options = b.get("options") or {} if isinstance(b, dict) else {}
         if options.get("pue") is not None:
-            check_range(options["pue"], f"{Path(path) / 'manifest.json'}: field 'config.backends[{i}].options.pue'",
+            check_range(options["pue"], manifest_field(path, f"config.backends[{i}].options.pue"),
                         low=1.0, high=MAX_PUE)
             out[str(b.get("name"))] = (float(options["pue"]), bounded(options.get("pue_source")))
     return out
@@ -358,7 +358,7 @@ def _carbon_of(path: Path, manifest: RunManifest) -> dict[str, Any] | None:
 
     carbon = manifest.carbon
     if isinstance(carbon, dict) and carbon.get("g_per_kwh") is not None:
-        check_intensity(carbon["g_per_kwh"], f"{Path(path) / 'manifest.json'}: field 'carbon.g_per_kwh'")
+        check_intensity(carbon["g_per_kwh"], manifest_field(path, "carbon.g_per_kwh"))
     return carbon
 
 

@@ -229,7 +229,7 @@ def export(tracker: Tracker, run_dir: str | Path) -> Exported:
     """Log ``run_dir`` as one MLflow run (created, or found by its ``ipw.run_id`` tag and updated). An IpwError
     when the folder cannot be read or the server fails (a one-line reason)."""
     from ipw.analysis.compare import compare
-    from ipw.results import RunManifest
+    from ipw.results import RunManifest, manifest_file
 
     run_dir = Path(run_dir)
     manifest = RunManifest.read(run_dir)
@@ -238,7 +238,7 @@ def export(tracker: Tracker, run_dir: str | Path) -> Exported:
     params = params_of(manifest.config or {})
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ipw-mlflow-") as tmp:
-        artifacts = [run_dir / "manifest.json"]
+        artifacts = [manifest_file(run_dir)]
         try:
             from ipw.analysis.report import write
 
