@@ -90,11 +90,20 @@ def test_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+
+
 def test_docs_holds_prose_only():
-    """docs/ is the site's pages and nothing else, under 1 MB (issue 46): the raw evidence (run folders,
-    traces, tarballs) is in bench/evidence/, which a page names as a code span."""
+    """docs/ is the site's pages and the figures they show (a PNG under docs/guide/img/ that a page embeds,
+    each under 200 kB), nothing else, under 1 MB (issue 46): the raw evidence (run folders, traces,
+    tarballs) is in bench/evidence/, which a page names as a code span."""
+    shown = {(page.parent / m.group(1)).resolve() for page in PAGES
+             for m in IMAGE.finditer(page.read_text(encoding="utf-8"))}
     files = [p for p in DOCS.rglob("*") if p.is_file()]
-    assert sorted(files) == PAGES, sorted(set(files) ^ set(PAGES))
+    figures = sorted(p for p in files if p.suffix == ".png" and p.parent == DOCS / "guide" / "img")
+    assert sorted(set(files) - set(figures)) == PAGES, sorted(set(files) ^ set(PAGES) ^ set(figures))
+    assert {p.resolve() for p in figures} <= shown, "a figure no page shows"
+    assert all(p.stat().st_size < 200_000 for p in figures)
     assert sum(p.stat().st_size for p in files) < 1_000_000
 
 
