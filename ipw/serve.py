@@ -1433,7 +1433,7 @@ def refuse_unreachable(upstream: Upstream, option: str) -> None:
     try:
         socket.create_connection((upstream.host, upstream.port), timeout=CONNECT_PROBE_S).close()
     except (OSError, UnicodeError) as exc:
-        why = getattr(exc, "strerror", None) or type(exc).__name__
+        why = (exc.strerror if isinstance(exc, OSError) else None) or type(exc).__name__
         raise IpwError(f"{option} {upstream.url}: nothing accepts a connection there ({why}); start the server "
                        "first, or give the address where it listens") from None
 

@@ -304,6 +304,9 @@ def test_header_values_are_secrets():
     text = scrub("key abc/def-ghi-12345 and abc%2Fdef-ghi-12345, token tok-0123456789")
     assert text.startswith("key *** and ***, token") and not any(s in text for s in ("abc", "def-ghi", "tok-", "6789"))
     assert is_secret_env("OTEL_EXPORTER_OTLP_HEADERS", "anything")  # no engine or server inherits it
+    # the token is the secret, not its scheme: other texts keep their words (test_secrets ran after this one
+    # and found "you sent Authorization: Bearer ***" scrubbed to "you sent Authorization: ***")
+    assert scrub("you sent Authorization: Bearer ***") == "you sent Authorization: Bearer ***"
 
 
 # -- real processes against a real receiver --------------------------------------------------------------------

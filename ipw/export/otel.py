@@ -100,9 +100,11 @@ def check(environ: Mapping[str, str] | None = None) -> bool:
         for pair in env.get(name, "").split(","):
             value = pair.partition("=")[2].strip()
             for secret in {value, unquote(value)}:
-                register(secret)
-                if secret.lower().startswith(("bearer ", "basic ")):
-                    register(secret.split(None, 1)[1])
+                # "Bearer TOKEN": the token is the secret; registered whole, any 8 characters of "Bearer T"
+                # would be scrubbed from every text ("…sent Authorization: Bearer ***" lost its words)
+                scheme, _, credential = secret.partition(" ")
+                register(credential.strip() if scheme.lower() in ("bearer", "basic") and credential.strip()
+                         else secret)
     if not (_installed("opentelemetry.sdk") and _installed("opentelemetry.exporter.otlp.proto.http")):
         raise IpwError(f"{ENDPOINT} (or another OTLP endpoint variable) is set, but the OpenTelemetry SDK is not "
                        "installed: pip install 'ipw[otel]', or unset it")
