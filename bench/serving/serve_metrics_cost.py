@@ -13,6 +13,7 @@ own), so that the proxy's own cost dominates.
 - The figures, over rounds: the added latency of exports over bare (median of each round's difference of
   medians, and a distribution-free ~95% interval of that median from the order statistics), the extra CPU per
   request likewise, and the throughput ratio exports / bare (bare's wall time over exports', per round).
+- ``--no-otel``: exports is /metrics alone (scraped), no ``OTEL_*``: what ``ipw serve`` costs by default.
 - At the end, the exports proxy's own ``ipw_requests_total`` (all requests counted, settled) and what the sink
   received (posts and bytes of spans and metrics): the exports really ran.
 
@@ -167,6 +168,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=20, help="short rounds, many: the load of a shared machine drifts less between the two proxies' turns")
     ap.add_argument("--scrape-s", type=float, default=1.0)
+    ap.add_argument("--no-otel", action="store_true", help="exports = /metrics scraped, no OTLP (the default set-up)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     src = Path(args.src).resolve()
@@ -180,8 +182,9 @@ def main() -> None:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     upstream = f"http://127.0.0.1:{up_port}/v1"
     bare_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    exports_env = {**bare_env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
-                   "OTEL_METRIC_EXPORT_INTERVAL": str(int(args.scrape_s * 1000))}
+    exports_env = bare_env if args.no_otel else {  # --no-otel: /metrics alone, ipw serve's default
+        **bare_env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+        "OTEL_METRIC_EXPORT_INTERVAL": str(int(args.scrape_s * 1000))}
     runs = tempfile.TemporaryDirectory(prefix="ipw-metrics-cost-")
     bare = start_proxy(src, upstream, fake.pid, runs.name, ["--no-metrics"], bare_env)
     exports = start_proxy(src, upstream, fake.pid, runs.name, [], exports_env)
