@@ -58,9 +58,8 @@ def get(url: str, headers: dict[str, str], *, timeout_s: float, limit: int,
     from ipw.sanitize import one_line, redact_url
 
     deadline = time.monotonic() + timeout_s
-    origin = _origin(url)
+    origin = _origin(url)  # also refuses a URL no request can carry (a redirect's is checked below)
     for _ in range(MAX_REDIRECTS + 1):
-        _origin(url)  # a URL a request can carry
         status, location, body = _once(url, headers, deadline, timeout_s, limit, context)
         if status in REDIRECTS and location:
             url = urllib.parse.urljoin(url, location.strip())
