@@ -12,6 +12,7 @@ import pytest
 from ipw.results import read_records
 from ipw.telemetry.audit import audit, audit_dicts, gaps
 from ipw.telemetry.nvml import NvmlSensor
+import evidence_slices
 from nvml_fakes import finish, make_fake, synthetic, window
 
 
@@ -213,21 +214,20 @@ def test_counter_over_the_span_on_the_h200_runs():
     lead's three fresh 2026-12-01 H200 runs, placed on the update grid) against the back-to-back counter
     (counter.csv.gz) over the same span: within 0.1% (linear interpolation between the sparse reads put
     it up to 0.37% low: the run ends at a change of load)."""
-    from pathlib import Path
-
-
-    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pandas")
     from ipw.telemetry import estimator as est
     from ipw.telemetry.audit import counter_span_j
 
-    root = Path(__file__).resolve().parent.parent / "bench" / "evidence" / "telemetry" / "gpu" / "h200-2026-12-01-s5"
-    cnt = pd.read_csv(root / "counter.csv.gz")
+    # the three runs of bench/evidence/telemetry/gpu/h200-2026-12-01-s5 and the counter over them, sliced from the
+    # evidence branch by tests/data/make_evidence_slices.py
+    tables = evidence_slices.tables("h200-2026-12-01-s5-runs.npz")
+    cnt = tables["counter"]
     dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
-    runs = sorted((root / "runs").iterdir())
+    runs = sorted(t.removesuffix("-power") for t in tables if t.endswith("-power"))
     assert len(runs) == 3
     for run in runs:
-        p = pd.read_parquet(run / "power.parquet")
-        r = pd.read_parquet(run / "records.parquet")
+        p = tables[f"{run}-power"]
+        r = tables[f"{run}-records"]
         s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
         st, sw = s["t_s"].to_numpy(), s["power_w"].to_numpy()
         grid = est.grid_counter_reads(c["t_s"].to_numpy(), c["energy_j"].to_numpy(), st, sw, sample_shift_s=0.011)
@@ -331,29 +331,24 @@ class _TraceSampler:
         return self.a
 
 
-def test_the_h200_fake_engine_runs_have_a_counter_over_their_span(tmp_path):
+def test_the_h200_fake_engine_runs_have_a_counter_over_their_span():
     """The five fake-engine runs of bench/telemetry/audit_h200.sh on the H200 (2026-12-02): the sampler's first
     counter read came 0.12-0.13 s before the first query, so no change of the counter preceded the span
     and every run said "no counter over the span".  With the first read as a knot, the counter over each
     span (up to the last read in the trace: the audit's reads past the end are not in it) is within 1%
     of the integrated power samples, an independent signal."""
-    import tarfile
-    from pathlib import Path
-
-    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pandas")
     from ipw.telemetry import estimator as est
     from ipw.telemetry.audit import counter_over
 
-    gpu = Path(__file__).resolve().parent.parent / "bench" / "evidence" / "telemetry" / "gpu"
-    tgz = gpu / "h200-2026-12-02-s8" / "audit-runs.tgz"
-    with tarfile.open(tgz) as tar:
-        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.11.4+
-        tar.extractall(tmp_path, members=[m for m in tar.getmembers() if m.name.startswith("./runs-main/")], **safe)
-    runs = sorted((tmp_path / "runs-main").iterdir())
+    # ./runs-main/ of bench/evidence/telemetry/gpu/h200-2026-12-02-s8/audit-runs.tgz (power, records), sliced from the
+    # evidence branch by tests/data/make_evidence_slices.py
+    tables = evidence_slices.tables("h200-2026-12-02-s8-audit-runs.npz")
+    runs = sorted(t.removesuffix("-power") for t in tables if t.endswith("-power"))
     assert len(runs) == 5
     for run in runs:
-        power = pd.read_parquet(run / "power.parquet")
-        records = pd.read_json(run / "records.jsonl", lines=True)
+        power = tables[f"{run}-power"]
+        records = tables[f"{run}-records"]
         sampler = _TraceSampler(power)
         ct = sampler.a["counter_t_s"]
         start = float(records["start_s"].min())
@@ -362,4 +357,4 @@ def test_the_h200_fake_engine_runs_have_a_counter_over_their_span(tmp_path):
         energy, sd = counter_over(sampler, "gpu0", start, end)
         integral = est._PowerIntegral(sampler.a["samples_t_s"] - 0.011, sampler.a["samples_w"], est.MAX_SAMPLE_GAP_S)
         lo, hi = integral.at([start, end])[0]
-        assert energy == pytest.approx(hi - lo, rel=0.01), run.name
+        assert energy == pytest.approx(hi - lo, rel=0.01), run

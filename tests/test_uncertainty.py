@@ -18,6 +18,7 @@ import pytest
 
 from ipw.telemetry import estimator as est
 from ipw.telemetry.sampler import hold_counter_reads
+import evidence_slices
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -80,7 +81,9 @@ def test_periodic_load_is_labeled_and_covered(held_out):
     assert not any(w.terms.aliasing_period_s is not None for w in ws if w.group != fit.PERIODIC)
 
 
-GPU_RUNS = ROOT / "bench" / "evidence" / "telemetry" / "gpu" / "h200-2026-12-01"
+# two runs of bench/evidence/telemetry/gpu/h200-2026-12-01 (power and records) and the counter over them, sliced from
+# the evidence branch by tests/data/make_evidence_slices.py
+GPU_RUNS = "h200-2026-12-01-grid.npz"
 
 
 def test_grid_placement_recovers_the_dense_calibration():
@@ -88,14 +91,15 @@ def test_grid_placement_recovers_the_dense_calibration():
     placed on the counter's update grid give, at every 15th query as it became final, the calibration
     ratio that the back-to-back counter (bench/telemetry/gpu_counter.py, counter.csv) gives over the same span,
     within 0.1%; held half a step before each read (the fallback), they were off by up to 0.8%."""
-    pd = pytest.importorskip("pandas")
-    cnt = pd.read_csv(GPU_RUNS / "counter.csv")
+    pytest.importorskip("pandas")
+    tables = evidence_slices.tables(GPU_RUNS)
+    cnt = tables["counter"]
     dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
     shift = 0.011
     worst_grid = worst_held = 0.0
     for run in ("20261201-053743-d827", "20261201-053807-923e"):
-        p = pd.read_parquet(GPU_RUNS / "runs" / run / "power.parquet")
-        ends = pd.read_parquet(GPU_RUNS / "runs" / run / "records.parquet")["end_s"].to_numpy()
+        p = tables[f"{run}-power"]
+        ends = tables[f"{run}-records"]["end_s"].to_numpy()
         s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
         st, sw, ct, cj = s["t_s"].to_numpy(), s["power_w"].to_numpy(), c["t_s"].to_numpy(), c["energy_j"].to_numpy()
         for now in ends[::15] + 0.15:
@@ -201,16 +205,11 @@ def test_grid_placement_on_a_short_vllm_run():
     apart; 15 changes whose phases leave a 31 ms gap): the grid is placed at 70 ms, where the
     back-to-back counter (counter-rest.csv.gz) saw the updates (69-72 ms), and its calibration ratio is
     that counter's within 0.05%; held half a step before each read it came out 0.37% low."""
-    import io
-    import tarfile
-
-    pd = pytest.importorskip("pandas")
-    folder = ROOT / "bench" / "evidence" / "serving" / "vllm-h200-2026-12-04"
-    with tarfile.open(folder / "vllm-rest.tar.xz") as tf:
-        member = next(m for m in tf.getmembers() if m.name.startswith("./inproc/") and m.name.endswith("/power.parquet"))
-        f = tf.extractfile(member)
-        assert f is not None
-        p = pd.read_parquet(io.BytesIO(f.read()))
+    pytest.importorskip("pandas")
+    # vllm-rest.tar.xz's in-process run and GPU 0's counter-rest.csv.gz over it, sliced from the evidence branch
+    # by tests/data/make_evidence_slices.py
+    run = evidence_slices.tables("vllm-h200-2026-12-04-inproc.npz")
+    p = run["power"]
     s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
     st, sw, ct, cj = s["t_s"].to_numpy(), s["power_w"].to_numpy(), c["t_s"].to_numpy(), c["energy_j"].to_numpy()
     seen = np.sort(np.mod(ct[1:], 0.1))  # the reads that saw a change
@@ -218,8 +217,7 @@ def test_grid_placement_on_a_short_vllm_run():
     shift = 0.011
     grid = est.grid_counter_reads(ct, cj, st, sw, sample_shift_s=shift)
     assert grid is not None and 0.069 <= grid.phase_s <= 0.073
-    cnt = pd.read_csv(folder / "counter-rest.csv.gz")
-    cnt = cnt[cnt["gpu"] == 0]
+    cnt = run["counter"]
     dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
     si = est._PowerIntegral(st - shift, sw, est.MAX_SAMPLE_GAP_S)
     errors = {}
