@@ -215,14 +215,14 @@ def test_counter_over_the_span_on_the_h200_runs():
     (counter.csv.gz) over the same span: within 0.1% (linear interpolation between the sparse reads put
     it up to 0.37% low: the run ends at a change of load)."""
     pytest.importorskip("pandas")
-    from ipw.telemetry import estimator as est
+    from ipw.telemetry import energy_counter, integrals
     from ipw.telemetry.audit import counter_span_j
 
     # the three runs of bench/evidence/telemetry/gpu/h200-2026-12-01-s5 and the counter over them, sliced from the
     # evidence branch by tests/data/make_evidence_slices.py
     tables = evidence_slices.tables("h200-2026-12-01-s5-runs.npz")
     cnt = tables["counter"]
-    dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
+    dense = integrals.CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
     runs = sorted(t.removesuffix("-power") for t in tables if t.endswith("-power"))
     assert len(runs) == 3
     for run in runs:
@@ -230,7 +230,7 @@ def test_counter_over_the_span_on_the_h200_runs():
         r = tables[f"{run}-records"]
         s, c = p[p["kind"] == "sample"], p[p["kind"] == "counter"]
         st, sw = s["t_s"].to_numpy(), s["power_w"].to_numpy()
-        grid = est.grid_counter_reads(c["t_s"].to_numpy(), c["energy_j"].to_numpy(), st, sw, sample_shift_s=0.011)
+        grid = energy_counter.grid_counter_reads(c["t_s"].to_numpy(), c["energy_j"].to_numpy(), st, sw, sample_shift_s=0.011)
         assert grid is not None
         lo = float(r["start_s"].min())
         hi = min(float(r["end_s"].max()), float(grid.t_s.max()) - 0.05)  # the trace was saved before the audit's last read
@@ -338,7 +338,7 @@ def test_the_h200_fake_engine_runs_have_a_counter_over_their_span():
     span (up to the last read in the trace: the audit's reads past the end are not in it) is within 1%
     of the integrated power samples, an independent signal."""
     pytest.importorskip("pandas")
-    from ipw.telemetry import estimator as est
+    from ipw.telemetry import integrals
     from ipw.telemetry.audit import counter_over
 
     # ./runs-main/ of bench/evidence/telemetry/gpu/h200-2026-12-02-s8/audit-runs.tgz (power, records), sliced from the
@@ -355,6 +355,6 @@ def test_the_h200_fake_engine_runs_have_a_counter_over_their_span():
         assert ct[0] < start < ct[1]  # one read before the span
         end = min(float(records["end_s"].max()), float(ct[-1]) - 0.2)
         energy, sd = counter_over(sampler, "gpu0", start, end)
-        integral = est._PowerIntegral(sampler.a["samples_t_s"] - 0.011, sampler.a["samples_w"], est.MAX_SAMPLE_GAP_S)
+        integral = integrals.PowerIntegral(sampler.a["samples_t_s"] - 0.011, sampler.a["samples_w"], integrals.MAX_SAMPLE_GAP_S)
         lo, hi = integral.at([start, end])[0]
         assert energy == pytest.approx(hi - lo, rel=0.01), run

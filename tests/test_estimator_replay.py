@@ -17,12 +17,14 @@ import pytest
 from ipw.telemetry.estimator import (
     CALIBRATION_BOUNDS,
     calibration_ratio,
-    counter_change_points,
     counter_energy_between,
     estimate_windows,
     idle_baseline,
-    integrate_samples,
     net_energy_j,
+)
+from ipw.telemetry.integrals import (
+    counter_change_points,
+    integrate_samples,
     sample_coverage,
     slice_energies,
     wall_us_to_mono_s,

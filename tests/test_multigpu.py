@@ -192,7 +192,7 @@ def test_sampler_cost_scales_with_the_gpus_measured(monkeypatch):
 def test_a_long_modest_foreign_load_stays_foreign(monkeypatch):
     """GPU 1 at 200 W for 95% of the run (below 45% of its 700 W limit): its idle stays the 75 W of
     its first seconds, so the load is still reported after minutes of it."""
-    from ipw.telemetry.sampler import idle_from_reads
+    from ipw.telemetry.foreign import idle_from_reads
 
     fake, clock, sigs = two_gpus(monkeypatch, load1=(3.0, 60.0), w1=200.0, idle=(80.0, 75.0))
     s0 = open_sensor(clock, [0])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipw.telemetry import estimator as est
+from ipw.telemetry import error_model
 from nvml_fakes import (  # noqa: F401  (re-exported: tests/test_doctor.py imports them from here)
     BUFFER_US,
     Clock,
@@ -32,7 +32,8 @@ from nvml_fakes import (  # noqa: F401  (re-exported: tests/test_doctor.py impor
 )
 
 from ipw.errors import IpwError
-from ipw.telemetry.estimator import counter_energy_between, wall_us_to_mono_s
+from ipw.telemetry.estimator import counter_energy_between
+from ipw.telemetry.integrals import wall_us_to_mono_s
 from ipw.telemetry.nvml import NvmlSensor, PendingWindow
 
 DATA = Path(__file__).parent / "data"
@@ -203,7 +204,7 @@ def test_a_window_at_the_power_limit_has_a_wider_interval_and_says_so(monkeypatc
     (r,) = finish(sensor, clock, window(sensor, clock, 25.0, 25.1))
     sensor.close()
     rel = r.uncertainty_j / r.energy_j
-    model = est.DEFAULT_ERROR_MODEL
+    model = error_model.DEFAULT_ERROR_MODEL
     noise = model.capped_noise if load_w == 690.0 else model.sample_noise
     # a steady square wave: no edge or spread terms, so the samples' noise and the calibration make the width
     assert rel > model.z * noise * (0.02 / 0.1) ** 0.5
@@ -428,7 +429,7 @@ def test_sparse_counter_reads_are_placed_within_one_step():
     each change is placed half a step before the read that saw it, so a 2 s load window's counter
     delta is within about half a step of the power difference per edge."""
     from ipw.telemetry.estimator import counter_energy_between
-    from ipw.telemetry.sampler import hold_counter_reads
+    from ipw.telemetry.nvml_estimate import hold_counter_reads
 
     rng = np.random.default_rng(1)
     errs_mid, errs_hold = [], []

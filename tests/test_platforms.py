@@ -35,7 +35,7 @@ from ipw.telemetry.estimator import CALIBRATION_BOUNDS
 from ipw.telemetry.nvml import NvmlSensor
 from ipw.telemetry.polled import counter_checks
 from ipw.telemetry.recording import NvmlRecorder, read_trace, record, write_trace
-from ipw.telemetry.sampler import COUNTER_STEP_S
+from ipw.telemetry.nvml_estimate import COUNTER_STEP_S
 
 
 # --------------------------------------------------------------------------------------------------

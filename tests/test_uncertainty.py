@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ipw.telemetry import energy_counter, error_model, integrals
 from ipw.telemetry import estimator as est
 from ipw.telemetry.sampler import hold_counter_reads
 import evidence_slices
@@ -45,7 +46,7 @@ def test_held_out_coverage_and_width_of_matmul_windows(held_out):
     block's windows share one calibration error): >= 85% only; half-width <= 2x p90 |error| everywhere."""
     fit, ws = held_out
     matmul = [w for w in ws if not w.recording.startswith("tests/data") and w.group in fit.LENGTHS]
-    ev = fit.evaluate(matmul, est.DEFAULT_ERROR_MODEL)
+    ev = fit.evaluate(matmul, error_model.DEFAULT_ERROR_MODEL)
     assert set(ev) == set(fit.LENGTHS)
     for group, x in ev.items():
         assert x["coverage"] >= 0.85, (group, x)
@@ -61,7 +62,7 @@ def test_held_out_decoding_and_synthetic_loads_are_covered(held_out):
     (0.5 s: ~99% covered; docs/ENERGY.md says so)."""
     fit, ws = held_out
     trace = [w for w in ws if w.recording.startswith("tests/data")]
-    ev = fit.evaluate(trace, est.DEFAULT_ERROR_MODEL)
+    ev = fit.evaluate(trace, error_model.DEFAULT_ERROR_MODEL)
     assert set(ev) == {"0.5 s", "2 s", "8 s"}
     for group, x in ev.items():
         assert x["coverage"] >= 0.85 and x["median_half_width"] <= 2 * x["p90_abs_error"], (group, x)
@@ -75,7 +76,7 @@ def test_periodic_load_is_labeled_and_covered(held_out):
     periodic = [w for w in ws if w.group == fit.PERIODIC]
     assert len(periodic) == 66
     assert sum(w.terms.aliasing_period_s is not None for w in periodic) >= 0.9 * len(periodic)
-    ev = fit.evaluate(periodic, est.DEFAULT_ERROR_MODEL)[fit.PERIODIC]
+    ev = fit.evaluate(periodic, error_model.DEFAULT_ERROR_MODEL)[fit.PERIODIC]
     assert ev["coverage"] >= 0.9
     # and steady or decoding loads are never labeled
     assert not any(w.terms.aliasing_period_s is not None for w in ws if w.group != fit.PERIODIC)
@@ -94,7 +95,7 @@ def test_grid_placement_recovers_the_dense_calibration():
     pytest.importorskip("pandas")
     tables = evidence_slices.tables(GPU_RUNS)
     cnt = tables["counter"]
-    dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
+    dense = integrals.CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
     shift = 0.011
     worst_grid = worst_held = 0.0
     for run in ("20261201-053743-d827", "20261201-053807-923e"):
@@ -104,11 +105,11 @@ def test_grid_placement_recovers_the_dense_calibration():
         st, sw, ct, cj = s["t_s"].to_numpy(), s["power_w"].to_numpy(), c["t_s"].to_numpy(), c["energy_j"].to_numpy()
         for now in ends[::15] + 0.15:
             m, mc = st <= now, ct <= now
-            grid = est.grid_counter_reads(ct[mc], cj[mc], st[m], sw[m], sample_shift_s=shift)
+            grid = energy_counter.grid_counter_reads(ct[mc], cj[mc], st[m], sw[m], sample_shift_s=shift)
             assert grid is not None
             for placed, worst in (((grid.t_s, grid.j), "grid"), (hold_counter_reads(ct[mc], cj[mc]), "held")):
                 cal = est.calibration_ratio(st[m] - shift, sw[m], *placed)
-                si = est._PowerIntegral(st[m] - shift, sw[m], est.MAX_SAMPLE_GAP_S)
+                si = integrals.PowerIntegral(st[m] - shift, sw[m], integrals.MAX_SAMPLE_GAP_S)
                 truth = dense.window(cal.start_s, cal.end_s)[0] / si.window(cal.start_s, cal.end_s)[0]
                 err = abs(cal.ratio / truth - 1)
                 if worst == "grid":
@@ -124,13 +125,13 @@ def test_grid_placement_steps_aside_where_samples_do_not_pin_the_phase():
     closely (3.3 J rms at its steps against 0.3 J on the 2026-12-01 runs), so no phase stands out from
     counter reads 0.6 s apart: the grid is refused and the held placement stays."""
     d = np.load(DATA / "h200_qtrace.npz")
-    st = est.wall_us_to_mono_s(d["samp_ts_us"], d["pair_t_mono_ns"], d["pair_t_wall_us"])
+    st = integrals.wall_us_to_mono_s(d["samp_ts_us"], d["pair_t_mono_ns"], d["pair_t_wall_us"])
     ct = (d["energy_t_mono_ns"] + d["energy_call_ns"] / 2) / 1e9
     cj = d["energy_mJ"] / 1000.0
     ticks = np.arange(ct[0] + 5, ct[0] + 65, 0.6)
     reads = cj[np.searchsorted(ct, ticks, side="right") - 1]
     m = (st > ticks[0] - 1) & (st < ticks[-1])
-    assert est.grid_counter_reads(ticks, reads, st[m], d["samp_mW"][m] / 1000.0, sample_shift_s=0.011) is None
+    assert energy_counter.grid_counter_reads(ticks, reads, st[m], d["samp_mW"][m] / 1000.0, sample_shift_s=0.011) is None
 
 
 def test_grid_placement_refuses_a_counter_off_the_grid():
@@ -140,7 +141,7 @@ def test_grid_placement_refuses_a_counter_off_the_grid():
     p = 200.0 + 100.0 * (np.sin(t) > 0)
     reads = np.arange(0.3, 29.0, 0.61)
     energy = np.interp(reads, t, np.concatenate(([0.0], np.cumsum(np.diff(t) * p[1:]))))
-    assert est.grid_counter_reads(reads, energy, t, p) is None
+    assert energy_counter.grid_counter_reads(reads, energy, t, p) is None
 
 
 def test_grid_placement_refuses_reads_at_few_phases():
@@ -155,9 +156,9 @@ def test_grid_placement_refuses_reads_at_few_phases():
         return np.interp(updates[np.searchsorted(updates, reads, side="right") - 1], t, cum)
 
     even = np.arange(1.0, 29.0, 0.25)
-    assert est.grid_counter_reads(even, counter(even), t, p) is None
+    assert energy_counter.grid_counter_reads(even, counter(even), t, p) is None
     jittered = even + np.random.default_rng(5).uniform(0.0, 0.1, even.size)
-    grid = est.grid_counter_reads(jittered, counter(jittered), t, p)
+    grid = energy_counter.grid_counter_reads(jittered, counter(jittered), t, p)
     assert grid is not None and abs(grid.phase_s - 0.037) <= 0.002
 
 
@@ -185,7 +186,7 @@ def test_grid_placement_places_reads_with_a_wide_phase_gap_elsewhere():
         for phase in (0.037, 0.082):
             updates = np.arange(phase, 25.0, 0.1)
             counter = np.interp(updates[np.searchsorted(updates, reads, side="right") - 1], fine, cum)
-            grid = est.grid_counter_reads(reads, counter, t, p)
+            grid = energy_counter.grid_counter_reads(reads, counter, t, p)
             if phase > seen[-1]:
                 assert grid is None, (seed, grid)
                 continue
@@ -215,11 +216,11 @@ def test_grid_placement_on_a_short_vllm_run():
     seen = np.sort(np.mod(ct[1:], 0.1))  # the reads that saw a change
     assert ct.size == 16 and float(np.max(np.diff(seen))) > 0.03
     shift = 0.011
-    grid = est.grid_counter_reads(ct, cj, st, sw, sample_shift_s=shift)
+    grid = energy_counter.grid_counter_reads(ct, cj, st, sw, sample_shift_s=shift)
     assert grid is not None and 0.069 <= grid.phase_s <= 0.073
     cnt = run["counter"]
-    dense = est._CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
-    si = est._PowerIntegral(st - shift, sw, est.MAX_SAMPLE_GAP_S)
+    dense = integrals.CounterIntegral((cnt["t_before_s"] + cnt["t_after_s"]).to_numpy() / 2, cnt["energy_mj"].to_numpy() / 1000)
+    si = integrals.PowerIntegral(st - shift, sw, integrals.MAX_SAMPLE_GAP_S)
     errors = {}
     for name, placed in (("grid", (grid.t_s, grid.j)), ("held", hold_counter_reads(ct, cj))):
         cal = est.calibration_ratio(st - shift, sw, *placed)
@@ -237,7 +238,7 @@ def test_grid_placement_on_a_short_vllm_run():
 def loads():
     fit = _fit_module()
     ws = [w for w in fit.loads_recordings() if w.set == "held-out"]  # recording 1's fit shapes left out
-    return fit, fit.per_load(ws, est.DEFAULT_ERROR_MODEL)
+    return fit, fit.per_load(ws, error_model.DEFAULT_ERROR_MODEL)
 
 
 LOAD_SHAPES = {"compute-high", "compute-low", "compute-thin", "compute-fp32", "memory-high", "memory-low",
@@ -289,7 +290,7 @@ def test_the_counter_resolved_reference_covers_every_steady_load_from_half_a_sec
     (docs/ENERGY.md).  Each steady block's counter / samples ratio is 0.998-1.001."""
     fit = _fit_module()
     for rec in fit.LOADS_RECORDINGS:
-        for load, x in fit.resolved_reference(fit.EVIDENCE / "h200-loads" / rec, est.DEFAULT_ERROR_MODEL).items():
+        for load, x in fit.resolved_reference(fit.EVIDENCE / "h200-loads" / rec, error_model.DEFAULT_ERROR_MODEL).items():
             assert 0.99 < x["counter_over_samples"] < 1.06, (rec, load, x)
             if load.startswith("bursty"):
                 continue
@@ -302,33 +303,33 @@ def test_the_samples_noise_term_falls_as_one_over_the_root_of_the_duration():
     """``ErrorTerms.noise_j`` is the window's energy x sqrt(sample period / duration) (one period at least), and
     ``ErrorModel.sample_noise`` weighs it into the half-width in quadrature with the other terms."""
     t = np.arange(0.0, 10.0, 0.02)
-    si = est._PowerIntegral(t, np.full(t.size, 500.0), est.MAX_SAMPLE_GAP_S)
-    short = est.error_terms(si, 4.0, 4.05, 25.0, 1.0, 0.0)
-    long = est.error_terms(si, 4.0, 6.0, 1000.0, 1.0, 0.0)
-    tiny = est.error_terms(si, 4.0, 4.01, 5.0, 1.0, 0.0)
+    si = integrals.PowerIntegral(t, np.full(t.size, 500.0), integrals.MAX_SAMPLE_GAP_S)
+    short = error_model.error_terms(si, 4.0, 4.05, 25.0, 1.0, 0.0)
+    long = error_model.error_terms(si, 4.0, 6.0, 1000.0, 1.0, 0.0)
+    tiny = error_model.error_terms(si, 4.0, 4.01, 5.0, 1.0, 0.0)
     assert short.noise_j == pytest.approx(25.0 * np.sqrt(0.02 / 0.05), rel=0.01)
     assert long.noise_j == pytest.approx(1000.0 * np.sqrt(0.02 / 2.0), rel=0.01)
     assert tiny.noise_j == pytest.approx(5.0)  # shorter than one sample period: the whole energy, not more
-    only_noise = est.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005)
+    only_noise = error_model.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005)
     assert short.half_width_j(only_noise) == pytest.approx(1.645 * 0.005 * short.noise_j)
-    assert short.half_width_j(est.DEFAULT_ERROR_MODEL) >= short.half_width_j(only_noise)
+    assert short.half_width_j(error_model.DEFAULT_ERROR_MODEL) >= short.half_width_j(only_noise)
 
 
 def test_a_window_at_the_power_limit_takes_the_capped_noise():
     """A window whose mean power is at least ``CAP_SHARE`` of the enforced limit is ``capped``: its samples' noise
     is weighed by ``ErrorModel.capped_noise``, not ``sample_noise``; without a known limit nothing is capped."""
     t = np.arange(0.0, 10.0, 0.02)
-    si = est._PowerIntegral(t, np.full(t.size, 690.0), est.MAX_SAMPLE_GAP_S)
-    at = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=700.0)
-    below = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=800.0)  # 690 W is 86% of 800 W
-    unknown = est.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0)
+    si = integrals.PowerIntegral(t, np.full(t.size, 690.0), integrals.MAX_SAMPLE_GAP_S)
+    at = error_model.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=700.0)
+    below = error_model.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0, power_limit_w=800.0)  # 690 W is 86% of 800 W
+    unknown = error_model.error_terms(si, 4.0, 4.05, 34.5, 1.0, 0.0)
     assert at.capped and not below.capped and not unknown.capped
-    only_noise = est.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005,
+    only_noise = error_model.ErrorModel(edge=0.0, within=0.0, calibration_floor=0.0, load=0.0, sample_noise=0.005,
                                 capped_noise=0.02)
     assert at.half_width_j(only_noise) == pytest.approx(1.645 * 0.02 * at.noise_j)
     assert below.half_width_j(only_noise) == pytest.approx(1.645 * 0.005 * below.noise_j)
-    assert est.at_power_limit(66.5, 0.1, 700.0) and not est.at_power_limit(66.4, 0.1, 700.0)
-    assert not est.at_power_limit(66.5, 0.0, 700.0) and not est.at_power_limit(66.5, 0.1, None)
+    assert error_model.at_power_limit(66.5, 0.1, 700.0) and not error_model.at_power_limit(66.4, 0.1, 700.0)
+    assert not error_model.at_power_limit(66.5, 0.0, 700.0) and not error_model.at_power_limit(66.5, 0.1, None)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 43's target is not met yet: docs/ENERGY.md, 'Coverage per load shape'")

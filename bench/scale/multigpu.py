@@ -564,10 +564,10 @@ def markdown(res: dict[str, Any]) -> str:
 
 def reanalyse(folder: Path) -> int:
     """Recompute every window's foreign-activity verdict of ``[0]`` and ``[1]`` with the current rule
-    (:func:`ipw.telemetry.sampler.foreign_verdict`) from ``multigpu_raw.npz``: the two-GPU sensor
+    (:func:`ipw.telemetry.foreign.foreign_verdict`) from ``multigpu_raw.npz``: the two-GPU sensor
     recorded both GPUs' instant power at the same 4 Hz at which ``[0]`` / ``[1]`` watched the other
     GPU.  Writes ``multigpu_foreign_recomputed.{json,md}`` beside the run's files."""
-    from ipw.telemetry.sampler import foreign_verdict, idle_from_reads
+    from ipw.telemetry.foreign import foreign_verdict, idle_from_reads
 
     res = json.loads((folder / "multigpu.json").read_text())
     raw = np.load(folder / "multigpu_raw.npz")

@@ -60,7 +60,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from ipw.commands.doctor import step_lag_s  # noqa: E402
-from ipw.telemetry.estimator import counter_energy_between, integrate_samples  # noqa: E402
+from ipw.telemetry.estimator import counter_energy_between  # noqa: E402
+from ipw.telemetry.integrals import integrate_samples  # noqa: E402
 
 METHODS = ("begin/end counter", "averaged power", "instant power", "ipw")
 #: "No worse than begin/end" allows this much (absolute) for noise: the windows' own spread.

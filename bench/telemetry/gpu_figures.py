@@ -37,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: this file is bench/<
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from ipw.telemetry.estimator import estimate_windows, grid_counter_reads  # noqa: E402
-from ipw.telemetry.sampler import DEFAULT_SAMPLE_SHIFT_S, hold_counter_reads  # noqa: E402
+from ipw.telemetry.energy_counter import grid_counter_reads  # noqa: E402
+from ipw.telemetry.estimator import estimate_windows  # noqa: E402
+from ipw.telemetry.nvml_estimate import hold_counter_reads  # noqa: E402
+from ipw.telemetry.sampler import DEFAULT_SAMPLE_SHIFT_S  # noqa: E402
 
 
 def gpu_parts(frame: pd.DataFrame) -> np.ndarray:

@@ -94,7 +94,7 @@ class ClockPoller:
 
         import pynvml
 
-        from ipw.telemetry.sampler import value_attr
+        from ipw.telemetry.nvml_reads import value_attr
 
         self.nvml, self.value_attr = pynvml, value_attr
         pynvml.nvmlInit()

@@ -59,8 +59,10 @@ EVIDENCE = ROOT / "bench" / "evidence" / "telemetry"  # h200-attribution/, h200-
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from ipw.telemetry import energy_counter, error_model, integrals  # noqa: E402
 from ipw.telemetry import estimator as est  # noqa: E402
-from ipw.telemetry.sampler import DEFAULT_SAMPLE_SHIFT_S, hold_counter_reads  # noqa: E402
+from ipw.telemetry.nvml_estimate import hold_counter_reads  # noqa: E402
+from ipw.telemetry.sampler import DEFAULT_SAMPLE_SHIFT_S  # noqa: E402
 
 LENGTHS = {"50 ms": 0.05, "0.15 s": 0.15, "0.5 s": 0.5, "2 s": 2.0, "8 s": 8.0}
 PERIODIC = "periodic 0.5 s (100 ms cycles, 25% duty)"
@@ -77,7 +79,7 @@ class Window:
     recording: str
     energy_j: float
     reference_j: float
-    terms: est.ErrorTerms
+    terms: error_model.ErrorTerms
     ratio: float
     load: str = ""  # bench/telemetry/loads.py's load (its recordings)
     length_s: float = 0.0
@@ -96,20 +98,20 @@ def _live_estimates(st, sw, ct, cj, windows, now_s, power_limit_w=H200_POWER_LIM
     """The sensor's estimates of ``windows`` with the data up to ``now_s`` (as ``NvmlSampler.energy_windows``)."""
     m, mc = st <= now_s, ct <= now_s
     st, sw, ct, cj = st[m], sw[m], ct[mc], cj[mc]
-    grid = est.grid_counter_reads(ct, cj, st, sw, sample_shift_s=DEFAULT_SAMPLE_SHIFT_S)
-    tsd = est.COUNTER_TIME_SD_GRID_S if grid is not None else est.COUNTER_TIME_SD_HELD_S
+    grid = energy_counter.grid_counter_reads(ct, cj, st, sw, sample_shift_s=DEFAULT_SAMPLE_SHIFT_S)
+    tsd = energy_counter.COUNTER_TIME_SD_GRID_S if grid is not None else energy_counter.COUNTER_TIME_SD_HELD_S
     ct, cj = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(ct, cj)
-    si = est._PowerIntegral(st - DEFAULT_SAMPLE_SHIFT_S, sw, est.MAX_SAMPLE_GAP_S)
-    ci = est._CounterIntegral(ct, cj)
+    si = integrals.PowerIntegral(st - DEFAULT_SAMPLE_SHIFT_S, sw, integrals.MAX_SAMPLE_GAP_S)
+    ci = integrals.CounterIntegral(ct, cj)
     cal = est._calibrate(si, ci, None, None)
     # the model's calibration term without its floor (the fit chooses the floor)
-    cal_sd0 = est.calibration_rel_sd(si, cal, tsd, replace(est.DEFAULT_ERROR_MODEL, calibration_floor=0.0))
+    cal_sd0 = est.calibration_rel_sd(si, cal, tsd, replace(error_model.DEFAULT_ERROR_MODEL, calibration_floor=0.0))
     out = []
     cache: dict = {}  # as estimate_windows does for a batch
     for a, b in windows:
         raw, cov = si.window(a, b)
         energy = raw * cal.ratio
-        out.append((energy, est.error_terms(si, a, b, energy, cov, cal_sd0, cache, power_limit_w), cal.ratio))
+        out.append((energy, error_model.error_terms(si, a, b, energy, cov, cal_sd0, cache, power_limit_w), cal.ratio))
     return out
 
 
@@ -136,12 +138,12 @@ def trace_windows(npz_path: Path, marks_path: Path, key: str) -> list[Window]:
     """Windows tiling the long phases of a tests/data recording (held out)."""
     d = np.load(npz_path)
     pair_m, pair_w = d["pair_t_mono_ns"], d["pair_t_wall_us"]
-    st = est.wall_us_to_mono_s(d["samp_ts_us"], pair_m, pair_w)
+    st = integrals.wall_us_to_mono_s(d["samp_ts_us"], pair_m, pair_w)
     sw = d["samp_mW"] / 1000.0
     ct_full = (d["energy_t_mono_ns"] + d["energy_call_ns"] / 2) / 1e9
     cj_full = d["energy_mJ"] / 1000.0
     # the full-rate counter's change points are the reference (the slice keeps the reads around each change)
-    ref = est._CounterIntegral(ct_full, cj_full)
+    ref = integrals.CounterIntegral(ct_full, cj_full)
     # the live sampler's view: one read every SPARSE_COUNTER_S (the last read at or before each tick)
     ticks = np.arange(ct_full[0], ct_full[-1], SPARSE_COUNTER_S)
     idx = np.clip(np.searchsorted(ct_full, ticks, side="right") - 1, 0, ct_full.size - 1)
@@ -282,7 +284,7 @@ def all_windows() -> list[Window]:
     return ws
 
 
-def evaluate(windows: list[Window], model: est.ErrorModel) -> dict[str, dict[str, float]]:
+def evaluate(windows: list[Window], model: error_model.ErrorModel) -> dict[str, dict[str, float]]:
     """Per group: n, coverage of the ±90% interval, median half-width and p90 |error| (both relative)."""
     out = {}
     groups = sorted({w.group for w in windows}, key=lambda g: (LENGTHS.get(g, 99), g))
@@ -298,13 +300,13 @@ def evaluate(windows: list[Window], model: est.ErrorModel) -> dict[str, dict[str
     return out
 
 
-def _half_width(w: Window, model: est.ErrorModel) -> float:
+def _half_width(w: Window, model: error_model.ErrorModel) -> float:
     # the recorded calibration term has no floor: add the model's (relative, on the window's energy)
     cal = math.hypot(w.terms.calibration_j, model.calibration_floor * abs(w.energy_j))
     return replace(w.terms, calibration_j=cal).half_width_j(model) * w.ratio
 
 
-def p90_of_error_over_width(windows: list[Window], model: est.ErrorModel) -> dict[str, float]:
+def p90_of_error_over_width(windows: list[Window], model: error_model.ErrorModel) -> dict[str, float]:
     """Per group, the ``FIT_QUANTILE`` quantile of |error| / half-width: 1 when the interval covers exactly
     that share (a smooth target, where coverage itself moves in steps of 1/n)."""
     out: dict[tuple[str, str], list[float]] = {}
@@ -319,7 +321,7 @@ def ratio_spread(json_path: Path, npz_path: Path, rep: int = 0) -> float:
     be from the ratio that holds for one load.  The model's ``calibration_floor``."""
     d = json.loads(json_path.read_text())
     arr = np.load(npz_path)
-    si = est._PowerIntegral(arr["samples_t_s"] - DEFAULT_SAMPLE_SHIFT_S, arr["samples_w"], est.MAX_SAMPLE_GAP_S)
+    si = integrals.PowerIntegral(arr["samples_t_s"] - DEFAULT_SAMPLE_SHIFT_S, arr["samples_w"], integrals.MAX_SAMPLE_GAP_S)
     ratios = []
     for blk in d["blocks_raw"]:
         if blk["rep"] != rep or blk["scenario"] not in LENGTHS or LENGTHS[blk["scenario"]] < 0.15:
@@ -330,7 +332,7 @@ def ratio_spread(json_path: Path, npz_path: Path, rep: int = 0) -> float:
     return float(np.std(ratios, ddof=1))
 
 
-def fit_noise(windows: list[Window], model: est.ErrorModel) -> est.ErrorModel:
+def fit_noise(windows: list[Window], model: error_model.ErrorModel) -> error_model.ErrorModel:
     """``model`` with ``within``, ``sample_noise`` and ``capped_noise`` chosen as ``fit`` chooses its constants
     (the ``FIT_QUANTILE`` quantile of |error| / half-width closest to 1 in every group: each load shape at each
     window length, and each window length of the attribution recording), its other constants kept.  On a grid,
@@ -341,7 +343,7 @@ def fit_noise(windows: list[Window], model: est.ErrorModel) -> est.ErrorModel:
                       for x in t]) + cal ** 2
     within_j, noise_j = np.array([x.within_j for x in t]), np.array([x.noise_j for x in t])
     capped = np.array([x.capped for x in t])
-    widen = np.array([est.ALIASING_WIDEN if x.aliasing_period_s is not None else 1.0 for x in t])
+    widen = np.array([error_model.ALIASING_WIDEN if x.aliasing_period_s is not None else 1.0 for x in t])
     uncovered, ratio = np.array([x.uncovered_j for x in t]), np.array([w.ratio for w in windows])
     err = np.array([abs(w.error_j) for w in windows])
     groups: dict[tuple[str, str], list[int]] = {}
@@ -361,13 +363,13 @@ def fit_noise(windows: list[Window], model: est.ErrorModel) -> est.ErrorModel:
     return best
 
 
-def fit(windows: list[Window], floor: float) -> est.ErrorModel:
+def fit(windows: list[Window], floor: float) -> error_model.ErrorModel:
     """``calibration_floor`` fixed (``ratio_spread``); the other constants for which, at every window length of ``windows``, the 90th percentile of
     |error| / half-width is closest to 1 (squared log distance summed over lengths)."""
     best, best_key = None, None
     for edge, within, load in itertools.product(np.arange(0.0, 0.81, 0.05), np.arange(0.0, 1.01, 0.1),
                                                 np.arange(0.0, 0.51, 0.05)):
-        m = est.ErrorModel(edge=round(float(edge), 3), within=round(float(within), 3), calibration_floor=floor,
+        m = error_model.ErrorModel(edge=round(float(edge), 3), within=round(float(within), 3), calibration_floor=floor,
                            load=round(float(load), 3), sample_noise=0.0, capped_noise=0.0)
         key = sum(math.log(max(q, 1e-6)) ** 2 for q in p90_of_error_over_width(windows, m).values())
         if best_key is None or key < best_key:
@@ -375,7 +377,7 @@ def fit(windows: list[Window], floor: float) -> est.ErrorModel:
     return best
 
 
-def per_load(windows: list[Window], model: est.ErrorModel) -> dict[str, dict[str, dict[str, float]]]:
+def per_load(windows: list[Window], model: error_model.ErrorModel) -> dict[str, dict[str, dict[str, float]]]:
     """``evaluate`` for each load on its own (never pooled across loads), with the mean window length and
     the load's mean power (reference J / s)."""
     out = {}
@@ -423,7 +425,7 @@ def counter_updates(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return (rows[ch, 0] + rows[ch + 1, 1]) / 2, rows[ch + 1, 2] / 1000.0
 
 
-def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[str, float]]:
+def resolved_reference(folder: Path, model: error_model.ErrorModel) -> dict[str, dict[str, float]]:
     """Item 2 of issue 43, the other reference: windows of whole counter updates, placed on the update grid
     fitted to the back-to-back counter in each steady block (a line through the updates' times), against the
     counter's own increments over them (the bursts: their block's ratio only).  Per steady load: for each length, the sd of the relative error, its
@@ -437,7 +439,7 @@ def resolved_reference(folder: Path, model: est.ErrorModel) -> dict[str, dict[st
     it, iw = arr["instant_t_s"], arr["instant_w"]
     ut, uj = counter_updates(folder / "counter.csv.gz")
     limit = meta.get("power_limit_w") or H200_POWER_LIMIT_W
-    si = est._PowerIntegral(st - meta.get("sample_shift_s", DEFAULT_SAMPLE_SHIFT_S), sw, est.MAX_SAMPLE_GAP_S)
+    si = integrals.PowerIntegral(st - meta.get("sample_shift_s", DEFAULT_SAMPLE_SHIFT_S), sw, integrals.MAX_SAMPLE_GAP_S)
     out = {}
     for load in meta["loads"]:
         bursty = load["kind"] == "bursty"  # the 100 ms updates cut a burst's cycle anywhere: its ratio only
@@ -498,9 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     # 1. edge, within and load on the attribution recording's first blocks; 2. within and sample_noise on those
     #    and the fit load shapes of bench/telemetry/loads.py's recording 1, per shape and length
     model = fit_noise(fit_set + [w for w in loads if w.set == "fit"], fit(fit_set, round(floor, 4)))
-    print(f"fitted: {model}  (defaults in ipw.telemetry.estimator: {est.DEFAULT_ERROR_MODEL})\n")
-    res = {"model": model.__dict__, "default_model": est.DEFAULT_ERROR_MODEL.__dict__}
-    models = [("fitted", model)] + ([("defaults", est.DEFAULT_ERROR_MODEL)] if model != est.DEFAULT_ERROR_MODEL else [])
+    print(f"fitted: {model}  (defaults in ipw.telemetry.estimator: {error_model.DEFAULT_ERROR_MODEL})\n")
+    res = {"model": model.__dict__, "default_model": error_model.DEFAULT_ERROR_MODEL.__dict__}
+    models = [("fitted", model)] + ([("defaults", error_model.DEFAULT_ERROR_MODEL)] if model != error_model.DEFAULT_ERROR_MODEL else [])
     for name, sel in (("fit (attribution rep 0)", fit_set),
                       ("held out: attribution rep 1 + periodic", [w for w in held if w.recording.startswith("attribution")]),
                       ("held out: fresh recording 2026-12-01 (bench/telemetry/attribution.py --repeats 1)",

@@ -144,14 +144,14 @@ def sensor_rows() -> list[list[str]]:
 
 def counter_check_rows(seconds: float = 3.0) -> list[list[str]]:
     """Each energy counter read beside power readings for ``seconds``, checked
-    (:func:`ipw.telemetry.estimator.counter_checks`; NVML's through :func:`ipw.telemetry.sampler.counter_check`,
+    (:func:`ipw.telemetry.energy_counter.counter_checks`; NVML's through :func:`ipw.telemetry.nvml_estimate.counter_check`,
     as a run checks it): one row per component: sensor, component, verdict,
     counter / (power x time), problems (a counter without power readings: backwards only).  A counter
     that fails is what a run labels "counter distrusted, not used".  Empty, without waiting, where no
     sensor here reads a counter."""
     from ipw.errors import IpwError
     from ipw.telemetry.probe import platform_sensors
-    from ipw.telemetry.sampler import counter_check
+    from ipw.telemetry.nvml_estimate import counter_check
 
     sensors: list[Any] = []
     try:

@@ -281,7 +281,7 @@ def _past_the_end(sampler: Any, component: str, end_s: float) -> bool:
     least one update (``COUNTER_STEP_S``) after the end shows more than the last read before it (the
     value it shows was reached at an update after the end), and the samples go as far as that change
     placed half a step before the read (``hold_counter_reads``; the span's check allows 1% less)."""
-    from ipw.telemetry.sampler import COUNTER_STEP_S
+    from ipw.telemetry.nvml_estimate import COUNTER_STEP_S
 
     a = sampler.arrays(component, end_s - COUNTER_PAST_LOOKBACK_S)
     ct, cj, st = a["counter_t_s"], a["counter_j"], a["samples_t_s"]
@@ -315,7 +315,7 @@ def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: 
     samples do not cover it.  ``first_knot``: (time, value) of the first read, placed where its value
     was reached (a change point needs a read before it: a run that starts right after the sampler has
     only one read before its first query)."""
-    from ipw.telemetry.estimator import MAX_SAMPLE_GAP_S, _PowerIntegral, counter_change_points
+    from ipw.telemetry.integrals import MAX_SAMPLE_GAP_S, PowerIntegral, counter_change_points
 
     kt, kj = counter_change_points(counter_t_s, counter_j)
     if first_knot is not None and (kt.size == 0 or first_knot[0] < kt[0]):
@@ -326,7 +326,7 @@ def counter_span_j(counter_t_s: np.ndarray, counter_j: np.ndarray, samples_t_s: 
     b = int(np.searchsorted(kt, end_s, side="left"))
     if np.any(np.diff(kj[a:b + 1]) < 0):
         return None
-    si = _PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, MAX_SAMPLE_GAP_S)
+    si = PowerIntegral(np.asarray(samples_t_s, dtype=np.float64) - sample_shift_s, samples_w, MAX_SAMPLE_GAP_S)
     (s_a, s_lo, s_hi, s_b), cov = si.at(np.array([kt[a], start_s, end_s, kt[b]]))
     if si.empty or cov[3] - cov[0] < 0.99 * (kt[b] - kt[a]) or s_b <= s_a:
         return None
@@ -340,8 +340,8 @@ def counter_over(sampler: Any, component: str, start_s: float, end_s: float) -> 
     grid when found, else held; ``counter_span_j``), and its 1 sd: each end's placement in time at the
     power there.  The first read counts as a knot too: on the grid at its update, held half a step
     before it (as ``hold_counter_reads`` places every change)."""
-    from ipw.telemetry.estimator import COUNTER_TIME_SD_GRID_S, COUNTER_TIME_SD_HELD_S, grid_counter_reads
-    from ipw.telemetry.sampler import COUNTER_STEP_S, hold_counter_reads
+    from ipw.telemetry.energy_counter import COUNTER_TIME_SD_GRID_S, COUNTER_TIME_SD_HELD_S, grid_counter_reads
+    from ipw.telemetry.nvml_estimate import COUNTER_STEP_S, hold_counter_reads
 
     a = sampler.arrays(component)
     ct, cj, st, sw = a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"]

@@ -33,13 +33,12 @@ from ipw.telemetry.estimator import (
     SHORT_WINDOW_S,
     WindowEstimate,
 )
+from ipw.telemetry.foreign import FOREIGN_BUSY_FRACTION, FOREIGN_RISE_FRACTION
 from ipw.telemetry.sampler import (
     CALIBRATION_LOOKBACK_S,
     COUNTER_CPU_BUDGET,
     DEFAULT_SAMPLE_SHIFT_S,
     DEFAULT_SAMPLES_PERIOD_S,
-    FOREIGN_BUSY_FRACTION,
-    FOREIGN_RISE_FRACTION,
     NvmlSampler,
 )
 

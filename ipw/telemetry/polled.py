@@ -28,9 +28,10 @@ import numpy as np
 
 from ipw.errors import IpwError
 from ipw.telemetry.base import Deferred, EnergyReading, Quality, Scope, SensorBase, SensorInfo
-from ipw.telemetry.estimator import (BUSY_FRACTION, BUSY_MIN_W, DEFAULT_ERROR_MODEL, MAX_INSTANT_GAP_S, CounterCheck,
-                                     WindowEstimate,
-                                     counter_change_points, counter_checks, estimate_windows, unwrap_counter)
+from ipw.telemetry.energy_counter import BUSY_FRACTION, BUSY_MIN_W, CounterCheck, counter_checks, unwrap_counter
+from ipw.telemetry.error_model import DEFAULT_ERROR_MODEL
+from ipw.telemetry.estimator import WindowEstimate, estimate_windows
+from ipw.telemetry.integrals import MAX_INSTANT_GAP_S, counter_change_points
 
 #: Poll every 0.1 s by default: inside the estimator's 0.25 s gap limit for power readings.
 DEFAULT_PERIOD_S = 0.1

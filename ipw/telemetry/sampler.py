@@ -22,7 +22,7 @@ integrated over a window it is off by up to +84% (docs/ARCHITECTURE.md, 'Energy 
 
 Driver sample timestamps are wall-clock µs; each buffer poll also records a (monotonic, wall) clock
 pair, and the samples are converted to monotonic time with
-:func:`ipw.telemetry.estimator.wall_us_to_mono_s` over the most recent pairs.
+:func:`ipw.telemetry.integrals.wall_us_to_mono_s` over the most recent pairs.
 
 The thread sleeps on an ``Event`` until the next read is due (never a busy loop) and measures its
 own CPU time with ``time.thread_time()``: :meth:`NvmlSampler.overhead`.  Energy per window comes from
@@ -40,26 +40,16 @@ import math
 import statistics
 import threading
 import time
-from array import array
-from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ipw.telemetry.estimator import (
-    CALIBRATION_BOUNDS,
-    COUNTER_DELTA_MIN_S,
-    COUNTER_TIME_SD_GRID_S,
-    COUNTER_TIME_SD_HELD_S,
-    CounterCheck,
-    WindowEstimate,
-    counter_checks,
-    estimate_windows,
-    grid_counter_reads,
-    unwrap_counter,
-    wall_us_to_mono_s,
-)
+from ipw.telemetry.estimator import WindowEstimate
+from ipw.telemetry.foreign import FOREIGN_IDLE_READS, foreign_verdict
+from ipw.telemetry.integrals import wall_us_to_mono_s
+from ipw.telemetry.nvml_estimate import estimate_recorded
+from ipw.telemetry.nvml_reads import KINDS, Columns, GpuState, call_nvml, decode_samples, value_attr
 
 #: Counter reads: every 0.25 s where a read is cheap ...
 DEFAULT_COUNTER_PERIOD_S = 0.25
@@ -87,201 +77,14 @@ MIN_COUNTER_INTERVAL_S = 0.1
 #: after idle loses ~11 ms of its power); over back-to-back or long windows it mostly cancels (the
 #: bench's medians move by < 0.7 percentage point between 0 and 20 ms).
 DEFAULT_SAMPLE_SHIFT_S = 0.011
-#: The energy counter updates about every 100 ms (measured: the doctor's self-test, docs/ARCHITECTURE.md, 'Energy method').
-COUNTER_STEP_S = 0.1
 #: Calibration uses at most this much history before the oldest window and the newest data.
 CALIBRATION_LOOKBACK_S = 600.0
 #: Clock pairs whose two monotonic reads are further apart than this were preempted: dropped.
 MAX_PAIR_SPREAD_NS = 200_000
-#: Consecutive errors of one kind after which it is given up on (until the sampler restarts).
-MAX_CONSECUTIVE_ERRORS = 5
 #: Clock pairs kept around the samples being converted (median-smoothed by the estimator).
 _PAIRS_FOR_CONVERSION = 9
 #: Watched (not measured) GPUs: their instant power is read this often.
 DEFAULT_WATCH_PERIOD_S = 0.25
-#: A watched GPU is busy when its instant power is above its idle by more than this share of its
-#: enforced power limit (105 W on a 700 W H200: above the 75-155 W its idle spans after a load) ...
-FOREIGN_RISE_FRACTION = 0.15
-#: ... or, with no power limit known, by this much ...
-FOREIGN_RISE_W = 60.0
-#: ... and never by less than this.
-FOREIGN_MIN_RISE_W = 20.0
-#: A watched GPU above this share of its power limit is busy whatever its idle (one that was busy
-#: since before the sampler started has no idle to rise from).
-FOREIGN_BUSY_FRACTION = 0.45
-#: A watched GPU's idle: the lowest median of this many consecutive instant reads (1 s at 0.25 s)
-#: since the sampler started.  (A percentile over a lookback drifts up to the load's power when the
-#: GPU is busy most of the time: 78 -> 121 W within 100 s on the two-H200 bench, docs/MULTIGPU.md.)
-FOREIGN_IDLE_READS = 4
-
-KINDS = ("counter", "samples", "instant")
-
-
-def hold_counter_reads(t_s: np.ndarray, e_j: np.ndarray, step_s: float = COUNTER_STEP_S) -> tuple[np.ndarray, np.ndarray]:
-    """Counter reads as the estimator should see them when reads are sparser than the counter's step.
-
-    The estimator places a change of value halfway between the last read showing the old value and
-    the first showing the new one: right when reads are dense (the recordings poll at 100-200 Hz), but
-    reads here are 0.25-1 s apart, and the value a read shows was reached within the one step
-    (~100 ms) before it.  So before every read that follows a longer gap, a read of the previous
-    value is added one step earlier: each change then sits half a step before the read that saw it.
-    On the H200 run this took the counter delta of 2 s windows from 7% median error (up to 18%) to
-    1.8% (docs/ENERGY.md).  A counter that went backwards stays a gap.
-    """
-    t = np.asarray(t_s, dtype=np.float64)
-    e = np.asarray(e_j, dtype=np.float64)
-    if t.size < 2:
-        return t, e
-    idx = np.flatnonzero(np.diff(t) > step_s) + 1
-    tt = np.concatenate([t, t[idx] - step_s])
-    ee = np.concatenate([e, e[idx - 1]])
-    order = np.argsort(tt, kind="stable")
-    return tt[order], ee[order]
-
-
-def counter_check(a: dict[str, np.ndarray]) -> CounterCheck | None:
-    """The counter cross-checks of ``ipw doctor`` and of every estimate (:func:`ipw.telemetry.estimator.counter_checks`)
-    on one GPU's recorded signals (:meth:`NvmlSampler.arrays`): the counter's reads against the driver
-    samples (the instant power where there are none), within NVML's calibration bounds.  The counter is
-    read every 0.25-2 s, so one "update" here is the spacing of its reads (at least its 0.1 s step): a
-    value held over three reads' spacing under load is a stall, and each end of the span may be off by
-    one read's energy (over any span of at least ten 0.1 s steps).  None with fewer than two counter reads."""
-    ct, cj = a["counter_t_s"], a["counter_j"]
-    if ct.size < 2:
-        return None
-    pt, pw = (a["samples_t_s"], a["samples_w"]) if a["samples_t_s"].size >= 2 else (a["instant_t_s"], a["instant_w"])
-    _, _, backwards = unwrap_counter(ct, cj, None, None)  # NVML's counter is 64-bit mJ: any drop is a fault
-    lo, hi = CALIBRATION_BOUNDS
-    return counter_checks(ct, cj, pt if pt.size >= 2 else None, pw if pt.size >= 2 else None,
-                          step_s=max(COUNTER_STEP_S, float(np.median(np.diff(ct)))),
-                          tolerance=max(1 - lo, hi - 1), backwards_at_s=backwards, min_span_s=10 * COUNTER_STEP_S)
-
-
-def idle_from_reads(w: np.ndarray, n: int = FOREIGN_IDLE_READS) -> float:
-    """A watched GPU's idle from its instant-power reads: the lowest median of ``n`` consecutive
-    reads (the sampler keeps the same minimum as reads arrive).  ``inf`` without reads."""
-    w = np.asarray(w, dtype=np.float64)
-    if w.size == 0:
-        return math.inf
-    if w.size < n:
-        return float(w.min())
-    return float(np.median(np.lib.stride_tricks.sliding_window_view(w, n), axis=1).min())
-
-
-def foreign_verdict(component: str, t_s: np.ndarray, w: np.ndarray, idle_w: float, limit_w: float | None,
-                    start_s: float, end_s: float) -> dict[str, Any] | None:
-    """Whether a GPU outside the measurement was busy in ``[start_s, end_s]``, from its instant-power
-    reads ``(t_s, w)``: None when not (or when no read lies within 0.3 s of the window).
-
-    Busy: at least two of the window's reads (its one read, for a window shorter than the read
-    period: the nearest) above ``idle_w`` + 15% of ``limit_w`` (+60 W without a limit, at least
-    +20 W), or above 45% of ``limit_w`` (a GPU busy since before the sampler started has no idle to
-    rise from).  The dict: ``component``, ``mean_w`` / ``max_w`` over those reads, ``idle_w``,
-    ``threshold_w``, ``busy_fraction`` (of the reads), ``excess_j`` (rough: mean above idle times
-    the duration: energy that no reading of the sensor contains) and ``reads``."""
-    t = np.asarray(t_s, dtype=np.float64)
-    w = np.asarray(w, dtype=np.float64)
-    if t.size == 0:
-        return None
-    duration = max(0.0, end_s - start_s)
-    inside = (t >= start_s) & (t <= end_s)
-    if inside.any():
-        vals = w[inside]
-    else:
-        mid = 0.5 * (start_s + end_s)
-        k = int(np.argmin(np.abs(t - mid)))
-        if abs(t[k] - mid) > 0.5 * duration + 0.3:
-            return None
-        vals = w[k: k + 1]
-    rise = FOREIGN_RISE_W if limit_w is None else max(FOREIGN_MIN_RISE_W, FOREIGN_RISE_FRACTION * limit_w)
-    threshold = idle_w + rise
-    if limit_w is not None:  # busy since before the sampler started: its "idle" is a load
-        threshold = min(threshold, FOREIGN_BUSY_FRACTION * limit_w)
-    above = vals > threshold
-    if int(above.sum()) < min(2, vals.size):
-        return None
-    mean_w = float(vals.mean())
-    return {
-        "component": component,
-        "mean_w": round(mean_w, 1),
-        "max_w": round(float(vals.max()), 1),
-        "idle_w": round(idle_w, 1),
-        "threshold_w": round(threshold, 1),
-        "busy_fraction": round(float(above.mean()), 3),
-        "excess_j": round(max(0.0, mean_w - idle_w) * duration, 1),
-        "reads": int(vals.size),
-    }
-
-
-@dataclass
-class GpuHandle:
-    """What the sampler needs of one GPU (``ipw.telemetry.nvml.Gpu`` fits)."""
-
-    component: str
-    handle: Any
-
-
-class _Columns:
-    """Append-only float64 columns (compact ``array('d')``); copied out as numpy arrays."""
-
-    def __init__(self, n: int) -> None:
-        self.cols = [array("d") for _ in range(n)]
-
-    def __len__(self) -> int:
-        return len(self.cols[0])
-
-    def append(self, *values: float) -> None:
-        for col, v in zip(self.cols, values):
-            col.append(v)
-
-    def extend(self, *values: Sequence[float]) -> None:
-        for col, v in zip(self.cols, values):
-            col.extend(v)
-
-    def numpy(self, lo_t: float | None = None) -> list[np.ndarray]:
-        """Copies of the columns, from the first row whose first column is >= ``lo_t``."""
-        start = 0
-        if lo_t is not None and len(self):
-            start = bisect.bisect_left(self.cols[0], lo_t)
-        return [np.array(col[start:], dtype=np.float64) for col in self.cols]
-
-    def last(self) -> tuple[float, ...] | None:
-        return tuple(col[-1] for col in self.cols) if len(self) else None
-
-
-@dataclass
-class _KindState:
-    status: str = "unknown"  # unknown | ok | unsupported | failed
-    error: str = ""
-    error_value: int | None = None  # the NVML error code of the last failure
-    consecutive_errors: int = 0
-    errors: int = 0
-
-
-@dataclass
-class _GpuState:
-    gpu: Any
-    samples: _Columns = field(default_factory=lambda: _Columns(2))  # t_s (monotonic), W
-    counter: _Columns = field(default_factory=lambda: _Columns(2))  # t_s (middle of the call), J
-    instant: _Columns = field(default_factory=lambda: _Columns(2))  # t_s, W
-    last_sample_ts_us: int = 0
-    sample_gaps: int = 0
-    idle_w: float = math.inf  # watched GPUs: lowest median of FOREIGN_IDLE_READS consecutive instant reads
-    kinds: dict[str, _KindState] = field(default_factory=lambda: {k: _KindState() for k in KINDS})
-
-
-def value_attr(nvml: ModuleType, value_type: int) -> str:
-    """The member of an ``nvmlValue_t`` union that holds a value of ``value_type``."""
-    names = {
-        getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
-        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
-        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
-        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
-        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
-        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
-        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
-    }
-    return names.get(value_type, "uiVal")
 
 
 class NvmlSampler:
@@ -312,8 +115,8 @@ class NvmlSampler:
         ) or watch_period_s <= 0:
             raise ValueError("sampler periods must be positive")
         self._nvml = nvml
-        self._gpus = [_GpuState(g) for g in gpus]
-        self._watch = [_GpuState(g) for g in watch]  # instant power only, for foreign activity
+        self._gpus = [GpuState(g) for g in gpus]
+        self._watch = [GpuState(g) for g in watch]  # instant power only, for foreign activity
         self._power_limit_w: dict[str, float | None] = {}
         self.watch_period_s = float(watch_period_s)
         self._next_watch_ns = 0
@@ -343,7 +146,7 @@ class NvmlSampler:
         self._last_instant_ns: int | None = None
         self._sample_requests: list[int] = []  # sorted monotonic ns at which a poll was asked for
         self._counter_requests: list[int] = []
-        self._pairs = _Columns(2)  # (monotonic ns, wall µs) as floats: exact below 2**53
+        self._pairs = Columns(2)  # (monotonic ns, wall µs) as floats: exact below 2**53
         self._calls = {k: 0 for k in (*KINDS, "watch")}
         self._call_s = {k: 0.0 for k in (*KINDS, "watch")}
         self._iterations = 0
@@ -538,45 +341,13 @@ class NvmlSampler:
     # ------------------------------------------------------------------------------------------
     # reads (sampler thread only)
 
-    def _call(self, g: _GpuState, kind: str, fn: Callable[[], Any], count_as: str | None = None) -> Any:
-        """Run one NVML call; None when it failed (counted; the kind is given up on when it cannot
-        work: unsupported, or failing again and again)."""
-        st = g.kinds[kind]
-        if st.status in ("unsupported", "failed"):
-            return None
-        nvml = self._nvml
-        counted = count_as or kind
-        t0 = time.perf_counter()
-        try:
-            out = fn()
-        except nvml.NVMLError as exc:
+    def _call(self, g: GpuState, kind: str, fn: Callable[[], Any], count_as: str | None = None) -> Any:
+        """Run one NVML call (:func:`ipw.telemetry.nvml_reads.call_nvml`); None when it failed."""
+        out, took_s = call_nvml(self._nvml, g.kinds[kind], kind, fn)
+        if took_s is not None:
+            counted = count_as or kind
             self._calls[counted] += 1
-            self._call_s[counted] += time.perf_counter() - t0
-            value = getattr(exc, "value", None)
-            if kind == "samples" and value == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
-                st.status, st.consecutive_errors = "ok", 0  # no new samples since last_seen
-                return []
-            st.errors += 1
-            st.consecutive_errors += 1
-            st.error = f"{exc} (error {value})"
-            st.error_value = value
-            unsupported = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
-            lost = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNINITIALIZED", "NVML_ERROR_RESET_REQUIRED")
-            if st.status == "unknown" and any(value == getattr(nvml, c, None) for c in unsupported):
-                st.status = "unsupported"
-            elif any(value == getattr(nvml, c, None) for c in lost) or st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-                st.status = "failed"
-            return None
-        except Exception as exc:  # a broken binding must not kill the thread
-            st.errors += 1
-            st.consecutive_errors += 1
-            st.error = f"{type(exc).__name__}: {exc}"
-            if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-                st.status = "failed"
-            return None
-        self._calls[counted] += 1
-        self._call_s[counted] += time.perf_counter() - t0
-        st.status, st.consecutive_errors = "ok", 0
+            self._call_s[counted] += took_s
         return out
 
     def _clock_pair(self) -> None:
@@ -596,16 +367,9 @@ class NvmlSampler:
             out = self._call(g, "samples", lambda: nvml.nvmlDeviceGetSamples(g.gpu.handle, kind_total, g.last_sample_ts_us))
             if not out:
                 continue
-            value_type, samples = out
-            attr = value_attr(nvml, value_type)
-            ts = np.fromiter((int(s.timeStamp) for s in samples), dtype=np.int64, count=len(samples))
-            mw = np.fromiter((float(getattr(s.sampleValue, attr)) for s in samples), dtype=np.float64, count=len(samples))
-            keep = ts > g.last_sample_ts_us
-            ts, mw = ts[keep], mw[keep]
+            ts, mw = decode_samples(nvml, out, g.last_sample_ts_us)
             if ts.size == 0:
                 continue
-            order = np.argsort(ts, kind="stable")
-            ts, mw = ts[order], mw[order]
             if g.last_sample_ts_us and ts[0] - g.last_sample_ts_us > 250_000:
                 g.sample_gaps += 1  # the buffer wrapped before this poll: samples were lost
             pm = np.array(self._pairs.cols[0][-_PAIRS_FOR_CONVERSION:], dtype=np.float64)
@@ -640,7 +404,7 @@ class NvmlSampler:
                 self.counter_period_s = min(MAX_COUNTER_PERIOD_S, max(DEFAULT_COUNTER_PERIOD_S, period))
         self._last_counter_ns = now_ns
 
-    def _instant_of(self, g: _GpuState, count_as: str | None = None) -> None:
+    def _instant_of(self, g: GpuState, count_as: str | None = None) -> None:
         """Read one GPU's instant-power field into ``g.instant``."""
         nvml = self._nvml
         fid = getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186)
@@ -652,15 +416,7 @@ class NvmlSampler:
         v = fv[0]
         ret = getattr(v, "nvmlReturn", 0)
         if ret != getattr(nvml, "NVML_SUCCESS", 0):
-            st = g.kinds["instant"]
-            st.errors += 1
-            st.error, st.error_value = f"field value error {ret}", ret
-            if ret == getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3) and st.status in ("unknown", "ok"):
-                st.status = "unsupported"
-            else:
-                st.consecutive_errors += 1
-                if st.consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
-                    st.status = "failed"
+            g.kinds["instant"].field_error(nvml, ret)
             return
         with self._lock:
             g.instant.append((t0 + t1) / 2e9, float(getattr(v.value, value_attr(nvml, v.valueType))) / 1000.0)
@@ -738,29 +494,8 @@ class NvmlSampler:
             if calibration_window is not None:
                 lo = min(lo, calibration_window[0] - 2.0)
             a = self.arrays(g.gpu.component, lo)
-            # a counter that fails the cross-checks (stalled under load, backwards, off power x time) is not
-            # used where a power signal can stand in: the samples are then uncalibrated (a wider interval)
-            check = counter_check(a)
-            bad = check is not None and not check.ok
-            drop = bad and (a["samples_t_s"].size >= 2 or a["instant_t_s"].size >= 2)
-            grid = None
-            if drop:
-                counter_t, counter_j = None, None
-            else:  # each read on the counter update that produced it when the update grid is found, else held
-                grid = grid_counter_reads(a["counter_t_s"], a["counter_j"], a["samples_t_s"], a["samples_w"],
-                                          sample_shift_s=shift)
-                counter_t, counter_j = (grid.t_s, grid.j) if grid is not None else hold_counter_reads(
-                    a["counter_t_s"], a["counter_j"])
-            ests = estimate_windows(
-                a["samples_t_s"], a["samples_w"], counter_t, counter_j, windows,
-                calibration_window=calibration_window, instant_t_s=a["instant_t_s"],
-                instant_w=a["instant_w"], sample_shift_s=shift,
-                counter_time_sd_s=COUNTER_TIME_SD_GRID_S if grid is not None else COUNTER_TIME_SD_HELD_S,
-                power_limit_w=self._power_limit_w.get(g.gpu.component),
-            )
-            if bad:
-                why = ("counter distrusted, not used: " if drop else "counter check: ") + "; ".join(check.problems if check is not None else ())
-                ests = [replace(e, note="; ".join(filter(None, [why, e.note]))) for e in ests]
+            ests = estimate_recorded(a, windows, calibration_window=calibration_window, sample_shift_s=shift,
+                                     power_limit_w=self._power_limit_w.get(g.gpu.component))
             out[g.gpu.component] = ests
         return out
 
@@ -862,17 +597,10 @@ class NvmlSampler:
 
 
 __all__ = [
-    "COUNTER_DELTA_MIN_S",
     "DEFAULT_COUNTER_PERIOD_S",
     "DEFAULT_SAMPLES_PERIOD_S",
     "DEFAULT_SAMPLE_SHIFT_S",
-    "value_attr",
     "DEFAULT_WATCH_PERIOD_S",
-    "counter_check",
-    "foreign_verdict",
-    "idle_from_reads",
-    "hold_counter_reads",
-    "GpuHandle",
     "NvmlSampler",
     "SETTLE_MARGIN_S",
 ]

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ipw.telemetry.estimator import counter_change_points  # noqa: E402
+from ipw.telemetry.integrals import counter_change_points  # noqa: E402
 
 DEFAULT_SRC = ROOT.parent / "shared" / "nvml-traces-h200-2026-11-29"
 
