@@ -18,7 +18,7 @@ import pytest
 
 from ipw.telemetry import energy_counter, error_model, integrals
 from ipw.telemetry import estimator as est
-from ipw.telemetry.sampler import hold_counter_reads
+from ipw.telemetry.nvml_estimate import hold_counter_reads
 import evidence_slices
 
 ROOT = Path(__file__).resolve().parent.parent
