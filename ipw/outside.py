@@ -7,7 +7,7 @@ Redfish service (``ipw.telemetry.node_power``); issue 55.
   is refused, and nothing is sent there.
 - **A total deadline.**  A socket timeout bounds each read, and a server that trickles a byte now and then
   resets it for ever; the whole call (every redirect, the headers, the body) is cut at ``timeout_s`` by the
-  HTTP backend's mechanism (:class:`ipw.backends.openai_http.Deadline`).
+  HTTP backend's mechanism (:class:`ipw.backends.openai_wire.Deadline`).
 - **Bounded.**  At most ``limit`` bytes of a body; a URL that a request cannot carry (a control character in
   a link) is an error of the call, not an exception from http.client.
 
@@ -78,7 +78,7 @@ def get(url: str, headers: dict[str, str], *, timeout_s: float, limit: int,
 def _once(url: str, headers: dict[str, str], deadline: float, timeout_s: float, limit: int,
           context: ssl.SSLContext | None) -> tuple[int, str | None, bytes]:
     """One request of :func:`get`: the status, the ``Location`` and at most ``limit + 1`` bytes of the body."""
-    from ipw.backends.openai_http import Deadline
+    from ipw.backends.openai_wire import Deadline
     from ipw.sanitize import one_line
 
     late = OutsideError(f"no complete answer within {timeout_s:g} s (the request's total deadline)")

@@ -15,7 +15,7 @@ from runfolders import create, record
 from ipw.analysis import render
 from ipw.analysis.cascade import Queries, choose_threshold, evaluate
 from ipw.analysis.compare import compare
-from ipw.backends.openai_http import token_logprobs
+from ipw.backends.openai_wire import token_logprobs
 from ipw.results import QueryRecord, load_run, record_keys
 
 

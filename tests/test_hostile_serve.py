@@ -119,7 +119,7 @@ def test_a_kill_right_after_the_answers_loses_no_answered_request(tmp_path, n, a
     settled with their provisional energy, labelled estimated and provisional, never measured); ``--resume``
     takes them into records.jsonl once, and the finished folder holds each request once."""
     from ipw.results import load_run, read_log
-    from ipw.serve import prompt_digest
+    from ipw.serve.request import prompt_digest
 
     stub = Stub()
     stub.llama_server = True
@@ -209,9 +209,9 @@ def test_a_client_that_trickles_its_request_is_cut_at_the_request_deadline(tmp_p
     is the idle timeout's (the deadline starts at a request's first byte)."""
     import socket
 
-    import ipw.serve
+    from ipw.serve import clients
 
-    monkeypatch.setattr(ipw.serve, "CLIENT_REQUEST_S", 1.0)
+    monkeypatch.setattr(clients, "CLIENT_REQUEST_S", 1.0)
     stub = Stub()
     proxy = _proxy(tmp_path, stub.base_url)
     host, port = proxy.server.server_address[:2]
@@ -252,7 +252,7 @@ def test_a_client_that_trickles_its_request_is_cut_at_the_request_deadline(tmp_p
 def test_a_request_id_is_unguessable_and_its_settled_energy_is_found_by_it(tmp_path):
     """The id an answer carries (its settled energy's URL) was the prompt's SHA-256 and a repeat count: any client
     could ask whether a prompt had been sent.  Now it is random; the settled energy is found by it alone."""
-    from ipw.serve import prompt_digest
+    from ipw.serve.request import prompt_digest
 
     stub = Stub()
     proxy = _proxy(tmp_path, stub.base_url)

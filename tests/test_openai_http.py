@@ -241,9 +241,9 @@ def test_a_trickling_server_is_cut_at_the_total_deadline(endpoint, action):
 
 def test_an_endless_stream_line_is_cut_at_the_line_limit(endpoint, monkeypatch):
     """A stream line is read up to MAX_LINE_BYTES, not whole (bounded memory)."""
-    from ipw.backends import openai_http
+    from ipw.backends import openai_wire
 
-    monkeypatch.setattr(openai_http, "MAX_LINE_BYTES", 10)
+    monkeypatch.setattr(openai_wire, "MAX_LINE_BYTES", 10)
     endpoint.script = ["trickle"]
     endpoint.trickle = staticmethod(lambda h, headers: (h.wfile.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + b"x" * 1000), None))
@@ -550,7 +550,7 @@ def test_llama_server_timings_are_read(api, mode):
 def test_llama_server_stream_without_usage_has_timings_on_the_finish_chunk():
     from openai_stub import llama_server_events
 
-    from ipw.backends.openai_http import server_timings
+    from ipw.backends.openai_wire import server_timings
 
     events = llama_server_events(chat=True, include_usage=False)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
@@ -562,7 +562,7 @@ def test_llama_server_stream_without_usage_has_timings_on_the_finish_chunk():
 
 def test_server_timings_parsing():
     from ipw.backends.base import ServerTimings
-    from ipw.backends.openai_http import server_timings
+    from ipw.backends.openai_wire import server_timings
 
     full = {"cache_n": 0, "prompt_n": 38, "prompt_ms": 113.7, "predicted_n": 6, "predicted_ms": 91.9}
     assert server_timings(full) == ServerTimings(38, 113.7, 6, 91.9)
@@ -576,7 +576,7 @@ def test_an_answer_of_the_wrong_shape_is_read_as_no_text_and_no_count():
     """What an answer holds is taken only where it has the expected shape: a choice, delta or message that is not
     an object, text that is not a string, a token count that is not a whole number from 0 to MAX_TOKEN_COUNT
     (1e30, "9", -1, 2.5, True) and server timings with such counts are read as absent, never as an error later."""
-    from ipw.backends.openai_http import MAX_TOKEN_COUNT, choice_text, server_timings, token_count
+    from ipw.backends.openai_wire import MAX_TOKEN_COUNT, choice_text, server_timings, token_count
 
     assert [choice_text(c, "chat") for c in ("x", {"delta": "abc"}, {"delta": {"content": 5}}, {"message": [1]},
                                              {"delta": {"content": "ok"}})] == ["", "", "", "", "ok"]

@@ -526,7 +526,7 @@ def test_sse_events_stops_at_an_event_over_its_limit():
     """An event not ended within ``limit`` bytes is a malformed stream, however it arrives; the events before it
     are given."""
     from ipw.backends.base import QueryError
-    from ipw.serve import sse_events
+    from ipw.backends.openai_wire import sse_events
 
     pieces = iter([b"data: a\n\n", b"data: ", *[b"x" * 40] * 10, b"\n\n"])
     events = sse_events(lambda: next(pieces, b""), limit=100)
@@ -543,7 +543,7 @@ def test_sse_events_finds_the_events_that_reading_line_by_line_does_whatever_the
     import io
     import random
 
-    from ipw.serve import sse_events
+    from ipw.backends.openai_wire import sse_events
 
     def by_lines(stream: bytes) -> list[bytes]:
         out, lines = [], []
@@ -1093,9 +1093,10 @@ def test_idle_clients_neither_hold_the_proxy_nor_stop_it_answering(tmp_path, mon
     import errno
     import urllib.request
 
-    from ipw import serve as serve_module
+    from ipw.serve import shell
+    from ipw.serve.handler import Handler
 
-    monkeypatch.setattr(serve_module.Handler, "timeout", 1.0)
+    monkeypatch.setattr(Handler, "timeout", 1.0)
     stub = Stub()
     proxy = _proxy(tmp_path, stub.base_url, [os.getpid()])
     host, port = proxy.server.server_address[:2]
@@ -1121,8 +1122,8 @@ def test_idle_clients_neither_hold_the_proxy_nor_stop_it_answering(tmp_path, mon
     monkeypatch.setattr(ThreadingHTTPServer, "get_request", out_of_descriptors)
     t0 = time.monotonic()
     with pytest.raises(OSError):
-        serve_module.ProxyServer.get_request(proxy.server)
-    assert time.monotonic() - t0 >= serve_module.ACCEPT_BACKOFF_S
+        shell.ProxyServer.get_request(proxy.server)
+    assert time.monotonic() - t0 >= shell.ACCEPT_BACKOFF_S
 
 
 def test_no_secret_in_the_manifest_command_or_the_wrapped_clients_environment(tmp_path, monkeypatch, run_cli):
@@ -1158,7 +1159,7 @@ def test_an_upstream_error_body_gives_no_part_of_the_key_and_no_prompt_to_the_fo
     without any of it; without --log-prompts, a 400 that echoes the request keeps no prompt text in the records.
     None of them leaves a request open in the meter (``/health``: 0 in flight), and the session's parts plus its
     unattributed energy still equal its span."""
-    from ipw.serve import MAX_ERROR_BODY
+    from ipw.serve.options import MAX_ERROR_BODY
 
     stub = Stub()
     key = "sk-SNTL9f3Kq7Zx2Lp0WdQv"
@@ -1297,7 +1298,7 @@ def test_a_proxy_pointed_at_itself_is_refused(tmp_path, run_cli):
     machine) is refused at the first return, with 508: each proxy names itself in a header it sends upstream."""
     import http.client
 
-    from ipw.serve import HOP_HEADER, MAX_HOPS
+    from ipw.serve.options import HOP_HEADER, MAX_HOPS
 
     free = socket.socket()
     free.bind(("127.0.0.1", 0))

@@ -37,6 +37,9 @@ HERE = Path(__file__).resolve().parent
 def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) -> None:
     import ipw.serve as serve
     from ipw.metering.meter import Meter
+    from ipw.serve import exchange
+    from ipw.serve.handler import Handler
+    from ipw.serve.session import Session
     from ipw.telemetry import snapshots
 
     local = threading.local()
@@ -67,7 +70,7 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
 
         setattr(cls, method, wrapped)
 
-    original_post = serve.Handler.do_POST
+    original_post = Handler.do_POST
 
     def do_post(self: Any) -> None:
         local.stamps = {"received": time.monotonic()}  # the request line and headers read
@@ -78,8 +81,8 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
             requests.append(local.stamps)
             local.stamps = None
 
-    serve.Handler.do_POST = do_post  # type: ignore[method-assign]
-    original_send_chunk = serve.Handler.send_chunk
+    Handler.do_POST = do_post  # type: ignore[method-assign]
+    original_send_chunk = Handler.send_chunk
 
     def send_chunk(self: Any, data: bytes) -> None:
         original_send_chunk(self, data)
@@ -90,8 +93,8 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
             if key:
                 stamps.setdefault(key, time.monotonic())
 
-    serve.Handler.send_chunk = send_chunk  # type: ignore[method-assign]
-    original_events = serve.sse_events
+    Handler.send_chunk = send_chunk  # type: ignore[method-assign]
+    original_events = exchange.sse_events
 
     def sse_events(read: Any) -> Any:  # when each upstream event was found
         for event in original_events(read):
@@ -100,15 +103,15 @@ def proxy(upstream_url: str, upstream_pid: int, out_dir: str, stamps_path: str) 
                 stamps.setdefault("events", []).append(time.monotonic())
             yield event
 
-    serve.sse_events = sse_events
+    exchange.sse_events = sse_events
     wrap(Meter, "start", None, "job_started")
-    wrap(serve.Handler, "open_upstream", "upstream_open", "upstream_headers")
+    wrap(Handler, "open_upstream", "upstream_open", "upstream_headers")
     wrap(http.client.HTTPConnection, "connect", "connect_begin", "connected")
-    wrap(serve.Handler, "end_stream", "usage_received", None)
+    wrap(Handler, "end_stream", "usage_received", None)
     wrap(Meter, "end", None, "window_cut")
     wrap(Meter, "share", None, "share_ready")
-    wrap(serve.Session, "build", None, "record_built")
-    wrap(serve.Session, "write", "write_begin", "write_done")
+    wrap(Session, "build", None, "record_built")
+    wrap(Session, "write", "write_begin", "write_done")
     original_snap = snapshots.Counters.snap
 
     def snap(self: Any) -> None:

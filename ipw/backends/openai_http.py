@@ -28,10 +28,7 @@ import dataclasses
 import http.client
 import ipaddress
 import json
-import math
-import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -39,14 +36,13 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from ipw.backends.base import (FEW_SHOT_STOP, BackendBase, BackendSpec, Completion, GenerationSettings, QueryError,
-                               ServerTimings, few_shot_prompt)
+from ipw.backends.base import FEW_SHOT_STOP, BackendBase, BackendSpec, Completion, GenerationSettings, QueryError, few_shot_prompt
+from ipw.backends.openai_wire import READ_BYTES, Answer, Deadline, sse_events
 from ipw.backends.servers import VLLM_OPTIONS, VllmSettings
 from ipw.errors import IpwError
 from ipw.sanitize import read_key, redact_url, scrub
 
 APIS = ("chat", "completions")
-MAX_LINE_BYTES = 1024 * 1024  # one line of an event stream
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a completion sent as one JSON body
 MAX_ERROR_BYTES = 64 * 1024  # what is kept of an error body (scrubbed, then cut to a message)
 _MODE_TO_API = {"chat": "chat", "completion": "completions"}
@@ -69,104 +65,10 @@ def concurrency_levels(value: Any, backend: str = "openai", where: str | None = 
     return tuple(sorted(set(items)))
 
 
-#: the most tokens one answer is taken to have: a count above it (or not a whole number) is not believed
-MAX_TOKEN_COUNT = 10**8
-
-
-def token_count(value: Any) -> int | None:
-    """A token count from an answer's ``usage``: a whole number from 0 to ``MAX_TOKEN_COUNT``, else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_TOKEN_COUNT:
-        return None
-    return int(value) if float(value).is_integer() else None
-
-
-def server_timings(data: Any) -> ServerTimings | None:
-    """llama-server's ``timings`` object (prompt_n, prompt_ms, predicted_n, predicted_ms); None when
-    absent or incomplete."""
-    if not isinstance(data, dict):
-        return None
-    try:
-        values = [data[k] for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")]
-    except KeyError:
-        return None
-    counts = [token_count(values[0]), token_count(values[2])]
-    times = [values[1], values[3]]
-    if None in counts or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9
-                             for v in times):
-        return None
-    return ServerTimings(prompt_n=cast(int, counts[0]), prompt_ms=float(times[0]),
-                         predicted_n=cast(int, counts[1]), predicted_ms=float(times[1]))
-
-
-class Deadline:
-    """A request's total deadline: at ``deadline`` (monotonic seconds) the socket is shut down, so that a
-    server that trickles a byte now and then (each one resetting the read timeout) cannot hold a query
-    past it, whether it is sending headers, a stream or a body.  ``expired`` says it fired."""
-
-    def __init__(self, conn: http.client.HTTPConnection, deadline: float) -> None:
-        self.expired = False
-        self._sock = conn.sock
-        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._cut)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _cut(self) -> None:
-        self.expired = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-
-def choice_text(choice: Any, api: str) -> str:
-    """The text of one choice of a chat (``delta`` or ``message``) or completions answer; "" where the
-    answer does not have the shape (a choice, delta or message that is not an object, text that is not a
-    string)."""
-    if not isinstance(choice, dict):
-        return ""
-    if api == "chat":
-        part = choice.get("delta") or choice.get("message")
-        text = part.get("content") if isinstance(part, dict) else None
-    else:
-        text = choice.get("text")
-    return text if isinstance(text, str) else ""
-
-
-
-
-def token_logprobs(data: Any) -> list[float]:
-    """The output tokens' log-probabilities in one choice's ``logprobs``: the chat API's (and llama-server's)
-    ``{"content": [{"logprob": x}, ...]}`` or the completions API's ``{"token_logprobs": [x, ...]}``;
-    values that are not finite numbers <= 0 are left out (a rounding's 1e-6 above 0 is read as 0), and so is
-    anything of another shape."""
-    if not isinstance(data, dict):
-        return []
-    items, plain = data.get("content"), data.get("token_logprobs")
-    values: list[Any] = ([item.get("logprob") for item in items if isinstance(item, dict)] if isinstance(items, list)
-                         else plain if isinstance(plain, list) else [])
-    return [min(float(v), 0.0) for v in values
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= 1e-6]
-
-
 def _read_bounded(resp: Any, limit: int) -> tuple[bytes, bool]:
     """At most ``limit`` bytes of a response body, and whether more was left unread."""
     data = resp.read(limit + 1)
     return data[:limit], len(data) > limit
-
-
-def _lines(resp: Any):
-    """The lines of a streamed body, each read with at most MAX_LINE_BYTES + 1 bytes."""
-    limit = MAX_LINE_BYTES
-    while True:
-        raw = resp.readline(limit + 1)
-        if not raw:
-            return
-        if len(raw) > limit and not raw.endswith(b"\n"):
-            raise QueryError(f"a stream line longer than {limit} bytes", "malformed_stream")
-        yield raw
 
 
 class _Retryable(Exception):
@@ -494,54 +396,37 @@ class OpenAIBackend(BackendBase):
                 cutter.cancel()
             conn.close()
 
-    def _content(self, choice: dict[str, Any]) -> str:
-        return choice_text(choice, self.api)
-
     def _read_stream(self, resp: Any, start: float, deadline: float, stops: list[str]) -> Completion:
-        parts: list[str] = []
+        answer = Answer(self.api, self.logprobs)
         times: list[float] = []
-        usage: dict[str, Any] = {}
-        timings: dict[str, Any] | None = None
-        logprobs: list[float] = []
-        finish = ""
         done = False
-        for raw in _lines(resp):
+        for event in sse_events(lambda: cast(bytes, resp.read1(READ_BYTES)), tail=True):
             now = time.monotonic()
             if now > deadline:
                 raise QueryError(f"stream from {self.base_url} exceeded timeout_s={self.timeout_s:g}", "timeout")
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line.startswith("data:"):
-                continue  # blank separators, comments (":"), event:/id: fields
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
+            for raw in event.splitlines():  # each data line is a chunk (a server that ends no event is read too)
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue  # comments (":"), event:/id: fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    raise QueryError(f"malformed stream chunk: {self._scrub(data)[:120]!r}", "malformed_stream") from None
+                if not isinstance(chunk, dict) or "error" in chunk:
+                    raise QueryError(f"error in stream: {self._scrub(str(chunk))[:200]}", "malformed_stream")
+                if not isinstance(chunk.get("choices"), list) and not (chunk.get("usage") or chunk.get("timings")):
+                    raise QueryError(f"stream chunk without choices: {self._scrub(data)[:120]!r}", "malformed_stream")
+                times += [now] * answer.take(chunk)
+            if done:
                 break
-            try:
-                chunk = json.loads(data)
-            except json.JSONDecodeError:
-                raise QueryError(f"malformed stream chunk: {self._scrub(data)[:120]!r}", "malformed_stream") from None
-            if not isinstance(chunk, dict) or "error" in chunk:
-                raise QueryError(f"error in stream: {self._scrub(str(chunk))[:200]}", "malformed_stream")
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings  # llama-server: in the last chunk
-            choices = chunk.get("choices")
-            if not isinstance(choices, list):
-                if chunk.get("usage") or chunk.get("timings"):
-                    continue
-                raise QueryError(f"stream chunk without choices: {self._scrub(data)[:120]!r}", "malformed_stream")
-            for choice in choices:
-                piece = self._content(choice) if isinstance(choice, dict) else ""
-                if piece:
-                    parts.append(piece)
-                    times.append(now)
-                if self.logprobs and isinstance(choice, dict):
-                    logprobs += token_logprobs(choice.get("logprobs"))
-                if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-                    finish = choice["finish_reason"] or finish
-        if not done and not finish:
+        if not done and not answer.finish:
             # the connection closed mid-answer (e.g. the server died): retried like a connection error
             raise _Retryable("stream ended before [DONE] or a finish_reason", "connection")
-        return self._completion("".join(parts), usage, start, times, finish, stops, timings, logprobs)
+        return self._completion(answer, start, times, stops)
 
     def _read_json(self, resp: Any, start: float, stops: list[str]) -> Completion:
         """A server that ignores ``stream`` and answers with one JSON body: TTFT is the end."""
@@ -555,30 +440,18 @@ class OpenAIBackend(BackendBase):
                 raise TypeError("a choice that is not an object")
         except (ValueError, KeyError, IndexError, TypeError):
             raise QueryError("response is neither an event stream nor a completion JSON", "malformed_stream") from None
-        now = time.monotonic()
-        text = self._content(choice)
-        finish = choice.get("finish_reason")
-        return self._completion(text, data.get("usage") or {}, start, [now] if text else [],
-                                finish if isinstance(finish, str) else "", stops, data.get("timings"),
-                                token_logprobs(choice.get("logprobs")) if self.logprobs else [])
+        answer = Answer(self.api, self.logprobs)
+        answer.take({**data, "choices": [choice]})
+        return self._completion(answer, start, [time.monotonic()] if answer.parts else [], stops)
 
-    def _completion(self, text: str, usage: dict[str, Any], start: float, times: list[float], finish: str,
-                    stops: list[str], timings: Any = None, logprobs: list[float] | None = None) -> Completion:
+    def _completion(self, answer: Answer, start: float, times: list[float], stops: list[str]) -> Completion:
+        text = answer.text
         cut = min((text.find(s) for s in stops if s and s in text), default=-1)
         if cut >= 0:
             text = text[:cut]
         if not text.strip():
-            raise QueryError(f"empty answer (finish_reason={finish or 'none'})", "empty_answer")
-        usage = usage if isinstance(usage, dict) else {}
-        prompt, output = token_count(usage.get("prompt_tokens")), token_count(usage.get("completion_tokens"))
-        return Completion(
-            text=text.strip(),
-            prompt_tokens=prompt or 0,
-            completion_tokens=len(times) if output is None else output,
-            start_s=start, first_token_s=times[0] if times else None, end_s=time.monotonic(),
-            token_times_s=tuple(times), finish_reason=finish, server_timings=server_timings(timings),
-            mean_logprob=sum(logprobs) / len(logprobs) if logprobs else None,
-        )
+            raise QueryError(f"empty answer (finish_reason={answer.finish or 'none'})", "empty_answer")
+        return answer.completion(start, time.monotonic(), tuple(times), text=text.strip())
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
