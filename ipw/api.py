@@ -10,12 +10,14 @@ sensors (numpy, pynvml) are imported only when a block starts.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-from ipw.telemetry.base import EnergyReading, SensorInfo, total_energy
+from ipw.telemetry.base import EnergyReading, SensorInfo
+
+if TYPE_CHECKING:
+    from ipw.metering.call import OpenCall
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,11 @@ class measure:
         self.pids = [os.getpid()] if pids is None else list(pids)
         self.rapl = rapl
         self.result: Measurement | None = None
-        self._open: tuple[Any, list[Any], float] | None = None
+        self._open: OpenCall | None = None
 
     def __enter__(self) -> "measure":
         from ipw.telemetry.probe import probe_sensors
+        from ipw.metering.call import open_call
         from ipw.metering.window import Window
 
         if self._open is not None:
@@ -79,27 +82,23 @@ class measure:
         pids = self.pids
         window = Window(probe_sensors(lambda: pids, gpu_indices=self.gpus, rapl=self.rapl))
         self.result = None
-        start_s = time.monotonic()  # the window's edge: its sensors' and the measurement's start alike
-        self._open = (window, window.begin(start_s), start_s)
+        self._open = open_call(window)  # the window's edge: its sensors' and the measurement's start alike
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._open is not None
-        window, tokens, start_s = self._open
-        self._open = None
-        end_s = time.monotonic()
-        duration_s = end_s - start_s
+        call, self._open = self._open, None
         try:
-            closed = window.end(tokens, end_s)
-            readings = closed.readings()
-            sensors = tuple(s.info() for s in window.sensors)
+            measured = call.close()
+            energy = measured.energy()
+            sensors = tuple(s.info() for s in call.window.sensors)
         finally:
-            for sensor in window.sensors:
+            for sensor in call.window.sensors:
                 sensor.close()
-        total = total_energy(readings)
+        total = energy.total
         self.result = Measurement(
             energy_j=total.energy_j, quality=total.quality, source=total.source, scope=total.scope,
-            best_effort_energy_j=total.best_effort_j, duration_s=duration_s, parts=tuple(readings),
+            best_effort_energy_j=total.best_effort_j, duration_s=measured.duration_s, parts=tuple(energy.readings),
             sensors=sensors,
         )
 

@@ -272,11 +272,9 @@ class Judge:
         self.backend.close()
 
     def call(self, prompt: str) -> JudgeCall:
-        from ipw.telemetry.base import total_energy
-        from ipw.metering.window import with_estimate
+        from ipw.metering.call import open_call
 
-        start = time.monotonic()  # the window's edges are the call's start and end
-        tokens = self.window.begin(start)
+        call = open_call(self.window)  # the window's edges are the call's start and end
         completion, error = None, None
         try:
             completion = self.backend.generate(prompt, self.settings)
@@ -284,17 +282,14 @@ class Judge:
             raise
         except Exception as exc:  # a failed judge call grades incorrect, recorded as an error
             error = f"{type(exc).__name__}: {exc}"
-        end = time.monotonic()
-        readings = self.window.end(tokens, end).readings()
-        ok = completion is not None
-        readings = with_estimate(readings, self.backend.energy_estimate,
-                                 completion.completion_tokens if completion is not None else 0, ok, end - start)
-        total = total_energy(readings)
+        measured = call.close()
+        total = measured.energy(estimate=self.backend.energy_estimate, ok=completion is not None,
+                                completion_tokens=completion.completion_tokens if completion is not None else 0).total
         return JudgeCall(
             output=completion.text if completion else "",
             prompt_tokens=completion.prompt_tokens if completion else 0,
             completion_tokens=completion.completion_tokens if completion else 0,
-            latency_s=end - start, energy_j=total.energy_j, energy_quality=total.quality,
+            latency_s=measured.duration_s, energy_j=total.energy_j, energy_quality=total.quality,
             energy_source=total.source, error=error,
         )
 

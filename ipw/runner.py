@@ -17,6 +17,7 @@ from ipw.backends.worker import EngineStopped
 from ipw.config import RunConfig
 from ipw.datasets import Query, QuerySet
 from ipw.errors import IpwError
+from ipw.metering.call import open_call
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.metering.split import RUN_PERIOD_S
 from ipw.metering.record import RecordSink, RecordWriter, make_record
@@ -103,15 +104,13 @@ def run_backend(
                 # start and end, and the call; the record is made final, written and reported by the
                 # recorder's thread (docs/PERFORMANCE.md)
                 for repeat, query in work:
-                    start = time.monotonic()
-                    tokens = window.begin(start)
+                    call = open_call(window)
                     recorder.started()
                     completion, error = run_query(backend, query, config)
-                    end = time.monotonic()
-                    closed = window.end(tokens, end)
-                    recorder.put(closed, tokens, first_token_s(completion), functools.partial(
-                        make_record, folder.manifest.run_id, spec, query, repeat, completion, error, start, end,
-                        idle=idle, estimate=backend.energy_estimate))
+                    measured = call.close()
+                    recorder.put(measured.closed, measured.tokens, first_token_s(completion), functools.partial(
+                        make_record, folder.manifest.run_id, spec, query, repeat, completion, error,
+                        measured.start_s, measured.end_s, idle=idle, estimate=backend.energy_estimate))
                     if isinstance(error, QueryError) and error.category == "engine_crash":
                         backend.recover()  # a new worker, outside any window; EngineStopped after MAX_RESTARTS
         except EngineStopped as exc:

@@ -15,10 +15,11 @@ from typing import Any, Callable, Protocol
 from ipw.backends.base import BackendSpec, Completion
 from ipw.datasets import Query
 from ipw.metering.meter import Share
-from ipw.metering.window import Closed, IdleBaseline, resolve, with_estimate
+from ipw.metering.call import call_energy
+from ipw.metering.window import Closed, IdleBaseline, resolve
 from ipw.results import QueryRecord, RunFolder, RunManifest
 from ipw.scoring import record_score
-from ipw.telemetry.base import EnergyReading, Sensor, total_energy
+from ipw.telemetry.base import EnergyReading, Sensor
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.phases import record_phases, sensor_splits_many
 
@@ -39,9 +40,9 @@ def make_record(
     identity = node_identity()[0]
     duration = end_s - start_s
     ok = error is None and completion is not None
-    readings = with_estimate(readings, estimate, completion.completion_tokens if ok and completion is not None else 0,
-                             ok, duration)
-    total = total_energy(readings)
+    energy = call_energy(readings, estimate, completion.completion_tokens if ok and completion is not None else 0,
+                         ok, duration)
+    readings, total = energy.readings, energy.total
     net = split_uncertainty = None
     if total.energy_j is not None:
         basis = {r.component for r in readings if r.source in total.source.split("+") and r.energy_j is not None}

@@ -114,11 +114,3 @@ def measure_idle(window: Window, seconds: float) -> IdleBaseline:
         duration_s=seconds,
     )
 
-
-def with_estimate(readings: list[EnergyReading], estimate: Any, completion_tokens: int, ok: bool,
-                  duration_s: float) -> list[EnergyReading]:
-    """A window's readings plus a remote endpoint's ``estimate.api`` reading (``estimate``: an
-    ApiEnergyEstimate, or None for none): shared by a run's queries and the judge's calls."""
-    if estimate is None:
-        return readings
-    return [*readings, estimate.reading(completion_tokens, ok, duration_s)]
