@@ -209,9 +209,9 @@ def priced_shares(prefill: np.ndarray, decode: np.ndarray, active_s: np.ndarray,
     """The ``priced`` split, from :func:`token_work`'s arrays: each request's share of the period's energy,
     ``prefill_weight x its prefill tokens + its output tokens`` over the sum of everyone's (by active time when
     no request did work; equal parts when no request was active for any time); sums to 1."""
-    work = (prefill_weight * prefill + decode).sum(axis=1)
+    work: np.ndarray = (prefill_weight * prefill + decode).sum(axis=1)
     if work.sum() > 0:
-        return work / work.sum()
+        return work / float(work.sum())
     active = active_s.sum(axis=1)
     return active / active.sum() if active.sum() > 0 else np.full(len(work), 1.0 / max(1, len(work)))
 
