@@ -29,7 +29,9 @@ ALLOWED = {
     # values read from a dataset or a Parquet row (numpy scalars and arrays)
     "ipw/datasets.py": {"value"},
     "ipw/presets.py": {"value"},
-    "ipw/results.py": {"value", "self", "row"},  # self, row: a dataclass's own fields, by name
+    "ipw/results/schema.py": {"value"},
+    "ipw/results/manifest.py": {"self"},  # a dataclass's own fields, by name
+    "ipw/results/log.py": {"row"},
     # the platform, a lazy import, third-party objects (vLLM, tokenizers, a stream)
     "ipw/export/mlflow.py": {"found"},  # an MLflow server's answer, whatever the server is
     "ipw/telemetry/snapshots.py": {"os"},

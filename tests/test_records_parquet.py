@@ -38,7 +38,7 @@ def test_chunked_parquet_holds_what_the_whole_log_file_held(tmp_path):
 
 
 def test_finish_writes_one_row_group_per_chunk(tmp_path, monkeypatch):
-    monkeypatch.setattr(results, "RECORDS_CHUNK", 4)
+    monkeypatch.setattr(results.log, "RECORDS_CHUNK", 4)
     folder = _folder(tmp_path)
     folder.finish("complete")
     path = folder.path / "records.parquet"
@@ -48,7 +48,7 @@ def test_finish_writes_one_row_group_per_chunk(tmp_path, monkeypatch):
 
 
 def test_a_damaged_line_found_while_writing_leaves_no_parquet(tmp_path, monkeypatch):
-    monkeypatch.setattr(results, "RECORDS_CHUNK", 4)
+    monkeypatch.setattr(results.log, "RECORDS_CHUNK", 4)
     folder = _folder(tmp_path)
     log = folder.path / "records.jsonl"
     lines = log.read_text().splitlines(keepends=True)

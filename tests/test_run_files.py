@@ -1,4 +1,4 @@
-"""The files of a run folder other than the manifest and the records, typed and read through ipw/results.py:
+"""The files of a run folder other than the manifest and the records, typed and read through ipw/results/:
 judge.jsonl (``JudgeEntry``, versioned; old unversioned lines still read), power.parquet."""
 
 from __future__ import annotations
