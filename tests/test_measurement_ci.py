@@ -65,6 +65,9 @@ def test_measurement_sd_of_a_records_parts():
     sd_gpu = 0.7 / Z90
     assert shared == pytest.approx(0.0022 * 10.0 + 0.425 / Z90)
     assert indep == pytest.approx(np.sqrt(sd_gpu ** 2 - (0.0022 * 10.0) ** 2))
+    # a share of a period that states less than the CPU model's coefficient carries at least its 60%
+    split = [{**parts[1], "uncertainty_j": 0.1 * 0.5}]
+    assert measurement_sd(split) == (0.0, pytest.approx(0.6 * 0.5 / Z90))
     old = [{k: v for k, v in p.items() if k != "uncertainty_j"} for p in parts]  # a record made before it
     assert measurement_sd(json.dumps(old)) == (0.0, 0.0) and measurement_sd(None) == (0.0, 0.0)
     # power no counter calibrated (a Jetson board, a distrusted NVML counter): its 3% is every window's

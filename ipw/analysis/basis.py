@@ -94,7 +94,8 @@ def under_basis(pq: PerQuery, infos: Sequence[BackendInfo], basis: str) -> tuple
                          "twice")
         return dataclasses.replace(pq, energy_j=pq.energy_j * k, prefill_energy_j=scaled(pq.prefill_energy_j),
                                    decode_energy_j=scaled(pq.decode_energy_j), energy_sd_j=scaled(pq.energy_sd_j),
-                                   energy_shared_sd_j=scaled(pq.energy_shared_sd_j)), notes
+                                   shared_sd_j=None if pq.shared_sd_j is None else
+                                   {key: x * k for key, x in pq.shared_sd_j.items()}), notes
     node = pq.node_energy_j if pq.node_energy_j is not None else np.full(pq.energy_j.shape, np.nan)
     missing = [i.label for j, i in enumerate(infos) if np.isnan(node[j]).all()]
     if missing:
@@ -103,7 +104,7 @@ def under_basis(pq: PerQuery, infos: Sequence[BackendInfo], basis: str) -> tuple
     notes.append("energy basis node: the whole machine's energy from its BMC over each query's window; phases and "
                  "measurement errors are the chip's only, so not shown on this basis")
     return dataclasses.replace(pq, energy_j=node, prefill_energy_j=None, decode_energy_j=None, energy_sd_j=None,
-                               energy_shared_sd_j=None), notes
+                               shared_sd_j=None), notes
 
 
 def values_under(v: dict[str, Any], info: BackendInfo, basis: str, carbon: Any = None,
@@ -113,14 +114,16 @@ def values_under(v: dict[str, Any], info: BackendInfo, basis: str, carbon: Any =
     check_basis(basis)
     out, notes = dict(v), []
     if basis == "facility" and info.pue != 1.0:
-        for k in ("energy_j", "prefill_energy_j", "decode_energy_j", "energy_sd_j", "energy_shared_sd_j"):
+        for k in ("energy_j", "prefill_energy_j", "decode_energy_j", "energy_sd_j"):
             out[k] = None if v.get(k) is None else v[k] * info.pue
+        if v.get("shared_sd_j") is not None:
+            out["shared_sd_j"] = {key: x * info.pue for key, x in v["shared_sd_j"].items()}
         notes.append(f"{info.label}: energy basis facility: chip energy x PUE {info.pue:g} "
                      f"({info.pue_source or 'source not stated'})")
     elif basis == "node":
         node = v.get("node_energy_j")
         out["energy_j"] = node if node is not None else np.full(np.shape(v["energy_j"]), np.nan)
-        out.update(prefill_energy_j=None, decode_energy_j=None, energy_sd_j=None, energy_shared_sd_j=None)
+        out.update(prefill_energy_j=None, decode_energy_j=None, energy_sd_j=None, shared_sd_j=None)
         if node is None or np.isnan(node).all():
             notes.append(f"{info.label}: energy basis node: unavailable (no node reading in its records)")
     intensity = CarbonIntensity.from_dict(carbon)

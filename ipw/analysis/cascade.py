@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ipw.analysis.stats import LEVEL, Estimate, bootstrap_draws, interval, n_resamples, resample_weights
+from ipw.analysis.stats import (LEVEL, EnergyErrors, Estimate, MeasurementError, bootstrap_draws, interval,
+                                n_resamples, resample_weights)
 
 if TYPE_CHECKING:
     from ipw.analysis.load import PerQuery
@@ -59,6 +60,7 @@ class Queries:
     cloud_latency_s: np.ndarray
     local_cost_usd: np.ndarray | None = None
     cloud_cost_usd: np.ndarray | None = None
+    energy_errors: EnergyErrors | None = None  # measurement errors of energy, rows: local, cloud (None: none)
 
     @property
     def n(self) -> int:
@@ -70,7 +72,8 @@ class Queries:
 
         return Queries(self.local, self.cloud, self.logprob[keep], self.local_correct[keep], self.cloud_correct[keep],
                        self.local_energy_j[keep], self.cloud_energy_j[keep], self.local_latency_s[keep],
-                       self.cloud_latency_s[keep], sub(self.local_cost_usd), sub(self.cloud_cost_usd))
+                       self.cloud_latency_s[keep], sub(self.local_cost_usd), sub(self.cloud_cost_usd),
+                       None if self.energy_errors is None else self.energy_errors.items(keep))
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,21 @@ def _columns(q: Queries, attempted: np.ndarray, escalated: np.ndarray) -> list[n
     return cols
 
 
+def _errors(q: Queries, policies: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[MeasurementError]:
+    """The energy columns' measurement errors (compare's rule, ``ipw.analysis.stats``): the spent energy has the
+    local backend's where it was asked and the cloud's where the query went there; a shared error of one
+    source is one draw for both, and cancels in the saving."""
+    if q.energy_errors is None:
+        return []
+    width, energy, cloud = len(_COLUMNS), _COLUMNS.index("energy"), _COLUMNS.index("cloud_energy")
+    out = []
+    for p, (attempted, escalated) in enumerate(policies):
+        to_cloud = ~(attempted & ~escalated)
+        out += q.energy_errors.of(p * width + energy, 0, attempted) + q.energy_errors.of(p * width + energy, 1, to_cloud)
+        out += q.energy_errors.of(p * width + cloud, 1)
+    return out
+
+
 def _known(local: np.ndarray | None, cloud: np.ndarray | None) -> bool:
     return local is not None and cloud is not None and not (np.isnan(local).any() or np.isnan(cloud).any())
 
@@ -229,7 +247,7 @@ def measure(q: Queries, policies: Sequence[tuple[np.ndarray, np.ndarray]], *, n_
     set of resamples of the queries for all of them)."""
     width = len(_COLUMNS)
     cols = [c for attempted, escalated in policies for c in _columns(q, attempted, escalated)]
-    draws = bootstrap_draws(cols, n_boot=n_boot or n_resamples(q.n), seed=seed)
+    draws = bootstrap_draws(cols, n_boot=n_boot or n_resamples(q.n), seed=seed, measurement=_errors(q, policies))
     known = {"energy": _known(q.local_energy_j, q.cloud_energy_j),
              "latency": _known(q.local_latency_s, q.cloud_latency_s),
              "cost": _known(q.local_cost_usd, q.cloud_cost_usd)}
@@ -344,15 +362,19 @@ def cascades(pq: PerQuery, labels: Sequence[str], qualities: Sequence[str], loca
     queries, USD) as ``ipw compare`` prices them."""
     from ipw.telemetry.base import QUALITY_ORDER, worst_quality
 
+    from ipw.analysis.load import energy_errors
+
     if pq.mean_logprob is None:
         return ()
+    errors = energy_errors(pq)
     out = []
     for j in local:
         if np.isnan(pq.mean_logprob[j]).all():
             continue
         q = Queries(labels[j], labels[cloud], pq.mean_logprob[j], pq.correct[j], pq.correct[cloud], pq.energy_j[j],
                     pq.energy_j[cloud], pq.latency_s[j], pq.latency_s[cloud],
-                    None if cost is None else cost[j], None if cost is None else cost[cloud])
+                    None if cost is None else cost[j], None if cost is None else cost[cloud],
+                    None if errors is None else errors.rows([j, cloud]))
         quality = worst_quality([x for x in (qualities[j], qualities[cloud]) if x in QUALITY_ORDER])
         out.append(evaluate(q, n_boot=n_boot, seed=seed, energy_quality=quality))
     return tuple(out)

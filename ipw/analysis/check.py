@@ -193,6 +193,8 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
     ``work_gate``: compare token counts and errors per query exactly, when both runs decoded greedily.
     ``unsteady``: {backend: why its token counts are not deterministic}; its work rows report, never fail. A
     backend served several requests at once (batched decoding) is unsteady without being named."""
+    from ipw.analysis.load import take
+
     reasons = comparability(base_manifest, cand_manifest, allow_hardware_mismatch)
     if reasons:
         raise IpwError("not comparable: " + "; ".join(reasons))
@@ -214,10 +216,8 @@ def check_runs(base_manifest: RunManifest, base: Any, cand_manifest: RunManifest
         if bool(qb & measured) != bool(qc & measured) or bool(qb - measured) != bool(qc - measured):
             raise IpwError(f"not comparable: backend {name}: energy bases differ ({sorted(qb)} vs {sorted(qc)})")
         common = pb.query_id[pb.present].intersection(pc.query_id[pc.present], sort=False)
-        vb: dict[str, Any] = {k: (None if x is None else x[pb.query_id.get_indexer(common)])
-                              for k, x in pb.values.items()}
-        vc: dict[str, Any] = {k: (None if x is None else x[pc.query_id.get_indexer(common)])
-                              for k, x in pc.values.items()}
+        vb: dict[str, Any] = take(pb.values, pb.query_id.get_indexer(common))
+        vc: dict[str, Any] = take(pc.values, pc.query_id.get_indexer(common))
         n = len(common)
         if n == 0:
             raise IpwError(f"not comparable: backend {name}: the runs share no query")
@@ -331,23 +331,33 @@ def _status(t: Threshold, change: float, p_worse: float, p_better: float, alpha:
 def _measurement(name: str, vb: dict[str, Any], vc: dict[str, Any], col_b: int, col_c: int, notes: list[str],
                  ) -> list[MeasurementError]:
     """The energy columns' measurement errors (ipw.analysis.stats): each query's independent error, drawn for
-    each run apart. The shared part (one calibration, or the estimated model's error, the same for every
-    query) is one error common to both runs: they ran on one machine (``comparability``) with one energy
-    basis, so it scales both alike and cancels in the change; it is noted, not drawn."""
+    each run apart, and each shared error (one calibration, or the estimated model's error, the same for every
+    query) with the key of its source (``ipw.analysis.load``): a source both runs share (this machine's CPU
+    model, a device's own bias: ``comparability`` holds them to one kind of machine) is one draw for both, so
+    it scales both alike and cancels in the change; a sensor session's calibration is each run's own."""
     out = []
-    shared = []
+    shared: dict[str, list[float]] = {}
     for col, v in ((col_b, vb), (col_c, vc)):
-        e, sd, sh = v["energy_j"], v.get("energy_sd_j"), v.get("energy_shared_sd_j")
+        e, sd = v["energy_j"], v.get("energy_sd_j")
         has = ~np.isnan(e)
         total = float(np.nansum(np.where(has, e, 0.0)))
         if sd is not None:
             out.append(MeasurementError(col, np.where(has, np.nan_to_num(sd), 0.0)))
-        if sh is not None and np.nansum(sh) > 0 and total > 0:  # of 0 J no share can be stated (nor divided by)
-            shared.append(100 * float(np.nansum(np.where(has, sh, 0.0))) / total)
-    if shared:
-        notes.append(f"{name}: the energy's shared error (±{1.645 * max(shared):.0f}% at 90%, one for every query: the "
-                     "estimate's model or the counter's calibration) is common to both runs on this machine and "
-                     "cancels in the change; each query's independent error is drawn on every resample")
+        for key, sh in (v.get("shared_sd_j") or {}).items():
+            part = np.where(has, np.nan_to_num(sh), 0.0)
+            out.append(MeasurementError(col, np.zeros(len(e)), part, key))
+            if total > 0:  # of 0 J no share can be stated (nor divided by)
+                shared.setdefault(key, []).append(100 * float(part.sum()) / total)
+    both = [max(x) for x in shared.values() if len(x) == 2]
+    apart = [max(x) for x in shared.values() if len(x) == 1]
+    if both:
+        notes.append(f"{name}: the energy's shared error (±{1.645 * max(both):.0f}% at 90%, one for every query: the "
+                     "estimate's model or a device's bias on this machine) is common to both runs and cancels in "
+                     "the change; each query's independent error is drawn on every resample")
+    if apart:
+        notes.append(f"{name}: a shared error that each run has of its own (±{1.645 * max(apart):.1f}% at 90%: a "
+                     "sensor session's calibration, or a record that does not say its machine) is drawn for each "
+                     "run apart")
     return out
 
 

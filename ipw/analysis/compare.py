@@ -23,7 +23,7 @@ import numpy as np
 from ipw.analysis import metrics as metric_table
 from ipw.analysis.basis import available, carbon_rows, check_basis, intensities, parse_pue, under_basis, with_pue
 from ipw.analysis.cascade import Cascade, cascades
-from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, judge_lines, level_label, load
+from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, energy_errors, judge_lines, level_label, load
 from ipw.analysis.routing import (ROUTER_ACCURACY, OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles,
                                   route, solved)
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
@@ -60,7 +60,7 @@ class JudgeRow:
 def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeRow, ...]:
     """Per judged run, per backend of ``backends``: the judge's verdicts overall (category "") and per
     category, from the run's judge.jsonl."""
-    from ipw.judge import orders_agree
+    from ipw.grading import orders_agree
     from ipw.telemetry.base import worst_quality
 
     out = []
@@ -289,25 +289,40 @@ def _columns(pq: PerQuery, cost: np.ndarray | None, oq: OracleQueries | None, ri
     return cols
 
 
-def measurement_errors(pq: PerQuery, col: dict[Any, int], oq: OracleQueries | None = None,
+def measurement_errors(pq: PerQuery, col: dict[Any, int], labels: Sequence[str], oq: OracleQueries | None = None,
                        ) -> tuple[list[MeasurementError], str]:
-    """Each backend's energy column with its queries' measurement errors (``PerQuery.energy_sd_j`` and
-    ``energy_shared_sd_j``), and the routed energy with the error of the backend each query goes to; and
-    one line that says what the CIs carry.  The routed and the cloud-only energy draw their errors apart
-    (a query routed to the cloud is one measurement in both): conservative for the savings."""
-    if pq.energy_sd_j is None and pq.energy_shared_sd_j is None:
+    """Each backend's energy column with its queries' measurement errors (``ipw.analysis.load.energy_errors``),
+    and the routed energy with the errors of the backend each query goes to; and one line that says what the
+    CIs carry.  A shared error is one draw for every column with its source's key (the same CPU model or
+    device on one machine): it cancels in every saving and paired difference between backends that share it.
+    Independent errors, and shared ones of different sources, are drawn apart; the routed and the cloud-only
+    energy draw their independent errors apart (a query routed to the cloud is one measurement in both):
+    conservative for the savings."""
+    errors = energy_errors(pq)
+    if errors is None:
         return [], "CIs resample queries only: these runs state no measurement uncertainty (made before it was recorded)"
-    sd = np.nan_to_num(pq.energy_sd_j) if pq.energy_sd_j is not None else np.zeros_like(pq.energy_j)
-    shared = np.nan_to_num(pq.energy_shared_sd_j) if pq.energy_shared_sd_j is not None else np.zeros_like(pq.energy_j)
-    has = ~np.isnan(pq.energy_j)
-    out = [MeasurementError(col[(j, "energy_j")], np.where(has[j], sd[j], 0.0), np.where(has[j], shared[j], 0.0))
-           for j in range(pq.energy_j.shape[0]) if (j, "energy_j") in col]
+    out = [e for j in range(pq.energy_j.shape[0]) if (j, "energy_j") in col for e in errors.of(col[(j, "energy_j")], j)]
     if oq is not None and ("route", "energy") in col:
-        rows = np.arange(len(oq.choice))
-        out.append(MeasurementError(col[("route", "energy")], sd.T[rows, oq.choice], shared.T[rows, oq.choice]))
-    stated = int(((sd > 0) | (shared > 0)).any(axis=1).sum())
+        out += [e for j in np.unique(oq.choice) for e in errors.of(col[("route", "energy")], int(j), oq.choice == j)]
+    stated = int(errors.stated.sum())
     return out, (f"energy CIs include measurement error (each query's ±90% energy interval drawn on every resample; "
-                 f"{stated} of {pq.energy_j.shape[0]} backends state one)")
+                 f"{stated} of {pq.energy_j.shape[0]} backends state one; {shared_note(pq, labels)})")
+
+
+def shared_note(pq: PerQuery, labels: Sequence[str]) -> str:
+    """Which shared errors cancel: those one source brings to several backends (drawn once for all of them),
+    and that the others are drawn per backend."""
+    if not pq.shared_sd_j:
+        return "no shared error stated"
+    common = []
+    for key, x in pq.shared_sd_j.items():
+        rows = np.flatnonzero(np.nan_to_num(x).any(axis=1))
+        if len(rows) > 1:
+            what = "the CPU model's W/core" if " model.cpu" in key else f"the uncalibrated {key.split(' ', 1)[-1]}"
+            common.append(f"{what} is common to {', '.join(labels[int(j)] for j in rows)} (one machine): drawn once, it "
+                          "cancels in their savings and differences")
+    return "; ".join(common + ["other shared errors (a sensor session's calibration, another machine's or "
+                               "device's) are drawn per backend"])
 
 
 def quantiles_of(pq: PerQuery) -> list[tuple[np.ndarray, tuple[float, ...]]]:
@@ -390,7 +405,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     envelope = [[labels.index(x) for x in p.backends] for p in routing.power_envelope] if routing else []
     cols = _columns(pq, cost, oq, ri, envelope, carbon=carbon_g)
     col = cols.index
-    errors, measurement = measurement_errors(pq, col, oq)
+    errors, measurement = measurement_errors(pq, col, labels, oq)
     notes.append(measurement)
     draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=n, n_boot=n_boot, seed=seed,
                             measurement=errors)
@@ -442,7 +457,7 @@ def basis_views(chip_pq: PerQuery, infos: Sequence[BackendInfo], ri: int, local_
                                  win_tie=None if pq.win_tie is None else pq.win_tie.T)
             oq = oracle_queries(matrix, list(local_idx), ri)
         cols = _columns(pq, None, oq, ri, carbon=carbon_g)
-        errors, _ = measurement_errors(pq, cols.index, oq)
+        errors, _ = measurement_errors(pq, cols.index, labels, oq)
         draws = bootstrap_draws(cols.made(), quantiles_of(pq), n_columns=len(cols.makers), n_items=pq.correct.shape[1],
                                 n_boot=n_boot, seed=seed, measurement=errors)
         metrics, _ = _estimates(draws, cols.index, labels, ri)

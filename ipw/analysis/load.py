@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ipw.analysis.stats import EnergyErrors
 from ipw.errors import IpwError
 from ipw.results import JudgeEntry, RunManifest, manifest_field
 from ipw.telemetry.hardware import machines
@@ -83,10 +84,11 @@ class PerQuery:
     # records of several machines, whose monotonic clocks do not compare)
     wall_share_s: np.ndarray | None = None
     # each query's measurement error of energy_j, 1 sd (J), repeats averaged: independent per window, and
-    # shared by every query of the backend (ipw.analysis.stats.measurement_sd); None when no record states
-    # one (runs made before readings carried uncertainty_j, or read without their parts)
+    # shared, by its source (_shared_key: one error for every reading of that source, whichever backend;
+    # arrays (backends, queries), 0 where a backend has none of it); None when no record states one (runs
+    # made before readings carried uncertainty_j, or read without their parts)
     energy_sd_j: np.ndarray | None = None
-    energy_shared_sd_j: np.ndarray | None = None
+    shared_sd_j: dict[str, np.ndarray] | None = None
     # --common-queries: why query_id holds only the queries every backend shares ("": every backend has them all);
     # also one of ``load``'s notes, kept apart so that ``ipw run`` shows it without looking for it by its text
     query_set_note: str = ""
@@ -102,7 +104,7 @@ class PerQuery:
 
 FIELDS = ("correct", "energy_j", "duration_s", "latency_s", "ttft_s", "completion_tokens", "prompt_tokens", "errors",
           "error_share",
-          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j", "energy_shared_sd_j",
+          "prefill_energy_j", "decode_energy_j", "win_tie", "wall_share_s", "energy_sd_j",
           "mean_logprob", "node_energy_j")
 #: Runs up to this many records have their readings (energy_parts) read for the measurement error of their
 #: energy; above it the parts are not read (hundreds of bytes a record) and CIs say they carry none.
@@ -120,7 +122,7 @@ class _Part:
     present: np.ndarray  # bool per run query
     category: np.ndarray  # int code per run query
     categories: list[str]
-    values: dict[str, np.ndarray | None]
+    values: dict[str, Any]  # arrays per query (None: no record has it); shared_sd_j: {source: array}
 
 
 CATEGORICAL = ["backend", "model", "role", "category", "error", "energy_quality", "energy_source", "vs_backend",
@@ -264,25 +266,35 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
     for name in ("prefill_energy_j", "decode_energy_j", "win_tie", "mean_logprob"):  # None in runs made before them
         x = _floats(frame[name])
         values[name] = None if np.isnan(x).all() else mean(x)
-    values["energy_sd_j"] = values["energy_shared_sd_j"] = values["node_energy_j"] = None
+    values["energy_sd_j"] = values["node_energy_j"] = None
+    shared_sd: dict[str, np.ndarray] = {}  # by source (_shared_key): (backends, queries)
     if "energy_parts" in frame:  # the node's energy (--energy-basis node): only records with a node reading parsed
         node = _node_energy(frame["energy_parts"].astype(object))
         values["node_energy_j"] = None if np.isnan(node).all() else mean(node)
     if "energy_parts" in frame:  # measurement error: a mean of k repeats has sqrt(sum sd^2) / k, shared sd / k
-        from ipw.analysis.stats import measurement_sd
+        from ipw.telemetry.uncertainty import measurement_by_source
 
         texts = frame["energy_parts"].astype(object)
         stated = texts.str.contains('"uncertainty_j": [-0-9]', regex=True, na=False).to_numpy()
-        sd = np.zeros((len(texts), 2))
+        sd = np.zeros(len(texts))
+        by_source: dict[str, np.ndarray] = {}  # per record
         if stated.any():  # records made before readings stated it are skipped unparsed
-            sd[stated] = [measurement_sd(x) for x in texts[stated]]
+            nodes = frame["node"].astype(object).to_numpy()
+            backend_of = frame["backend"].astype(object).to_numpy()
+            coefficients = _cpu_model_coefficients(manifest)
+            for i in np.flatnonzero(stated):
+                sd[i], shared = measurement_by_source(texts.iloc[i])
+                for (scope, source), s in shared.items():
+                    name = _shared_key(scope, source, nodes[i], run_id, str(backend_of[i]), coefficients)
+                    by_source.setdefault(name, np.zeros(len(texts)))[i] += s
         e_ok = ~np.isnan(_floats(frame["energy_j"]))
-        if (sd[e_ok] > 0).any():
+        if (sd[e_ok] > 0).any() or any((x[e_ok] > 0).any() for x in by_source.values()):
             k = np.bincount(key, e_ok, size)
             with np.errstate(invalid="ignore", divide="ignore"):
-                values["energy_sd_j"] = (np.sqrt(np.bincount(key, np.where(e_ok, sd[:, 0] ** 2, 0.0), size)) / k
+                values["energy_sd_j"] = (np.sqrt(np.bincount(key, np.where(e_ok, sd ** 2, 0.0), size)) / k
                                          ).reshape(nb, nq)
-                values["energy_shared_sd_j"] = (np.bincount(key, np.where(e_ok, sd[:, 1], 0.0), size) / k).reshape(nb, nq)
+                shared_sd = {name: (np.bincount(key, np.where(e_ok, x, 0.0), size) / k).reshape(nb, nq)
+                             for name, x in by_source.items()}
     ccode, cnames = _codes(frame["category"], "")
     category = np.zeros(nq, np.int64)
     category[qcode] = ccode
@@ -316,9 +328,39 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
             energy_sources=tuple(src_names[i] for i in range(len(src_names)) if src_counts[g, i] and src_names[i]),
             pue=facility.get(name, (1.0, ""))[0], pue_source=facility.get(name, (1.0, ""))[1],
         )
+        mine = {name: x[g] for name, x in shared_sd.items() if np.nan_to_num(x[g]).any()}
         parts.append(_Part(run, info, qids, count.reshape(nb, nq)[g] > 0, category, cnames,
-                           {k: (None if v is None else v[g]) for k, v in values.items()}))
+                           {**{k: (None if v is None else v[g]) for k, v in values.items()},
+                            "shared_sd_j": mine or None}))
     return parts
+
+
+def _cpu_model_coefficients(manifest: RunManifest) -> dict[str, str]:
+    """Each backend's CPU model coefficient as its manifest states it (``W/core``, and what it rests on)."""
+    out = {}
+    for b in manifest.backends or []:
+        for sensor in b.get("sensors") or [] if isinstance(b, dict) else []:
+            params = sensor.get("params") or {} if isinstance(sensor, dict) else {}
+            if sensor.get("source") == "model.cpu" and params.get("watts_per_core") is not None:
+                out[str(b.get("name"))] = f"{params['watts_per_core']} W/core ({params.get('basis', '')})"
+    return out
+
+
+def _shared_key(scope: str, source: str, node: Any, run_id: str, backend: str, coefficients: dict[str, str]) -> str:
+    """The key of a shared error (``ipw.telemetry.uncertainty.measurement_by_source``): readings with one key
+    have one error, drawn once per resample (``ipw.analysis.stats``).  The machine's (a device's own bias, the
+    CPU model's coefficient) is keyed by the record's ``node`` and, for the CPU model, the coefficient its
+    backend's manifest states; a sensor session's (one backend's calibration), or one whose record does not
+    say its machine or coefficient, by the run and backend: drawn apart from every other backend."""
+    from ipw.telemetry.uncertainty import CPU_MODEL_SOURCE, MACHINE
+
+    machine = str(node) if isinstance(node, str) and node else ""
+    if scope == MACHINE and machine:
+        if source != CPU_MODEL_SOURCE:
+            return f"{machine} {source}"
+        if backend in coefficients:
+            return f"{machine} {source} {coefficients[backend]}"
+    return f"{run_id}/{backend} {source}"
 
 
 def _node_energy(texts: Any) -> np.ndarray:
@@ -360,6 +402,22 @@ def _carbon_of(path: Path, manifest: RunManifest) -> dict[str, Any] | None:
     if isinstance(carbon, dict) and carbon.get("g_per_kwh") is not None:
         check_intensity(carbon["g_per_kwh"], manifest_field(path, "carbon.g_per_kwh"))
     return carbon
+
+
+def energy_errors(pq: PerQuery) -> EnergyErrors | None:
+    """Every backend's measurement errors of energy (``ipw.analysis.stats.EnergyErrors``); None when no
+    record states one."""
+    if pq.energy_sd_j is None and pq.shared_sd_j is None:
+        return None
+    sd = np.nan_to_num(pq.energy_sd_j) if pq.energy_sd_j is not None else np.zeros_like(pq.energy_j)
+    has = ~np.isnan(pq.energy_j)
+    return EnergyErrors(np.where(has, sd, 0.0), {k: np.where(has, x, 0.0) for k, x in (pq.shared_sd_j or {}).items()})
+
+
+def take(values: dict[str, Any], items: np.ndarray) -> dict[str, Any]:
+    """One backend's per-query values (``_Part.values``) at ``items`` (indices)."""
+    return {k: (None if x is None else {s: y[items] for s, y in x.items()} if isinstance(x, dict) else x[items])
+            for k, x in values.items()}
 
 
 def judge_lines(run: RunInfo) -> list[JudgeEntry]:
@@ -456,7 +514,11 @@ def load(paths: Sequence[str | Path], *, common_queries: bool = False,
             v = p.values.pop(name)
             mat[j] = np.nan if v is None else aligned(p, v)
         out[name] = mat
+    shared: dict[str, np.ndarray] = {}
+    for j, p in enumerate(parts):
+        for name, x in (p.values.pop("shared_sd_j") or {}).items():
+            shared.setdefault(name, np.zeros((m, n)))[j] = np.nan_to_num(aligned(p, x))
     pq = PerQuery(query_id=universe, category=category, categories=tuple(categories), query_set_note=query_set_note,
-                  **out)
+                  shared_sd_j=shared or None, **out)
     runs = tuple({p.run.run_id: p.run for p in parts}.values())
     return runs, tuple(p.info for p in parts), pq, notes

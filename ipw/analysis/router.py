@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ipw.analysis.stats import Estimate
+from ipw.analysis.stats import EnergyErrors, Estimate
 from ipw.errors import IpwError
 
 FORMAT = "ipw-router"
@@ -105,6 +105,8 @@ class RouteData:
     cost_usd: np.ndarray | None = None  # (n, L); None: no prices
     cloud_cost_usd: np.ndarray | None = None
     trained_on: dict[str, Any] = field(default_factory=dict)  # runs, backends, hardware (the router file's)
+    # the energies' measurement errors, rows: the local backends (as ``local``), then the cloud; None: none stated
+    energy_errors: EnergyErrors | None = None
 
     @property
     def n(self) -> int:
@@ -134,7 +136,7 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     ``energy_basis`` and ``pue`` (``NAME=PUE``) put their energy on compare's basis (``ipw.analysis.basis``)."""
     from ipw.analysis.basis import parse_pue, under_basis, with_pue
     from ipw.analysis.compare import _reference, cost_matrix, parse_api_price, resolve_levels
-    from ipw.analysis.load import BackendInfo, load
+    from ipw.analysis.load import BackendInfo, energy_errors, load
     from ipw.analysis.routing import SOLVED_AT, resolve_roles
 
     if grading not in GRADINGS:
@@ -199,7 +201,9 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
         "n_queries": len(qids),
         "grading": grading,
     }
+    errors = energy_errors(pq)
     return RouteData(
+        energy_errors=None if errors is None else errors.rows([*li, ri]),
         query_id=tuple(qids), prompts=texts, category=cat,
         local=tuple(labels[j] for j in li), cloud=ref, grading=grading, label=label,
         correct=pq.correct[li].T, energy_j=pq.energy_j[li].T, latency_s=pq.latency_s[li].T,
@@ -400,13 +404,32 @@ def curve(data: RouteData, p: np.ndarray, thresholds: Sequence[float] = THRESHOL
             with np.errstate(invalid="ignore", divide="ignore"):
                 return _ci_of(float(1 - r.sum() / cloud_x.sum()), 1 - (weights @ r) / (weights @ cloud_x))
 
+        energy_saved = saved(data.energy_j, data.cloud_energy_j)
+        if energy_saved is not None and data.energy_errors is not None:
+            energy_saved = _energy_saved(data, ch, data.energy_errors, n_boot, seed)
         out.append(CurvePoint(
             threshold=float(t), local_share=share, accuracy=_ci_of(acc_v, acc_d), accuracy_loss=_ci_of(loss_v, loss_d),
-            energy_saved_fraction=saved(data.energy_j, data.cloud_energy_j),
+            energy_saved_fraction=energy_saved,
             latency_saved_fraction=saved(data.latency_s, data.cloud_latency_s),
             cost_saved_fraction=saved(data.cost_usd, data.cloud_cost_usd),
             pgr=(acc_v - local_acc) / gap if gap >= GAP_EPS else float("nan")))
     return tuple(out)
+
+
+def _energy_saved(data: RouteData, ch: np.ndarray, errors: EnergyErrors, n_boot: int, seed: int) -> Estimate:
+    """The energy saved by the routing ``ch`` with each query's measurement error drawn on the same resamples
+    as ``curve``'s (one seed): a shared error is one draw for both sums where its source is the same (compare's
+    rule, ``ipw.analysis.stats``), so it cancels in the saving."""
+    from ipw.analysis.stats import bootstrap_draws
+
+    rows = np.arange(data.n)
+    cloud = len(data.local)
+    routed = np.where(ch >= 0, data.energy_j[rows, np.maximum(ch, 0)], data.cloud_energy_j)
+    measurement = [e for b in range(cloud + 1) for e in errors.of(0, b, np.where(ch >= 0, ch, cloud) == b)]
+    measurement += errors.of(1, cloud)
+    d = bootstrap_draws([routed, data.cloud_energy_j], n_boot=n_boot, seed=seed, measurement=measurement)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return _ci_of(float(1 - d.point_sums[0] / d.point_sums[1]), 1 - d.sums[:, 0] / d.sums[:, 1])
 
 
 def apgr(points: Sequence[CurvePoint]) -> float:
@@ -464,7 +487,8 @@ def _subset(data: RouteData, rows: np.ndarray) -> RouteData:
                      tuple(np.asarray(data.category, object)[rows]), data.local, data.cloud, data.grading,
                      data.label[rows], data.correct[rows], data.energy_j[rows], data.latency_s[rows],
                      data.cloud_correct[rows], data.cloud_energy_j[rows], data.cloud_latency_s[rows],
-                     s(data.cost_usd), s(data.cloud_cost_usd), data.trained_on)
+                     s(data.cost_usd), s(data.cloud_cost_usd), data.trained_on,
+                     None if data.energy_errors is None else data.energy_errors.items(rows))
 
 
 def score(data: RouteData, p: np.ndarray, protocol: str, *, name: str = "trained router",
@@ -478,6 +502,11 @@ def score(data: RouteData, p: np.ndarray, protocol: str, *, name: str = "trained
     if not cloud_acc - local_acc >= GAP_EPS:
         notes.append(f"the cloud's accuracy ({cloud_acc:.1%}) is not above local-only ({local_acc:.1%}) by "
                      f"{GAP_EPS:.0%} or more: no gap to recover, APGR and the 50%/80% shares are not defined")
+    if data.energy_errors is not None:
+        notes.append("energy saved: each query's measurement error is drawn on every resample; a shared error of "
+                     "one source (one machine's CPU model, a device's bias) is one draw for the routed and the "
+                     "cloud-only energy and cancels in the saving; a sensor session's calibration, another "
+                     "machine's or device's, are drawn apart (as in ipw compare)")
     return PolicyScore(name=name, protocol=protocol, n_queries=data.n, local=data.local, cloud=data.cloud,
                        cloud_accuracy=cloud_acc, local_only_accuracy=local_acc, curve=points, auc=auc(data, p),
                        apgr=apgr(points), local_share_at_50=share_at(points, 0.5),
@@ -655,7 +684,7 @@ def check_out(path: Path, option: str = "--out") -> None:
 def save(router: Router, path: str | Path) -> None:
     """Write the router file atomically (``ipw.results``' temporary-file-and-rename, the file fsynced before
     the rename): a full disk or a file size limit leaves the old file as it was, and one line."""
-    from ipw.results import _atomic_write
+    from ipw.results import atomic_write
 
     path = Path(path)
     text = json.dumps(router.to_json(), indent=1) + "\n"
@@ -670,7 +699,7 @@ def save(router: Router, path: str | Path) -> None:
             raise IpwError(f"{path}: cannot write the router file ({exc.strerror or type(exc).__name__}); the "
                            "file is as it was") from None
 
-    _atomic_write(path, _temporary(path), write)
+    atomic_write(path, _temporary(path), write)
 
 
 # --- reading a router file: the whole file checked against what this ipw writes (issue 55) ----------------------

@@ -5,33 +5,39 @@ bootstrap resamples queries *and* draws each query's measurement error on every 
 both the queries' spread and how well each was measured.  This is the one place it happens:
 :func:`measurement_sd` turns a record's ``energy_parts`` into 1-sd errors, split into an independent part
 (edges, the load's variation: different for every window) and a shared part (one calibration ratio, one
-per-core power model: the same error for every query of a backend, which averaging over queries does not
-shrink); :class:`MeasurementError` attaches them to a summed column of :func:`bootstrap_draws`, which
-adds to each resample's sum ``sqrt(sum_i w_i sd_i^2) * z1 + (sum_i w_i shared_i) * z2`` (z1, z2 standard
-normal per resample; ``w`` the resample's weights: each drawn copy of a query its own independent error, so
-that the added variance of a mean is ``sum sd^2 / n^2``, the measured mean's own).  The normal draw of a sum
-of many independent errors is the central limit; for a handful of queries it is an approximation.  The
+per-core power model: the same error for every reading made through it, which averaging over queries does
+not shrink); :class:`MeasurementError` attaches them to a summed column of :func:`bootstrap_draws`, which
+adds to each resample's sum ``sqrt(sum_i w_i sd_i^2) * z1 + (sum_i w_i shared_i) * z_key`` (standard
+normals per resample; ``w`` the resample's weights: each drawn copy of a query its own independent error,
+so that the added variance of a mean is ``sum sd^2 / n^2``, the measured mean's own).  The normal draw of a
+sum of many independent errors is the central limit; for a handful of queries it is an approximation.  The
 independent part is conservative: the measured values' spread, which the resampling sees, already holds
 it once (for 50 ms windows the error model's sd is ~4% of a query's energy, about a tenth of the queries'
 own spread in the H200 runs, so the double count widens a CI by well under 1%).  The shared part is what
 resampling alone can never see.  Resample weights come from their own generator, so draws without
 measurement error are unchanged by it.
 
+Shared errors cancel where they are shared (issue 58): each shared error carries the key of its source
+(``MeasurementError.shared_key``: the machine and the sensor or model, ``ipw.analysis.load``), and one
+``z_key`` per resample is drawn for every column and backend with that key.  Two backends whose joules are
+CPU seconds x one machine's W/core scale together, so their ratio (a saving, a paired change) does not
+move with that coefficient's error; errors of different sources (other devices, machines, models, or one
+sensor session's own calibration) keep their own draws.  An empty key is a draw of its own.
+
     from ipw.analysis.stats import MeasurementError, bootstrap_draws, measurement_sd
     sd, shared = zip(*(measurement_sd(parts) for parts in records["energy_parts"]))
     draws = bootstrap_draws(columns, n_boot=2000, measurement=[MeasurementError(0, np.array(sd), np.array(shared))])
 
 From run folders, ``ipw.analysis.load`` already holds them per backend and query (``PerQuery.energy_sd_j``,
-``energy_shared_sd_j``: repeats averaged; None for runs that state none), and
-``ipw.analysis.compare.measurement_errors(pq, column_index)`` makes the list for every backend's energy
-column (``column_index[(j, "energy_j")]``).  Paired differences stay honest: two backends' errors are drawn apart,
-as two measurements are.
+``shared_sd_j`` by source; :func:`ipw.analysis.load.energy_errors` makes an :class:`EnergyErrors` of them),
+and :meth:`EnergyErrors.of` gives the errors of any column made of backends' energies (a backend's own, the
+oracle's routed energy, a cascade's spent energy).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -42,15 +48,53 @@ from ipw.telemetry.uncertainty import measurement_sd as measurement_sd  # part o
 @dataclass(frozen=True)
 class MeasurementError:
     """1-sd measurement errors of the items of one summed column of :func:`bootstrap_draws`: ``sd``
-    independent per item, ``shared_sd`` per item but fully correlated across the items (zeros: none).
-    Arrays of the column's length, in the column's units; NaN counts as 0."""
+    independent per item, ``shared_sd`` per item but fully correlated across the items (zeros: none), and
+    across every column's items with the same ``shared_key`` (its source; "": this entry's alone).
+    Arrays of the column's length, in the column's units; NaN counts as 0.  A column may have several."""
 
     column: int
     sd: np.ndarray
     shared_sd: np.ndarray | None = None
+    shared_key: str = ""
 
     def negligible(self) -> bool:
         return not (np.nansum(self.sd) > 0 or (self.shared_sd is not None and np.nansum(self.shared_sd) > 0))
+
+
+@dataclass(frozen=True)
+class EnergyErrors:
+    """Measurement errors of backends' energies per query (1 sd, J): ``sd`` independent, shape
+    (backends, queries), and ``shared`` by source key, each (backends, queries), 0 where a backend has none
+    of that source (``ipw.analysis.load.energy_errors``)."""
+
+    sd: np.ndarray
+    shared: Mapping[str, np.ndarray]
+
+    def rows(self, rows: Sequence[int]) -> "EnergyErrors":
+        """These backends only, in this order."""
+        return EnergyErrors(self.sd[list(rows)], {k: v[list(rows)] for k, v in self.shared.items()})
+
+    def items(self, items: np.ndarray) -> "EnergyErrors":
+        """These queries only (indices or a mask)."""
+        return EnergyErrors(self.sd[:, items], {k: v[:, items] for k, v in self.shared.items()})
+
+    def of(self, column: int, row: int, where: np.ndarray | None = None) -> list[MeasurementError]:
+        """The errors that backend ``row``'s energy brings to ``column``, on the queries ``where`` (all: None)
+        that the column takes from that backend: its independent part, and each shared part with its key."""
+        def pick(x: np.ndarray) -> np.ndarray:
+            return np.nan_to_num(x[row]) if where is None else np.where(where, np.nan_to_num(x[row]), 0.0)
+
+        zero = np.zeros(self.sd.shape[1])
+        return [MeasurementError(column, pick(self.sd))] + [
+            MeasurementError(column, zero, pick(x), key) for key, x in self.shared.items() if np.any(x[row])]
+
+    @property
+    def stated(self) -> np.ndarray:
+        """Per backend: whether any of its queries states an error."""
+        out: np.ndarray = (np.nan_to_num(self.sd) > 0).any(axis=1)
+        for x in self.shared.values():
+            out |= (np.nan_to_num(x) > 0).any(axis=1)
+        return out
 
 
 @dataclass(frozen=True)
@@ -280,7 +324,7 @@ def bootstrap_draws(columns: Any, quantiles: Any = (), *, n_boot: int, seed: int
     sums = np.empty((n_boot, k))
     qs = np.full((n_boot, len(windows)), np.nan)
     errs = [(m.column, np.nan_to_num(np.asarray(m.sd, float)) ** 2,
-             None if m.shared_sd is None else np.nan_to_num(np.asarray(m.shared_sd, float)))
+             None if m.shared_sd is None else np.nan_to_num(np.asarray(m.shared_sd, float)), m.shared_key)
             for m in measurement if not m.negligible()]
     noise = np.random.default_rng([seed, 27])  # its own stream: the resample weights are unchanged by it
     start = 0
@@ -289,11 +333,20 @@ def bootstrap_draws(columns: Any, quantiles: Any = (), *, n_boot: int, seed: int
         s = (xt @ w.T).T.astype(np.float64)  # (rows, summed rows): one product for every sum of every backend
         t: Any = (tx @ w.T).T.astype(np.float64) if tx is not None else None  # the tied values' weights
         sums[rows] = s[:, :k]
-        for column, var, shared in errs:
-            wf = w.astype(np.float64)
-            add = np.sqrt(wf @ var) * noise.standard_normal(len(w))  # each drawn copy its own error
-            if shared is not None:
-                add += (wf @ shared) * noise.standard_normal(len(w))
+        wf = w.astype(np.float64) if errs else w
+        z: dict[str, np.ndarray] = {}  # one draw per shared source per resample, for every column it is in
+        for column, var, shared, key in errs:
+            add = np.zeros(len(w))
+            if var.any():
+                add += np.sqrt(wf @ var) * noise.standard_normal(len(w))  # each drawn copy its own error
+            if shared is not None and shared.any():
+                if not key:
+                    draw = noise.standard_normal(len(w))
+                elif key in z:
+                    draw = z[key]
+                else:
+                    draw = z[key] = noise.standard_normal(len(w))
+                add += (wf @ shared) * draw
             sums[rows, column] += add
         for j, win in enumerate(windows):
             if len(win.values) == 0:
@@ -308,7 +361,7 @@ def bootstrap_draws(columns: Any, quantiles: Any = (), *, n_boot: int, seed: int
             qs[rows, j] = np.where(total > 0, win.values[pos], np.nan)
         start += len(w)
     return Draws(sums, qs, point_sums, np.asarray(point_q, dtype=float), n_boot, bootstrap_method(n),
-                 tuple(c for c, _, _ in errs))
+                 tuple(dict.fromkeys(c for c, _, _, _ in errs)))
 
 
 def bounds(draws: np.ndarray, level: float = LEVEL) -> tuple[float, float]:

@@ -16,6 +16,7 @@ import math
 from typing import Any, Sequence
 
 from ipw.telemetry.base import CONTAINING_SCOPES
+from ipw.telemetry.cpu_model import MODEL_UNCERTAINTY_REL
 from ipw.telemetry.error_model import DEFAULT_ERROR_MODEL
 from ipw.telemetry.estimator import UNCALIBRATED_REL_SD
 
@@ -50,6 +51,10 @@ def measurement_sd(energy_parts: str | Sequence[dict[str, Any]] | None) -> tuple
 #: are opened per backend, ``ipw.runner``, so a backend's concurrency levels share it and nothing else does).
 MACHINE, SESSION = "machine", "session"
 CPU_MODEL_SOURCE = "model.cpu"
+#: The CPU model's shared error, 1 sd relative, at least: its coefficient's band (``MODEL_UNCERTAINTY_REL``,
+#: ±90%), the same factor for every joule it estimates on the machine, even where a reading states less (a
+#: share of a period, whose error the overlapping requests' split added in quadrature).
+CPU_MODEL_SHARED_REL = MODEL_UNCERTAINTY_REL / Z90
 
 
 def measurement_by_source(energy_parts: str | Sequence[dict[str, Any]] | None,
@@ -60,8 +65,11 @@ def measurement_by_source(energy_parts: str | Sequence[dict[str, Any]] | None,
     process of the machine).  Readings with the same key have the same error, whichever backend or query.
 
     A reading's ``uncertainty_j`` (±90%) is ``Z90`` sd.  Estimated readings (``quality`` estimated: the CPU
-    model, an API estimate) are shared whole: their error is the model's, the same for every query (the CPU
-    model's: the machine's; an API estimate's, whose table is per remote model: the session's).  A
+    model, an API estimate) are shared whole: their error is the model's, the same for every query.  The CPU
+    model's is the machine's (one W/core for every process on it: the ratio of two backends' joules does not
+    depend on it), at least ``CPU_MODEL_SHARED_REL`` of the energy even where a reading states less (a share
+    of a period, whose error the overlapping requests' split added in quadrature); an API estimate's (a
+    table per remote model) is its session's.  A
     reading that states its calibration's part (``calibration_sd_j``: NVML's sampled power) shares that
     part with its session: the ratio's error over a short calibration span (sparse counter reads early in a
     run: ~4% over 1 s) is the same for every window it scales, and counted as independent it shrank in a
@@ -86,8 +94,10 @@ def measurement_by_source(energy_parts: str | Sequence[dict[str, Any]] | None,
         source = str(p.get("source", ""))
         device = f"{source}:{p.get('component', '')}"
         uncalibrated = "uncalibrated" in str(p.get("note", ""))
-        if p.get("quality") == "estimated":
-            key, s = ((MACHINE, CPU_MODEL_SOURCE) if source == CPU_MODEL_SOURCE else (SESSION, device)), sd
+        if p.get("quality") == "estimated" and source == CPU_MODEL_SOURCE:
+            key, s = (MACHINE, CPU_MODEL_SOURCE), max(sd, CPU_MODEL_SHARED_REL * abs(e))
+        elif p.get("quality") == "estimated":
+            key, s = (SESSION, device), sd
         elif p.get("calibration_sd_j") is not None and math.isfinite(p["calibration_sd_j"]):
             key, s = (SESSION, device), min(sd, abs(p["calibration_sd_j"]))
         elif uncalibrated or source.startswith("nvml.samples"):
@@ -97,5 +107,5 @@ def measurement_by_source(energy_parts: str | Sequence[dict[str, Any]] | None,
             var += sd * sd
             continue
         shared[key] = shared.get(key, 0.0) + s
-        var += sd * sd - s * s
-    return math.sqrt(max(var, 0.0)), shared
+        var += max(sd * sd - s * s, 0.0)
+    return math.sqrt(var), shared
