@@ -17,7 +17,7 @@ from typing import Any, Callable, cast
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
-from ipw.judge import JudgeSpec, check_grading
+from ipw.grading import JudgeSpec, check_grading
 from ipw.options import MAX_PUE, RUN, RUN_OPTIONS, check_range
 from ipw.resources import resource_path
 

@@ -10,7 +10,7 @@ import pytest
 
 from ipw.backends.base import BackendSpec
 from ipw.errors import IpwError
-from ipw.judge import JudgeSpec, orders_agree
+from ipw.grading import JudgeSpec, orders_agree
 from runfolders import create, record
 from scripted import FixedSensor, ScriptedBackend
 

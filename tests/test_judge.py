@@ -10,8 +10,9 @@ import pytest
 from ipw.backends.base import BackendSpec
 from ipw.datasets import Query
 from ipw.errors import IpwError
-from ipw.judge import (PROMPTS_DIR, JudgeCall, JudgeSpec, grade_pairwise, grade_reference, load_prompt,
-                       parse_pairwise_verdict, parse_reference_verdict, render)
+from ipw.grading import JudgeSpec
+from ipw.judge import (PROMPTS_DIR, JudgeCall, grade_pairwise, grade_reference, load_prompt, parse_pairwise_verdict,
+                       parse_reference_verdict, render)
 from runfolders import create, record
 from scripted import FixedSensor, ScriptedBackend
 
