@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.judge import Judge, JudgeSpec, Verdict
+from ipw.grading import JudgeSpec
+from ipw.judge import Judge, Verdict
 from ipw.results import JudgeEntry, QueryRecord, RunFolder, RunManifest, load_run, new_run_id
 from ipw.scoring import SCORERS, record_score
 
@@ -91,7 +92,8 @@ def judge_spec(manifest: dict[str, Any], *, judge: str | None = None, grading: s
     grading (and then its prompt, when that was another grading's default).  None: no judge given."""
     from ipw.backends.base import BackendSpec
     from ipw.config import load_judge_config
-    from ipw.judge import check_grading, judge_from_cli
+    from ipw.grading import check_grading
+    from ipw.judge import judge_from_cli
 
     run_config = manifest.get("config") or {}
     if judge:
@@ -236,53 +238,3 @@ def judge_totals(entries: list[JudgeEntry]) -> dict[str, Any]:
         "cost_usd": None if None in costs or not costs else sum(costs),
         "unparsed": sum("unparsed" in e.verdicts for e in entries),
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class Rescored:
-    """A rescored run: its new folder, and per backend and concurrency level the summary of ``summary``."""
-
-    folder: RunFolder
-    rows: list[dict[str, Any]]
-
-
-def rescore_run(run_dir: str | Path, *, scorer: str | None = None, judge: JudgeSpec | None = None,
-                out_dir: str | Path | None = None,
-                progress: Callable[[int, int], None] | None = None) -> Rescored:
-    """``rescore`` and its before/after summary, for ``ipw rescore`` and for ``ipw run``'s judging of a finished
-    run; ``progress(done, total)`` after each record."""
-    manifest, original = load_run(run_dir)
-    done = [0]
-
-    def step(record: QueryRecord) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress(done[0], len(original))
-
-    folder = rescore(run_dir, scorer=scorer, judge=judge, out_dir=out_dir, progress=step)
-    _, frame = load_run(folder.path)
-    return Rescored(folder, summary(run_dir, manifest, original, folder.path, folder.manifest, frame))
-
-
-def summary(run: str | Path, manifest: RunManifest, original: pd.DataFrame, new_run: str | Path,
-            new_manifest: RunManifest, rescored: pd.DataFrame) -> list[dict[str, Any]]:
-    """Per backend: records, accuracy before and after and win/tie after (the metric table's own
-    definitions, ``ipw.analysis.metrics``), records whose score changed, records judged."""
-    from ipw.analysis.load import concurrency_of, parts_of
-    from ipw.analysis.metrics import point_values
-
-    before = {p.info.label: point_values(p.values) for p in parts_of(Path(run), manifest, original)}
-    rows = []
-    for part in parts_of(Path(new_run), new_manifest, rescored):  # one per backend and concurrency level
-        info, after = part.info, point_values(part.values)
-
-        def of(frame: pd.DataFrame) -> pd.DataFrame:
-            return frame[(frame["backend"] == info.backend) & (concurrency_of(frame["concurrency"]) == info.concurrency)]
-
-        new = of(rescored)
-        merged = of(original).merge(new, on=["query_id", "repeat"], suffixes=("_old", "_new"))
-        rows.append({"backend": info.label, "records": len(new), "accuracy_before": before[info.label]["accuracy"],
-                     "accuracy_after": after["accuracy"],
-                     "changed": int((merged["correct_old"].fillna(-1) != merged["correct_new"].fillna(-1)).sum()),
-                     "win_tie": after["win_tie_rate"], "judged": int(new["win_tie"].notna().sum())})
-    return rows

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from ipw.grading import JudgeSpec
+    from ipw.results import QueryRecord, RunFolder
 
 
 def stdout() -> Console:
@@ -28,14 +32,33 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def rescore_run(run: Path, *, scorer: str | None, judge: JudgeSpec | None, out_dir: Path | None,
+                progress: Callable[[int, int], None]) -> tuple[RunFolder, list[dict[str, Any]]]:
+    """``ipw.rescore.rescore`` and the before/after rows of the two folders; ``progress(done, total)`` after
+    each record.  Composed here: the running layer writes the folder, analysis reads both (issue 57)."""
+    from ipw.analysis.rescored import before_after
+    from ipw.rescore import rescore
+    from ipw.results import load_run
+
+    manifest, original = load_run(run)
+    done = [0]
+
+    def step(record: QueryRecord) -> None:
+        done[0] += 1
+        progress(done[0], len(original))
+
+    folder = rescore(run, scorer=scorer, judge=judge, out_dir=out_dir, progress=step)
+    _, frame = load_run(folder.path)
+    return folder, before_after(run, manifest, original, folder.path, folder.manifest, frame)
+
+
 def rescore_and_show(run: Path, *, scorer: str | None = None, judge: Any = None, out_dir: Path | None = None) -> Path:
-    """Rescore ``run`` (``ipw.rescore.rescore_run``) with a progress bar, print the before/after table and the
-    judge's cost; returns the new folder."""
+    """Rescore ``run`` (``ipw.rescore.rescore``) with a progress bar, print the before/after table
+    (``ipw.analysis.rescored.before_after``) and the judge's cost; returns the new folder."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from ipw.analysis import fmt
-    from ipw.rescore import rescore_run
 
     console = Console(stderr=True)
     what = f"judging ({judge.grading})" if judge is not None else "rescoring"
@@ -49,11 +72,10 @@ def rescore_and_show(run: Path, *, scorer: str | None = None, judge: Any = None,
         progress.update(task, completed=n, total=total)
 
     try:
-        done = rescore_run(run, scorer=scorer, judge=judge, out_dir=out_dir, progress=advance)
+        folder, rows = rescore_run(run, scorer=scorer, judge=judge, out_dir=out_dir, progress=advance)
     finally:
         if progress.live.is_started:
             progress.stop()
-    folder, rows = done.folder, done.rows
     judged = any(row["judged"] for row in rows)
     rescored_from = folder.manifest.rescored_from
     assert rescored_from is not None  # rescore() writes it
