@@ -15,7 +15,8 @@ that build it links (libllama, libggml*, libllama-common, libmtmd, libllama-serv
 made relative (``$ORIGIN``), so the binary runs from ``<prefix>/bin`` with ``<prefix>/lib/llama-server``
 beside it, wherever that prefix is.
 
-Standard library only: ``.ci/setup`` runs it as a script before any virtual environment exists::
+Standard library only (as is ``ipw/telemetry/cpu_isa.py``, the CPU's flags and instruction-set levels, which it
+imports): ``.ci/setup`` runs it as a script before any virtual environment exists::
 
     python3 ipw/llama_build.py cmake-args [--cuda ARCH]   # the CMAKE_ARGS for this machine
     python3 ipw/llama_build.py key [--cuda ARCH]          # the cache key of its wheel and llama-server
@@ -36,21 +37,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-# ggml's x86 options in the order of its CMakeLists, each with the /proc/cpuinfo flags it needs.
-# GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw.
-X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("GGML_SSE42", ("sse4_2",)),
-    ("GGML_AVX", ("avx",)),
-    ("GGML_AVX_VNNI", ("avx_vnni",)),
-    ("GGML_AVX2", ("avx2",)),
-    ("GGML_BMI2", ("bmi2",)),
-    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
-    ("GGML_AVX512_VBMI", ("avx512f", "avx512vbmi")),
-    ("GGML_AVX512_VNNI", ("avx512f", "avx512_vnni")),
-    ("GGML_AVX512_BF16", ("avx512f", "avx512_bf16")),
-    ("GGML_FMA", ("fma",)),
-    ("GGML_F16C", ("f16c",)),
-)
+if not __package__:  # run as a script (.ci/setup, before any environment): the ipw package is one folder up
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ipw.telemetry.cpu_isa import X86_ISAS, X86_MACHINES, cpu_flags, isa_name, usable_isas
+
+# ggml's x86 options (in the order of its CMakeLists): GGML_<NAME> for each instruction-set level of the CPU
+# (ipw/telemetry/cpu_isa.py), with the /proc/cpuinfo flags it needs.
+X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = tuple((f"GGML_{name.upper()}", needs) for name, needs in X86_ISAS)
 # Never: a CPU may advertise AMX that the kernel has not enabled (SIGILL in the AMX path).
 ALWAYS_OFF = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16", "GGML_NATIVE", "LLAVA_BUILD")
 
@@ -82,35 +75,17 @@ def missing_features(system_info: str, flags: frozenset[str]) -> list[str]:
     return [f for f in compiled_features(system_info) if SYSTEM_INFO_FLAGS[f] not in flags]
 
 
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo, or of the file named by
-    ``$IPW_CPUINFO``, which tests use to play another CPU); empty when unknown."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path(os.environ.get("IPW_CPUINFO") or "/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
-
-
 def enabled_options(flags: frozenset[str], machine: str | None = None) -> list[str]:
     """The ggml instruction-set options this CPU can run (x86-64 only; other machines: none, so that
     ggml's own defaults for that architecture apply)."""
-    machine = machine or platform.machine()
-    if machine not in ("x86_64", "AMD64"):
-        return []
-    return [name for name, needs in X86_OPTIONS if all(f in flags for f in needs)]
+    return [f"GGML_{name.upper()}" for name in usable_isas(flags, machine)]
 
 
 def cmake_args(flags: frozenset[str], machine: str | None = None, cuda_arch: str | None = None) -> str:
     """CMAKE_ARGS for llama-cpp-python: every x86 option explicitly ON or OFF, AMX and native off."""
     machine = machine or platform.machine()
     args = []
-    if machine in ("x86_64", "AMD64"):
+    if machine in X86_MACHINES:
         on = set(enabled_options(flags, machine))
         args += [f"-D{name}={'ON' if name in on else 'OFF'}" for name, _ in X86_OPTIONS]
     args += [f"-D{name}=OFF" for name in ALWAYS_OFF]
@@ -121,11 +96,7 @@ def cmake_args(flags: frozenset[str], machine: str | None = None, cuda_arch: str
 
 def variant(flags: frozenset[str], machine: str | None = None, cuda_arch: str | None = None) -> str:
     """A short human name of the build, e.g. ``x86_64+sse42+avx+avx2+bmi2+fma+f16c`` (+``cuda90``)."""
-    machine = machine or platform.machine()
-    parts = [machine] + [name.removeprefix("GGML_").lower() for name in enabled_options(flags, machine)]
-    if cuda_arch:
-        parts.append(f"cuda{cuda_arch}")
-    return "+".join(parts)
+    return isa_name(flags, machine) + (f"+cuda{cuda_arch}" if cuda_arch else "")
 
 
 def cache_key(version: str, flags: frozenset[str], machine: str | None = None, cuda_arch: str | None = None,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ipw.llama_build import cache_key, cmake_args, compiled_features, cpu_flags, missing_features, variant
+from ipw.llama_build import cache_key, cmake_args, compiled_features, missing_features, variant
+from ipw.telemetry.cpu_isa import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 AVX2_EPYC = "fpu sse sse2 ssse3 sse4_1 sse4_2 pni fma avx f16c avx2 bmi1 bmi2 popcnt aes"  # an AVX2-only EPYC

@@ -36,7 +36,8 @@ def llama_wheel() -> Path | None:
     path = Path(unquote(urlparse(url).path))
     if url.startswith("file:") and path.suffix == ".whl" and path.is_file():
         return path
-    from ipw.llama_build import cache_key, cpu_flags
+    from ipw.llama_build import cache_key
+    from ipw.telemetry.cpu_isa import cpu_flags
 
     cache = Path(os.environ.get("IPW_WHEEL_CACHE", Path.home() / ".cache" / "ipw" / "wheels"))
     wheels = sorted((cache / cache_key(dist.version, cpu_flags())).glob(f"llama_cpp_python-{dist.version}-*.whl"))

@@ -261,7 +261,8 @@ def test_ipw_process_maps_no_engine_while_running(tmp_path):
 
 def _foreign_cpuinfo(tmp_path: Path) -> Path:
     """A CPU like this one without the highest instruction set the engine build uses."""
-    from ipw.llama_build import SYSTEM_INFO_FLAGS, compiled_features, cpu_flags
+    from ipw.llama_build import SYSTEM_INFO_FLAGS, compiled_features
+    from ipw.telemetry.cpu_isa import cpu_flags
 
     info = probe_engine()
     drop = SYSTEM_INFO_FLAGS[compiled_features(info["system_info"])[-1]]

@@ -277,7 +277,8 @@ class EngineProbe:
 def probe_engine(python: str | None = None) -> dict[str, Any]:
     """Start a worker that imports llama.cpp and reports its build, before a model loads: a build that
     cannot run on this CPU is refused here in one line, not with SIGILL mid-run."""
-    from ipw.llama_build import cpu_flags, missing_features
+    from ipw.llama_build import missing_features
+    from ipw.telemetry.cpu_isa import cpu_flags
 
     probe = LlamaCppProbe(BackendSpec(name="engine-check", kind="llama-cpp", model="", options=(
         {"python": python} if python else {})))

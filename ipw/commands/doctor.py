@@ -73,9 +73,9 @@ def engine_rows() -> list[list[str]]:
     import importlib.util
 
     from ipw.errors import IpwError
-    from ipw.llama_build import cpu_flags, variant
+    from ipw.telemetry.cpu_isa import cpu_flags, isa_name
 
-    this_cpu = f"this CPU: {variant(cpu_flags())}"
+    this_cpu = f"this CPU: {isa_name(cpu_flags())}"
     if importlib.util.find_spec("llama_cpp") is None:
         return [["llama.cpp", "not installed", f"pip install 'ipw[llama]' or bash .ci/setup; {this_cpu}"]]
     from ipw.backends.llama_cpp import probe_engine

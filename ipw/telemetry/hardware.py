@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 import ipw
+from ipw.telemetry.cpu_isa import cpu_flags, isa_name
 from ipw.telemetry.cpu_model import cpu_model_name
 
 #: Distributions whose versions change results; looked up by metadata, never imported.
@@ -63,12 +64,10 @@ def _nvidia_gpus() -> dict[str, Any]:
 
 
 def hardware_fingerprint() -> dict[str, Any]:
-    from ipw.llama_build import cpu_flags, variant
-
     return {
         "cpu_model": cpu_model_name(),
         # the instruction sets an engine build can use (an AVX2 and an AVX-512 "AMD EPYC" differ ~3x)
-        "cpu_isa": variant(cpu_flags()),
+        "cpu_isa": isa_name(cpu_flags()),
         "cpu_logical_cores": os.cpu_count(),
         "cpu_physical_cores": psutil.cpu_count(logical=False),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
