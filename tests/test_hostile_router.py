@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ipw.analysis import router as r
+from ipw.analysis.router.file import load_router
 from ipw.cli import main
+from ipw.errors import IpwError
 from runfolders import create, record
 from test_router import write_routing_run
 
@@ -67,7 +68,7 @@ def test_route_train_replaces_the_router_atomically_or_not_at_all(tmp_path, trai
     assert sorted(p.name for p in tmp_path.iterdir()) == ["router.json"]
     # without the limit the file is replaced, whole
     assert main(["route", "train", str(run), "--out", str(out), "--no-score", "--threshold", "0.4"]) == 0
-    assert r.load_router(out).threshold == 0.4
+    assert load_router(out).threshold == 0.4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["router.json"]
 
 
@@ -163,8 +164,8 @@ def test_a_hostile_router_file_is_refused_naming_its_field(tmp_path, trained, pa
     _set(path)(doc, value)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(doc))
-    with pytest.raises(r.IpwError) as exc:
-        r.load_router(bad)
+    with pytest.raises(IpwError) as exc:
+        load_router(bad)
     text = exc.value.message
     assert text.startswith(f"{bad}: field '{field}': ") and "\n" not in text, text
 
@@ -225,8 +226,8 @@ def test_names_in_a_router_file_are_checked_as_backend_names(tmp_path, trained, 
         doc["cloud"] = name
     bad = tmp_path / "names.json"
     bad.write_text(json.dumps(doc))
-    with pytest.raises(r.IpwError) as exc:
-        r.load_router(bad)
+    with pytest.raises(IpwError) as exc:
+        load_router(bad)
     text = exc.value.message
     assert text.startswith(f"{bad}: field '{field}") and "\n" not in text and "\r" not in text, text
     out = tmp_path / "out"
@@ -243,8 +244,8 @@ def test_a_cloud_name_that_prints_like_a_local_one_is_refused(tmp_path, trained)
     doc["cloud"] = "smаll"  # a Cyrillic а: prints as the local backend's name
     bad = tmp_path / "alike.json"
     bad.write_text(json.dumps(doc))
-    with pytest.raises(r.IpwError, match="field 'cloud': .* prints like"):
-        r.load_router(bad)
+    with pytest.raises(IpwError, match="field 'cloud': .* prints like"):
+        load_router(bad)
 
 
 # --- case 4: runs without the prompts' text ---------------------------------------------------------------

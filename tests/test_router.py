@@ -1,4 +1,4 @@
-"""The trained router (issue 44; ipw/analysis/router.py, ipw route, ipw compare --router): recovered out of sample
+"""The trained router (issue 44; ipw/analysis/router/, ipw route, ipw compare --router): recovered out of sample
 where local correctness depends on a word of the prompt, no false saving where it is random, the router file's
 round trip, and bad input (exit 2, one line, nothing written)."""
 
@@ -7,7 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from ipw.analysis import router as r
+from ipw.analysis.router.data import route_data
+from ipw.analysis.router.evaluate import score_router
+from ipw.analysis.router.file import load_router, train
+from ipw.analysis.router.model import Featurizer, sklearn_modules
+from ipw.errors import IpwError
 from ipw.cli import main
 from runfolders import create, record
 
@@ -58,9 +62,9 @@ def trained(tmp_path):
 
 def test_word_rule_is_recovered_out_of_sample(tmp_path):
     run = write_routing_run(tmp_path, "word")
-    data = r.route_data([run])
+    data = route_data([run])
     assert data.local == ("small",) and data.cloud == "big"
-    scores = r.score_router(data, r.Featurizer(), n_boot=200)
+    scores = score_router(data, Featurizer(), n_boot=200)
     s = scores.kfold
     assert s.auc["small"] > 0.9, s.auc
     op = s.operating_point
@@ -75,8 +79,8 @@ def test_word_rule_is_recovered_out_of_sample(tmp_path):
 
 def test_random_correctness_shows_no_false_saving(tmp_path):
     run = write_routing_run(tmp_path, "random", rule="random", seed=3)
-    data = r.route_data([run])
-    scores = r.score_router(data, r.Featurizer(), n_boot=200, max_accuracy_loss=0.01)
+    data = route_data([run])
+    scores = score_router(data, Featurizer(), n_boot=200, max_accuracy_loss=0.01)
     s = scores.kfold
     assert 0.3 < s.auc["small"] < 0.7, s.auc
     # accuracy loss grows with the local share: the points that route more lose more
@@ -99,9 +103,9 @@ def test_cli_train_round_trip_and_score(tmp_path, capsys):
     assert doc["trained_on"]["hardware"] == ["hw-test", "node-1"]
     assert {b["role"] for b in doc["trained_on"]["backends"]} == {"local", "cloud"}
     assert doc["scores"]["kfold"]["auc"]["small"] > 0.9
-    loaded = r.load_router(out)
-    data = r.route_data([run])
-    trained = r.train(data)
+    loaded = load_router(out)
+    data = route_data([run])
+    trained = train(data)
     for prompt in data.prompts[:40] + ("an easy one", "nothing here"):
         assert loaded.route(prompt) == trained.route(prompt)
         a, b = loaded.probabilities(prompt), trained.probabilities(prompt)
@@ -127,8 +131,8 @@ def test_held_out_category(tmp_path):
     # every third query is easy (i % 3 == 0): categories by (i // 3) % 3, so each holds easy and hard ones
     cats = [["alpha", "beta", "gamma"][(i // 3) % 3] for i in range(120)]
     run = write_routing_run(tmp_path, "cats", categories=cats)
-    data = r.route_data([run])
-    scores = r.score_router(data, r.Featurizer(("alpha", "beta", "gamma")), n_boot=100)
+    data = route_data([run])
+    scores = score_router(data, Featurizer(("alpha", "beta", "gamma")), n_boot=100)
     ho = scores.held_out_category
     assert ho is not None and [c["category"] for c in ho.by_category] == ["alpha", "beta", "gamma"]
     assert ho.auc["small"] > 0.9  # the word carries over to an unseen category
@@ -198,8 +202,8 @@ def test_missing_sklearn_names_the_extra(monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", fake)
-    with pytest.raises(r.IpwError, match=r"ipw\[route\]"):
-        r.sklearn_modules()
+    with pytest.raises(IpwError, match=r"ipw\[route\]"):
+        sklearn_modules()
 
 
 def test_compare_shows_the_router_beside_the_oracle(tmp_path, capsys):
@@ -253,7 +257,7 @@ def test_embedded_default_run_train_compare(tmp_path, run_cli):
     doc = json.loads(router.read_text())
     assert doc["local"] == ["smollm2-135m"] and doc["cloud"] == "gemma3-270m-server"
     assert doc["trained_on"]["n_queries"] == 24 and doc["trained_on"]["hardware"]
-    assert r.load_router(router).route("What is 2 + 3?") in ("smollm2-135m", "gemma3-270m-server")
+    assert load_router(router).route("What is 2 + 3?") in ("smollm2-135m", "gemma3-270m-server")
     code, stdout, err = run_cli("compare", run, "--router", router, "--n-boot", "200")
     assert code == 0, err
     for text in ("oracle (knows each answer: upper bound)", "α-router", "trained router", "out-of-fold", "AUC"):
@@ -398,13 +402,13 @@ def test_several_local_backends_cheapest_first(tmp_path):
     """Two local backends: 'small' (1 J) answers the easy prompts, 'mid' (3 J) the easy and the medium ones; a
     query goes to the cheapest one predicted to answer."""
     run = write_routing_run(tmp_path, "mid", mid=True)
-    data = r.route_data([run])
+    data = route_data([run])
     assert data.local == ("small", "mid") and data.cloud == "big"
-    router = r.train(data)
+    router = train(data)
     assert router.route("Question 500: easy apple river") == "small"
     assert router.route("Question 500: medium apple river") == "mid"
     assert router.route("Question 500: apple river stone") == "big"
-    s = r.score_router(data, r.Featurizer(), n_boot=100, max_accuracy_loss=0.02).kfold
+    s = score_router(data, Featurizer(), n_boot=100, max_accuracy_loss=0.02).kfold
     assert min(s.auc.values()) > 0.9
     # two thirds can go local with no loss (the ideal); within 2 points the router keeps most of that
     assert s.operating_point.local_share.value > 0.5 and s.operating_point.accuracy_loss.value <= 0.02

@@ -17,7 +17,8 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
 
     fmt = view.format
     if router.router is not None:  # bad router input fails before any work
-        from ipw.analysis.router import load_router, parse_accuracy_loss
+        from ipw.analysis.router.data import parse_accuracy_loss
+        from ipw.analysis.router.file import load_router
 
         if router.max_accuracy_loss is not None:
             parse_accuracy_loss(router.max_accuracy_loss)
@@ -25,10 +26,10 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     result = compare(runs, n_boot=view.n_boot, seed=view.seed, usd_per_kwh=prices.usd_per_kwh,
                      api_prices=prices.api_price, **given(routing))
     # deployable policies scored out of sample, shown after the routing tables: the trained router (issue 44);
-    # the cascade (issue 44 item 3) belongs beside it here, as another ipw.analysis.router.PolicyScore
+    # the cascade (issue 44 item 3) belongs beside it here, as another ipw.analysis.router.evaluate.PolicyScore
     scores = None
     if router.router is not None:
-        from ipw.analysis.router import router_scores
+        from ipw.analysis.router.tables import router_scores
 
         scores = router_scores(runs, router_path=router.router, local=routing.local, cloud=routing.cloud,
                                threshold=router.router_threshold, max_accuracy_loss=router.max_accuracy_loss,
@@ -39,7 +40,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
         for table in render.rich_tables(render.tables(result)):
             console.print(table)
         if scores is not None:
-            from ipw.analysis.router import beside_rows, print_scores
+            from ipw.analysis.router.tables import beside_rows, print_scores
 
             print_scores(scores, console, beside=beside_rows(result))
         from ipw.sanitize import one_line  # notes hold texts from outside: a feed's zone, a config's pue_source
@@ -49,7 +50,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     elif fmt == "json" and scores is not None:
         import json
 
-        from ipw.analysis.router import scores_doc
+        from ipw.analysis.router.tables import scores_doc
         from ipw.sanitize import json_bidi
 
         doc = {**json.loads(render.to_json(result)), **scores_doc(scores)}
@@ -57,7 +58,7 @@ def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices:
     else:
         sys.stdout.write({"json": render.to_json, "csv": render.to_csv, "markdown": render.to_markdown}[fmt](result))
         if scores is not None:
-            from ipw.analysis.router import scores_markdown
+            from ipw.analysis.router.tables import scores_markdown
 
             sys.stdout.write(scores_markdown(scores, result) if fmt == "markdown" else
                              "".join(f"trained_router,,,{k},{v},,\n" for k, v in scores_csv(scores)))

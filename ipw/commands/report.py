@@ -14,7 +14,7 @@ def report_command(runs, routing: RoutingOptions, written: ReportOptions, router
 
     extra = []
     if router.router is not None:
-        from ipw.analysis.router import report_tables, router_scores
+        from ipw.analysis.router.tables import report_tables, router_scores
 
         extra = report_tables(router_scores(runs, router_path=router.router, local=routing.local, cloud=routing.cloud,
                                             threshold=router.router_threshold,

@@ -13,29 +13,33 @@ from ipw.options import PriceOptions, RouteRoles, RouteScoreOptions, RouteTrainO
 
 
 def train_command(runs: Sequence[Path], roles: RouteRoles, options: RouteTrainOptions) -> int:
-    from ipw.analysis import router as r
+    from ipw.analysis.router.data import route_data
+    from ipw.analysis.router.evaluate import score_router
+    from ipw.analysis.router.file import check_out, save, scores_json, train
+    from ipw.analysis.router.model import sklearn_modules
+    from ipw.analysis.router.tables import print_scores
 
     out = options.out
-    r.check_out(out)  # before the training: a file that cannot be replaced is refused at once
-    r.sklearn_modules()
-    data = r.route_data(runs, local=roles.local, cloud=roles.cloud, grading=options.grading)
-    router = r.train(data, threshold=options.threshold, min_queries=options.min_queries)
+    check_out(out)  # before the training: a file that cannot be replaced is refused at once
+    sklearn_modules()
+    data = route_data(runs, local=roles.local, cloud=roles.cloud, grading=options.grading)
+    router = train(data, threshold=options.threshold, min_queries=options.min_queries)
     console = stdout()
     if options.score:
-        scores = r.score_router(data, router.featurizer, k=options.folds, seed=options.seed,
-                                threshold=options.threshold)
-        router.meta["scores"] = {"kfold": r.scores_json(scores.kfold),
+        scores = score_router(data, router.featurizer, k=options.folds, seed=options.seed,
+                              threshold=options.threshold)
+        router.meta["scores"] = {"kfold": scores_json(scores.kfold),
                                  "held_out_category": None if scores.held_out_category is None
-                                 else r.scores_json(scores.held_out_category)}
-        r.print_scores(scores, console, curve=False)
-    r.save(router, out)
+                                 else scores_json(scores.held_out_category)}
+        print_scores(scores, console, curve=False)
+    save(router, out)
     console.print(f"wrote {out} (router: {', '.join(router.local)} else {router.cloud}; {data.n} queries, "
                   f"threshold {router.threshold:g})", highlight=False, markup=False, soft_wrap=True)
     return 0
 
 
 def score_command(runs: Sequence[Path], roles: RouteRoles, options: RouteScoreOptions, prices: PriceOptions) -> int:
-    from ipw.analysis.router import print_scores, router_scores, scores_doc
+    from ipw.analysis.router.tables import print_scores, router_scores, scores_doc
 
     scores = router_scores(runs, router_path=options.router, local=roles.local, cloud=roles.cloud,
                            grading=options.grading, threshold=options.router_threshold,
