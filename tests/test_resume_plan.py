@@ -71,7 +71,8 @@ def test_the_plan_gives_the_old_to_do_lists(tmp_path, source, shard, older_line)
     run_dir = _killed_run(tmp_path, queries, config, written, older_line=older_line)
     if source == "kept":
         write_queries(tmp_path / "queries.parquet", queries)
-        query_set = KeptQueries.read(tmp_path / "queries.parquet", "fixture", QuerySet("fixture", queries).fingerprint)
+        query_set = KeptQueries.read(tmp_path / "queries.parquet", "fixture", QuerySet("fixture", queries).fingerprint,
+                                     Query)
     else:
         query_set = QuerySet("fixture", queries)
 

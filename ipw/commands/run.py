@@ -247,14 +247,18 @@ def load_resumed(run_dir) -> tuple[RunConfig, QuerySet | KeptQueries]:
     copy, as an Arrow table: ``plan_resume`` builds only the queries left; else its dataset loaded again and
     cut to its shard)."""
     from ipw.config import RunConfig
-    from ipw.datasets import QuerySet, load_query_set
+    from ipw.datasets import Query, QuerySet, load_query_set, resolve_dataset
     from ipw.results import RunManifest, manifest_field, read_kept_queries
     from ipw.shard import Shard, shard_items
 
     manifest = RunManifest.read_unfinished(run_dir)
     assert manifest.config is not None and manifest.dataset is not None  # read_unfinished requires them
     config = RunConfig.from_dict(manifest.config, where=manifest_field(run_dir, "config"))
-    kept = read_kept_queries(run_dir, manifest)
+    try:
+        source: Path | None = resolve_dataset(config.dataset)  # the file the run folder's copy is checked against
+    except IpwError:
+        source = None  # no copy is used; load_query_set below names the error
+    kept = read_kept_queries(run_dir, manifest, source, Query)
     if kept is not None:
         return config, kept
     query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
 
 from ipw.errors import IpwError
 from ipw.results.schema import KEY_FIELDS
@@ -20,24 +20,29 @@ if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_s
 QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that --resume need not parse it again
 
 
-def read_kept_queries(run_dir: str | Path, manifest: RunManifest) -> KeptQueries | None:
-    """A large run's queries as it loaded them (``RunFolder.keep_queries``), when neither the dataset file,
-    nor that copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
+#: What builds a query from a row of queries.parquet (id, prompt, answer, choices, category, scorer): the inputs'
+#: ``ipw.datasets.Query``, given by the caller, as the run folder never imports the inputs layer (issue 57).
+MakeQuery = Callable[[str, str, str, "tuple[str, ...] | None", str, str], Any]
+
+
+def read_kept_queries(run_dir: str | Path, manifest: RunManifest, source: Path | None,
+                      make_query: MakeQuery) -> KeptQueries | None:
+    """A large run's queries as it loaded them (``RunFolder.keep_queries``), when neither the dataset file
+    (``source``: the file the run's config names, resolved by the caller; None when it names none), nor that
+    copy, nor ipw's version changed since; else None (the dataset is loaded again)."""
     from ipw import __version__
-    from ipw.datasets import resolve_dataset
 
     entry = manifest.dataset or {}
     copy = Path(run_dir) / QUERIES_FILE
     if not entry.get("queries_file") or manifest.ipw_version != __version__ or not copy.is_file():
         return None
     try:
-        source = resolve_dataset((manifest.config or {})["dataset"])
-        if not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
+        if source is None or not source.is_file() or file_sha256(source) != entry.get("file_sha256") \
                 or file_sha256(copy) != entry.get("queries_sha256"):
             return None
-    except (IpwError, OSError, KeyError):
+    except (IpwError, OSError):
         return None
-    return KeptQueries.read(copy, entry.get("name", ""), entry["fingerprint"])
+    return KeptQueries.read(copy, entry.get("name", ""), entry["fingerprint"], make_query)
 
 
 def file_sha256(path: Path) -> str:
@@ -68,17 +73,20 @@ def write_queries(path: Path, queries: list[Any]) -> str:
 class KeptQueries:
     """A run's copy of its queries (queries.parquet, ``write_queries``) as an Arrow table: ``--resume``
     builds ``Query`` objects only for the rows it runs (``take``), found by their ``ids`` (``DoneKeys.left``).
-    ``name`` and ``fingerprint``: the manifest's ``dataset`` entry, which the copy was checked against."""
+    ``name`` and ``fingerprint``: the manifest's ``dataset`` entry, which the copy was checked against;
+    ``make_query``: what builds each ``Query`` (``MakeQuery``)."""
 
     table: pa.Table
     name: str
     fingerprint: str
+    make_query: MakeQuery
 
     @classmethod
-    def read(cls, path: Path, name: str, fingerprint: str) -> "KeptQueries":
+    def read(cls, path: Path, name: str, fingerprint: str, make_query: MakeQuery) -> "KeptQueries":
         import pyarrow.parquet as pq
 
-        return cls(pq.ParquetFile(own_file(path)).read(), name, fingerprint)  # (read_table would import pandas)
+        # (read_table would import pandas)
+        return cls(pq.ParquetFile(own_file(path)).read(), name, fingerprint, make_query)
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -87,20 +95,19 @@ class KeptQueries:
         return self.table.column("id").combine_chunks()
 
     def take(self, rows: np.ndarray) -> list[Any]:
-        """The ``ipw.datasets.Query`` of each row (numpy integers), in the order given."""
+        """The query (``make_query``) of each row (numpy integers), in the order given."""
         import gc
 
         import numpy as np
         import pyarrow as pa
-
-        from ipw.datasets import Query
 
         index = pa.py_buffer(np.asarray(rows, np.int64).tobytes())  # as Arrow's (pa.array would import pandas)
         cols = self.table.take(pa.Array.from_buffers(pa.int64(), len(rows), [None, index])).to_pydict()
         enabled = gc.isenabled()
         gc.disable()  # a million new objects: the collector would walk them again and again (a third of the time)
         try:
-            return [Query(i, p, a, tuple(c) if c else None, cat, sc) for i, p, a, c, cat, sc in
+            make = self.make_query
+            return [make(i, p, a, tuple(c) if c else None, cat, sc) for i, p, a, c, cat, sc in
                     zip(cols["id"], cols["prompt"], cols["answer"], cols["choices"], cols["category"], cols["scorer"])]
         finally:
             if enabled:
