@@ -82,13 +82,20 @@ def test_no_import_cycles():
 #: the commands, the CLI and the running layer; analysis reads run folders and never runs anything.
 RUNNING = {"ipw.runner", "ipw.ray_runner", "ipw.judge", "ipw.rescore", "ipw.serve", "ipw.shard"}
 FORBIDDEN = {
-    "ipw.telemetry": {"ipw.analysis", "ipw.commands", "ipw.cli", "ipw.metering", *RUNNING},
+    # an engine's build helper (ipw.llama_build) reads the CPU's instruction sets from telemetry, not the reverse
+    "ipw.telemetry": {"ipw.analysis", "ipw.commands", "ipw.cli", "ipw.metering", "ipw.llama_build", *RUNNING},
     # the measuring core (windows, splits, the meter) sits on the sensors and engines, below the running layer
     "ipw.metering": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
     "ipw.backends": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
-    # analysis still reaches ipw.judge (compare's judge columns; results no longer reaches config since
-    # issue 31's one pass of ipw run): the data path issue 31 (item 6) straightens; until then only the rest
-    "ipw.analysis": {"ipw.commands", "ipw.cli", *(RUNNING - {"ipw.judge"})},
+    # compare's judge columns read ipw.grading (orders_agree), as the config does (JudgeSpec): neither
+    # imports the judge that runs (issue 57)
+    "ipw.analysis": {"ipw.commands", "ipw.cli", *RUNNING},
+    "ipw.config": {"ipw.judge"},
+    # rescore writes a run folder; its before/after rows are analysis's (ipw.analysis.rescored), composed by
+    # the commands
+    "ipw.rescore": {"ipw.analysis"},
+    # the run folder is given what it needs of the inputs (the dataset file, the Query type) by its caller
+    "ipw.results": {"ipw.datasets"},
 }
 
 
