@@ -267,8 +267,8 @@ def run_on_ray(folder: RunFolder, config: RunConfig, queries: list[Query], progr
         fingerprints: dict[str, dict] = {}  # hardware_id -> fingerprint, as tasks report their node
         tasks = {(t["backend"], t["shard"]): t for t in previous.get("tasks", [])}
         infos: dict[str, list[dict]] = {}
-        for b in folder.manifest.backends or []:  # a resumed run keeps what earlier tasks reported
-            infos[b["name"]] = list(b.get("shards") or [b])
+        for b in folder.manifest.entries():  # a resumed run keeps what earlier tasks reported
+            infos[b.name] = [dict(s) for s in b.shards] if b.shards else [b.to_json()]
 
         def save() -> None:
             folder.write_manifest(hardware_by_id=hardware_by_id, ray={

@@ -22,7 +22,7 @@ from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.metering.split import RUN_PERIOD_S
 from ipw.metering.record import RecordSink, RecordWriter, make_record
 from ipw.telemetry.phases import first_token_s
-from ipw.results import DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
+from ipw.results import BackendEntry, DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
 from ipw.shard import Shard, shard_items
 from ipw.telemetry.base import Sensor
 from ipw.telemetry.hardware import node_identity
@@ -68,8 +68,8 @@ def run_backend(
         backend.load()
     except EngineStopped as exc:  # the engine's worker died while loading: this backend stops, others go on
         backend.close()
-        return {"name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
-                "load_s": round(time.monotonic() - t0, 3), "stopped": str(exc)}  # load_s: until it stopped
+        return BackendEntry(spec.name, spec.kind, spec.model, spec.role, load_s=round(time.monotonic() - t0, 3),
+                            stopped=str(exc)).to_json()  # load_s: until it stopped
     except IpwError as exc:  # an engine that could not start (a server's root cause, say): its one line names it
         backend.close()  # whatever its start left (bounded: a worker's close kills what does not end)
         if f"backend {spec.name!r}" in exc.message:
@@ -122,17 +122,14 @@ def run_backend(
             if sensor.supports_trace:
                 folder.add_power(spec.name, sensor.trace())
         audit = _energy_audit(folder, spec.name, sensors, t0)
-        return {
-            "name": spec.name, "kind": spec.kind, "model": spec.model, "role": spec.role,
-            "load_s": round(load_s, 3), **backend.describe(),
-            "sampler_overhead": {s.name: s.overhead() for s in sensors},
-            "sensors": [asdict(s.info()) for s in sensors] + (
-                [asdict(backend.energy_estimate.info())] if backend.energy_estimate is not None else []),
-            "idle_baseline": asdict(idle),
-            **({"levels": level_lines} if level_lines else {}),
-            **({"stopped": stopped} if stopped else {}),
-            **({"energy_audit": audit} if audit else {}),
-        }
+        return BackendEntry(
+            spec.name, spec.kind, spec.model, spec.role, load_s=round(load_s, 3), details=backend.describe(),
+            sampler_overhead={s.name: s.overhead() for s in sensors},
+            sensors=tuple(asdict(s.info()) for s in sensors) + (
+                (asdict(backend.energy_estimate.info()),) if backend.energy_estimate is not None else ()),
+            idle_baseline=asdict(idle), levels=tuple(level_lines) or None, stopped=stopped or None,
+            energy_audit=tuple(audit) or None,
+        ).to_json()
     finally:
         for sensor in sensors:
             sensor.close()
@@ -348,7 +345,7 @@ def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
             for spec in config.backends:
                 info = run_backend(folder, config, spec, queries, progress, probe, done)
                 if info is not None:
-                    others = [b for b in folder.manifest.backends or [] if b["name"] != spec.name]
+                    others = [b.to_json() for b in folder.manifest.entries() if b.name != spec.name]
                     folder.write_manifest(backends=others + [info])
                     if info.get("stopped"):
                         stopped.append(info["stopped"])

@@ -8,6 +8,8 @@ interleaving gives every shard the same mix.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
@@ -52,6 +54,9 @@ def combine_backend_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest ``backends`` entry for a backend that ran as several shards: the first shard's
     entry (what ``ipw report`` shows) with every shard's own entry (sensors, idle baseline, load
     time, node) under ``shards``."""
+    from ipw.results import BackendEntry
+
     flat = [s for info in infos for s in (info.get("shards") or [info])]
-    head = {k: v for k, v in flat[0].items() if k not in ("shard", "node", "hardware_id")}
-    return {**head, "shards": flat}
+    head = BackendEntry.read(flat[0], "a shard's entry")
+    details = {k: v for k, v in head.details.items() if k not in ("shard", "node", "hardware_id")}
+    return dataclasses.replace(head, details=details, shards=tuple(flat)).to_json()

@@ -119,13 +119,13 @@ def test_a_sweep_is_audited_per_level(monkeypatch):
 def test_audit_lines_name_the_flagged_audits_of_backends_and_proxy_sessions():
     """``audit_lines`` (what ``ipw run`` prints; ``ipw serve`` prints its session's through ``flagged_lines``):
     one line per audit that disagrees, misses ±0.3% or could not run, of a backend or of a proxy session."""
-    from types import SimpleNamespace
+    from ipw.results import RunManifest
 
     from ipw.telemetry.audit import audit_lines, flagged_lines
 
     ok = {"agrees": True, "within_target": True, "line": "energy audit gpu0: fine"}
     miss = {"agrees": True, "within_target": False, "line": "energy audit gpu0 in session 2: (+0.5%, misses ±0.3%)"}
-    manifest = SimpleNamespace(backends=[
+    manifest = RunManifest(run_id="r", backends=[
         {"name": "b", "energy_audit": [ok, {"error": "OSError: gone"}]},
         {"name": "p", "sessions": [{"energy_audit": [ok]}, {"status": "serving"}, {"energy_audit": [miss]}]}])
     assert audit_lines(manifest) == ["energy audit b: could not run (OSError: gone)", f"p: {miss['line']}"]

@@ -95,11 +95,11 @@ def setup_sections(manifests: Any) -> list[dict[str, Any]]:
         software = [(k, _value(v)) for k, v in (m.software or {}).items() if k != "packages"]
         software.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items() if v) or "n/a"))
         backends = []
-        for b in m.backends or []:
+        for b in m.entries():
             sensors = [{"name": s.get("name", "?"), "source": s.get("source", "?"), "quality": s.get("quality", "?"),
                         "scope": s.get("scope", "?"), "available": s.get("available", True),
-                        "detail": s.get("detail") or ""} for s in b.get("sensors") or []]
-            idle = b.get("idle_baseline") or {}
+                        "detail": s.get("detail") or ""} for s in b.sensors or ()]
+            idle = b.idle_baseline or {}
             spread = idle.get("spread_w") or {}
             idle_text = ", ".join(f"{c}: {fmt.value(w)} ± {fmt.value(spread.get(c))} W"
                                   for c, w in (idle.get("power_w") or {}).items())
@@ -107,12 +107,13 @@ def setup_sections(manifests: Any) -> list[dict[str, Any]]:
                          else "not measured (idle s = 0)")
             overhead = [f"{name}: {fmt.value(o.cpu_fraction_of_one_core, OVERHEAD)} of one core "
                         f"({fmt.value(o.cpu_s)} CPU s over {fmt.value(o.wall_s)} s)"
-                        for name, o in sampler_overheads(b).items()]
-            info = [("kind / model", f"{b.get('kind', '?')} / {b.get('model', '?')}"), ("role", b.get("role", "?")),
-                    ("engine", f"{b.get('engine', 'n/a')} {b.get('engine_version') or ''}".strip()),
-                    ("mode", _value(b.get("mode"))), ("load s", fmt.value(b.get("load_s"))),
-                    ("model file", _value(b.get("model_file")))]
-            backends.append({"name": b.get("name", "?"), "info": info, "sensors": sensors, "idle": idle_text,
+                        for name, o in sampler_overheads(b.to_json()).items()]
+            engine = b.details  # what the backend said of itself
+            info = [("kind / model", f"{b.kind or 'n/a'} / {b.model or 'n/a'}"), ("role", b.role or "n/a"),
+                    ("engine", f"{engine.get('engine', 'n/a')} {engine.get('engine_version') or ''}".strip()),
+                    ("mode", _value(engine.get("mode"))), ("load s", fmt.value(b.load_s)),
+                    ("model file", _value(engine.get("model_file")))]
+            backends.append({"name": b.name, "info": info, "sensors": sensors, "idle": idle_text,
                              "estimated_idle": any(s["quality"] == "estimated" for s in sensors),
                              "overhead": "; ".join(overhead)})
         out.append({"run_id": run.run_id, "run": run_rows, "hardware": hardware, "software": software,

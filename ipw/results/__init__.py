@@ -12,11 +12,12 @@ file (and line) and what is wrong with it.  Nothing is dropped silently: only a 
 the log (no newline at its end: the query in flight when the process died) is left out.
 
 The package, one module a job, each importing only those before it: ``schema`` (records, judge entries, file
-names), ``files`` (atomic and appended writes), ``manifest``, ``log`` (records.jsonl and records.parquet),
+names), ``entry`` (a manifest's backend entry), ``files`` (atomic and appended writes), ``manifest``, ``log`` (records.jsonl and records.parquet),
 ``pending`` (``ipw serve``'s pending.jsonl), ``resume`` (kept queries, keys done), ``readers``, ``folder``
 (``RunFolder`` and its lock).  What the rest of ipw uses is named here.
 """
 
+from ipw.results.entry import ENTRY_VERSION, BackendEntry
 from ipw.results.files import atomic_write, new_run_id, write_error
 from ipw.results.folder import LOCK_FILE, FolderLock, RunFolder
 from ipw.results.log import (PENDING_FILE, load_records_jsonl, read_records, record_chunks, repair_log, trusted_parquet,
@@ -31,7 +32,7 @@ from ipw.results.schema import (JUDGE_FILE, JUDGE_SCHEMA_VERSION, POWER_FILE, RE
 
 __all__ = [
     "JUDGE_FILE", "JUDGE_SCHEMA_VERSION", "LOCK_FILE", "PENDING_FILE", "POWER_FILE", "RECORD_COLUMNS", "SCHEMA_VERSION",
-    "STATUSES", "DoneKeys", "FolderLock", "JudgeEntry", "KeptQueries", "PendingLog", "QueryRecord", "RunFolder",
+    "STATUSES", "ENTRY_VERSION", "BackendEntry", "DoneKeys", "FolderLock", "JudgeEntry", "KeptQueries", "PendingLog", "QueryRecord", "RunFolder",
     "RunManifest", "SamplerOverhead", "atomic_write", "escape_surrogates", "fold_pending", "load_records_jsonl",
     "load_run", "manifest_field", "manifest_file", "new_run_id", "parquet_rows", "read_judge", "read_kept_queries",
     "read_log", "read_manifest", "read_power", "read_record_fields", "read_records", "record_chunks", "record_keys",

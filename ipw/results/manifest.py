@@ -6,14 +6,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ipw.errors import IpwError
+from ipw.results.entry import BackendEntry
 from ipw.results.schema import SCHEMA_VERSION, STATUSES
 from ipw.results.files import own_file
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
-    pass
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class RunManifest:
     hardware_by_id: dict[str, Any] | None = None  # every machine whose records the run holds
     software: dict[str, Any] | None = None
     started_at: str | None = None
-    backends: list[dict[str, Any]] | None = None  # what each backend reported (sensors, idle baseline, ...)
+    backends: list[dict[str, Any]] | None = None  # each backend's entry as written (``entries()``: typed)
     finished_at: str | None = None
     reason: str | None = None  # why a run failed or was interrupted
     resumed_at: list[str] | None = None
@@ -71,6 +70,10 @@ class RunManifest:
         if manifest.status == "complete":
             raise IpwError(f"{run_dir}: the run is already complete; nothing to resume")
         return manifest
+
+    def entries(self) -> list[BackendEntry]:
+        """The backends' entries, typed (``BackendEntry.read``: an IpwError names a field of the wrong type)."""
+        return [BackendEntry.read(b, f"{self.run_id}: manifest.json") for b in self.backends or []]
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}

@@ -18,7 +18,7 @@ from ipw.backends.base import BackendSpec
 from ipw.errors import IpwError
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
 from ipw.metering.window import IdleBaseline, Window, measure_idle
-from ipw.results import RunManifest
+from ipw.results import BackendEntry, RunManifest
 from ipw.sanitize import read_key, register
 from ipw.serve.options import MAX_ERROR_BODY, METERED, ServeOptions, Upstream
 from ipw.serve.preflight import abandon, check_resume, listen, new_folder, refuse_self, refuse_unreachable
@@ -59,10 +59,9 @@ class Proxy:
         session.pending_log.close()  # empty now: finish removes it
         folder = session.folder
         try:
-            backends = folder.manifest.backends or []
-            entry = dict(backends[0]) if backends else {}
+            entry = folder.manifest.entries()[0]  # written at start
             # before the power trace and the sensors' close: the audit's read of the counter past the end is in both
-            audit = self._energy_audit(max(1, len(entry.get("sessions", []))))
+            audit = self._energy_audit(max(1, len(entry.sessions or ())))
             for sensor in self.sensors:
                 if sensor.supports_trace:
                     folder.add_power(session.spec.name, sensor.trace())
@@ -79,8 +78,8 @@ class Proxy:
                 **({"routing": session.routing_line()} if session.router is not None else {}),
                 **({"energy_audit": audit} if audit else {}),
             }
-            entry["sessions"] = [*entry.get("sessions", [])[:-1], line]  # the last session is this one
-            folder.write_manifest(backends=[entry], dataset=_dataset(session))
+            entry = dataclasses.replace(entry, sessions=(*(entry.sessions or ())[:-1], line))  # the last is this one
+            folder.write_manifest(backends=[entry.to_json()], dataset=_dataset(session))
             folder.finish(status, **({"reason": reason} if reason else {}))
         finally:
             if session.otel is not None:
@@ -227,15 +226,17 @@ def start(options: ServeOptions, out_dir: str | Path, *, token: str | None = Non
         session = Session(folder, options, upstream, meter, idle, estimate, key, token, notice, llama,
                           router=router, cloud=cloud)
         identity, hardware = node_identity()
-        entry = {"name": options.name, "kind": "serve", "model": session.spec.model, "role": options.role,
-                 "upstream": upstream.url, "remote": upstream.remote, "llama_server_timings": llama,
-                 "sensors": [asdict(s.info()) for s in sensors] + ([asdict(estimate.info())] if estimate else []),
-                 "idle_baseline": asdict(idle),
-                 **({"managed": backend.describe()} if backend is not None else {"upstream_pids": pids_fn()}),
-                 **({"route": {"router": options.route, "cloud_upstream": cloud.url, "cloud_name": options.cloud_name,
-                               "local_name": options.name}} if cloud is not None else {}),
-                 "sessions": [*((folder.manifest.backends or [{}])[0].get("sessions", [])), {"status": "serving"}]}
-        folder.write_manifest(backends=[entry], hardware_by_id={**(folder.manifest.hardware_by_id or {}),
+        earlier = folder.manifest.entries()  # a resumed folder's sessions
+        details = {"upstream": upstream.url, "remote": upstream.remote, "llama_server_timings": llama,
+                   **({"managed": backend.describe()} if backend is not None else {"upstream_pids": pids_fn()}),
+                   **({"route": {"router": options.route, "cloud_upstream": cloud.url, "cloud_name": options.cloud_name,
+                                 "local_name": options.name}} if cloud is not None else {})}
+        entry = BackendEntry(
+            options.name, "serve", session.spec.model, options.role, details=details,
+            sensors=tuple(asdict(s.info()) for s in sensors) + ((asdict(estimate.info()),) if estimate else ()),
+            idle_baseline=asdict(idle),
+            sessions=(*((earlier[0].sessions or ()) if earlier else ()), {"status": "serving"}))
+        folder.write_manifest(backends=[entry.to_json()], hardware_by_id={**(folder.manifest.hardware_by_id or {}),
                                                                 identity.hardware_id: hardware},
                               software=folder.manifest.software or software_fingerprint())
         server.session = session

@@ -227,10 +227,10 @@ def audit_lines(manifest: Any) -> list[str]:
     """What ``ipw run`` prints at its end (``flagged_lines``) over a run's manifest: each backend's audit
     (``backends[].energy_audit``) and each proxy session's (``backends[].sessions[].energy_audit``)."""
     out = []
-    for b in manifest.backends or []:
-        out += flagged_lines(str(b.get("name")), b.get("energy_audit"))
-        for s in b.get("sessions") or []:
-            out += flagged_lines(str(b.get("name")), s.get("energy_audit"))
+    for b in manifest.entries():
+        out += flagged_lines(b.name, b.energy_audit)
+        for s in b.sessions or ():
+            out += flagged_lines(b.name, s.get("energy_audit"))
     return out
 
 
