@@ -31,6 +31,7 @@ ALLOWED = {
     "ipw/presets.py": {"value"},
     "ipw/results/schema.py": {"value"},
     "ipw/results/manifest.py": {"self"},  # a dataclass's own fields, by name
+    "ipw/results/entry.py": {"self"},
     "ipw/results/log.py": {"row"},
     # the platform, a lazy import, third-party objects (vLLM, tokenizers, a stream)
     "ipw/export/mlflow.py": {"found"},  # an MLflow server's answer, whatever the server is
