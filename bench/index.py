@@ -63,6 +63,7 @@ QUESTIONS = {
     "overhead": "what ipw adds to a query's time (and to starting a command)",
     "scale": "a million queries, and more than one GPU",
     "gate": "how often `ipw check` (or a test that compares measurements) is wrong",
+    "peers": "ipw against Zeus, CodeCarbon and AIPerf on the same GPU work",
 }
 
 # the other folders of bench/
