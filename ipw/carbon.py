@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from ipw.errors import IpwError
-from ipw.options import MAX_G_PER_KWH, check_range
+from ipw.limits import MAX_G_PER_KWH, check_range
 from ipw.resources import resource_path
 
 J_PER_KWH = 3.6e6

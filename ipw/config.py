@@ -18,7 +18,8 @@ from typing import Any, Callable, cast
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
 from ipw.grading import JudgeSpec, check_grading
-from ipw.options import MAX_PUE, RUN, RUN_OPTIONS, check_range
+from ipw.limits import MAX_PUE, check_name, check_range, name_skeleton
+from ipw.options import RUN, RUN_OPTIONS
 from ipw.resources import resource_path
 
 EMBEDDED_DEFAULT = resource_path("default.toml")
@@ -193,38 +194,7 @@ def check_idle_s(value: float, loc: str) -> None:
     RUN["idle_s"].check(value, loc)
 
 
-MAX_NAME_CHARS = 64
 MAX_SOURCE_CHARS = 200  # a pue_source: where a figure comes from, in a line
-# letters of other scripts that print like Latin ones (after casefolding): two backend names that differ
-# only in these print alike in every table
-_LOOKALIKE = str.maketrans({
-    "а": "a", "в": "b", "е": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c", "т": "t", "у": "y",
-    "х": "x", "і": "i", "ј": "j", "ѕ": "s", "ԁ": "d", "ӏ": "l", "ɡ": "g", "α": "a", "β": "b", "ε": "e", "ζ": "z",
-    "η": "n", "ι": "i", "κ": "k", "μ": "m", "ν": "v", "ο": "o", "ρ": "p", "τ": "t", "υ": "u", "χ": "x",
-})
-
-
-def check_name(name: str, loc: str) -> str:
-    """A backend name as every output shows it: NFC-normalised, at most MAX_NAME_CHARS characters, no
-    control, format (bidi override, zero-width) or surrogate character."""
-    import unicodedata
-
-    name = unicodedata.normalize("NFC", name)
-    if not name.strip():
-        raise IpwError(f"{loc}: must not be blank")
-    if len(name) > MAX_NAME_CHARS:
-        raise IpwError(f"{loc}: {len(name)} characters; a name has at most {MAX_NAME_CHARS}")
-    for i, ch in enumerate(name):
-        if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
-            raise IpwError(f"{loc}: holds {ascii(ch)[1:-1]} at character {i + 1}; a name is printable text")
-    return name
-
-
-def name_skeleton(name: str) -> str:
-    """What a name looks like: compatibility-normalised, casefolded, other scripts' look-alikes as Latin."""
-    import unicodedata
-
-    return unicodedata.normalize("NFKC", name).casefold().translate(_LOOKALIKE)
 
 
 # engine options that are counts (the same meaning for every kind that has them)

@@ -29,3 +29,23 @@ def missing_extra(module: str, extra: str) -> IpwError:
     return IpwError(
         f"{module} is not installed; install it with: pip install 'ipw[{extra}]'"
     )
+
+
+class ParameterError(IpwError):
+    """A bad argument of a library function, named as the function names it: ``n_boot 0: must be at least 1``,
+    ``backend 'a' is given both local and cloud``.  The library takes parameters, not flags (issue 57): the
+    CLI, whose flag set the value, re-raises it naming the flag instead (``named``; ``ipw.options.naming_flags``).
+
+    ``parameters``: the names, joined by " and " between ``before`` and ``detail``.
+    """
+
+    def __init__(self, parameters: tuple[str, ...], detail: str, before: str = "") -> None:
+        super().__init__(before + " and ".join(parameters) + detail)
+        self.parameters = parameters
+        self.detail = detail
+        self.before = before
+
+    def named(self, names: dict[str, str]) -> IpwError:
+        """The same error with each parameter as ``names`` calls it (one not in ``names``: as it is)."""
+        return IpwError(self.before + " and ".join(names.get(p, p) for p in self.parameters) + self.detail,
+                        self.exit_code)

@@ -14,14 +14,15 @@ No heavy import here: ``cli.py`` imports this module to build its commands.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ipw.errors import IpwError
+from ipw.errors import IpwError, ParameterError
+from ipw.limits import MAX_G_PER_KWH, check_range
 
 
 @dataclass(frozen=True)
@@ -78,22 +79,6 @@ class Option:
             if v is not None and self.choices and v not in self.choices:
                 raise IpwError(f"{loc}: must be one of {', '.join(self.choices)}, got {v!r}")
         return value
-
-
-def check_range(value: float, loc: str, *, low: float | None = None, high: float | None = None,
-                low_open: bool = False, high_open: bool = False, whole: bool = False) -> None:
-    """``low <= value <= high`` (``low < value`` when ``low_open``, ``value < high`` when ``high_open``) and
-    finite, else an IpwError at ``loc`` (``whole``: the message speaks of a count, not of a finite number)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        bounds = " and ".join(b for b in ((f"> {low:g}" if low_open else f">= {low:g}") if low is not None else "",
-                                          (f"< {high:g}" if high_open else f"<= {high:g}") if high is not None
-                                          else "") if b)
-        raise IpwError(f"{loc}: must be {'' if whole else 'a finite number '}{bounds}, got {value!r}")
 
 
 def option(*flags: str, help: str, default: Any = None, **rules: Any) -> Any:
@@ -153,8 +138,6 @@ def by_name(group: tuple[Option, ...]) -> dict[str, Option]:
 
 
 MAX_IDLE_S = 86_400.0  # a day: more is a typo, and would keep a run waiting
-MAX_G_PER_KWH = 2000.0  # the dirtiest grids are ~1,000 gCO2e/kWh: more is a typo (ipw.carbon)
-MAX_PUE = 5.0  # a datacenter's PUE: the Uptime Institute's surveys average ~1.56, the worst sites ~2.5-3; more is a typo
 MAX_DOCTOR_S = 3600.0  # an hour of self-test or recording: more is a typo
 MAX_TIMEOUT_S = 86_400.0  # a day for one request through ipw serve: more is a typo (1e300 overflows a socket's timeout)
 
@@ -306,6 +289,28 @@ class RoutingOptions:
 
 ROUTING_OPTIONS = options_of(RoutingOptions)
 ROUTING = by_name(ROUTING_OPTIONS)
+
+#: The flag that sets each parameter of the analysis (``ipw.analysis.compare.compare``'s, and those of the
+#: functions it shares with ``ipw check`` and ``ipw route``), whose errors name the parameter
+#: (``ipw.errors.ParameterError``); a command names the flag (``naming_flags``).
+PARAMETER_FLAGS = {"reference": "--reference", "local": "--local", "cloud": "--cloud",
+                   "router_accuracy": "--router-accuracy", "deadline": "--deadline", "energy_basis": "--energy-basis",
+                   "carbon_intensity": "--carbon-intensity", "grid_region": "--grid-region", "pue": "--pue",
+                   "n_boot": "--n-boot", "usd_per_kwh": "--usd-per-kwh", "api_prices": "--api-price"}
+
+
+def naming_flags(command: Callable[..., int]) -> Callable[..., int]:
+    """``command`` (a command's function) with the analysis's ``ParameterError`` re-raised naming the flag that
+    set the parameter (``PARAMETER_FLAGS``): the message the user reads names what they typed."""
+
+    @functools.wraps(command)
+    def named(*args: Any, **kwargs: Any) -> int:
+        try:
+            return command(*args, **kwargs)
+        except ParameterError as exc:
+            raise exc.named(PARAMETER_FLAGS) from None
+
+    return named
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ FORBIDDEN = {
     "ipw.backends": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
     # compare's judge columns read ipw.grading (orders_agree), as the config does (JudgeSpec): neither
     # imports the judge that runs (issue 57)
-    "ipw.analysis": {"ipw.commands", "ipw.cli", *RUNNING},
+    "ipw.analysis": {"ipw.commands", "ipw.cli", "ipw.options", *RUNNING},
     "ipw.config": {"ipw.judge"},
     # rescore writes a run folder; its before/after rows are analysis's (ipw.analysis.rescored), composed by
     # the commands

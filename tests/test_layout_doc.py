@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("measurement: sensors, estimates, the machine", ("telemetry",)),
     ("analysis: run folders to tables, gates and reports", ("analysis", "templates")),
     ("exports: where operators look", ("export",)),
-    ("shared by all layers", ("errors.py", "sanitize.py", "outside.py", "carbon.py")),
+    ("shared by all layers", ("errors.py", "limits.py", "sanitize.py", "outside.py", "carbon.py")),
 ]
 
 OTHER = """\

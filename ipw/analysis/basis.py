@@ -19,9 +19,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo
-from ipw.carbon import CarbonIntensity, check_intensity, lookup
-from ipw.errors import IpwError
-from ipw.options import MAX_PUE, check_range
+from ipw.carbon import CarbonIntensity, lookup
+from ipw.errors import ParameterError
+from ipw.limits import MAX_G_PER_KWH, MAX_PUE, out_of_range
 
 BASES = ("chip", "facility", "node")
 ROLES = ("local", "cloud")
@@ -33,20 +33,22 @@ API_SOURCE = "estimate.api"  # a remote API's estimate (ipw.telemetry.api_estima
 
 def check_basis(basis: str) -> str:
     if basis not in BASES:
-        raise IpwError(f"--energy-basis {basis!r}: must be one of {', '.join(BASES)}")
+        raise ParameterError(("energy_basis",), f" {basis!r}: must be one of {', '.join(BASES)}")
     return basis
 
 
 def parse_pue(text: str) -> tuple[str, float]:
-    """``NAME=PUE`` (``--pue``): a backend or a role (local, cloud) and its PUE (1-5)."""
+    """``NAME=PUE`` (an item of ``pue``): a backend or a role (local, cloud) and its PUE (1-5)."""
     name, eq, value = text.partition("=")
     try:
         x = float(value)
     except ValueError:
         x = float("nan")
     if not eq or not name:
-        raise IpwError(f"--pue {text!r}: expected NAME=PUE (a backend or a role, local or cloud), e.g. cloud=1.2")
-    check_range(x, f"--pue {text!r}", low=1.0, high=MAX_PUE)
+        raise ParameterError(("pue",), f" {text!r}: expected NAME=PUE (a backend or a role, local or cloud), e.g. "
+                             "cloud=1.2")
+    if problem := out_of_range(x, low=1.0, high=MAX_PUE):
+        raise ParameterError(("pue",), f" {text!r}: {problem}")
     return name, x
 
 
@@ -137,11 +139,12 @@ def intensities(runs: Sequence[RunInfo], infos: Sequence[BackendInfo], carbon_in
     """Each backend's carbon intensity: its run's (manifest ``carbon``), or the one given to re-price every run
     (``--carbon-intensity`` / ``--grid-region``, offline table); notes that say where each comes from."""
     if carbon_intensity is not None and grid_region is not None:
-        raise IpwError("--carbon-intensity and --grid-region: give one of them")
+        raise ParameterError(("carbon_intensity", "grid_region"), ": give one of them")
     given = None
     if carbon_intensity is not None:
-        given = CarbonIntensity(check_intensity(carbon_intensity, "--carbon-intensity"), "given (--carbon-intensity)",
-                                "", "re-priced now")
+        if problem := out_of_range(carbon_intensity, low=0.0, high=MAX_G_PER_KWH):  # as ipw.carbon.check_intensity
+            raise ParameterError(("carbon_intensity",), f": {problem}")
+        given = CarbonIntensity(float(carbon_intensity), "given (--carbon-intensity)", "", "re-priced now")
     elif grid_region is not None:  # '' too: lookup refuses it
         given = lookup(grid_region)
     by_run = {r.run_id: r for r in runs}

@@ -28,8 +28,8 @@ from ipw.analysis.routing import (ROUTER_ACCURACY, OracleQueries, QueryMatrix, R
                                   route, solved)
 from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
 from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
-from ipw.errors import IpwError
-from ipw.options import ROUTING
+from ipw.errors import ParameterError
+from ipw.limits import out_of_range
 from ipw.analysis.fit import LinearFit, fit_linear
 from ipw.telemetry.hardware import hardware_note
 
@@ -149,7 +149,7 @@ class Comparison:
 
 # --- names and prices ---------------------------------------------------------------------------------
 
-def resolve_levels(name: str, backends: Sequence[BackendInfo], option: str) -> list[str]:
+def resolve_levels(name: str, backends: Sequence[BackendInfo], parameter: str) -> list[str]:
     """The labels ``name`` means: a label, or an unambiguous backend name (``NAME``: all its concurrency
     levels; ``NAME@cN``: that level) without the run_id/ that labels carry when names occur in several runs."""
     if any(b.label == name for b in backends):
@@ -159,8 +159,9 @@ def resolve_levels(name: str, backends: Sequence[BackendInfo], option: str) -> l
     if len(runs) == 1:
         return [b.label for b in hits]
     if hits:
-        raise IpwError(f"{option} {name!r} is in several runs; name one of: {', '.join(b.label for b in hits)}")
-    raise IpwError(f"{option} {name!r}: no such backend (backends: {', '.join(b.label for b in backends)})")
+        raise ParameterError((parameter,), f" {name!r} is in several runs; name one of: "
+                             f"{', '.join(b.label for b in hits)}")
+    raise ParameterError((parameter,), f" {name!r}: no such backend (backends: {', '.join(b.label for b in backends)})")
 
 
 def _reference(name: str | None, infos: Sequence[BackendInfo], roles: Sequence[str]) -> tuple[str, str | None]:
@@ -168,7 +169,7 @@ def _reference(name: str | None, infos: Sequence[BackendInfo], roles: Sequence[s
     (--reference), else the first cloud-role backend, else the first backend; of a backend measured at
     several concurrency levels, the highest (what a server runs at under load)."""
     if name is not None:
-        labels = resolve_levels(name, infos, "--reference")
+        labels = resolve_levels(name, infos, "reference")
     else:
         first = next((b for b, r in zip(infos, roles) if r == "cloud"), infos[0])
         labels = [b.label for b in by_backend(infos)[(first.run_id, first.backend)]]
@@ -186,7 +187,8 @@ def parse_api_price(text: str) -> tuple[str, float, float]:
     except ValueError:
         pin = pout = float("nan")
     if not eq or not name or not (math.isfinite(pin) and math.isfinite(pout)) or pin < 0 or pout < 0:
-        raise IpwError(f"--api-price {text!r}: expected NAME=IN,OUT (USD per million input and output tokens)")
+        raise ParameterError(("api_prices",), f" {text!r}: expected NAME=IN,OUT (USD per million input and output "
+                             "tokens)")
     return name, pin, pout
 
 
@@ -342,29 +344,31 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     ``deadline`` (``METRIC=VALUE``, ``ipw.analysis.serving.parse_deadline``) picks each backend's
     energy-optimal concurrency level within it. ``energy_basis``: which joules (ipw.analysis.basis);
     ``carbon_intensity`` (gCO2e/kWh) or ``grid_region``: re-price every run's carbon at it. ``pue``:
-    ``NAME=PUE`` (a backend, or a role: local, cloud) over the PUE the runs recorded."""
+    ``NAME=PUE`` (a backend, or a role: local, cloud) over the PUE the runs recorded. A bad argument is a
+    ``ipw.errors.ParameterError`` naming the parameter (``n_boot 0: must be at least 1``); ``ipw compare`` and
+    ``ipw report`` name the flag instead (``ipw.options.naming_flags``)."""
     check_basis(energy_basis)
     pue_given = [parse_pue(x) for x in pue]
     if carbon_intensity is not None or grid_region is not None:  # a bad value or zone (or '') fails before any run is read
         intensities((), (), carbon_intensity, grid_region)
-    ROUTING["router_accuracy"].check(router_accuracy, "--router-accuracy")  # the CLI's bound, for API callers
+    if problem := out_of_range(router_accuracy, low=0.0, high=1.0):  # a share of queries
+        raise ParameterError(("router_accuracy",), f": {problem}")
     if n_boot is not None and n_boot < 1:
-        raise IpwError(f"--n-boot {n_boot}: must be at least 1")
+        raise ParameterError(("n_boot",), f" {n_boot}: must be at least 1")
     if usd_per_kwh is not None and not usd_per_kwh >= 0:
-        raise IpwError(f"--usd-per-kwh {usd_per_kwh}: must be a price >= 0")
+        raise ParameterError(("usd_per_kwh",), f" {usd_per_kwh}: must be a price >= 0")
     prices_raw = [parse_api_price(p) for p in api_prices]
     bound = None if deadline is None else parse_deadline(deadline)
     runs, infos, pq, notes = load(paths, common_queries=common_queries, prompt_tokens=True)
     labels = tuple(i.label for i in infos)
     plain = tuple(i.backend for i in infos)
 
-    def names(xs: Sequence[str], opt: str) -> list[str]:
-        return [x for n_ in xs for x in resolve_levels(n_, infos, opt)]
+    def names(xs: Sequence[str], parameter: str) -> list[str]:
+        return [x for n_ in xs for x in resolve_levels(n_, infos, parameter)]
 
-    roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"),
-                          cloud=names(cloud, "--cloud"))
+    roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "local"), cloud=names(cloud, "cloud"))
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
-    infos = with_pue(infos, pue_given, lambda name: names([name], "--pue"))
+    infos = with_pue(infos, pue_given, lambda name: names([name], "pue"))
     chip_pq = pq
     pq, basis_notes = under_basis(pq, infos, energy_basis)
     notes += basis_notes
@@ -374,7 +378,7 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     ref, ref_note = _reference(reference, infos, roles)
     if ref_note:
         notes.append(ref_note)
-    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "--api-price")}
+    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "api_prices")}
     cost = cost_matrix(pq, labels, roles, usd_per_kwh, prices)
     m, n = pq.correct.shape
     n_boot = n_boot or n_resamples(n)

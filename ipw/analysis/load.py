@@ -381,7 +381,7 @@ def _pue_of(path: Path, manifest: RunManifest) -> dict[str, tuple[float, str]]:
     PUE that ipw would not have written (hand-edited: negative, NaN, below 1) is an IpwError naming the file
     and field, never used."""
     from ipw.carbon import bounded
-    from ipw.options import MAX_PUE, check_range
+    from ipw.limits import MAX_PUE, check_range
 
     out = {}
     for i, b in enumerate((manifest.config or {}).get("backends") or []):

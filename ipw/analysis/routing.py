@@ -26,7 +26,7 @@ from typing import Any, Sequence, cast
 
 import numpy as np
 
-from ipw.errors import IpwError
+from ipw.errors import ParameterError
 from ipw.telemetry.base import QUALITY_ORDER, worst_quality
 
 ROUTER_ACCURACY = 0.8  # α of the realistic router, when none is given (compare --router-accuracy)
@@ -174,15 +174,15 @@ class Routing:
 
 def resolve_roles(backends: Sequence[str], roles: Sequence[str], *, local: Sequence[str] = (),
                   cloud: Sequence[str] = ()) -> tuple[str, ...]:
-    """Roles per backend: the recorded ones, overridden by ``--local`` / ``--cloud`` names."""
+    """Roles per backend: the recorded ones, overridden by the names in ``local`` / ``cloud``."""
     out = [r if r in ROLES else "local" for r in roles]
     both = set(local) & set(cloud)
     if both:
-        raise IpwError(f"backend {sorted(both)[0]!r} is given both --local and --cloud")
-    for names, role, option in ((local, "local", "--local"), (cloud, "cloud", "--cloud")):
+        raise ParameterError(("local", "cloud"), "", before=f"backend {sorted(both)[0]!r} is given both ")
+    for names, role in ((local, "local"), (cloud, "cloud")):
         for name in names:
             if name not in backends:
-                raise IpwError(f"{option} {name!r}: no such backend (backends: {', '.join(backends)})")
+                raise ParameterError((role,), f" {name!r}: no such backend (backends: {', '.join(backends)})")
             out[list(backends).index(name)] = role
     return tuple(out)
 
@@ -300,7 +300,7 @@ def _mean(x: np.ndarray) -> float:
 def router(o: Oracle, alpha: float) -> RouterPoint:
     """The α-router: oracle's choice with probability α, else the cloud. Savings = α × oracle savings."""
     if not 0.0 <= alpha <= 1.0:
-        raise IpwError(f"--router-accuracy {alpha}: must be between 0 and 1")
+        raise ParameterError(("router_accuracy",), f" {alpha}: must be between 0 and 1")
 
     def scaled(s: Saving | None) -> float | None:
         return None if s is None else alpha * s.saved_fraction

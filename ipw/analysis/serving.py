@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ipw.analysis.load import BackendInfo
-from ipw.errors import IpwError
+from ipw.errors import ParameterError
 
 # the serving table's metrics (keys of ipw.analysis.metrics), in its column order
 SERVING_METRICS = ("energy_per_query_j", "j_per_output_token", "output_tokens_per_s", "latency_p50_s",
@@ -42,13 +42,13 @@ class Deadline:
 
 
 def parse_deadline(text: str) -> Deadline:
-    """``METRIC=VALUE`` (``p95_latency=2s``, ``p50_ttft=500ms``); an IpwError names the accepted forms."""
+    """``METRIC=VALUE`` (``p95_latency=2s``, ``p50_ttft=500ms``); a ParameterError names the accepted forms."""
     m = re.fullmatch(r"\s*([a-z0-9_]+)\s*=\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(ms|s)\s*", text)
     if not m or m.group(1) not in DEADLINE_METRICS:
-        raise IpwError(f"--deadline {text!r}: expected {DEADLINE_FORMS}")
+        raise ParameterError(("deadline",), f" {text!r}: expected {DEADLINE_FORMS}")
     limit = float(m.group(2)) * _SECONDS[m.group(3)]
     if not (math.isfinite(limit) and limit > 0):
-        raise IpwError(f"--deadline {text!r}: the time must be above 0 ({DEADLINE_FORMS})")
+        raise ParameterError(("deadline",), f" {text!r}: the time must be above 0 ({DEADLINE_FORMS})")
     return Deadline(m.group(1), limit)
 
 

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ipw.commands.output import stdout
 from ipw.errors import IpwError
-from ipw.options import CheckOutputs, GateOptions, RerunOptions
+from ipw.options import CheckOutputs, GateOptions, RerunOptions, naming_flags
 from ipw.sanitize import github_escape, one_line
 
 
@@ -24,6 +24,7 @@ def _change_unit(name: str) -> str:
     return metric.change_unit
 
 
+@naming_flags
 def pair_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutputs) -> int:
     """``ipw check BASELINE CANDIDATE``: two run folders, judged by ``ipw.analysis.check.check_runs``."""
     from ipw.analysis import check as verdict
@@ -38,6 +39,7 @@ def pair_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutput
     return _show(result, gate, outputs)
 
 
+@naming_flags
 def rerun_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutputs, rerun: RerunOptions) -> int:
     """``ipw check --rerun BASELINE.toml CANDIDATE.toml``: the interleaved job (``ipw.interleave.run_job``), judged
     by ``ipw.analysis.check.check_interleaved``."""
@@ -56,6 +58,7 @@ def rerun_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutpu
     return _show(result, gate, outputs)
 
 
+@naming_flags
 def calibrate_command(paths: list[Path], gate: GateOptions) -> int:
     """``ipw check --calibrate RUN...``: the noise floor of identical runs (``ipw.analysis.check.calibrate``),
     written to ``--floor``."""

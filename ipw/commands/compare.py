@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ipw.commands.output import stdout
-from ipw.options import CompareOptions, PriceOptions, RouterOptions, RoutingOptions, given
+from ipw.options import CompareOptions, PriceOptions, RouterOptions, RoutingOptions, given, naming_flags
 
 
+@naming_flags
 def compare_command(runs, routing: RoutingOptions, view: CompareOptions, prices: PriceOptions,
                     router: RouterOptions) -> int:
     """``router.router``: a router file (ipw route train) whose design is scored out of sample on these runs and

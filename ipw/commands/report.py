@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from ipw.options import ReportOptions, RouterOptions, RoutingOptions, given
+from ipw.options import ReportOptions, RouterOptions, RoutingOptions, given, naming_flags
 
 
+@naming_flags
 def report_command(runs, routing: RoutingOptions, written: ReportOptions, router: RouterOptions) -> int:
     """``router.router``: a router file whose design is scored out of sample on these runs and shown after the
     routing tables (as ipw compare --router)."""

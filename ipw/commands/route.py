@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Sequence
 
 from ipw.commands.output import stdout
-from ipw.options import PriceOptions, RouteRoles, RouteScoreOptions, RouteTrainOptions
+from ipw.options import PriceOptions, RouteRoles, RouteScoreOptions, RouteTrainOptions, naming_flags
 
 
+@naming_flags
 def train_command(runs: Sequence[Path], roles: RouteRoles, options: RouteTrainOptions) -> int:
     from ipw.analysis.router.data import route_data
     from ipw.analysis.router.evaluate import score_router
@@ -38,6 +39,7 @@ def train_command(runs: Sequence[Path], roles: RouteRoles, options: RouteTrainOp
     return 0
 
 
+@naming_flags
 def score_command(runs: Sequence[Path], roles: RouteRoles, options: RouteScoreOptions, prices: PriceOptions) -> int:
     from ipw.analysis.router.tables import print_scores, router_scores, scores_doc
 

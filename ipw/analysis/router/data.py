@@ -97,19 +97,19 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     runs, infos, pq, _ = load(paths, common_queries=common_queries, prompt_tokens=bool(prices_raw))
     labels = tuple(i.label for i in infos)
 
-    def names(xs: Sequence[str], opt: str) -> list[str]:
-        return [x for n_ in xs for x in resolve_levels(n_, infos, opt)]
+    def names(xs: Sequence[str], parameter: str) -> list[str]:
+        return [x for n_ in xs for x in resolve_levels(n_, infos, parameter)]
 
-    roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "--local"), cloud=names(cloud, "--cloud"))
+    roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "local"), cloud=names(cloud, "cloud"))
     if "cloud" not in roles:
         raise IpwError("the runs have no cloud reference (no backend has role cloud): name one with --cloud NAME "
                        f"(backends: {', '.join(labels)})")
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
-    infos = with_pue(infos, [parse_pue(x) for x in pue], lambda name: names([name], "--pue"))
+    infos = with_pue(infos, [parse_pue(x) for x in pue], lambda name: names([name], "pue"))
     pq, _ = under_basis(pq, infos, energy_basis)
     ref, _ = _reference(None, infos, roles)
     ri = labels.index(ref)
-    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "--api-price")}
+    prices = {x: (pin, pout) for n_, pin, pout in prices_raw for x in names([n_], "api_prices")}
     cost = cost_matrix(pq, labels, roles, usd_per_kwh, prices)
     li = [j for j in range(len(infos)) if roles[j] == "local"
           and (infos[j].run_id, infos[j].backend) != (infos[ri].run_id, infos[ri].backend)]

@@ -225,7 +225,7 @@ class _Doc:
     def name(self, value: Any, name: str) -> str:
         """A backend name, checked as ``--name`` and a config's backend names are (no CR LF for a header, no
         ``::error`` line, no bidi override)."""
-        from ipw.config import check_name
+        from ipw.limits import check_name
 
         if not isinstance(value, str):
             raise self.bad(name, "must be a string")
@@ -273,7 +273,7 @@ def _read_document(path: Path) -> dict[str, Any]:
 def load_router(path: str | Path) -> Router:
     """A router file, validated whole against what this ipw writes (``Router.to_json``): an IpwError naming the
     file and the field. ``ipw route score``, ``ipw compare --router`` and ``ipw serve --route`` all read it here."""
-    from ipw.config import name_skeleton
+    from ipw.limits import name_skeleton
     from ipw.sanitize import one_line
 
     path = Path(path)
