@@ -74,9 +74,9 @@ def _energy(usage) -> dict:
 @needs_binary
 @pytest.mark.parametrize("wait", [True, False], ids=["energy-wait", "provisional"])
 def test_openai_client_reads_energy_on_plain_and_streamed_responses(llama, tmp_path, wait):
-    """With --energy-wait each answer carries its record's settled energy; by default a provisional one (null
-    until the first period is split, on the CPU model, whose idle power is ~0), which the record keeps beside
-    the settled value."""
+    """With --energy-wait each answer carries its record's settled energy; by default a provisional one (before
+    the first period is split: on the CPU model, the power its reads tell, tests/test_provisional_cpu.py; null on a
+    sensor with no power to tell, such as RAPL), which the record keeps beside the settled value."""
     url, pids = llama
     proxy = _proxy(tmp_path, url, pids, energy_wait=wait)
     client = openai.OpenAI(base_url=proxy.url, api_key="unused")
@@ -176,7 +176,7 @@ import os, sys, openai
 client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from ipw wrap
 for prompt in ("Say hi.", "Say bye."):
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=4)
-    e = r.usage.model_extra["energy"]  # provisional: null until a first period is split, settled later
+    e = r.usage.model_extra["energy"]  # provisional (null on a sensor with no power to tell), settled later
     print("energy_j", e["energy_j"], "provisional", e["provisional"], flush=True)
 sys.exit(int(os.environ.get("CLIENT_EXIT", "0")))
 '''

@@ -38,7 +38,7 @@ from ipw.backends.base import Completion
 from ipw.metering.split import (PERIOD_S, PriceFit, Pricing, Request, fit_bins, local_shares, priced_shares,
                                 split_method, token_work)
 from ipw.metering.window import Closed, Window, resolve
-from ipw.telemetry.base import CONTAINING_SCOPES, EnergyReading, Quality, worst_quality
+from ipw.telemetry.base import CONTAINING_SCOPES, EnergyReading, PowerEstimate, Quality, worst_quality
 from ipw.telemetry.uncertainty import Z90
 
 #: one slice of a span: its start and end (monotonic s), its sensors' result, the requests in flight in it
@@ -183,6 +183,7 @@ class _Account:
         self.each_j: dict[str, float] = {}  # its equal part of the power while it was in flight
         self.streamed = False  # its output tokens were timed as they passed
         self.request: Request | None = None  # once it ended
+        self.estimated_rel = 0.0  # the widest band a sensor stated for the power it estimated while this was in flight
 
     def add(self, reading: EnergyReading, chosen: float | None, other: float | None, var: float | None,
             cal: float | None) -> None:
@@ -248,6 +249,7 @@ class Meter:
         # last period split, or the idle power), and its integral over time divided by the requests in flight
         self._power: dict[str, float] = {}
         self._recent_w: dict[str, float] = dict(self.idle_w)
+        self._period_power = False  # ``_recent_w`` is the power of a period split (not the idle power)
         self._each_j: dict[str, float] = {}
         self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
         self._containing: set[str] = _containing(window)  # of a scope that contains the others (node): in no total
@@ -274,15 +276,24 @@ class Meter:
     def _cut(self, now: float, last: bool = False) -> None:
         """Close the slice that ends ``now`` (under the lock) and put it in the open period, or with the
         unattributed energy when no request was in flight."""
+        tokens = self.tokens
         if last:
-            closed, self.tokens = self.window.end(self.tokens, now), None
+            closed, self.tokens = self.window.end(tokens, now), None
             self.ended_s = now
         else:
-            closed, self.tokens = self.window.cut(self.tokens, now)
+            closed, self.tokens = self.window.cut(tokens, now)
         if self.live_tokens:  # for provisional values: the power between request events, by trapezoids
-            power = self.window.power_w() or self._recent_w
+            live = self.window.power_w()
+            power = live or self._recent_w
             dt = now - self.opened_s
             spent = {c: (self._power.get(c, w) + w) / 2 * dt for c, w in power.items()}
+            if not live and not self._period_power:  # no power known yet: what the sensors' reads tell of the slice
+                power = dict(power)
+                for c, estimate in self._estimated(tokens).items():
+                    power[c], spent[c] = estimate.power_w, estimate.power_w * dt
+                    for job in self.active:
+                        account = self._accounts[job]
+                        account.estimated_rel = max(account.estimated_rel, estimate.rel_90)
             self._power = power
         if self.active:
             if self._open is None:
@@ -296,6 +307,14 @@ class Meter:
         else:
             self._idle.append(closed)
         self.opened_s = now
+
+    def _estimated(self, tokens: list[Any]) -> dict[str, PowerEstimate]:
+        """The mean power of the slice ``tokens`` (not cut yet, or just cut) by the sensors that can tell it from
+        their reads (``SensorBase.window_power_w``: the CPU model)."""
+        out: dict[str, PowerEstimate] = {}
+        for sensor, token in zip(self.window.sensors, tokens):
+            out.update(sensor.window_power_w(token) or {})
+        return out
 
     def _close_period(self, now: float) -> None:
         if self._open is not None:
@@ -463,7 +482,7 @@ class Meter:
             if account.share is not None:  # settled already (a sensor that is final at once)
                 self._calibrate(account)
             ratios = list(self._ratios.get(source, ()))
-        factor, rel = 1.0, PROVISIONAL_REL_DEFAULT
+        factor, rel = 1.0, max(PROVISIONAL_REL_DEFAULT, account.estimated_rel)  # a sensor's estimate: its band
         if len(ratios) >= CAL_MIN:
             prov, settled = np.array(ratios).T
             factor = float(settled.sum() / prov.sum())
@@ -625,6 +644,7 @@ class Meter:
         busy_local = (w_local * dur).sum(axis=1) if self.split == "local" else None
         if busy_time > 0:
             self._recent_w = {c: float(np.nansum(e)) / busy_time for c, e in energy.items()}
+            self._period_power = True
         self._measured = {c for c, rs in by_comp.items()
                           if any(r is not None and r.quality in ("measured", "measured_interpolated")
                                  and r.scope not in CONTAINING_SCOPES for r in rs)}

@@ -58,6 +58,15 @@ class SensorInfo:
     params: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PowerEstimate:
+    """A sensor's own estimate of the mean power of a window still open (``SensorBase.window_power_w``), and the
+    relative ±90% half-width it states for it."""
+
+    power_w: float
+    rel_90: float
+
+
 #: how often ``Deferred.wait`` asks ``ready`` again by default
 WAIT_POLL_S = 0.001
 
@@ -105,6 +114,7 @@ class SensorBase:
     - ``supports_trace``: ``trace()`` returns power columns for ``power.parquet``;
     - ``overhead()``: what the sensor's own threads cost, for the manifest (``{}`` by default);
     - ``current_power_w()``: the latest power it holds, per component (``{}`` by default);
+    - ``window_power_w(token)``: the mean power of a window still open, from what it holds (None by default);
     - ``close()``: release the device; does nothing by default.
     """
 
@@ -167,6 +177,13 @@ class SensorBase:
         enough for a request's path), None for a component with none recent; none by default.  ``ipw serve``'s
         provisional energy integrates it between request events (docs/SERVING.md)."""
         return {}
+
+    def window_power_w(self, token: Any) -> dict[str, PowerEstimate] | None:
+        """The mean power per component of the window ``token`` so far, from the reads the sensor already holds
+        (no read of the device: cheap enough for a request's path); None by default: a sensor that cannot tell
+        one.  For a sensor with no live power (``current_power_w``): ``ipw serve``'s provisional energy before
+        any period is split (the CPU model's; docs/SERVING.md)."""
+        return None
 
     def close(self) -> None:
         """Release what the sensor holds."""

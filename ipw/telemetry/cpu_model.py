@@ -32,7 +32,7 @@ import psutil
 from ipw.errors import IpwError
 from ipw.telemetry.phases import PhaseSplit, split_trace
 from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, CounterWindow, Counters
-from ipw.telemetry.base import Deferred, EnergyReading, SensorBase, SensorInfo
+from ipw.telemetry.base import Deferred, EnergyReading, PowerEstimate, SensorBase, SensorInfo
 
 
 #: The per-core model's ±90% band, relative (docs/ENERGY.md, "Estimated energy"): what one busy core
@@ -394,6 +394,17 @@ class CpuModelSensor(SensorBase):
                 uncertainty_j=model_uncertainty_j(cpu_s, self.watts_per_core, edges_s),
             )
         ]
+
+    def window_power_w(self, token: CounterWindow | None) -> dict[str, PowerEstimate] | None:
+        """The tree's mean power over the open window ``token`` so far: CPU seconds per second of the reads the
+        sensor's thread already made (``Counters.rate``; none is made here) x W/core, with the model's band
+        (``MODEL_UNCERTAINTY_REL``); None before any window, or when the tree lost CPU time."""
+        if self.counters is None or token is None:
+            return None
+        rate = self.counters.rate(token)
+        if rate is None or rate[0] < 0:
+            return None
+        return {"cpu-process": PowerEstimate(rate[0] * self.watts_per_core, MODEL_UNCERTAINTY_REL)}
 
     def split(self, token: CounterWindow, at_s: float) -> list[PhaseSplit]:
         """The share of the window's CPU time before ``at_s`` (the first token), from the reads inside it."""

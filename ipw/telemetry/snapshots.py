@@ -259,6 +259,21 @@ class Counters:
                 window.done.set()
         self._wake.set()
 
+    def rate(self, window: CounterWindow) -> tuple[float, ...] | None:
+        """Each counter's mean rate (per second) over ``window`` so far, from the reads already held (none is made
+        here): from the last read at or before its start to the newest, or the newest two while none came since
+        its start; None with fewer than two reads, or after a failed read."""
+        with self._lock:
+            t_s, values = list(window.t_s), list(window.values)
+            if window.error or len(t_s) < 2:
+                return None
+        first = max((i for i, t in enumerate(t_s) if t <= window.start_s), default=0)
+        first = min(first, len(t_s) - 2)
+        span_s = t_s[-1] - t_s[first]
+        if span_s <= 0:
+            return None
+        return tuple((b - a) / span_s for a, b in zip(values[first], values[-1]))
+
     def snap(self) -> None:
         """One read of the counters, added to every open window (what the thread does on every wake-up)."""
         t0 = self._clock()
