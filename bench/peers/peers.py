@@ -10,8 +10,8 @@ process of its own (``bench/telemetry/gpu_counter.py``) on the same monotonic cl
 ``windows`` (table 1): a GPU load runs without a break on a thread of its own (bf16 matrix products; copies
 of a 1 GiB buffer; a decode-like chain of matrix-vector products over 12 GiB of weights) while the main
 thread opens windows of 50 ms, 0.15 s, 0.5 s, 2 s and 8 s: every tool begins (ipw, Zeus, Zeus with
-``approx_instant_energy``, CodeCarbon's task, the bare counter), the window's length passes, every tool ends
-in the reverse order.  The load is steady across each block, so the reference (the counter's steps,
+``approx_instant_energy``, CodeCarbon's task, the bare counter; which one first rotates from window to window),
+the window's length passes, every tool ends in the reverse order.  The load is steady across each block, so the reference (the counter's steps,
 interpolated) is exact at every step and holds the block's power between them.  Each tool's window is its own
 (from its begin's return to its end's call); its reference is the counter over that span.
 
@@ -295,7 +295,10 @@ def windows(args: argparse.Namespace) -> None:
                     for i, length in enumerate(lengths):
                         if time.monotonic() + length + 2 > deadline:
                             break
-                        for row in measured(tools, lambda s=length: time.sleep(s)):
+                        # each window rotates which tool begins first (its window then holds the others'
+                        # begin and end calls), so that no tool is always the outermost
+                        k = (r * len(lengths) + i) % len(tools)
+                        for row in measured(tools[k:] + tools[:k], lambda s=length: time.sleep(s)):
                             rows.append({"load": kind, "length_s": length, "round": r, "i": i, **row})
                     time.sleep(0.3)
                 time.sleep(0.5)
