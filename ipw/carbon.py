@@ -30,7 +30,7 @@ from typing import Any
 
 from ipw.errors import IpwError
 from ipw.limits import MAX_G_PER_KWH, check_range
-from ipw.resources import resource_path
+from ipw.inputs.resources import resource_path
 
 J_PER_KWH = 3.6e6
 CODECARBON = "CodeCarbon 3.3.2"

@@ -76,10 +76,10 @@ def write_run(out: Path, run_id: str, backends: dict, *, query_ids=None, categor
 
 def start_run(config, command=None, shard=None):
     """``ipw run``'s load and plan steps (``ipw.commands.run._run``) for a config already made: returns the
-    run folder and the queries to run, as ``ipw.runner.execute`` takes them."""
+    run folder and the queries to run, as ``ipw.running.runner.execute`` takes them."""
     from ipw.commands.run import check_run
-    from ipw.datasets import load_query_set
-    from ipw.runner import plan_run
+    from ipw.inputs.datasets import load_query_set
+    from ipw.running.runner import plan_run
 
     query_set = load_query_set(config.dataset, limit=config.limit, **config.dataset_options())
     check_run(config)
@@ -89,7 +89,7 @@ def start_run(config, command=None, shard=None):
 def resume_run(run_dir):
     """``ipw run --resume``'s load and plan steps: the folder, its config, the queries and what is done."""
     from ipw.commands.run import check_run, load_resumed
-    from ipw.runner import plan_resume
+    from ipw.running.runner import plan_resume
 
     config, query_set = load_resumed(run_dir)
     plan = plan_resume(run_dir, query_set, config, check_run(config))

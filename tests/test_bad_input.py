@@ -126,7 +126,8 @@ def test_the_run_options_are_declared_once():
     """cli.run's options, config.py's top-level fields and apply_overrides all come from ipw.options."""
     import typer.main
 
-    from ipw import cli, config
+    from ipw import cli
+    from ipw.inputs import config
     from ipw.options import RUN_OPTIONS
 
     command = typer.main.get_command(cli.app).commands["run"]
@@ -281,7 +282,7 @@ def test_bad_input_round2(case, tmp_path, run_cli, monkeypatch):
 
 def test_csv_with_a_byte_order_mark_loads(tmp_path):
     """Excel saves CSV with a BOM: it is not part of the first column's name."""
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     path = tmp_path / "excel.csv"
     path.write_bytes("id,prompt,answer\nq1,What is 1 + 1?,2\n".encode("utf-8-sig"))
@@ -651,7 +652,7 @@ def test_config_validation_is_linear(tmp_path):
     """10,000 backends, the last one wrong: the error names its line at once (it took 42 s, quadratic)."""
     import time
 
-    from ipw.config import parse_config
+    from ipw.inputs.config import parse_config
 
     text = 'dataset = "d"\n' + "".join(f'[[backends]]\nname = "b{i}"\nkind = "openai"\nmodel = "m"\n'
                                        f'base_url = "http://127.0.0.1:9/v1"\n' for i in range(10_000))

@@ -106,7 +106,7 @@ def test_config_head_is_a_run_config_top_that_a_backend_completes(shared, tmp_pa
     a backend's keys after its ``[[backends]]``; ``limit`` only where given."""
     import tomllib
 
-    from ipw.config import load_config
+    from ipw.inputs.config import load_config
 
     text = shared.config_head("ipw-core-default", tmp_path / "runs", 1, 8, limit=3)
     cfg = tmp_path / "c.toml"

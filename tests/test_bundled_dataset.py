@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ipw.datasets import DATASETS_DIR, LETTERS, load_queries
-from ipw.scoring import score
+from ipw.inputs.datasets import DATASETS_DIR, LETTERS, load_queries
+from ipw.grading.scoring import score
 
 GENERATOR = Path(__file__).resolve().parents[1] / "datasets" / "generate.py"
 

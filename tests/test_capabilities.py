@@ -20,15 +20,15 @@ PROBE = re.compile(r"\b(hasattr|getattr)\(\s*([^,()]+(?:\([^()]*\))?[^,()]*)\s*,
 ALLOWED = {
     # exceptions: an optional attribute of whatever was raised
     "ipw/cli.py": {"exc"},
-    "ipw/ray_runner.py": {"exc"},
+    "ipw/running/ray_runner.py": {"exc"},
     "ipw/metering/record.py": {"error"},
     # pynvml: constants and fields that differ between its versions
     "ipw/telemetry/sampler.py": {"nvml", "v", "v.value"},
     "ipw/telemetry/nvml_reads.py": {"nvml", "exc", "s.sampleValue"},
     "ipw/telemetry/nvml.py": {"exc", "pynvml"},
     # values read from a dataset or a Parquet row (numpy scalars and arrays)
-    "ipw/datasets.py": {"value"},
-    "ipw/presets.py": {"value"},
+    "ipw/inputs/datasets.py": {"value"},
+    "ipw/inputs/presets.py": {"value"},
     "ipw/results/schema.py": {"value"},
     "ipw/results/manifest.py": {"self"},  # a dataclass's own fields, by name
     "ipw/results/entry.py": {"self"},
@@ -38,7 +38,7 @@ ALLOWED = {
     "ipw/telemetry/snapshots.py": {"os"},
     "ipw/__init__.py": {"importlib.import_module(_LAZY[name])"},
     "ipw/backends/vllm.py": {"tokenizer", "llm", "out", "metrics"},
-    "ipw/convert.py": {"tokenizer"},
+    "ipw/inputs/convert.py": {"tokenizer"},
     "ipw/commands/doctor.py": {"self.file"},
     # a dataclass's fields by name (frames of per-query values, rendered fits)
     "ipw/analysis/compare.py": {"pq"},

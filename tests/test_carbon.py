@@ -132,7 +132,7 @@ def test_bad_carbon_options_exit_2_with_one_line_and_no_folder(tmp_path, args, m
                                            ("pue = 12", "must be a finite number >= 1 and <= 5"),
                                            ("carbon_intensity = -1", "field 'carbon_intensity'")])
 def test_a_config_with_a_pue_below_1_or_a_bad_intensity_is_refused(tmp_path, line, message):
-    from ipw.config import load_config
+    from ipw.inputs.config import load_config
 
     top, backend = (line, "") if line.startswith("carbon") else ("", line)
     path = tmp_path / "run.toml"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ipw.datasets import DATASETS_DIR, load_queries
+from ipw.inputs.datasets import DATASETS_DIR, load_queries
 from ipw.errors import IpwError
-from ipw.scoring import score
+from ipw.grading.scoring import score
 
 
 @pytest.fixture(scope="module")

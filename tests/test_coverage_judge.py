@@ -10,7 +10,7 @@ import pytest
 
 from ipw.backends.base import BackendSpec
 from ipw.errors import IpwError
-from ipw.grading import JudgeSpec, orders_agree
+from ipw.grading.spec import JudgeSpec, orders_agree
 from runfolders import create, record
 from scripted import FixedSensor, ScriptedBackend
 
@@ -70,7 +70,7 @@ def spec(vs="cloud"):
 
 
 def test_win_tie_rule_order_disagreement_and_unparsed(scripted, tmp_path):
-    from ipw.rescore import rescore
+    from ipw.grading.rescore import rescore
 
     run = make_run(tmp_path / "runs")
     folder = rescore(run, judge=spec(), out_dir=tmp_path / "judged", probe=lambda backend: [FixedSensor(0.5)])
@@ -147,8 +147,8 @@ def test_vs_backend_through_the_cli(scripted, tmp_path, run_cli):
 
 
 def test_vs_backend_in_a_run_config(tmp_path):
-    from ipw.config import load_config
-    from ipw.rescore import judge_spec
+    from ipw.inputs.config import load_config
+    from ipw.grading.rescore import judge_spec
 
     path = tmp_path / "run.toml"
     text = '''dataset = "ipw-core"
@@ -285,7 +285,7 @@ max_tokens = 4
 def test_judging_again_never_keeps_an_old_verdict(scripted, tmp_path):
     """Against another reference, the new reference's rows lose their old win/tie; a rescore without a
     vs-backend judge keeps none (the old judge's log and manifest are not copied)."""
-    from ipw.rescore import rescore
+    from ipw.grading.rescore import rescore
 
     probe = lambda backend: [FixedSensor(0.5)]  # noqa: E731
     first = rescore(make_run(tmp_path / "runs"), judge=spec("cloud"), out_dir=tmp_path / "a", probe=probe).path

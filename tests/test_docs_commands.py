@@ -544,7 +544,7 @@ class Workspace:
             shutil.copytree(ROOT / "tests" / "data" / "presets" / "gsm8k_hf", path)
             return path
         if name == "gguf":
-            from ipw.models import resolve_model
+            from ipw.inputs.models import resolve_model
 
             return resolve_model("smollm2-135m")[0]
         if name == "llama":

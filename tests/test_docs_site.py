@@ -14,7 +14,7 @@ import click
 import pytest
 import typer.main
 
-from ipw import config as ipw_config
+from ipw.inputs import config as ipw_config
 from ipw.backends.base import backend_kinds, backend_options
 from ipw.cli import app
 

@@ -171,8 +171,8 @@ def test_the_runner_records_the_audit_in_the_manifest(monkeypatch, tmp_path, run
 
     from ipw.backends.base import register_backend, unregister_backend
     from ipw.telemetry.audit import audit_lines
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
     from nvml_fakes import RealClock, real_offset_ns
 

@@ -7,7 +7,7 @@ import json
 from openai_stub import Stub, stub_config
 
 from ipw.backends.base import GenerationSettings
-from ipw.config import _GENERATION, parse_config
+from ipw.inputs.config import _GENERATION, parse_config
 
 
 def test_generation_table_is_the_dataclass():

@@ -260,7 +260,7 @@ def test_a_feeds_texts_are_bounded_when_stored(feed_env):
 
 
 def test_a_configs_pue_source_is_bounded(tmp_path):
-    from ipw.config import load_config
+    from ipw.inputs.config import load_config
 
     path = tmp_path / "run.toml"
     path.write_text('dataset = "ipw-core-default"\n[[backends]]\nname = "a"\nkind = "llama-cpp"\n'

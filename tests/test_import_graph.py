@@ -63,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert "ipw.metering.window" in graph["ipw.runner"]
+    assert "ipw.metering.window" in graph["ipw.running.runner"]
     assert "ipw.analysis.metrics" in graph["ipw.analysis.check"]
 
 
@@ -80,22 +80,24 @@ def test_no_import_cycles():
 #: The layers docs/ARCHITECTURE.md draws, as the modules a package must never import (directly, or
 #: through any chain of imports).  Measurement (telemetry) and engines (backends) sit below analysis,
 #: the commands, the CLI and the running layer; analysis reads run folders and never runs anything.
-RUNNING = {"ipw.runner", "ipw.ray_runner", "ipw.judge", "ipw.rescore", "ipw.serve", "ipw.shard"}
+RUNNING = {"ipw.running", "ipw.grading.judge", "ipw.grading.rescore", "ipw.serve"}
 FORBIDDEN = {
-    # an engine's build helper (ipw.llama_build) reads the CPU's instruction sets from telemetry, not the reverse
-    "ipw.telemetry": {"ipw.analysis", "ipw.commands", "ipw.cli", "ipw.metering", "ipw.llama_build", *RUNNING},
+    # an engine's build helper (ipw.backends.llama_build) reads the CPU's instruction sets from telemetry, not the reverse
+    "ipw.telemetry": {"ipw.analysis", "ipw.commands", "ipw.cli", "ipw.metering", "ipw.backends.llama_build", *RUNNING},
     # the measuring core (windows, splits, the meter) sits on the sensors and engines, below the running layer
     "ipw.metering": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
     "ipw.backends": {"ipw.analysis", "ipw.commands", "ipw.cli", *RUNNING},
-    # compare's judge columns read ipw.grading (orders_agree), as the config does (JudgeSpec): neither
+    # compare's judge columns read ipw.grading.spec (orders_agree), as the config does (JudgeSpec): neither
     # imports the judge that runs (issue 57)
     "ipw.analysis": {"ipw.commands", "ipw.cli", "ipw.options", *RUNNING},
-    "ipw.config": {"ipw.judge"},
+    # the inputs (config, query sets, models) are read before anything runs: they import no running, grading
+    # (but a judge's spec, as data), measuring or analysis module (issue 57: folders that show the flow)
+    "ipw.inputs": {"ipw.analysis", "ipw.commands", "ipw.cli", "ipw.metering", "ipw.results", *RUNNING},
     # rescore writes a run folder; its before/after rows are analysis's (ipw.analysis.rescored), composed by
     # the commands
-    "ipw.rescore": {"ipw.analysis"},
+    "ipw.grading.rescore": {"ipw.analysis"},
     # the run folder is given what it needs of the inputs (the dataset file, the Query type) by its caller
-    "ipw.results": {"ipw.datasets"},
+    "ipw.results": {"ipw.inputs"},
 }
 
 

@@ -1,4 +1,4 @@
-"""ipw check's interleaved A/B job (ipw.interleave, check_interleaved), its work gate and its noise floor.
+"""ipw check's interleaved A/B job (ipw.running.interleave, check_interleaved), its work gate and its noise floor.
 
 The scheduler and the verdict are tested with a fake engine whose speed drifts over time: each block's
 run folder is written (tests/runfolders.py) with every query's energy scaled by how slow the "machine" was
@@ -13,7 +13,7 @@ import pytest
 
 from ipw.analysis.check import check_interleaved, check_runs, parse_threshold
 from ipw.errors import IpwError
-from ipw.interleave import job_plan, run_blocks
+from ipw.running.interleave import job_plan, run_blocks
 from ipw.results import load_run
 from runfolders import write_run
 
@@ -225,12 +225,12 @@ STORIES = ["apple", "river", "house", "green"]
 def test_rerun_compares_the_configs_before_the_first_block(tmp_path, run_cli, monkeypatch):
     """Configs on other query sets, or a baseline backend the candidate lacks: one line naming what differs,
     exit 2, before any block runs (not after all of them)."""
-    import ipw.interleave
+    import ipw.running.interleave
 
     def no_blocks(*args, **kwargs):
         raise AssertionError("a block ran")
 
-    monkeypatch.setattr(ipw.interleave, "run_blocks", no_blocks)
+    monkeypatch.setattr(ipw.running.interleave, "run_blocks", no_blocks)
     for name, words in (("a", STORIES), ("b", STORIES[:3])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"id": f"s{i}", "prompt": f"Say {w}.", "answer": w})
                                                         + "\n" for i, w in enumerate(words)))
@@ -294,12 +294,16 @@ def _stated(tmp_path: Path, run_id: str, scale: float, rel: float, source: str, 
     """A run whose readings state a ±90% ``uncertainty_j`` of ``rel`` of their energy (ipw.telemetry.uncertainty)."""
     from runfolders import create, record
 
+    # both runs on one machine ("vm"), whose backend's CPU model states its coefficient (the key of its shared error)
+    sensor = {"name": "c", "source": source, "params": {"watts_per_core": 6.25, "basis": "test"}}
     folder = create(tmp_path, run_id, {"command": ["test"], "config": {"generation": {"temperature": 0.0}},
-                                       "dataset": {"name": "fixture", "n_queries": N, "fingerprint": "sha256:x"}})
+                                       "dataset": {"name": "fixture", "n_queries": N, "fingerprint": "sha256:x"},
+                                       "backends": [{"name": "b", "kind": "k", "model": "m", "role": "local",
+                                                     "sensors": [sensor]}]})
     for i, e in enumerate(ENERGY):
         part = {"component": "c", "energy_j": e * scale, "source": source, "quality": quality, "scope": "cpu",
                 "duration_s": 0.05, "note": "", "uncertainty_j": rel * e * scale}
-        folder.append(record(run_id=run_id, query_id=f"q{i}", energy_j=e * scale, energy_quality=quality,
+        folder.append(record(run_id=run_id, query_id=f"q{i}", energy_j=e * scale, energy_quality=quality, node="vm",
                              energy_source=source, energy_parts=json.dumps([part]), completion_tokens=TOKENS[i]))
     folder.finish("complete")
     return folder.path

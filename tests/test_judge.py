@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 
 from ipw.backends.base import BackendSpec
-from ipw.datasets import Query
+from ipw.inputs.datasets import Query
 from ipw.errors import IpwError
-from ipw.grading import JudgeSpec
-from ipw.judge import (PROMPTS_DIR, JudgeCall, grade_pairwise, grade_reference, load_prompt, parse_pairwise_verdict,
+from ipw.grading.spec import JudgeSpec
+from ipw.grading.judge import (PROMPTS_DIR, JudgeCall, grade_pairwise, grade_reference, load_prompt, parse_pairwise_verdict,
                        parse_reference_verdict, render)
 from runfolders import create, record
 from scripted import FixedSensor, ScriptedBackend
@@ -26,7 +26,7 @@ ITEMS = [  # (query, output, error) of the judged run
 
 def make_run(out: Path) -> Path:
     """A finished run folder of ITEMS (as the runner writes it), without running a model."""
-    from ipw.scoring import score
+    from ipw.grading.scoring import score
 
     folder = create(out, "20260101-000000-orig", {"config": {"dataset": "hand-made", "backends": []},
                                                   "dataset": {"name": "hand-made"}, "backends": []})
@@ -113,8 +113,8 @@ class ScriptedJudge(ScriptedBackend):
 
 
 def test_judge_bookkeeping_is_separate(scripted, tmp_path):
-    from ipw.config import load_judge_config
-    from ipw.rescore import rescore
+    from ipw.inputs.config import load_judge_config
+    from ipw.grading.rescore import rescore
 
     run = make_run(tmp_path / "runs")
     original = pd.read_parquet(run / "records.parquet")
@@ -159,8 +159,8 @@ def test_pairwise_through_rescore(scripted, tmp_path, run_cli):
 
 
 def test_judge_config_table(tmp_path):
-    from ipw.config import load_config, load_judge_config
-    from ipw.rescore import judge_spec
+    from ipw.inputs.config import load_config, load_judge_config
+    from ipw.grading.rescore import judge_spec
 
     path = tmp_path / "run.toml"
     path.write_text('''dataset = "ipw-core"

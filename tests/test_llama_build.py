@@ -1,4 +1,4 @@
-"""The llama.cpp build for a CPU (ipw/llama_build.py): flags from /proc/cpuinfo, AMX never, and a wheel
+"""The llama.cpp build for a CPU (ipw/backends/llama_build.py): flags from /proc/cpuinfo, AMX never, and a wheel
 cache key that differs between CPUs, so a wheel built for another machine is never reused."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ipw.llama_build import cache_key, cmake_args, compiled_features, missing_features, variant
+from ipw.backends.llama_build import cache_key, cmake_args, compiled_features, missing_features, variant
 from ipw.telemetry.cpu_isa import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ LDD = """\tlinux-vdso.so.1 (0x00007f1ae48f3000)
 def test_the_server_is_built_with_the_wheels_flags_and_no_others():
     """The server's build adds the tools folder to the wheel's tree and nothing that changes how ggml,
     llama or common compile: no instruction set, no AMX, no build type."""
-    from ipw.llama_build import SERVER_ARGS
+    from ipw.backends.llama_build import SERVER_ARGS
 
     assert "-DLLAMA_BUILD_SERVER=ON" in SERVER_ARGS and "-DLLAMA_BUILD_TOOLS=ON" in SERVER_ARGS
     assert not any(a.startswith(("-DGGML_", "-DCMAKE_C", "-DCMAKE_BUILD_TYPE", "-DBUILD_SHARED")) for a in SERVER_ARGS)
@@ -109,7 +109,7 @@ def test_the_server_is_built_with_the_wheels_flags_and_no_others():
 
 
 def test_pinned_commit_and_ldd_and_run_paths():
-    from ipw.llama_build import parse_ldd, pinned_commit, relocated_runpath
+    from ipw.backends.llama_build import parse_ldd, pinned_commit, relocated_runpath
 
     assert pinned_commit(CHANGELOG, "0.3.36") == "0c1e57098"
     assert pinned_commit(CHANGELOG, "0.3.35") == "4df29be4f"
@@ -130,7 +130,7 @@ def test_bundle_server_copies_the_build_trees_libraries_and_makes_it_relocatable
     """A tree as the set-up leaves it (an executable linking a library of the tree, by a build run path
     with room for the bundle's), bundled: the copy loads its library from lib/llama-server beside it, not
     from the tree, and keeps running once the tree is gone."""
-    from ipw.llama_build import SERVER_LIB_DIR, bundle_server
+    from ipw.backends.llama_build import SERVER_LIB_DIR, bundle_server
 
     build = tmp_path / "build"
     (build / "bin").mkdir(parents=True)

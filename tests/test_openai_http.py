@@ -261,7 +261,7 @@ def test_connection_refused_is_a_connection_error(endpoint):
 
 
 def test_config_errors():
-    from ipw.config import parse_config
+    from ipw.inputs.config import parse_config
 
     base = 'dataset = "ipw-core"\n[[backends]]\nname = "x"\nkind = "openai"\nmodel = "m"\n'
     with pytest.raises(IpwError, match="needs base_url"):
@@ -405,8 +405,8 @@ class RateSensor(SensorBase):
 
 
 def test_concurrency_overlaps_windows_keeps_order_and_splits_energy(endpoint, tmp_path):
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     endpoint.chunk_delay_s = 0.05
@@ -453,13 +453,13 @@ def test_long_concurrent_run_keeps_memory_flat(endpoint, tmp_path, monkeypatch):
     so memory is bounded by one period's requests (here periods of 0.2 s; a level's are 30 s). Python heap
     (tracemalloc) after 200 and after 1,200 records; before the fix it grew by ~2 KB a query. The
     5,335-query run against a real llama.cpp server is in docs/RELIABILITY.md."""
-    import ipw.runner
+    import ipw.running.runner
 
-    monkeypatch.setattr(ipw.runner, "RUN_PERIOD_S", 0.2)
+    monkeypatch.setattr(ipw.running.runner, "RUN_PERIOD_S", 0.2)
     import tracemalloc
 
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     endpoint.chunk_delay_s = 0.0
@@ -503,7 +503,7 @@ def test_concurrency_levels():
 
 
 def test_concurrency_as_a_list_in_a_config(endpoint):
-    from ipw.config import parse_config
+    from ipw.inputs.config import parse_config
 
     base = ('dataset = "ipw-core"\n[[backends]]\nname = "x"\nkind = "openai"\nmodel = "m"\n'
             f'base_url = "{endpoint.base_url}"\n')

@@ -36,7 +36,7 @@ def llama_wheel() -> Path | None:
     path = Path(unquote(urlparse(url).path))
     if url.startswith("file:") and path.suffix == ".whl" and path.is_file():
         return path
-    from ipw.llama_build import cache_key
+    from ipw.backends.llama_build import cache_key
     from ipw.telemetry.cpu_isa import cpu_flags
 
     cache = Path(os.environ.get("IPW_WHEEL_CACHE", Path.home() / ".cache" / "ipw" / "wheels"))
@@ -51,7 +51,7 @@ def run(cmd: list, cwd: Path, **kwargs) -> subprocess.CompletedProcess:
 
 
 def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     wheel_llama = llama_wheel()
     if wheel_llama is None:
@@ -76,11 +76,11 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path):
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     ipw = venv / "bin" / "ipw"
-    check = ("import ipw.config, ipw.datasets, ipw.judge, ipw.telemetry.api_estimate as api\n"
-             "from ipw.resources import resource_path\n"
-             "ipw.config.load_config(None); api.ApiEnergyEstimate.load(); ipw.judge.load_prompt('pairwise-v1', 'pairwise')\n"
+    check = ("import ipw.inputs.config, ipw.inputs.datasets, ipw.grading.judge, ipw.telemetry.api_estimate as api\n"
+             "from ipw.inputs.resources import resource_path\n"
+             "ipw.inputs.config.load_config(None); api.ApiEnergyEstimate.load(); ipw.grading.judge.load_prompt('pairwise-v1', 'pairwise')\n"
              "assert resource_path('templates', 'report.html.j2').is_file()\n"
-             "print(ipw.datasets.DATASETS_DIR)\n")
+             "print(ipw.inputs.datasets.DATASETS_DIR)\n")
     where = run([venv / "bin" / "python", "-c", check], cwd=work, env=env)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout  # the installed copy
 

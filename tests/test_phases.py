@@ -211,8 +211,8 @@ def phased_fake():
 
 
 def test_runner_records_phases_that_sum_to_the_total(phased_fake, tmp_path):
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     rows = [{"id": f"q{n}", "prompt": "word " * n + "Answer.", "answer": "ok", "category": "c", "scorer": "exact"}
@@ -336,7 +336,7 @@ def test_compare_shows_phases_and_the_fitted_model(tmp_path, run_cli):
 # --- the long_context category --------------------------------------------------------------------------
 
 def test_long_context_items_are_long_and_their_answers_check_out():
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     queries = [q for q in load_queries("ipw-core") if q.category == "long_context"]
     assert [q.id for q in queries] == [f"long-{i:04d}" for i in range(1, 25)]
@@ -360,7 +360,7 @@ def test_long_context_items_are_long_and_their_answers_check_out():
 
 @pytest.mark.llama
 def test_real_llama_prefill_energy_grows_with_prompt_length(tmp_path, run_cli):
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     core = {q.id: q for q in load_queries("ipw-core")}
     # the first query is the warm-up (its measured repeat reuses llama.cpp's cached prompt: not checked);

@@ -7,9 +7,9 @@ import pandas as pd
 import pytest
 
 from ipw.backends.base import register_backend, unregister_backend
-from ipw.datasets import load_queries
+from ipw.inputs.datasets import load_queries
 from ipw.errors import IpwError
-from ipw.presets import PRESETS, last_boxed
+from ipw.inputs.presets import PRESETS, last_boxed
 from scripted import ScriptedBackend
 
 DATA = Path(__file__).parent / "data" / "presets"
@@ -175,7 +175,7 @@ def test_cli_errors_exit_2(tmp_path, run_cli):
 
 
 def test_config_keys(tmp_path):
-    from ipw.config import RunConfig, load_config
+    from ipw.inputs.config import RunConfig, load_config
 
     path = tmp_path / "run.toml"
     path.write_text(f'''dataset = "{DATA / 'gsm8k_hf'}"
@@ -222,8 +222,8 @@ def oracle():
 
 
 def _run(dataset: str, out: Path, **options):
-    from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import apply_overrides, load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     config = apply_overrides(load_config(None), {"dataset": dataset, "backend": ["oracle:table"], "out": str(out),

@@ -26,7 +26,7 @@ KEY = ["backend", "query_id", "repeat"]
 
 
 def test_task_resources():
-    from ipw.ray_runner import task_resources
+    from ipw.running.ray_runner import task_resources
 
     def res(kind="llama-cpp", **options):
         return task_resources(BackendSpec("b", kind, "m", options=options))
@@ -42,8 +42,8 @@ def test_task_resources():
 
 
 def test_default_shards():
-    from ipw.config import parse_config
-    from ipw.ray_runner import default_shards
+    from ipw.inputs.config import parse_config
+    from ipw.running.ray_runner import default_shards
 
     config = parse_config('dataset = "d"\n[[backends]]\nname = "a"\nkind = "llama-cpp"\nmodel = "m"\nn_threads = 2\n'
                           '[[backends]]\nname = "g"\nkind = "llama-cpp"\nmodel = "m"\nn_gpu_layers = -1\n', "c.toml")
@@ -54,7 +54,7 @@ def test_default_shards():
 
 
 def test_config_ray_resources_validated():
-    from ipw.config import parse_config
+    from ipw.inputs.config import parse_config
 
     config = parse_config('dataset = "d"\n[[backends]]\nname = "a"\nkind = "llama-cpp"\nmodel = "m"\n'
                           'ray_num_gpus = 0.5\n', "c.toml")
@@ -68,7 +68,7 @@ def test_config_ray_resources_validated():
 def test_shared_node_probe_never_uses_rapl_nor_unassigned_gpus(monkeypatch):
     """Package-wide RAPL (and GPUs the task was not given) would charge a task its neighbours' energy."""
     ray = pytest.importorskip("ray")
-    from ipw import ray_runner
+    from ipw.running import ray_runner
     from ipw.telemetry import probe
     from ipw.telemetry.cpu_model import CpuModelSensor
 
@@ -105,7 +105,7 @@ def test_an_address_where_no_cluster_answers_fails_at_once(run_cli, tmp_path, mo
     exit 2, no run folder, within seconds; an address where something else listens gets one try of Ray's (~40 s),
     not twenty."""
     ray = pytest.importorskip("ray")
-    from ipw import ray_runner
+    from ipw.running import ray_runner
 
     config = _config(tmp_path)
     t0 = time.monotonic()

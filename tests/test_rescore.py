@@ -7,10 +7,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from ipw.datasets import Query, load_queries
-from ipw.rescore import choices_from_prompt
+from ipw.inputs.datasets import Query, load_queries
+from ipw.grading.rescore import choices_from_prompt
 from ipw.results import RunFolder
-from ipw.scoring import score
+from ipw.grading.scoring import score
 from runfolders import create, record
 
 DATA = Path(__file__).parent / "data" / "presets"
@@ -90,7 +90,7 @@ def test_same_scorer_reproduces_another_changes(tmp_path, run_cli):
 
 
 def test_rescore_of_an_unfinished_run_and_a_chain(tmp_path):
-    from ipw.rescore import rescore
+    from ipw.grading.rescore import rescore
 
     run = make_run(tmp_path, finish=False)  # records.jsonl only, status running
     first = rescore(run, scorer="exact", out_dir=tmp_path / "a")

@@ -29,7 +29,7 @@ def test_sigkill_and_resume_loop(tmp_path):
     """20 SIGKILLs at random moments (during start-up and model load, or after 1-3 more records, mid-query),
     each followed by a resume.  The work is bounded by records, not by time: 40 queries x 2 repeats, and
     the kills together consume at most 60 of the 80 records, on a fast machine or a slow one."""
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     rng = random.Random(7)
     proc = subprocess.Popen(IPW + ["run", str(_config(tmp_path, "ipw-core", limit=40))], stdout=subprocess.DEVNULL,

@@ -9,12 +9,12 @@ import pytest
 from runfolders import create, record
 
 from ipw.backends.base import BackendSpec
-from ipw.config import RunConfig
-from ipw.datasets import Query, QuerySet
+from ipw.inputs.config import RunConfig
+from ipw.inputs.datasets import Query, QuerySet
 from ipw.errors import IpwError
 from ipw.results import DoneKeys, KeptQueries, write_queries
-from ipw.runner import plan_resume, work_left
-from ipw.shard import Shard, shard_items
+from ipw.running.runner import plan_resume, work_left
+from ipw.running.shard import Shard, shard_items
 
 LEVELS = {"a": (1,), "b": (1, 4)}  # b: a concurrency sweep
 REPEATS = 2

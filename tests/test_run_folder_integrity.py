@@ -260,10 +260,10 @@ def test_a_large_run_resumes_from_its_copy_of_the_queries(stub, tmp_path):
     """A run of >= QUERY_CACHE_MIN queries keeps them in queries.parquet; --resume reads that copy (the same
     queries, the same fingerprint) while the dataset file is unchanged, and parses the file again (and
     refuses it) once it changed."""
-    from ipw.config import load_config
-    from ipw.datasets import fingerprint, load_queries
+    from ipw.inputs.config import load_config
+    from ipw.inputs.datasets import fingerprint, load_queries
     from ipw.errors import IpwError
-    from ipw.runner import QUERY_CACHE_MIN
+    from ipw.running.runner import QUERY_CACHE_MIN
     from runfolders import resume_run, start_run
 
     data = _dataset(tmp_path, QUERY_CACHE_MIN)

@@ -5,7 +5,7 @@ import json
 import pandas as pd
 import pytest
 
-from ipw.scoring import score
+from ipw.grading.scoring import score
 
 pytestmark = pytest.mark.llama
 
@@ -74,8 +74,8 @@ def test_embedded_default_local_and_cloud(tmp_path, run_cli):
 
 def test_interrupted_run_is_marked(small_jsonl, tmp_path, monkeypatch):
     """A crash mid-run leaves the records written so far and the manifest marked interrupted."""
-    from ipw.config import apply_overrides, load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import apply_overrides, load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     config = apply_overrides(load_config(None), {"dataset": str(small_jsonl), "backend": ["smollm2-135m"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ipw.errors import IpwError
-from ipw.scoring import KNOWN_SCORERS, SCORERS, check_answer, extract_choice, extract_number, normalize, score
+from ipw.grading.scoring import KNOWN_SCORERS, SCORERS, check_answer, extract_choice, extract_number, normalize, score
 
 CAPITALS = ("Paris", "London", "Rome", "Berlin")  # "Which city is the capital of France?"
 VITAMINS = ("Vitamin A", "Vitamin C", "Vitamin D", "Vitamin K")

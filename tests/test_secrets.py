@@ -252,7 +252,7 @@ def test_a_custom_api_key_env_never_reaches_a_worker(monkeypatch, tmp_path):
     secret; before, the llama.cpp worker inherited it. Now no worker or server gets it, by name nor value."""
     from ipw.backends.servers import server_env
     from ipw.backends.worker import worker_env
-    from ipw.config import parse_config
+    from ipw.inputs.config import parse_config
 
     monkeypatch.setenv("IPW_CLOUD_CRED", SENTINEL)
     monkeypatch.setenv("IPW_SHOWS_THE_SAME_VALUE", "x" + SENTINEL)

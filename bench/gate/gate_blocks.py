@@ -96,7 +96,7 @@ def analyse(work: Path, results: Path, lag: int) -> dict:
     import numpy as np
 
     from ipw.analysis.check import DEFAULT_THRESHOLDS, check_interleaved, check_runs, parse_threshold, pool_blocks
-    from ipw.interleave import job_plan
+    from ipw.running.interleave import job_plan
 
     thresholds = [parse_threshold(t) for t in DEFAULT_THRESHOLDS]
     stream = load_stream(work)

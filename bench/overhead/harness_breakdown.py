@@ -145,7 +145,7 @@ def instrument(prof: Prof) -> None:
 
     import ipw.metering.meter
     import ipw.results
-    import ipw.runner
+    import ipw.running.runner
     import ipw.telemetry.nvml
     import ipw.telemetry.snapshots
     import ipw.metering.window
@@ -166,20 +166,20 @@ def instrument(prof: Prof) -> None:
     segments = getattr(ipw.metering.meter, "Segments", None)
     if segments is not None:  # an older checkout's request events (today's cut the Window, timed above)
         w(segments, "event", "edge")
-    w(ipw.runner, "run_query", "round trip", moved=engine_time)
+    w(ipw.running.runner, "run_query", "round trip", moved=engine_time)
     w(ipw.telemetry.nvml.PendingWindow, "result", "estimate")
     w(ipw.telemetry.nvml.PendingWindow, "resolve_all", "estimate")
-    w(ipw.runner, "sensor_splits", "phase split")
-    w(ipw.runner, "sensor_splits_many", "phase split")
-    w(ipw.runner, "split_share", "split")
-    w(ipw.runner, "make_record", "record")
+    w(ipw.running.runner, "sensor_splits", "phase split")
+    w(ipw.running.runner, "sensor_splits_many", "phase split")
+    w(ipw.running.runner, "split_share", "split")
+    w(ipw.running.runner, "make_record", "record")
     w(ipw.results.QueryRecord, "to_json", "serialise")
     w(ipw.results.RunFolder, "append", "write")
     w(ipw.results.RunFolder, "append_many", "write")
     w(os, "fsync", "fsync")
     w(time, "sleep", "sleep")
     w(rich.live.Live, "refresh", "progress")
-    execute = ipw.runner.execute
+    execute = ipw.running.runner.execute
 
     @functools.wraps(execute)
     def timed_execute(folder, config, queries, progress, *args, **kwargs):
@@ -187,7 +187,7 @@ def instrument(prof: Prof) -> None:
         prof.wrap(holder, "cb", "progress")
         return execute(folder, config, queries, holder.cb, *args, **kwargs)
 
-    ipw.runner.execute = timed_execute
+    ipw.running.runner.execute = timed_execute
 
 
 # --- the child: ipw run, instrumented ---------------------------------------------------------------------

@@ -56,7 +56,7 @@ def request_body(prompt: str, max_tokens: int) -> bytes:
 # --- the bare client -----------------------------------------------------------------------------------
 
 def bare_worker(args) -> int:
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     prompts = [q.render() for q in load_queries(args.dataset)[: max(args.queries, args.warmup)]]
     host, port = "127.0.0.1", args.port
@@ -162,7 +162,7 @@ def one_round(args, tmp: Path, port: int, concurrency: int, r: int) -> dict:
 
 def measure(args) -> dict:
     from ipw.backends.servers import start_server
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     res = {c: [] for c in args.concurrency}
     with tempfile.TemporaryDirectory(prefix="ipw-overhead-http-") as tmp_name:

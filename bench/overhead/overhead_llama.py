@@ -60,8 +60,8 @@ def bare_worker(args) -> int:
     import llama_cpp
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from ipw.datasets import load_queries
-    from ipw.models import resolve_model
+    from ipw.inputs.datasets import load_queries
+    from ipw.inputs.models import resolve_model
 
     prompts = [q.render() for q in load_queries(args.dataset)[: args.queries + args.warmup]]
     warm, prompts = prompts[: args.warmup], prompts[: args.queries]  # ipw warms up on its first queries too
@@ -125,7 +125,7 @@ def engine_worker(args) -> int:
     t_start = time.monotonic()
     from ipw.backends.base import BackendSpec, GenerationSettings
     from ipw.backends.llama_cpp import LlamaCppBackend, LlamaCppEngine
-    from ipw.datasets import load_queries
+    from ipw.inputs.datasets import load_queries
 
     prompts = [q.render() for q in load_queries(args.dataset)[: args.queries + args.warmup]]
     warm, prompts = prompts[: args.warmup], prompts[: args.queries]

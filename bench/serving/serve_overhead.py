@@ -235,7 +235,7 @@ def main() -> None:
         proxies["baseline"] = (next(iter(proxies.values()))[0], Path(args.baseline_src).resolve())
 
     from ipw.backends.servers import start_server
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     model = resolve_model("smollm2-135m")[0]
     tmp = Path(tempfile.mkdtemp(prefix="ipw-serve-bench-"))

@@ -190,7 +190,7 @@ if [ "$stage" = build ]; then
   [ -n "$src" ] || { echo "no llama-src.tar.xz in $W/parts" >&2; exit 3; }
   rm -rf "$W/src" "$W/build" && mkdir -p "$W/src"
   python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter="data")' "$src" "$W/src"
-  flags="$(python3 ipw/llama_build.py cmake-args --cuda "$ARCH") -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON"
+  flags="$(python3 ipw/backends/llama_build.py cmake-args --cuda "$ARCH") -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON"
   flags+=" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF -DCMAKE_BUILD_TYPE=Release"
   flags+=" -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
   echo "$flags" > "$W/cmake-args.txt"

@@ -30,7 +30,7 @@ find "$wheels" -type f -exec cp {} "$BUILD/parts/" \;  # each call carries a par
 
 if [ "$stage" = build ]; then
   tar xzf "$BUILD"/parts/llama_cpp_python-0.3.36.tar.gz -C "$BUILD"
-  flags=$(python3 ipw/llama_build.py cmake-args --cuda "$ARCH")  # this host CPU's flags, AMX off, + CUDA
+  flags=$(python3 ipw/backends/llama_build.py cmake-args --cuda "$ARCH")  # this host CPU's flags, AMX off, + CUDA
   echo "CMAKE_ARGS=$flags" | tee "$BUILD/cmake-args.txt"
   setsid nohup bash -c "cd '$BUILD' && t0=\$(date +%s) && CMAKE_ARGS='$flags' CMAKE_BUILD_PARALLEL_LEVEL=\$(nproc) \
     python3 -m pip wheel -q --no-build-isolation --no-deps --no-index -w '$BUILD/wheel' ./llama_cpp_python-0.3.36 \

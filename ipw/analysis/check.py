@@ -12,7 +12,7 @@ errors exactly (greedy decoding makes them deterministic): more output tokens on
 regression with no noise at all, whatever the energy could resolve.
 
 ``check_interleaved`` judges one job of short blocks in pairs, A B then B A, over shards of the queries
-(``ipw.interleave``): energy and time over the pairs (Student's t; a block's shift is shared by all of its
+(``ipw.running.interleave``): energy and time over the pairs (Student's t; a block's shift is shared by all of its
 queries), answers and tokens over the queries of each side's pooled blocks; the A blocks of the first and
 last rounds give the drift the job saw. Exit codes: 0 pass, 1 regression, 2 not comparable or usage error.
 """
@@ -424,7 +424,7 @@ def check_interleaved(blocks: list[tuple[str, RunManifest, Any]], thresholds: li
                       strict: bool = False, floors: dict[tuple[str, str], tuple[float, str]] | None = None,
                       work_gate: bool = True, n_boot: int | None = None,
                       seed: int = 0) -> CheckResult:
-    """One interleaved job (``ipw.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
+    """One interleaved job (``ipw.running.interleave.job_plan``): ``blocks`` are (side "A" or "B", manifest, frame) in the
     order they ran; each two consecutive blocks are a pair, one A and one B over the same shard of the queries.
 
     Energy, power and time (``Metric.follows_machine``) are judged over the pairs: each pair's change, then Student's

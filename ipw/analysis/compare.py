@@ -60,7 +60,7 @@ class JudgeRow:
 def judge_rows(runs: Sequence[RunInfo], backends: Sequence[str]) -> tuple[JudgeRow, ...]:
     """Per judged run, per backend of ``backends``: the judge's verdicts overall (category "") and per
     category, from the run's judge.jsonl."""
-    from ipw.grading import orders_agree
+    from ipw.grading.spec import orders_agree
     from ipw.telemetry.base import worst_quality
 
     out = []

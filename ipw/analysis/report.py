@@ -31,7 +31,7 @@ from ipw.analysis import report_data as data
 from ipw.analysis import report_plots as plots
 from ipw.errors import IpwError
 from ipw.analysis.routing import ROUTER_ACCURACY
-from ipw.resources import resource_path
+from ipw.inputs.resources import resource_path
 
 
 def _imports() -> None:

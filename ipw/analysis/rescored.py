@@ -1,6 +1,6 @@
 """A rescored run against its original: per backend and concurrency level, accuracy before and after, the
 records whose score changed, win/tie and the records judged (the table of ``ipw rescore`` and of ``ipw run``'s
-judging).  Numbers from the two run folders only, with the metric table's own definitions: ``ipw.rescore``
+judging).  Numbers from the two run folders only, with the metric table's own definitions: ``ipw.grading.rescore``
 writes the new folder and never computes metrics (issue 57)."""
 
 from __future__ import annotations

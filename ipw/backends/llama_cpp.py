@@ -23,7 +23,7 @@ from ipw.backends.base import (FEW_SHOT_STOP, BackendSpec, Completion, Generatio
                                few_shot_prompt)
 from ipw.backends.worker import WorkerBackend
 from ipw.errors import IpwError, missing_extra
-from ipw.models import resolve_model
+from ipw.inputs.models import resolve_model
 
 OPTIONS = {"n_threads": int, "n_ctx": int, "n_gpu_layers": int, "chat_template": str, "prefix_cache": bool,
            "python": str, "logprobs": bool}
@@ -247,7 +247,7 @@ def engine_build() -> dict[str, Any]:
     """What the loaded llama.cpp build runs on this machine (worker side): the CPU variant, i.e. the
     instruction sets it was compiled for (``llama_print_system_info``), and whether it can offload to
     a GPU.  ``ipw doctor`` and every run's manifest record it."""
-    from ipw.llama_build import compiled_features
+    from ipw.backends.llama_build import compiled_features
 
     llama_cpp = _import_llama_cpp()
     info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
@@ -277,7 +277,7 @@ class EngineProbe:
 def probe_engine(python: str | None = None) -> dict[str, Any]:
     """Start a worker that imports llama.cpp and reports its build, before a model loads: a build that
     cannot run on this CPU is refused here in one line, not with SIGILL mid-run."""
-    from ipw.llama_build import missing_features
+    from ipw.backends.llama_build import missing_features
     from ipw.telemetry.cpu_isa import cpu_flags
 
     probe = LlamaCppProbe(BackendSpec(name="engine-check", kind="llama-cpp", model="", options=(

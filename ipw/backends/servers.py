@@ -13,7 +13,7 @@ Kinds: ``llama-cpp`` (``python -m llama_cpp.server`` in this environment: one re
 built by ``.ci/setup`` from the llama.cpp that llama-cpp-python vendors; healthy once ``GET /health``
 answers 200, i.e. once the model is loaded) and ``vllm`` (``python -m vllm.entrypoints.openai.api_server``,
 usually in .venv-vllm's interpreter, serving a Hugging Face folder: a GGUF is converted once into the
-per-machine cache, see ``ipw.convert``).
+per-machine cache, see ``ipw.inputs.convert``).
 """
 
 from __future__ import annotations
@@ -250,10 +250,10 @@ def vllm_env(kv_cache_gb: float = 1.0) -> dict[str, str]:
 def server_model(kind: str, model: str) -> tuple[Path, str | None]:
     """What a managed server of ``kind`` serves, checked cheaply before the run: a GGUF (path or bundled
     name) for both; for vLLM also a Hugging Face folder (a GGUF is converted when the server starts)."""
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     if kind == "vllm":
-        from ipw.convert import conversion_info, is_hf_dir
+        from ipw.inputs.convert import conversion_info, is_hf_dir
 
         if is_hf_dir(model):
             path = Path(model).expanduser().resolve()
@@ -531,7 +531,7 @@ def start_server(kind: str, model_path: Path, log_path: Path, *, n_threads: int 
     elif kind == "vllm":
         # vLLM usually lives in its own environment (.venv-vllm, made by .ci/setup-vllm); n_threads does
         # not apply: vLLM binds its own threads (VLLM_CPU_OMP_THREADS_BIND, default auto)
-        from ipw.convert import conversion_info, resolve_hf_model
+        from ipw.inputs.convert import conversion_info, resolve_hf_model
 
         python = find_vllm_python(python)
         model_dir = resolve_hf_model(str(model_path), python=python)  # a GGUF is converted once (cached)

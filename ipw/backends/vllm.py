@@ -4,7 +4,7 @@ the backend option ``python``, ``$IPW_VLLM_PYTHON``, ``.venv-vllm/bin/python``),
 llama.cpp and vLLM backends.
 
 - ``model``: a Hugging Face folder, or a GGUF (a path or a bundled short name such as
-  ``smollm2-135m``), which is converted once into the per-machine cache (``ipw.convert``): vLLM cannot
+  ``smollm2-135m``), which is converted once into the per-machine cache (``ipw.inputs.convert``): vLLM cannot
   load GGUF on the CPU.
 - Engine settings: ``VllmSettings`` (``ipw.backends.servers``, shared with the managed vLLM server:
   ``dtype`` float32 by default, eager mode, no prefix cache, ``gpu_memory_utilization``), an explicit CPU
@@ -115,8 +115,8 @@ class VllmEngine:
     """The engine itself: runs in the worker process only."""
 
     def __init__(self, spec: BackendSpec) -> None:
-        from ipw.convert import conversion_info, is_hf_dir
-        from ipw.models import resolve_model
+        from ipw.inputs.convert import conversion_info, is_hf_dir
+        from ipw.inputs.models import resolve_model
 
         self.spec = spec
         opts = spec.options
@@ -160,7 +160,7 @@ class VllmEngine:
             import vllm  # noqa: F401 - only whether it imports
         except ImportError:
             raise IpwError(SETUP_HINT) from None
-        from ipw.convert import resolve_hf_model
+        from ipw.inputs.convert import resolve_hf_model
 
         if self.model_dir is None:
             self.model_dir = resolve_hf_model(self.spec.model)
@@ -314,7 +314,7 @@ class VllmEngine:
     def describe(self) -> dict[str, Any]:
         from importlib.metadata import PackageNotFoundError, version
 
-        from ipw.convert import conversion_info
+        from ipw.inputs.convert import conversion_info
 
         def _version(dist: str) -> str | None:
             try:

@@ -41,10 +41,10 @@ def pair_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutput
 
 @naming_flags
 def rerun_command(base: Path, cand: Path, gate: GateOptions, outputs: CheckOutputs, rerun: RerunOptions) -> int:
-    """``ipw check --rerun BASELINE.toml CANDIDATE.toml``: the interleaved job (``ipw.interleave.run_job``), judged
+    """``ipw check --rerun BASELINE.toml CANDIDATE.toml``: the interleaved job (``ipw.running.interleave.run_job``), judged
     by ``ipw.analysis.check.check_interleaved``."""
     from ipw.analysis.check import check_interleaved
-    from ipw.interleave import job_plan, run_job
+    from ipw.running.interleave import job_plan, run_job
 
     if gate.energy_basis != "chip":
         raise IpwError("--energy-basis: with --rerun only chip (the interleaved blocks are judged on the chip's joules)")

@@ -10,8 +10,8 @@ from ipw.commands.output import stdout
 
 def list_command() -> int:
     from ipw.backends.base import backend_kinds
-    from ipw.datasets import BUNDLED, DATASETS_DIR
-    from ipw.models import BUNDLED_MODELS, model_available
+    from ipw.inputs.datasets import BUNDLED, DATASETS_DIR
+    from ipw.inputs.models import BUNDLED_MODELS, model_available
     from ipw.telemetry.probe import describe_sensors
 
     console = stdout()

@@ -18,7 +18,7 @@ from ipw import __version__
 from ipw.errors import IpwError
 from ipw.options import MergeOptions
 from ipw.results import QueryRecord, RunFolder, RunManifest, new_run_id, read_log, read_power
-from ipw.shard import combine_backend_infos
+from ipw.running.shard import combine_backend_infos
 
 _CONFIG_IGNORED = ("out_dir", "source")  # where each shard wrote, and the config file's path
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from ipw.grading import JudgeSpec
+    from ipw.grading.spec import JudgeSpec
     from ipw.results import QueryRecord, RunFolder
 
 
@@ -34,10 +34,10 @@ def sigterm_as_interrupt() -> None:
 
 def rescore_run(run: Path, *, scorer: str | None, judge: JudgeSpec | None, out_dir: Path | None,
                 progress: Callable[[int, int], None]) -> tuple[RunFolder, list[dict[str, Any]]]:
-    """``ipw.rescore.rescore`` and the before/after rows of the two folders; ``progress(done, total)`` after
+    """``ipw.grading.rescore.rescore`` and the before/after rows of the two folders; ``progress(done, total)`` after
     each record.  Composed here: the running layer writes the folder, analysis reads both (issue 57)."""
     from ipw.analysis.rescored import before_after
-    from ipw.rescore import rescore
+    from ipw.grading.rescore import rescore
     from ipw.results import load_run
 
     manifest, original = load_run(run)
@@ -53,7 +53,7 @@ def rescore_run(run: Path, *, scorer: str | None, judge: JudgeSpec | None, out_d
 
 
 def rescore_and_show(run: Path, *, scorer: str | None = None, judge: Any = None, out_dir: Path | None = None) -> Path:
-    """Rescore ``run`` (``ipw.rescore.rescore``) with a progress bar, print the before/after table
+    """Rescore ``run`` (``ipw.grading.rescore.rescore``) with a progress bar, print the before/after table
     (``ipw.analysis.rescored.before_after``) and the judge's cost; returns the new folder."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table

@@ -1,4 +1,4 @@
-"""``ipw rescore``: score a saved run again (the work: ``ipw.rescore``; the table: ``commands.output``)."""
+"""``ipw rescore``: score a saved run again (the work: ``ipw.grading.rescore``; the table: ``commands.output``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ipw.options import RescoreOptions
 
 
 def rescore_command(run: Path, options: RescoreOptions) -> int:
-    from ipw.rescore import judge_spec
+    from ipw.grading.rescore import judge_spec
     from ipw.results import read_manifest
 
     manifest = read_manifest(run)  # only its config: the records are read once, by rescore_run

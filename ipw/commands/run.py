@@ -1,4 +1,4 @@
-"""``ipw run``: run a query set through backends (``ipw.runner``), with live progress and, at the end, the
+"""``ipw run``: run a query set through backends (``ipw.running.runner``), with live progress and, at the end, the
 same numbers as ``ipw compare`` on the run folder."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from ipw.options import RUN, RunControl, RunOptions, given
 if TYPE_CHECKING:
     from ipw.analysis.compare import Comparison
     from ipw.analysis.render import Table
-    from ipw.config import RunConfig
-    from ipw.datasets import QuerySet
+    from ipw.inputs.config import RunConfig
+    from ipw.inputs.datasets import QuerySet
     from ipw.results import KeptQueries
 
 
@@ -52,7 +52,7 @@ def _watts(record) -> str:
 
 def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
     """``overrides``: the run options (``ipw.options.RunOptions``); those given win over the config."""
-    from ipw.shard import parse_shard
+    from ipw.running.shard import parse_shard
 
     the_shard = parse_shard(control.shard) if control.shard is not None else None
     resume, shard = control.resume, control.shard
@@ -79,7 +79,7 @@ def run_command(config_path, overrides: RunOptions, control: RunControl) -> int:
     ray_options, connected = None, False
     try:
         if control.ray is not None:
-            from ipw.ray_runner import RayOptions, connect
+            from ipw.running.ray_runner import RayOptions, connect
 
             connected = connect(control.ray)  # a missing extra or no cluster fails before the run folder exists
             ray_options = RayOptions(control.ray, control.shards)
@@ -102,10 +102,10 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
     -> write (the summary of the finished folder, judged when the config has a [judge])."""
     import time
 
-    from ipw.config import apply_overrides, load_config
-    from ipw.datasets import load_query_set
+    from ipw.inputs.config import apply_overrides, load_config
+    from ipw.inputs.datasets import load_query_set
     from ipw.results import DoneKeys
-    from ipw.runner import execute, plan_resume, plan_run
+    from ipw.running.runner import execute, plan_resume, plan_run
 
     # 1. load
     if resume is not None:
@@ -175,7 +175,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
             state["shown"] = time.monotonic()
 
         def on_record(record) -> None:
-            # called once a record is on disk, off the query's path (ipw.runner.RecordWriter); the display
+            # called once a record is on disk, off the query's path (ipw.running.runner.RecordWriter); the display
             # takes the numbers at most every PROGRESS_UPDATE_S, not per query
             state["n"] += 1
             state["last"] = record
@@ -200,7 +200,7 @@ def _run(config_path, overrides: dict[str, Any], *, resume, the_shard, ray_optio
 
         dispatch = None
         if ray_options is not None:
-            from ipw.ray_runner import run_on_ray
+            from ipw.running.ray_runner import run_on_ray
 
             def dispatch(folder, config, queries, progress, done):
                 run_on_ray(folder, config, queries, progress, ray_options, levels, done)
@@ -246,10 +246,10 @@ def load_resumed(run_dir) -> tuple[RunConfig, QuerySet | KeptQueries]:
     """The load step of ``--resume``: the unfinished run's config and its queries (a large run's checked
     copy, as an Arrow table: ``plan_resume`` builds only the queries left; else its dataset loaded again and
     cut to its shard)."""
-    from ipw.config import RunConfig
-    from ipw.datasets import Query, QuerySet, load_query_set, resolve_dataset
+    from ipw.inputs.config import RunConfig
+    from ipw.inputs.datasets import Query, QuerySet, load_query_set, resolve_dataset
     from ipw.results import RunManifest, manifest_field, read_kept_queries
-    from ipw.shard import Shard, shard_items
+    from ipw.running.shard import Shard, shard_items
 
     manifest = RunManifest.read_unfinished(run_dir)
     assert manifest.config is not None and manifest.dataset is not None  # read_unfinished requires them
@@ -276,7 +276,7 @@ def check_run(config: RunConfig) -> dict[str, tuple[int, ...]]:
 
     levels = check_backends(config.backends)
     if config.judge is not None:
-        from ipw.judge import Judge
+        from ipw.grading.judge import Judge
 
         Judge(config.judge)
     return levels

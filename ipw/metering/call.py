@@ -1,8 +1,8 @@
 """Measuring one call: a window on every sensor from the call's start to its end, then its energy (the sensors'
 readings, plus a remote endpoint's API estimate, summed by the metric contract: ``total_energy``).
 
-The one sequence that a query of ``ipw run`` (``ipw.runner``; its energy is made final by the record writer,
-``make_record``), a judge's call (``ipw.judge``) and ``ipw.measure`` (``ipw.api``) measure with::
+The one sequence that a query of ``ipw run`` (``ipw.running.runner``; its energy is made final by the record writer,
+``make_record``), a judge's call (``ipw.grading.judge``) and ``ipw.measure`` (``ipw.api``) measure with::
 
     call = open_call(window)          # the window opens at the call's start (monotonic s)
     ...                               # the call

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from ipw.backends.base import BackendSpec, Completion
-from ipw.datasets import Query
+from ipw.inputs.datasets import Query
 from ipw.metering.meter import Share
 from ipw.metering.call import call_energy
 from ipw.metering.window import Closed, IdleBaseline, resolve
 from ipw.results import QueryRecord, RunFolder, RunManifest
-from ipw.scoring import record_score
+from ipw.grading.scoring import record_score
 from ipw.telemetry.base import EnergyReading, Sensor
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.phases import record_phases, sensor_splits_many
@@ -74,7 +74,7 @@ def make_record(
 
 
 class RecordSink(Protocol):
-    """What ``run_backend`` writes to: a :class:`RunFolder`, or a Ray task's sink (``ipw.ray_runner``)."""
+    """What ``run_backend`` writes to: a :class:`RunFolder`, or a Ray task's sink (``ipw.running.ray_runner``)."""
 
     @property
     def path(self) -> Path: ...

@@ -21,7 +21,7 @@ QUERIES_FILE = "queries.parquet"  # a large run's query set as loaded, so that -
 
 
 #: What builds a query from a row of queries.parquet (id, prompt, answer, choices, category, scorer): the inputs'
-#: ``ipw.datasets.Query``, given by the caller, as the run folder never imports the inputs layer (issue 57).
+#: ``ipw.inputs.datasets.Query``, given by the caller, as the run folder never imports the inputs layer (issue 57).
 MakeQuery = Callable[[str, str, str, "tuple[str, ...] | None", str, str], Any]
 
 
@@ -56,7 +56,7 @@ def file_sha256(path: Path) -> str:
 
 
 def write_queries(path: Path, queries: list[Any]) -> str:
-    """The run's queries (``ipw.datasets.Query``) as Parquet; returns the file's sha256."""
+    """The run's queries (``ipw.inputs.datasets.Query``) as Parquet; returns the file's sha256."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -63,7 +63,7 @@ class QueryRecord:
     node: str = ""
     hardware_id: str = ""
     choices: tuple[str, ...] = ()  # the query's options (mcq), kept for rescoring; () in older runs
-    # coverage as the paper defines it (ipw/judge.py, grading vs-backend:NAME): a judge compared this
+    # coverage as the paper defines it (ipw/grading/judge.py, grading vs-backend:NAME): a judge compared this
     # output with backend ``vs_backend``'s output to the same query in both orders; win_tie is 1.0 when
     # both orders rate it a win or a tie, 0.0 otherwise, None when it was not judged (or is the reference)
     win_tie: float | None = None
@@ -178,7 +178,7 @@ JUDGE_SCHEMA_VERSION = 1  # judge.jsonl lines written before the field existed h
 @dataclass(frozen=True)
 class JudgeEntry:
     """One line of ``judge.jsonl``: what the judge did, and cost, for one record of a rescored run
-    (``ipw.rescore``); written by :meth:`RunFolder.append_judge`, read by :func:`read_judge`.  A record the
+    (``ipw.grading.rescore``); written by :meth:`RunFolder.append_judge`, read by :func:`read_judge`.  A record the
     judge did not grade has no calls and one string verdict saying why (error, empty, unscored)."""
 
     backend: str

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 from ipw.backends.base import BackendSpec, QueryError
-from ipw.datasets import Query
+from ipw.inputs.datasets import Query
 from ipw.errors import IpwError
 from ipw.metering.meter import Meter
 from ipw.metering.window import IdleBaseline

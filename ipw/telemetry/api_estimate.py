@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ipw.errors import IpwError
-from ipw.resources import resource_path
+from ipw.inputs.resources import resource_path
 from ipw.telemetry.base import EnergyReading, SensorInfo
 
 DEFAULT_TABLE = resource_path("data", "api-energy.toml")  # shipped in the package

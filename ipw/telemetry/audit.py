@@ -18,7 +18,7 @@ The target (issue 43): the difference within ``CONSERVATION_TARGET`` (±0.3%) of
 misses it says so (``within_target``), beside whether it agrees within its stated uncertainty.
 
 ``audit`` is pure; ``run_audit`` gathers its inputs from a finished backend's NVML sensor and its records
-(``ipw.runner``, once per backend, after its last query).  A backend that ran more than one concurrency
+(``ipw.running.runner``, once per backend, after its last query).  A backend that ran more than one concurrency
 level is audited per level (each level's span, its queries and the idle between them; its line says "at
 16 in flight"): one level's miss is not hidden in the total.  The proxy (``ipw serve``) audits each of its
 sessions at its stop (``backends[].sessions[].energy_audit``, its lines "in session 2").  The manifest keeps

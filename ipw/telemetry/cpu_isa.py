@@ -1,9 +1,9 @@
 """Which instruction sets this CPU runs: its feature flags (``/proc/cpuinfo``) and the x86 instruction-set
 levels they allow.  A hardware fact, read by the hardware fingerprint (``cpu_isa``) and by the llama.cpp
-build (``ipw/llama_build.py`` names its ggml options after these levels), so that telemetry never imports
+build (``ipw/backends/llama_build.py`` names its ggml options after these levels), so that telemetry never imports
 the engine's build helper (issue 57).
 
-Standard library only: ``ipw/llama_build.py`` imports it when ``.ci/setup`` runs that as a script, before
+Standard library only: ``ipw/backends/llama_build.py`` imports it when ``.ci/setup`` runs that as a script, before
 any virtual environment exists.
 """
 

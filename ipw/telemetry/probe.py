@@ -114,7 +114,7 @@ def probe_sensors(
 
     ``rapl=False``: the CPU package is shared with other measured work (Ray tasks on one node), so
     the CPU part is the CPU model of this process tree, never the package-wide RAPL counters, which
-    would charge each task the others' energy too (``ipw.ray_runner``).
+    would charge each task the others' energy too (``ipw.running.ray_runner``).
 
     ``remote=True`` (the endpoint is on another machine): none.  This machine's sensors do not see
     that work; its energy is estimated per query instead (``ipw.telemetry.api_estimate``, labeled

@@ -48,7 +48,7 @@ def measurement_sd(energy_parts: str | Sequence[dict[str, Any]] | None) -> tuple
 #: Where a reading's shared error comes from (``measurement_by_source``): ``MACHINE``, the machine's (one
 #: device's bias, one per-core power model: every backend and run on that machine shares it), or
 #: ``SESSION``, one sensor session's (a calibration ratio formed over that session's own span: the sensors
-#: are opened per backend, ``ipw.runner``, so a backend's concurrency levels share it and nothing else does).
+#: are opened per backend, ``ipw.running.runner``, so a backend's concurrency levels share it and nothing else does).
 MACHINE, SESSION = "machine", "session"
 CPU_MODEL_SOURCE = "model.cpu"
 #: The CPU model's shared error, 1 sd relative, at least: its coefficient's band (``MODEL_UNCERTAINTY_REL``,

@@ -2,7 +2,7 @@
 
 A preset maps one source row (a dict read from JSONL, CSV, Parquet or a Hugging Face
 ``save_to_disk`` folder) to an interchange row (``id``, ``prompt``, ``answer``, ``choices``,
-``category``, ``scorer``), which :mod:`ipw.datasets` then validates as usual.  Columns a preset does
+``category``, ``scorer``), which :mod:`ipw.inputs.datasets` then validates as usual.  Columns a preset does
 not use are ignored.  Nothing is downloaded: users point at files they have.
 
 | preset | columns used | answer | scorer |

@@ -18,12 +18,12 @@ beside it, wherever that prefix is.
 Standard library only (as is ``ipw/telemetry/cpu_isa.py``, the CPU's flags and instruction-set levels, which it
 imports): ``.ci/setup`` runs it as a script before any virtual environment exists::
 
-    python3 ipw/llama_build.py cmake-args [--cuda ARCH]   # the CMAKE_ARGS for this machine
-    python3 ipw/llama_build.py key [--cuda ARCH]          # the cache key of its wheel and llama-server
-    python3 ipw/llama_build.py variant                    # e.g. x86-64+avx2+fma+f16c+bmi2
-    python3 ipw/llama_build.py server-args                # added to the wheel's build tree for llama-server
-    python3 ipw/llama_build.py commit --version V CHANGELOG.md   # the llama.cpp commit that V pins
-    python3 ipw/llama_build.py bundle-server BUILD OUT [--cmake CMAKE]   # OUT/bin/llama-server + OUT/lib/llama-server
+    python3 ipw/backends/llama_build.py cmake-args [--cuda ARCH]   # the CMAKE_ARGS for this machine
+    python3 ipw/backends/llama_build.py key [--cuda ARCH]          # the cache key of its wheel and llama-server
+    python3 ipw/backends/llama_build.py variant                    # e.g. x86-64+avx2+fma+f16c+bmi2
+    python3 ipw/backends/llama_build.py server-args                # added to the wheel's build tree for llama-server
+    python3 ipw/backends/llama_build.py commit --version V CHANGELOG.md   # the llama.cpp commit that V pins
+    python3 ipw/backends/llama_build.py bundle-server BUILD OUT [--cmake CMAKE]   # OUT/bin/llama-server + OUT/lib/llama-server
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 if not __package__:  # run as a script (.ci/setup, before any environment): the ipw package is one folder up
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ipw.telemetry.cpu_isa import X86_ISAS, X86_MACHINES, cpu_flags, isa_name, usable_isas
 
 # ggml's x86 options (in the order of its CMakeLists): GGML_<NAME> for each instruction-set level of the CPU

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from ipw import __version__
 from ipw.backends.base import Backend, BackendSpec, Completion, QueryError, create_backend, levels_of
 from ipw.backends.worker import EngineStopped
-from ipw.config import RunConfig
-from ipw.datasets import Query, QuerySet
+from ipw.inputs.config import RunConfig
+from ipw.inputs.datasets import Query, QuerySet
 from ipw.errors import IpwError
 from ipw.metering.call import open_call
 from ipw.metering.meter import SWITCH_INTERVAL_S, Meter
@@ -23,7 +23,7 @@ from ipw.metering.split import RUN_PERIOD_S
 from ipw.metering.record import RecordSink, RecordWriter, make_record
 from ipw.telemetry.phases import first_token_s
 from ipw.results import BackendEntry, DoneKeys, KeptQueries, QueryRecord, RunFolder, RunManifest, new_run_id
-from ipw.shard import Shard, shard_items
+from ipw.running.shard import Shard, shard_items
 from ipw.telemetry.base import Sensor
 from ipw.telemetry.hardware import node_identity
 from ipw.telemetry.probe import default_probe
@@ -262,7 +262,7 @@ def plan_run(config: RunConfig, query_set: QuerySet, shard: Shard | None = None,
              command: list[str] | None = None) -> tuple[RunFolder, list[Query]]:
     """The plan step of a new run (nothing loaded, every input checked): its shard of the query set and its
     run folder, with the manifest (status running); a run of ``QUERY_CACHE_MIN`` queries or more keeps a copy
-    of them for ``--resume``.  ``shard``: run only that shard (``ipw.shard``); the manifest's ``dataset`` then
+    of them for ``--resume``.  ``shard``: run only that shard (``ipw.running.shard``); the manifest's ``dataset`` then
     describes the shard's queries and ``shard`` names the full set, which ``ipw merge`` restores."""
     from ipw.telemetry.hardware import software_fingerprint
 
@@ -336,7 +336,7 @@ def execute(folder: RunFolder, config: RunConfig, queries: list[Query],
     crashing; the other backends went on) or the run hit an error; ``interrupted`` on Ctrl-C or SIGTERM.
     ``ipw run --resume`` continues a failed or interrupted run.  ``notice`` gets one line per stopped
     backend.  ``dispatch(folder, config, queries, progress, done)`` runs the backends elsewhere instead
-    of here (the command layer binds ``ipw.ray_runner.run_on_ray`` to its options)."""
+    of here (the command layer binds ``ipw.running.ray_runner.run_on_ray`` to its options)."""
     stopped: list[str] = []
     try:
         if dispatch is not None:

@@ -1,6 +1,6 @@
 """``ipw run CONFIG --ray ADDRESS``: the query set split into shards, one Ray task per (backend, shard).
 
-Each task runs ipw's own runner (``ipw.runner.run_backend``) on the node Ray gives it, measuring
+Each task runs ipw's own runner (``ipw.running.runner.run_backend``) on the node Ray gives it, measuring
 with that node's sensors, and streams its records back (a Ray streaming generator); the driver
 appends them to its run folder, deduplicated by (backend, query_id, repeat), so a task that runs
 again never writes a query twice.  Every record names the node that measured it (``node``,
@@ -36,11 +36,11 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from ipw.backends.base import BackendSpec
-from ipw.config import RunConfig
-from ipw.datasets import Query
+from ipw.inputs.config import RunConfig
+from ipw.inputs.datasets import Query
 from ipw.errors import IpwError, missing_extra
 from ipw.results import DoneKeys, QueryRecord, RunFolder, RunManifest
-from ipw.shard import Shard, combine_backend_infos, shard_items
+from ipw.running.shard import Shard, combine_backend_infos, shard_items
 
 MAX_ATTEMPTS = 3  # per (backend, shard): the first run and two more
 
@@ -122,7 +122,7 @@ def shard_task(config: RunConfig, spec: BackendSpec, queries: list[Query], done:
                run_id: str) -> Iterator[tuple]:
     """One (backend, shard) on a Ray worker: yields ("node", identity, hardware), then ("record",
     QueryRecord) per query as it finishes, ("power", columns) per trace, and ("backend", info)."""
-    from ipw.runner import run_backend
+    from ipw.running.runner import run_backend
     from ipw.telemetry.hardware import node_identity
 
     identity, hardware = node_identity()

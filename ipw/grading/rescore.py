@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 from ipw import __version__
 from ipw.errors import IpwError
-from ipw.grading import JudgeSpec
-from ipw.judge import Judge, Verdict
+from ipw.grading.spec import JudgeSpec
+from ipw.grading.judge import Judge, Verdict
 from ipw.results import JudgeEntry, QueryRecord, RunFolder, RunManifest, load_run, new_run_id
-from ipw.scoring import SCORERS, record_score
+from ipw.grading.scoring import SCORERS, record_score
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -91,9 +91,9 @@ def judge_spec(manifest: dict[str, Any], *, judge: str | None = None, grading: s
     else ``--config``'s [judge] table, else the run's own [judge] table; ``--grading`` overrides its
     grading (and then its prompt, when that was another grading's default).  None: no judge given."""
     from ipw.backends.base import BackendSpec
-    from ipw.config import load_judge_config
-    from ipw.grading import check_grading
-    from ipw.judge import judge_from_cli
+    from ipw.inputs.config import load_judge_config
+    from ipw.grading.spec import check_grading
+    from ipw.grading.judge import judge_from_cli
 
     run_config = manifest.get("config") or {}
     if judge:

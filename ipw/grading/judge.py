@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 from ipw.backends.base import BackendSpec, GenerationSettings, create_backend
 from ipw.errors import IpwError
-from ipw.grading import PLACEHOLDERS, JudgeSpec, check_grading
-from ipw.resources import resource_path
+from ipw.grading.spec import PLACEHOLDERS, JudgeSpec, check_grading
+from ipw.inputs.resources import resource_path
 
 PROMPTS_DIR = resource_path("judge_prompts")
 
@@ -131,7 +131,7 @@ def parse_reference_verdict(text: str) -> bool | None:
 def parse_pairwise_verdict(text: str) -> str | None:
     """"A", "B" or "tie"; None when the reply names none, or several (both letters, a letter and a
     tie, an echoed "A, B or TIE")."""
-    from ipw.scoring import extract_choice
+    from ipw.grading.scoring import extract_choice
 
     text = _ECHO.sub(" ", text or "")
     bare = _STRIP.sub(" ", text).strip().upper()

@@ -2,7 +2,7 @@
 check of a grading name, and what a two-order verdict means (:func:`orders_agree`).
 
 Pure data and validation, below both the config that reads a ``[judge]`` table and the judge that runs
-one (``ipw/judge.py``), and below the analysis that tabulates verdicts: none of them imports another
+one (``ipw/grading/judge.py``), and below the analysis that tabulates verdicts: none of them imports another
 for these (issue 57).
 """
 

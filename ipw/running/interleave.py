@@ -125,8 +125,8 @@ def paired(configs: tuple[Path, Path], backends: tuple[str, ...], limit: int | N
     """What the verdict pairs the blocks on, compared from the two configs as each block's ``ipw run`` loads
     them (with the job's --backend and --limit): the query set (its fingerprint) and the backends (each of the
     baseline's, by name, in the candidate). One line naming what differs (exit 2)."""
-    from ipw.config import apply_overrides, load_config
-    from ipw.datasets import load_query_set
+    from ipw.inputs.config import apply_overrides, load_config
+    from ipw.inputs.datasets import load_query_set
 
     loaded = []
     for config in configs:

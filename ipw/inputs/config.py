@@ -17,10 +17,10 @@ from typing import Any, Callable, cast
 
 from ipw.backends.base import BackendSpec, GenerationSettings, backend_kinds, backend_options
 from ipw.errors import IpwError
-from ipw.grading import JudgeSpec, check_grading
+from ipw.grading.spec import JudgeSpec, check_grading
 from ipw.limits import MAX_PUE, check_name, check_range, name_skeleton
 from ipw.options import RUN, RUN_OPTIONS
-from ipw.resources import resource_path
+from ipw.inputs.resources import resource_path
 
 EMBEDDED_DEFAULT = resource_path("default.toml")
 ROLES = ("local", "cloud")
@@ -39,7 +39,7 @@ class RunConfig:
     idle_s: float = 0.0  # idle-baseline seconds measured before each backend's queries
     out_dir: str = "results"
     source: str = "<embedded default>"
-    dataset_preset: str | None = None  # a schema preset (ipw.presets); None = detect from the columns
+    dataset_preset: str | None = None  # a schema preset (ipw.inputs.presets); None = detect from the columns
     split: str | None = None  # a split of a Hugging Face DatasetDict folder; None = test/validation/train
     categories: tuple[str, ...] = ()  # keep only these categories; () = all
     sample: int = 0  # a random sample of this many queries, seeded by `seed`; 0 = all
@@ -99,7 +99,7 @@ def _table_types(cls) -> dict[str, type]:
 
 _GENERATION = _table_types(GenerationSettings)  # [generation]: every field of GenerationSettings, seed included
 _BACKEND = {"name": str, "kind": str, "model": str, "role": str, "mode": str}
-# what a backend's Ray task asks for (ipw.ray_runner.task_resources); kept in the backend's options
+# what a backend's Ray task asks for (ipw.running.ray_runner.task_resources); kept in the backend's options
 _RAY_RESOURCES = {"ray_num_cpus": float, "ray_num_gpus": float}
 # the datacenter's overhead on the backend's energy (ipw.analysis.basis, --energy-basis facility): its PUE
 # (1.0 unless set) and where that figure comes from; kept in the backend's options
@@ -231,7 +231,7 @@ def parse_config(text: str, path: str) -> RunConfig:
         if key in top:
             option.check(top[key], where(key))
     if "dataset_preset" in top:
-        from ipw.presets import PRESETS
+        from ipw.inputs.presets import PRESETS
 
         if top["dataset_preset"] not in PRESETS:
             raise IpwError(f"{where('dataset_preset')}: unknown preset (known: {', '.join(PRESETS)})")
@@ -390,7 +390,7 @@ def apply_overrides(config: RunConfig, given: dict[str, Any]) -> RunConfig:
         if option.key:
             changes[option.key] = option.field_value(value)
     if "dataset_preset" in given:
-        from ipw.presets import get_preset
+        from ipw.inputs.presets import get_preset
 
         get_preset(given["dataset_preset"])
     backends, seed, concurrency = given.get("backend"), given.get("seed"), given.get("concurrency")

@@ -138,7 +138,7 @@ def convert_gguf(model: str, out_dir: str | Path | None = None, *, force: bool =
     Without ``out_dir`` the folder goes to the per-machine cache, and an existing conversion of the
     same file is reused (``force`` redoes it).  With ``out_dir``: the folder must not exist or be
     empty, unless it holds a conversion of the same file (reused) or ``force`` is given."""
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     log = log or (lambda msg: print(f"[ipw convert] {msg}", file=sys.stderr, flush=True))
     gguf, mode = resolve_model(model)
@@ -188,7 +188,7 @@ def resolve_hf_model(model: str, *, python: str | None = None) -> Path:
     ``python`` names one that has them (e.g. ``.venv-vllm/bin/python``), the conversion runs there."""
     if is_hf_dir(model):
         return Path(model).expanduser().resolve()
-    from ipw.models import resolve_model
+    from ipw.inputs.models import resolve_model
 
     gguf, _ = resolve_model(model)
     sha = file_sha256(gguf)
@@ -196,19 +196,19 @@ def resolve_hf_model(model: str, *, python: str | None = None) -> Path:
     if _current(conversion_info(target), sha):
         return target
     if python and Path(python).resolve() != Path(sys.executable).resolve() and _find("transformers") is None:
-        proc = subprocess.run([python, "-m", "ipw.convert", str(gguf)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.run([python, "-m", "ipw.inputs.convert", str(gguf)], stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             raise IpwError(f"converting {gguf.name} with {python} failed (exit {proc.returncode}); "
-                           f"try: {python} -m ipw.convert {gguf}")
+                           f"try: {python} -m ipw.inputs.convert {gguf}")
         return Path(proc.stdout.strip().splitlines()[-1])
     return convert_gguf(model)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ipw.convert MODEL [OUT_DIR]``: prints the folder (used across environments)."""
+    """``python -m ipw.inputs.convert MODEL [OUT_DIR]``: prints the folder (used across environments)."""
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2:
-        print("usage: python -m ipw.convert MODEL [OUT_DIR]", file=sys.stderr)
+        print("usage: python -m ipw.inputs.convert MODEL [OUT_DIR]", file=sys.stderr)
         return 2
     try:
         print(convert_gguf(*args))

@@ -3,7 +3,7 @@
 Interchange format (one JSON object per line): ``id``, ``prompt``, ``answer`` and optional
 ``choices`` (option texts, lettered A, B, C... in order), ``category``, ``scorer``.  ``answer`` may be
 empty or missing only for scorer ``judge`` (graded by an LLM judge against a reference backend's
-answer; see :mod:`ipw.scoring`).
+answer; see :mod:`ipw.grading.scoring`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ipw.errors import IpwError, where
-from ipw.resources import resource_path
+from ipw.inputs.resources import resource_path
 
 if TYPE_CHECKING:
     import numpy as np
@@ -87,7 +87,7 @@ def _check_regular_file(path: Path) -> None:
 
 
 def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> Query:
-    from ipw.scoring import JUDGE, KNOWN_SCORERS
+    from ipw.grading.scoring import JUDGE, KNOWN_SCORERS
 
     if not isinstance(row, dict):
         raise IpwError(f"{where(path, line)}: expected a JSON object, got {type(row).__name__}")
@@ -137,7 +137,7 @@ def _query_from_row(row: object, path: Path, line: int, default_scorer: str) -> 
             raise IpwError(f"{where(path, line, 'answer')}: for 'mcq' the answer must be a letter A-{LETTERS[len(choices) - 1]}")
         answer = letter
     else:
-        from ipw.scoring import check_answer
+        from ipw.grading.scoring import check_answer
 
         try:
             check_answer(scorer, answer)  # a numeric answer is a number, a regex compiles
@@ -254,12 +254,12 @@ def load_queries(
 ) -> list[Query]:
     """Load and validate a query set; raises :class:`IpwError` naming file, line and field.
 
-    ``preset``: a schema preset of :mod:`ipw.presets` (``mmlu``, ``gsm8k``, ...), or None to detect one
+    ``preset``: a schema preset of :mod:`ipw.inputs.presets` (``mmlu``, ``gsm8k``, ...), or None to detect one
     by the columns (said in a log line; the interchange format needs none).  A folder is read as a
     Hugging Face ``save_to_disk`` folder (``split`` picks a split of a DatasetDict).  ``categories``
-    and ``sample`` (seeded by ``seed``) select queries, see :func:`ipw.presets.select`.
+    and ``sample`` (seeded by ``seed``) select queries, see :func:`ipw.inputs.presets.select`.
     """
-    from ipw import presets
+    from ipw.inputs import presets
 
     path = resolve_dataset(name_or_path)
     if path.is_dir():

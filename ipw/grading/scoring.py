@@ -61,7 +61,7 @@ Scorers and what they accept (precedence is part of the contract, so it is spell
 ``judge``
     Not a deterministic scorer: the item (e.g. ipw-core's open-ended ``chat`` prompts) is graded only
     by an LLM judge that compares the answer with a reference backend's answer to the same query
-    (:mod:`ipw.judge`, grading ``vs-backend:NAME``). ``answer`` may be empty. Without a judge at hand
+    (:mod:`ipw.grading.judge`, grading ``vs-backend:NAME``). ``answer`` may be empty. Without a judge at hand
     :func:`score` returns None: the record is *unscored*, never wrong. It is a known scorer name
     (:data:`KNOWN_SCORERS`) but has no function in :data:`SCORERS`.
 """
