@@ -266,7 +266,7 @@ class RoutingOptions:
                                   "them on the queries they share.")
     local: tuple[str, ...] = option("--local", default=(), help="Treat this backend as local (repeatable).")
     cloud: tuple[str, ...] = option("--cloud", default=(), help="Treat this backend as cloud (repeatable).")
-    # the default, 0.8, is the library's (ipw.analysis.routing.ROUTER_ACCURACY; tests/test_options.py keeps the two
+    # the default, 0.8, is the library's (ipw.analysis.routing.ROUTER_ACCURACY; tests/commands/test_options.py keeps the two
     # in step): not given, compare uses its own
     router_accuracy: float | None = option("--router-accuracy", low=0.0, high=1.0, help="α: the share of queries a "
                                            "realistic router routes as the oracle would (0-1; default 0.8).")

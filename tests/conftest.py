@@ -11,6 +11,14 @@ import pytest
 
 from ipw.cli import main
 
+# The suite mirrors the package (tests/<layer>/test_*.py, tests/e2e/, tests/project/); its shared helpers stay in
+# tests/ (on the path, as this file's folder), and a test module may import another's fixtures and helpers by
+# its name (``from test_router import trained``), as when the suite was one folder: each folder is on the path.
+for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir()
+                      if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
+
 
 @pytest.fixture
 def run_cli(capsys):

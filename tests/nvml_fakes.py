@@ -1,7 +1,7 @@
 """An autospec'd pynvml whose GPUs answer from arrays (recorded or synthetic) at the time of a clock.
 
-Shared by tests/test_nvml_basic.py, tests/test_nvml_sampler.py, tests/test_multigpu.py (and
-tests/test_doctor.py through test_nvml_sampler).  The energy counter is the last read at or before
+Shared by tests/telemetry/test_nvml_basic.py, tests/telemetry/test_nvml_sampler.py, tests/telemetry/test_multigpu.py (and
+tests/telemetry/test_doctor.py through test_nvml_sampler).  The energy counter is the last read at or before
 now, the sample buffer returns the driver samples stamped after ``last_seen`` and no older than
 ~2.4 s (the driver's buffer), the instant field the last point.  ``drive`` runs an unthreaded
 sampler through its own schedule, so a replay is deterministic and takes no real time; ``RealClock``

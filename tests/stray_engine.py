@@ -1,4 +1,4 @@
-"""A test engine whose start leaves a stray process behind (tests/test_engine_exit.py): its ``load`` forks a
+"""A test engine whose start leaves a stray process behind (tests/backends/test_engine_exit.py): its ``load`` forks a
 child that ignores SIGTERM, leaves the worker's session (``setsid``), holds the worker's pipes (a fork
 inherits them, as vLLM's engine core started with the fork method does) and never exits; then the load
 fails (``on_load = "fail"``: an exception, as vLLM's "Engine core initialization failed") or the worker dies

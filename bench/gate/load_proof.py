@@ -6,7 +6,7 @@ llama.cpp runs, a prefill energy against prompt length, CPU seconds charged to a
 shared CI runner has noisy neighbours; these tests must hold with one.  The hog is one
 ``python -c 'while True: pass'`` per logical CPU (so every core is contended), started before the first
 round and killed (by PID) after the last.  Each round is one pytest process, so module fixtures (the
-check runs of tests/test_check.py) are measured again under the hog each time.
+check runs of tests/analysis/test_check.py) are measured again under the hog each time.
 
     .venv/bin/python bench/gate/load_proof.py                 # 5 rounds, hogs = CPU count, writes docs/load-proof.md
     .venv/bin/python bench/gate/load_proof.py --rounds 10 --hogs 4 --out /tmp/lp.md
@@ -33,21 +33,21 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: this file is bench/<
 
 TESTS = [
     # the two of the issue: failed once on a loaded 2-core machine
-    "tests/test_check.py::test_twenty_percent_more_energy_fails",
-    "tests/test_phases.py::test_real_llama_prefill_energy_grows_with_prompt_length",
+    "tests/analysis/test_check.py::test_twenty_percent_more_energy_fails",
+    "tests/metering/test_phases.py::test_real_llama_prefill_energy_grows_with_prompt_length",
     # like them: energy ratios or run-to-run jitter of real llama.cpp runs (they share test_check's runs)
-    "tests/test_check.py::test_identical_configs_pass",
-    "tests/test_check.py::test_longer_answers_fail_on_energy",
+    "tests/analysis/test_check.py::test_identical_configs_pass",
+    "tests/analysis/test_check.py::test_longer_answers_fail_on_energy",
     # like them: CPU seconds charged to a process, prefill against prompt length (fake engine), deadlines
-    "tests/test_phases.py::test_runner_records_phases_that_sum_to_the_total",
-    "tests/test_phases.py::test_cpu_model_split_follows_cpu_time",
-    "tests/test_api.py::test_cpu_model_charges_this_process_tree",
-    "tests/test_api.py::test_pids_names_other_processes",
-    "tests/test_bad_input.py::test_dev_zero_as_a_dataset_exits_2_at_once",
-    "tests/test_bad_input.py::test_config_validation_is_linear",
+    "tests/metering/test_phases.py::test_runner_records_phases_that_sum_to_the_total",
+    "tests/metering/test_phases.py::test_cpu_model_split_follows_cpu_time",
+    "tests/commands/test_api.py::test_cpu_model_charges_this_process_tree",
+    "tests/commands/test_api.py::test_pids_names_other_processes",
+    "tests/e2e/test_bad_input.py::test_dev_zero_as_a_dataset_exits_2_at_once",
+    "tests/e2e/test_bad_input.py::test_config_validation_is_linear",
     # like them: a real NVML sampler thread on the fake's real clock (read times move with the load)
-    "tests/test_energy_audit.py::test_the_runner_records_the_audit_in_the_manifest",
-    "tests/test_api.py::test_gpu_is_measured_and_the_estimate_kept_apart",
+    "tests/telemetry/test_energy_audit.py::test_the_runner_records_the_audit_in_the_manifest",
+    "tests/commands/test_api.py::test_gpu_is_measured_and_the_estimate_kept_apart",
 ]
 
 HOG = "while True: pass"

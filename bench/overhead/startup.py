@@ -3,7 +3,7 @@
 Each round runs, one after the other: a bare interpreter (``python -c pass``, the floor), ``ipw --help``
 and ``ipw list``, through the installed console script (.venv/bin/ipw), stdout and stderr to
 /dev/null; the wall time of each child process is measured from spawn to exit. It also records which
-heavy modules each command imports (tests/test_startup.py asserts the same without timing) and the
+heavy modules each command imports (tests/commands/test_startup.py asserts the same without timing) and the
 largest imports of ``ipw list`` (``python -X importtime``).
 
     .venv/bin/python bench/overhead/startup.py                 # 9 rounds, writes docs/PERFORMANCE.md
@@ -111,7 +111,7 @@ Load average before each round: {', '.join(map(str, res['load_avg']))} (2 shared
 `ipw --help` imports only typer (and ipw's CLI module): every command imports what it needs inside its
 function. `ipw list` probes the sensors, which imports psutil, the NVML binding and numpy (the CPU model
 sensor's snapshot code), but no engine, pandas or plotting. Largest imports of `ipw list`
-(`python -X importtime`, cumulative, one run): {top}. `tests/test_startup.py` checks the imports (not
+(`python -X importtime`, cumulative, one run): {top}. `tests/commands/test_startup.py` checks the imports (not
 the times) in CI.
 
 Reproduce (writes this section):

@@ -176,7 +176,7 @@ How it stays within budget (`ipw/analysis/compare.py`, `ipw/analysis/stats.py`):
   resample: one partial sort finds a window of ranks around each quantile (±(4·sqrt(N) + 10) ranks,
   more than 8 standard deviations of the resampled rank); the weight below the window is one
   indicator column of the matrix product, and only the window is accumulated per resample.
-  `tests/test_compare.py` checks this against brute-force weighted quantiles.
+  `tests/analysis/test_compare.py` checks this against brute-force weighted quantiles.
 - At this size the time splits roughly into: imports ~0.7 s, reading and averaging 5M records
   ~2 s, routing ~0.3 s, bootstrap ~2 s. The peak RSS comes from the per-query matrices (7 x 40 MB),
   the bootstrap matrix (57 rows x 1M float32) and its weight buffer, and the largest run's frame while

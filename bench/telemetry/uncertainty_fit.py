@@ -33,7 +33,7 @@ its error sources (``estimator.ErrorTerms``) are recorded.  The fit chooses ``Er
 ``load`` on a grid for coverage closest to 90% at every window length of the attribution fit set, then
 ``within``, ``sample_noise`` and ``capped_noise`` on that and the fit load shapes, per shape and length.  It prints coverage and median half-width against p90 |error| per window
 length on the fit and held-out sets, and (``resolved_reference``) the steady loads' windows of whole counter
-updates against the counter's own increments: the other reference of issue 43's item 2.  tests/test_uncertainty.py
+updates against the counter's own increments: the other reference of issue 43's item 2.  tests/telemetry/test_uncertainty.py
 replays the held-out sets and asserts today's floors and, as a strict xfail, the targets (coverage 85-95%, median
 half-width <= 2x p90 |error|).
 

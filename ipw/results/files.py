@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ipw.errors import IpwError
 from ipw.results.schema import escape_surrogates
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import pandas as pd
 
 

@@ -19,7 +19,7 @@ from ipw.results.pending import PendingLog, fold_pending
 from ipw.results.resume import DoneKeys, QUERIES_FILE, file_sha256, record_keys, write_queries
 from ipw.results.readers import read_judge
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import pandas as pd
 
 

@@ -13,7 +13,7 @@ from ipw.results.schema import KEY_FIELDS, NUMERIC_COLUMNS, RECORD_COLUMNS, Quer
 from ipw.results.files import atomic_write, own_file
 from ipw.results.manifest import RunManifest
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import pandas as pd
     import pyarrow as pa
 

@@ -13,7 +13,7 @@ from ipw.results.schema import QueryRecord, escape_surrogates
 from ipw.results.files import append_synced, cut_torn_tail, own_file, write_all, write_error
 from ipw.results.log import RECORDS_CHUNK, PENDING_FILE, log_chunks, pending_rows, record_key
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     pass
 
 

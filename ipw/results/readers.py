@@ -13,7 +13,7 @@ from ipw.results.files import own_file
 from ipw.results.manifest import RunManifest, read_manifest
 from ipw.results.log import load_records_jsonl, parquet_schema_problem, read_parquet, read_records, trusted_parquet
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import pandas as pd
 
 

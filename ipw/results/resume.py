@@ -12,7 +12,7 @@ from ipw.results.schema import KEY_FIELDS
 from ipw.results.files import atomic_write, complete_length, own_file
 from ipw.results.manifest import RunManifest
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import numpy as np
     import pyarrow as pa
 

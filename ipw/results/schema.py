@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ipw.errors import IpwError
 
-if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/test_startup.py)
+if TYPE_CHECKING:  # imported where used: `import ipw` stays light (tests/commands/test_startup.py)
     import pyarrow as pa
 
 

@@ -30,7 +30,7 @@ own CPU time with ``time.thread_time()``: :meth:`NvmlSampler.overhead`.  Energy 
 the counter over a long enclosing span): :meth:`NvmlSampler.energy_windows`.
 
 Tests drive the sampler without the thread: ``start(threaded=False)``, then ``run_due()`` at the
-times ``next_due_ns()`` asks for, against a fake clock (tests/test_nvml_sampler.py).
+times ``next_due_ns()`` asks for, against a fake clock (tests/telemetry/test_nvml_sampler.py).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def untar(data: bytes) -> dict[str, bytes]:
 
 
 def main(ref: str) -> None:
-    # tests/test_uncertainty.py: the sampler's counter reads of two 2026-12-01 H200 runs on the update grid
+    # tests/telemetry/test_uncertainty.py: the sampler's counter reads of two 2026-12-01 H200 runs on the update grid
     gpu = "telemetry/gpu/h200-2026-12-01"
     runs = ("20261201-053743-d827", "20261201-053807-923e")
     tables = {}
@@ -78,7 +78,7 @@ def main(ref: str) -> None:
     tables["counter"] = counter_table(raw(ref, f"{gpu}/counter.csv"), False, [tables[f"{r}-power"] for r in runs])
     save("h200-2026-12-01-grid.npz", tables)
 
-    # tests/test_uncertainty.py: the vLLM in-process run of 2026-12-04
+    # tests/telemetry/test_uncertainty.py: the vLLM in-process run of 2026-12-04
     folder = "serving/vllm-h200-2026-12-04"
     files = untar(raw(ref, f"{folder}/vllm-rest.tar.xz"))
     name = next(n for n in files if n.startswith("./inproc/") and n.endswith("/power.parquet"))
@@ -88,7 +88,7 @@ def main(ref: str) -> None:
         {"power": power, "counter": counter_table(raw(ref, f"{folder}/counter-rest.csv.gz"), True, [power])},
     )
 
-    # tests/test_energy_audit.py: the three fresh 2026-12-01 H200 runs (session 5) and their counter
+    # tests/telemetry/test_energy_audit.py: the three fresh 2026-12-01 H200 runs (session 5) and their counter
     gpu = "telemetry/gpu/h200-2026-12-01-s5"
     s5_runs = ("20261201-214947-e2a7", "20261201-215011-bee2", "20261201-215035-750e")
     tables = {}
@@ -99,7 +99,7 @@ def main(ref: str) -> None:
     tables["counter"] = counter_table(raw(ref, f"{gpu}/counter.csv.gz"), True, [tables[f"{r}-power"] for r in s5_runs])
     save("h200-2026-12-01-s5-runs.npz", tables)
 
-    # tests/test_energy_audit.py: the five fake-engine runs of bench/telemetry/audit_h200.sh (2026-12-02)
+    # tests/telemetry/test_energy_audit.py: the five fake-engine runs of bench/telemetry/audit_h200.sh (2026-12-02)
     files = untar(raw(ref, "telemetry/gpu/h200-2026-12-02-s8/audit-runs.tgz"))
     tables = {}
     for n in sorted(files):
