@@ -296,7 +296,10 @@ ROUTING = by_name(ROUTING_OPTIONS)
 PARAMETER_FLAGS = {"reference": "--reference", "local": "--local", "cloud": "--cloud",
                    "router_accuracy": "--router-accuracy", "deadline": "--deadline", "energy_basis": "--energy-basis",
                    "carbon_intensity": "--carbon-intensity", "grid_region": "--grid-region", "pue": "--pue",
-                   "n_boot": "--n-boot", "usd_per_kwh": "--usd-per-kwh", "api_prices": "--api-price"}
+                   "n_boot": "--n-boot", "usd_per_kwh": "--usd-per-kwh", "api_prices": "--api-price",
+                   "fail_if": "--fail-if", "calibration_runs": "--calibrate", "floor": "--floor",
+                   "router_threshold": "--router-threshold", "max_accuracy_loss": "--max-accuracy-loss",
+                   "grading": "--grading", "folds": "--folds", "out": "--out"}
 
 
 def naming_flags(command: Callable[..., int]) -> Callable[..., int]:

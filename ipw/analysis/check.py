@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ipw.errors import IpwError
+from ipw.errors import IpwError, ParameterError
 from ipw.results import RunManifest
 from ipw.telemetry.hardware import HARDWARE_KEYS, hardware_key, machines
 from ipw.analysis import fmt
@@ -55,14 +55,14 @@ class Threshold:
 def parse_threshold(text: str) -> Threshold:
     m = re.fullmatch(r"\s*([a-z_0-9]+)\s*:\s*([+-])\s*([0-9]*\.?[0-9]+)\s*(%|pp)\s*", text)
     if not m:
-        raise IpwError(f"--fail-if {text!r}: expected METRIC:+N% or METRIC:-Npp, e.g. energy_per_query:+5%")
+        raise ParameterError(("fail_if",), f" {text!r}: expected METRIC:+N% or METRIC:-Npp, e.g. energy_per_query:+5%")
     metric, sign, number, unit = m.groups()
     found = gated_metric(metric)
     if found is None:
         known = [name for x in METRICS if x.better for name in (x.name, *x.aliases)]
-        raise IpwError(f"--fail-if {text!r}: unknown metric {metric!r} (known: {', '.join(known)})")
+        raise ParameterError(("fail_if",), f" {text!r}: unknown metric {metric!r} (known: {', '.join(known)})")
     if unit != found.change_unit:
-        raise IpwError(f"--fail-if {text!r}: {metric} takes a threshold in {found.change_unit}")
+        raise ParameterError(("fail_if",), f" {text!r}: {metric} takes a threshold in {found.change_unit}")
     return Threshold(metric, float(number) * (1 if sign == "+" else -1), unit)
 
 
@@ -501,7 +501,7 @@ def calibrate(runs: list[tuple[RunManifest, object]], thresholds: list[Threshold
     """The noise floor of identical runs: per backend and gated metric, the largest change between any two of
     them (the earlier one as baseline). Returns the JSON object ``ipw check --floor`` reads."""
     if len(runs) < 2:
-        raise IpwError("--calibrate: give at least 2 run folders of the same configuration")
+        raise ParameterError(("calibration_runs",), ": give at least 2 run folders of the same configuration")
     changes: dict[str, dict[str, list[float]]] = {}
     for i in range(len(runs)):
         for j in range(i + 1, len(runs)):
@@ -521,9 +521,9 @@ def read_floors(path: str | Path) -> dict[tuple[str, str], tuple[float, str]]:
         return {(str(b), str(m)): (float(x), f"calibration: {data.get('method', path)}")
                 for b, by in floors.items() for m, x in by.items()}
     except OSError as exc:
-        raise IpwError(f"--floor {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+        raise ParameterError(("floor",), f" {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise IpwError(f"--floor {path}: not a floor file written by ipw check --calibrate") from None
+        raise ParameterError(("floor",), f" {path}: not a floor file written by ipw check --calibrate") from None
 
 
 NEEDS_TEXT = {"correct": "a score (judge-only items are unscored without a judge)", "win_tie": "a judge's verdict"}

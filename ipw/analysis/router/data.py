@@ -12,19 +12,19 @@ from typing import Any, Sequence
 import numpy as np
 
 from ipw.analysis.stats import EnergyErrors
-from ipw.errors import IpwError
+from ipw.errors import IpwError, ParameterError
 
 GRADINGS = ("answer", "vs-backend")
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # what ipw serve keeps of a prompt without --log-prompts
 
 
-def check_threshold(value: float, option: str = "--router-threshold") -> float:
+def check_threshold(value: float, option: str = "router_threshold") -> float:
     if not (isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0):
-        raise IpwError(f"{option} {value}: must be between 0 and 1")
+        raise ParameterError((option,), f" {value}: must be between 0 and 1")
     return float(value)
 
 
-def parse_accuracy_loss(text: str | float, option: str = "--max-accuracy-loss") -> float:
+def parse_accuracy_loss(text: str | float, option: str = "max_accuracy_loss") -> float:
     """``1%``, ``1pp`` or ``0.01``: an accuracy loss as a fraction (0..1)."""
     raw = str(text).strip()
     try:
@@ -33,7 +33,7 @@ def parse_accuracy_loss(text: str | float, option: str = "--max-accuracy-loss") 
     except ValueError:
         value = float("nan")
     if not 0.0 <= value <= 1.0:
-        raise IpwError(f"{option} {text!r}: expected a loss like 1% (or 0.01), between 0 and 100%")
+        raise ParameterError((option,), f" {text!r}: expected a loss like 1% (or 0.01), between 0 and 100%")
     return value
 
 
@@ -92,7 +92,7 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     from ipw.analysis.routing import SOLVED_AT, resolve_roles
 
     if grading not in GRADINGS:
-        raise IpwError(f"--grading {grading!r}: must be one of {', '.join(GRADINGS)}")
+        raise ParameterError(("grading",), f" {grading!r}: must be one of {', '.join(GRADINGS)}")
     prices_raw = [parse_api_price(p) for p in api_prices]
     runs, infos, pq, _ = load(paths, common_queries=common_queries, prompt_tokens=bool(prices_raw))
     labels = tuple(i.label for i in infos)
@@ -102,8 +102,8 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
 
     roles = resolve_roles(labels, [i.role for i in infos], local=names(local, "local"), cloud=names(cloud, "cloud"))
     if "cloud" not in roles:
-        raise IpwError("the runs have no cloud reference (no backend has role cloud): name one with --cloud NAME "
-                       f"(backends: {', '.join(labels)})")
+        raise ParameterError(("cloud",), f" NAME (backends: {', '.join(labels)})",
+                             before="the runs have no cloud reference (no backend has role cloud): name one with ")
     infos = tuple(BackendInfo(**{**i.__dict__, "role": r}) for i, r in zip(infos, roles))
     infos = with_pue(infos, [parse_pue(x) for x in pue], lambda name: names([name], "pue"))
     pq, _ = under_basis(pq, infos, energy_basis)
@@ -114,7 +114,8 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     li = [j for j in range(len(infos)) if roles[j] == "local"
           and (infos[j].run_id, infos[j].backend) != (infos[ri].run_id, infos[ri].backend)]
     if not li:
-        raise IpwError("the runs have no local backend besides the cloud reference: name them with --local NAME")
+        raise ParameterError(("local",), " NAME", before="the runs have no local backend besides the cloud reference: "
+                                                         "name them with ")
     mean_j = [float(np.nanmean(pq.energy_j[j])) if not np.isnan(pq.energy_j[j]).all() else math.inf for j in li]
     li = [j for _, j in sorted(zip(mean_j, li), key=lambda x: x[0])]  # cheapest first (stable)
     qids = [str(q) for q in pq.query_id]
@@ -134,8 +135,8 @@ def route_data(paths: Sequence[str | Path], *, local: Sequence[str] = (), cloud:
     cat = tuple(pq.categories[c] if c < len(pq.categories) else "" for c in pq.category)
     if grading == "vs-backend":
         if pq.win_tie is None or np.isnan(pq.win_tie[li]).all():
-            raise IpwError("--grading vs-backend: no record of the local backends was judged against a reference "
-                           "backend's answer (ipw run --judge ... --grading vs-backend)")
+            raise ParameterError(("grading",), " vs-backend: no record of the local backends was judged against a "
+                                 "reference backend's answer (ipw run --judge ... --grading vs-backend)")
         raw = pq.win_tie[li].T
     else:
         raw = pq.correct[li].T

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ipw.analysis.stats import Estimate
-from ipw.errors import IpwError
+from ipw.errors import IpwError, ParameterError
 from ipw.analysis.router.data import GRADINGS, RouteData, check_threshold
 from ipw.analysis.router.evaluate import DEFAULT_THRESHOLD, MIN_QUERIES, CurvePoint, PolicyScore, check_trainable
 from ipw.analysis.router.model import C, FEATURES, N_FEATURES, NGRAM_RANGE, Featurizer, Linear, fit
@@ -117,25 +117,25 @@ def _temporary(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def check_out(path: Path, option: str = "--out") -> None:
+def check_out(path: Path, option: str = "out") -> None:
     """``path`` can be replaced by a router file (before any training): not a folder, a symbolic link (the
     rename would replace the link, not its target), a FIFO or a device (/dev/full), and a file can be made
     beside it (not /proc, a read-only file system)."""
     if path.is_symlink():
-        raise IpwError(f"{option} {path}: is a symbolic link; give the file itself")
+        raise ParameterError((option,), f" {path}: is a symbolic link; give the file itself")
     if path.is_dir():
-        raise IpwError(f"{option} {path}: is a folder; give the router file to write (router.json)")
+        raise ParameterError((option,), f" {path}: is a folder; give the router file to write (router.json)")
     if path.exists() and not path.is_file():
-        raise IpwError(f"{option} {path}: not a regular file (a FIFO, a device); give the router file to write")
+        raise ParameterError((option,), f" {path}: not a regular file (a FIFO, a device); give the router file to write")
     if not path.parent.is_dir():
-        raise IpwError(f"{option} {path}: its folder {path.parent} does not exist")
+        raise ParameterError((option,), f" {path}: its folder {path.parent} does not exist")
     tmp = _temporary(path)
     try:
         tmp.open("w").close()
         tmp.unlink()
     except OSError as exc:
-        raise IpwError(f"{option} {path}: cannot make a file in {path.parent} "
-                       f"({exc.strerror or type(exc).__name__})") from None
+        raise ParameterError((option,), f" {path}: cannot make a file in {path.parent} "
+                             f"({exc.strerror or type(exc).__name__})") from None
 
 
 def save(router: Router, path: str | Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ipw.errors import IpwError
+from ipw.errors import IpwError, ParameterError
 from ipw.analysis.router.data import RouteData
 
 N_FEATURES = 2 ** 18
@@ -115,8 +115,8 @@ def predict_folds(data: RouteData, folds: Sequence[np.ndarray], featurizer: Feat
 def kfold(n: int, k: int = K_FOLDS, seed: int = 0) -> list[np.ndarray]:
     """k folds of the query rows (shuffled with ``seed``)."""
     if k < 2:
-        raise IpwError(f"--folds {k}: must be at least 2")
+        raise ParameterError(("folds",), f" {k}: must be at least 2")
     if n < k:
-        raise IpwError(f"{n} queries cannot be split into {k} folds (--folds)")
+        raise ParameterError(("folds",), ")", before=f"{n} queries cannot be split into {k} folds (")
     order = np.random.default_rng(seed).permutation(n)
     return [np.sort(f) for f in np.array_split(order, k)]
