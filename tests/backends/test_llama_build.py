@@ -62,7 +62,7 @@ def test_script_reads_the_cpu_named_by_ipw_cpuinfo(tmp_path):
     """`.ci/setup` asks the script for the key: another CPU's /proc/cpuinfo gives another key."""
     fake = tmp_path / "cpuinfo"
     fake.write_text(f"flags\t\t: {AVX2_EPYC}\n")
-    run = lambda *a, env=None: subprocess.run([sys.executable, str(ROOT / "ipw" / "llama_build.py"), *a],  # noqa: E731
+    run = lambda *a, env=None: subprocess.run([sys.executable, str(ROOT / "ipw" / "backends" / "llama_build.py"), *a],  # noqa: E731
                                               capture_output=True, text=True, check=True, env=env).stdout.strip()
     import os
 
