@@ -26,7 +26,8 @@ from ipw.analysis.cascade import Cascade, cascades
 from ipw.analysis.load import BackendInfo, PerQuery, RunInfo, FIELDS, energy_errors, judge_lines, level_label, load
 from ipw.analysis.routing import (ROUTER_ACCURACY, OracleQueries, QueryMatrix, Routing, oracle_queries, resolve_roles,
                                   route, solved)
-from ipw.analysis.serving import Deadline, LevelPick, by_backend, parse_deadline, pick_levels, serving_level
+from ipw.analysis.serving import (Deadline, LevelPick, SteadyLevel, by_backend, parse_deadline, pick_levels,
+                                  serving_level, shown, steady_windows)
 from ipw.analysis.stats import LEVEL, Draws, Estimate, MeasurementError, bootstrap_draws, interval, n_resamples
 from ipw.errors import ParameterError
 from ipw.limits import out_of_range
@@ -124,6 +125,7 @@ class Comparison:
     hardware_note: str | None = None  # the runs were measured on different kinds of machine (the report's banner)
     deadline: Deadline | None = None  # --deadline: the latency bound of the energy-optimal level
     level_picks: tuple[LevelPick, ...] = ()  # per backend, its energy-optimal level under the deadline
+    steady: dict[str, SteadyLevel | None] = field(default_factory=dict)  # label -> its level's steady window
     query_set_note: str = ""  # the note that the runs' query sets differ and the numbers cover the shared queries
     # per local backend whose records carry mean_logprob: the cascade in front of the reference, out of sample
     cascade: tuple[Cascade, ...] = ()
@@ -431,12 +433,14 @@ def compare(paths: Sequence[str | Path], *, reference: str | None = None, common
     if hardware:
         notes.insert(0, hardware)
     models = {labels[j]: fitted_models(pq, j) for j in range(m)}
+    steady = steady_windows(runs, infos, n_boot=n_boot, seed=seed, energy_basis=energy_basis) if shown(infos) else {}
     picks = () if bound is None else pick_levels(
-        infos, {x: {k: e.value for k, e in metrics[x].items()} for x in labels}, bound)
+        infos, {x: {k: e.value for k, e in metrics[x].items()} for x in labels}, bound, steady)
     return Comparison(runs=runs, backends=infos, reference=ref, n_queries=n, common_queries=common_queries,
                       n_boot=n_boot, seed=seed, method=draws.method, metrics=metrics, vs_reference=vs_ref,
                       routing=routing, routing_ci=routing_ci, notes=tuple(notes), models=models,
                       judge=judge_rows(runs, plain), hardware_note=hardware, deadline=bound, level_picks=picks,
+                      steady=steady,
                       measurement=measurement, with_measurement_error=bool(errors),
                       query_set_note=pq.query_set_note, cascade=cascade, energy_basis=energy_basis, carbon=carbon,
                       bases=basis_views(chip_pq, infos, ri, local_idx, router_accuracy, n_boot, seed, carbon_g))

@@ -19,7 +19,7 @@ from ipw.analysis.compare import Comparison
 from ipw.analysis.fmt import PERCENT
 from ipw.analysis.metrics import BY_NAME
 from ipw.analysis.routing import SOLVED_AT
-from ipw.analysis.serving import SERVING_METRICS, shown
+from ipw.analysis.serving import SERVING_METRICS, STEADY_METRICS, SteadyLevel, shown
 from ipw.analysis.stats import LEVEL, Estimate
 from ipw.analysis.fit import fit_dict
 from ipw.telemetry.base import worst_quality
@@ -117,7 +117,16 @@ def _serving_list(c: Comparison) -> list[dict[str, Any]]:
     """Per backend and concurrency level: its level, records, split methods and the serving metrics."""
     return [{"label": b.label, "run_id": b.run_id, "backend": b.backend, "concurrency": b.concurrency,
              "n_records": b.n_records, "split_methods": list(b.split_methods),
-             "metrics": {k: _est(c.metrics[b.label][k]) for k in SERVING_METRICS}} for b in c.backends]
+             "metrics": {k: _est(c.metrics[b.label][k]) for k in SERVING_METRICS},
+             "steady": _steady_dict(c.steady.get(b.label))} for b in c.backends]
+
+
+def _steady_dict(s: SteadyLevel | None) -> dict[str, Any] | None:
+    """A level's steady window (``ipw.analysis.serving.SteadyLevel``); None: it has none."""
+    if s is None:
+        return None
+    return {"window_s": s.window_s, "span_s": s.span_s, "share": _num(s.share), "records_in_window": s.records_in_window,
+            "repeats": s.repeats, "metrics": {k: _est(getattr(s, k)) for k in STEADY_METRICS}}
 
 
 def _deadline_dict(c: Comparison) -> dict[str, Any] | None:
@@ -126,7 +135,7 @@ def _deadline_dict(c: Comparison) -> dict[str, Any] | None:
     return {"metric": c.deadline.metric, "limit_s": c.deadline.limit_s,
             "picks": [{"run_id": x.run_id, "backend": x.backend, "levels": list(x.levels), "meeting": list(x.meeting),
                        "chosen": x.chosen, "concurrency": x.concurrency, "energy_per_query_j": x.energy_per_query_j,
-                       "value_s": x.value_s} for x in c.level_picks]}
+                       "value_s": x.value_s, "steady": x.steady} for x in c.level_picks]}
 
 
 def to_dict(c: Comparison) -> dict[str, Any]:
@@ -197,6 +206,10 @@ def csv_rows(c: Comparison) -> list[tuple[Any, ...]]:
         add("serving", b["label"], str(b["concurrency"]), "n_records", b["n_records"])
         for k, v in b["metrics"].items():
             add("serving", b["label"], str(b["concurrency"]), k, v)
+        for k, v in (b["steady"] or {}).get("metrics", {}).items():  # the steady window's, where there is one
+            add("serving", b["label"], str(b["concurrency"]), f"steady_{k}", v)
+        if b["steady"]:
+            add("serving", b["label"], str(b["concurrency"]), "steady_share", b["steady"]["share"])
     dl = d["deadline"]
     for x in dl["picks"] if dl else ():  # key: the deadline; an empty value: no level meets it
         bound = f"{dl['metric']}<={dl['limit_s']:g}s"
@@ -408,17 +421,20 @@ def serving_tables(c: Comparison) -> list[Table]:
     if shown(c.backends):
         rows = [[b.label, str(b.concurrency), str(b.n_records)]
                 + [fmt.value(c.metrics[b.label][k].value, BY_NAME[k].format) for k in SERVING_METRICS]
-                + [", ".join(b.split_methods) or "none"] for b in c.backends]
-        columns = [None] * 3 + list(SERVING_METRICS) + [None]  # the metric of each column
+                + [", ".join(b.split_methods) or "none"] + _steady_cells(c.steady.get(b.label)) for b in c.backends]
+        columns = [None] * 3 + list(SERVING_METRICS) + [None] + list(STEADY_METRICS) + [None]  # each column's metric
 
         def energy(i: int, j: int) -> bool:
             key = columns[j]
             return key is not None and BY_NAME[key].energy and c.estimated(c.backends[i].label)
 
         out.append(_table("serving", "serving: per backend and concurrency level (point values; CIs in the metrics "
-                          "table; output tok/s: output tokens over the level's wall span)",
+                          "table; output tok/s: output tokens over the level's wall span; steady: over the level's "
+                          "steady window, where its concurrency was in flight (share: of the level's span; CIs across "
+                          "repeats; n/a: a level of 1, or no window), docs/SERVING.md)",
                           ["backend", "concurrency", "records"] + [names[k] for k in SERVING_METRICS]
-                          + ["energy split"], rows, energy))
+                          + ["energy split"] + [f"steady {names[k]}" for k in STEADY_METRICS] + ["steady share"],
+                          rows, energy))
     if c.deadline is not None:
         def chosen_estimated(i: int, j: int) -> bool:
             chosen = c.level_picks[i].chosen
@@ -435,14 +451,23 @@ def serving_tables(c: Comparison) -> list[Table]:
                 rows.append([name, f"none meets {c.deadline.text}", "n/a", "n/a", meeting])
             else:
                 rows.append([name, f"{x.chosen} (c={x.concurrency})",
-                             fmt.value(x.energy_per_query_j, BY_NAME["energy_per_query_j"].format),
+                             fmt.value(x.energy_per_query_j, BY_NAME["energy_per_query_j"].format)
+                             + (" (steady)" if x.steady else ""),
                              fmt.value(x.value_s, BY_NAME[c.deadline.key].format),
                              meeting])
         out.append(_table("deadline", f"energy-optimal concurrency level under {c.deadline.text} (the lowest J/query "
-                          "among the levels that meet it)",
+                          "among the levels that meet it: over a level's steady window where it has one, marked "
+                          "'steady', else over the whole level)",
                           ["backend", "level", names["energy_per_query_j"], names[c.deadline.key], "levels meeting it"],
                           rows, chosen_estimated))
     return out
+
+
+def _steady_cells(s: SteadyLevel | None) -> list[str]:
+    """A level's steady figures (with their CI across repeats where it has several) and the window's share."""
+    if s is None:
+        return [fmt.NA] * (len(STEADY_METRICS) + 1)
+    return [fmt.estimate(getattr(s, k), BY_NAME[k].format) for k in STEADY_METRICS] + [_pct(s.share)]
 
 
 def _pct(x: float | None) -> str:
