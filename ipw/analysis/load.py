@@ -202,8 +202,8 @@ def energy_audits(manifest: RunManifest) -> tuple[str, ...]:
     """Each backend's run-level energy audit as the manifest keeps it (``backends[].energy_audit``), and each
     proxy session's (``ipw serve``: ``backends[].sessions[].energy_audit``, its lines "in session N"), one
     ``"backend: line"`` each; runs made before the audit have none."""
-    return tuple(f"{b.get('name')}: {a.get('line') or a.get('error')}" for b in manifest.backends or []
-                 for audits in [b.get("energy_audit"), *(s.get("energy_audit") for s in b.get("sessions") or [])]
+    return tuple(f"{b.name}: {a.get('line') or a.get('error')}" for b in manifest.entries()
+                 for audits in [b.energy_audit, *(s.get("energy_audit") for s in b.sessions or ())]
                  for a in audits or [] if a.get("line") or a.get("error"))
 
 
@@ -338,11 +338,11 @@ def parts_of(path: Path, manifest: RunManifest, frame: Any, prompt_tokens: bool 
 def _cpu_model_coefficients(manifest: RunManifest) -> dict[str, str]:
     """Each backend's CPU model coefficient as its manifest states it (``W/core``, and what it rests on)."""
     out = {}
-    for b in manifest.backends or []:
-        for sensor in b.get("sensors") or [] if isinstance(b, dict) else []:
-            params = sensor.get("params") or {} if isinstance(sensor, dict) else {}
-            if sensor.get("source") == "model.cpu" and params.get("watts_per_core") is not None:
-                out[str(b.get("name"))] = f"{params['watts_per_core']} W/core ({params.get('basis', '')})"
+    for b in manifest.entries():
+        for sensor in b.sensors or ():
+            params = sensor.get("params") or {}
+            if sensor.get("source") == "model.cpu" and isinstance(params, dict) and params.get("watts_per_core") is not None:
+                out[b.name] = f"{params['watts_per_core']} W/core ({params.get('basis', '')})"
     return out
 
 

@@ -122,8 +122,8 @@ def merge_runs(paths: list[str | Path], out_dir: str | Path, command: list[str] 
         hardware_by_id.update(m.hardware_by_id or {})
     backends = []
     for b in _present(m0.config)["backends"]:
-        infos = [{**info, "shard": _present(m.shard)["index"]} for _, m in shards
-                 for info in (m.backends or []) if info["name"] == b["name"]]
+        infos = [{**info.to_json(), "shard": _present(m.shard)["index"]} for _, m in shards
+                 for info in m.entries() if info.name == b["name"]]
         if infos:
             backends.append(combine_backend_infos(infos))
     power = _merged_power(shards, node_of)  # read (and checked) before the merged folder exists
