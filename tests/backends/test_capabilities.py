@@ -42,7 +42,7 @@ ALLOWED = {
     "ipw/commands/doctor.py": {"self.file"},
     # a dataclass's fields by name (frames of per-query values, rendered fits)
     "ipw/analysis/compare.py": {"pq"},
-    "ipw/analysis/render.py": {"f[what]"},
+    "ipw/analysis/render.py": {"f[what]", "s"},  # s: a steady level's own fields (SteadyLevel), by name
     # inside the worker process: the engine object (not a Backend) is called by the method a request
     # names, and a batching engine says so with its ``concurrency``; the engine class is imported by name
     "ipw/backends/worker.py": {"engine", "importlib.import_module(module)"},
