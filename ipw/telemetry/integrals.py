@@ -87,7 +87,48 @@ def clean_series(t_s: np.ndarray, v: np.ndarray, what: str) -> tuple[np.ndarray,
     return t, x
 
 
-class PowerIntegral:
+class _Cumulative:
+    """Cumulative energy and covered time of a series with knots ``t`` (``cum_e`` and ``cum_c`` at each knot,
+    ``valid`` per segment: an invalid one is a gap, neither energy nor covered time), evaluated anywhere;
+    a subclass says how the energy grows inside a segment (``_inside``)."""
+
+    t: np.ndarray
+    valid: np.ndarray
+    cum_e: np.ndarray
+    cum_c: np.ndarray
+
+    @property
+    def empty(self) -> bool:
+        return self.t.size < 2
+
+    def _inside(self, i: np.ndarray, dx: np.ndarray) -> np.ndarray:
+        """The energy from knot ``i`` to ``dx`` seconds after it, within its segment."""
+        raise NotImplementedError
+
+    def at(self, x_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(energy J, covered s) accumulated from the first point up to each time in ``x_s``."""
+        x = np.atleast_1d(np.asarray(x_s, dtype=np.float64))
+        if self.empty:
+            return np.zeros_like(x), np.zeros_like(x)
+        xc = np.clip(x, self.t[0], self.t[-1])
+        i = np.clip(np.searchsorted(self.t, xc, side="right") - 1, 0, self.t.size - 2)
+        dx = xc - self.t[i]
+        ok = self.valid[i]
+        return self.cum_e[i] + np.where(ok, self._inside(i, dx), 0.0), self.cum_c[i] + np.where(ok, dx, 0.0)
+
+    def window(self, start_s: float, end_s: float) -> tuple[float, float]:
+        """(energy J, coverage fraction) over one window."""
+        if end_s < start_s:
+            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
+        e, c = self.at(np.array([start_s, end_s]))
+        dur = end_s - start_s
+        if dur == 0:
+            inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
+            return 0.0, 1.0 if inside else 0.0
+        return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
+
+
+class PowerIntegral(_Cumulative):
     """Cumulative energy and covered time of a piecewise-linear power signal, evaluated anywhere.
 
     Intervals between consecutive points longer than ``max_gap_s`` are gaps: they contribute neither
@@ -109,36 +150,11 @@ class PowerIntegral:
             self.valid = np.zeros(0, dtype=bool)
             self.period_s = float("nan")
 
-    @property
-    def empty(self) -> bool:
-        return self.t.size < 2
-
-    def at(self, x_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(energy J, covered s) accumulated from the first point up to each time in ``x_s``."""
-        x = np.atleast_1d(np.asarray(x_s, dtype=np.float64))
-        if self.empty:
-            return np.zeros_like(x), np.zeros_like(x)
-        t, p = self.t, self.p
-        xc = np.clip(x, t[0], t[-1])
-        i = np.clip(np.searchsorted(t, xc, side="right") - 1, 0, t.size - 2)
-        dx = xc - t[i]
-        slope = (p[i + 1] - p[i]) / (t[i + 1] - t[i])
-        p_x = p[i] + slope * dx
-        ok = self.valid[i]
-        e = self.cum_e[i] + np.where(ok, dx * (p[i] + p_x) / 2.0, 0.0)
-        c = self.cum_c[i] + np.where(ok, dx, 0.0)
-        return e, c
-
-    def window(self, start_s: float, end_s: float) -> tuple[float, float]:
-        """(energy J, coverage fraction) over one window."""
-        if end_s < start_s:
-            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
-        e, c = self.at(np.array([start_s, end_s]))
-        dur = end_s - start_s
-        if dur == 0:
-            inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
-            return 0.0, 1.0 if inside else 0.0
-        return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
+    def _inside(self, i: np.ndarray, dx: np.ndarray) -> np.ndarray:
+        """Trapezoids: the power linear between knots."""
+        p = self.p
+        p_x = p[i] + (p[i + 1] - p[i]) / (self.t[i + 1] - self.t[i]) * dx
+        return np.asarray(dx * (p[i] + p_x) / 2.0, dtype=np.float64)
 
     def edge_step_w(self, x_s: float) -> float:
         """How much the power moves across one window edge: the range of the samples within 1.5
@@ -224,7 +240,7 @@ def counter_change_points(t_s: np.ndarray, e_j: np.ndarray) -> tuple[np.ndarray,
     return (t[changed - 1] + t[changed]) / 2.0, e[changed]
 
 
-class CounterIntegral:
+class CounterIntegral(_Cumulative):
     """Cumulative energy of the counter, linear between knots; a step down is a gap (no energy,
     not covered)."""
 
@@ -242,32 +258,9 @@ class CounterIntegral:
             self.backwards_at_s = ()
             self.period_s = float("nan")
 
-    @property
-    def empty(self) -> bool:
-        return self.t.size < 2
-
-    def at(self, x_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = np.atleast_1d(np.asarray(x_s, dtype=np.float64))
-        if self.empty:
-            return np.zeros_like(x), np.zeros_like(x)
-        xc = np.clip(x, self.t[0], self.t[-1])
-        i = np.clip(np.searchsorted(self.t, xc, side="right") - 1, 0, self.t.size - 2)
-        dx = xc - self.t[i]
-        frac = dx / (self.t[i + 1] - self.t[i])
-        ok = self.valid[i]
-        e = self.cum_e[i] + np.where(ok, frac * (self.e[i + 1] - self.e[i]), 0.0)
-        c = self.cum_c[i] + np.where(ok, dx, 0.0)
-        return e, c
-
-    def window(self, start_s: float, end_s: float) -> tuple[float, float]:
-        if end_s < start_s:
-            raise ValueError(f"window ends before it starts: [{start_s}, {end_s}]")
-        e, c = self.at(np.array([start_s, end_s]))
-        dur = end_s - start_s
-        if dur == 0:
-            inside = not self.empty and self.t[0] <= start_s <= self.t[-1]
-            return 0.0, 1.0 if inside else 0.0
-        return float(e[1] - e[0]), min(1.0, max(0.0, float((c[1] - c[0]) / dur)))
+    def _inside(self, i: np.ndarray, dx: np.ndarray) -> np.ndarray:
+        """The counter's energy linear between knots."""
+        return np.asarray(dx / (self.t[i + 1] - self.t[i]) * (self.e[i + 1] - self.e[i]), dtype=np.float64)
 
     def gaps_in(self, start_s: float, end_s: float) -> list[float]:
         return [x for x in self.backwards_at_s if start_s <= x <= end_s]
