@@ -22,7 +22,7 @@ def proxy_options(proxy: ProxyOptions, port: int, serve: ServeOnly | None = None
     """The proxy's options (``ipw.serve.ServeOptions``) and its managed server (None: an upstream), checked before
     anything starts (the bounds, choices and pairings of ``ipw.options`` are checked already). ``serve``: ``ipw
     serve``'s own options (a router between two upstreams)."""
-    from ipw.inputs.config import check_name
+    from ipw.limits import check_name
     from ipw.serve import ServeOptions, Upstream, managed_backend
 
     upstream, name = proxy.upstream, proxy.name
