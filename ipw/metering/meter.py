@@ -165,7 +165,10 @@ class _Period:
 
 class _Account:
     """A request's parts so far, period by period: per component ``[chosen split, other split, measurement
-    variance (independent, sd^2), calibration sd (shared), qualities, source, scope, missing]``."""
+    variance (independent, sd^2), calibration sd as the sensors stated it (None once one stated none),
+    qualities, source, scope, missing, shared sd]``: the shared sd (a calibration's or a model's, the same
+    error in every slice it scales) adds linearly across slices and periods, the independent variance in
+    quadrature."""
 
     def __init__(self) -> None:
         self.parts: dict[str, list[Any]] = {}
@@ -186,8 +189,9 @@ class _Account:
         self.estimated_rel = 0.0  # the widest band a sensor stated for the power it estimated while this was in flight
 
     def add(self, reading: EnergyReading, chosen: float | None, other: float | None, var: float | None,
-            cal: float | None) -> None:
-        row = self.parts.setdefault(reading.component, [0.0, 0.0, 0.0, 0.0, [], reading.source, reading.scope, False])
+            cal: float | None, shared: float) -> None:
+        row = self.parts.setdefault(reading.component,
+                                    [0.0, 0.0, 0.0, 0.0, [], reading.source, reading.scope, False, 0.0])
         if chosen is None or other is None:
             row[7] = True
         else:
@@ -196,6 +200,7 @@ class _Account:
         row[2] = None if var is None or row[2] is None else row[2] + var
         row[3] = None if cal is None or row[3] is None else row[3] + cal
         row[4].append(reading.quality)
+        row[8] += shared
 
 
 def _containing(window: Window) -> set[str]:
@@ -652,20 +657,26 @@ class Meter:
                              if any(r is not None and r.scope in CONTAINING_SCOPES for r in rs)}
         priced = self.split == "priced"
         # per component, every request at once: its share by each split, and its sensors' error under the split
-        # used (the slices' errors as independent, 1 sd squared; the calibration's as shared), weighted by its part
+        # used, weighted by its part: each slice's stated shared part (``calibration_sd_j``: a calibration ratio's,
+        # the CPU model's coefficient's; the same error in every slice) linearly, the rest of its error as
+        # independent (1 sd squared)
         w = np.repeat(w_priced[:, None], len(period.slices), axis=1) if priced else w_local
-        per: dict[str, tuple[EnergyReading, np.ndarray | None, np.ndarray | None, np.ndarray | None, np.ndarray | None]] = {}
+        per: dict[str, tuple[EnergyReading, np.ndarray | None, np.ndarray | None, np.ndarray | None, np.ndarray | None,
+                             np.ndarray]] = {}
         for c in components:
             e, rs = energy[c], by_comp[c]
             first = next(r for r in rs if r is not None)
             missing = bool(np.isnan(e).any())
             unc = [None if r is None else r.uncertainty_j for r in rs]
             cal = [None if r is None else r.calibration_sd_j for r in rs]
+            sd = np.array([0.0 if u is None else u / Z90 for u in unc])
+            common = np.minimum(np.array([0.0 if x is None else x for x in cal]), sd)
             per[c] = (first,
                       None if missing else w_priced * float(e.sum()),
                       None if missing else w_local @ e,
-                      None if any(u is None for u in unc) else (w ** 2) @ (np.array(unc, dtype=np.float64) / Z90) ** 2,
-                      None if any(x is None for x in cal) else w @ np.array(cal, dtype=np.float64))
+                      None if any(u is None for u in unc) else (w ** 2) @ (sd ** 2 - common ** 2),
+                      None if any(x is None for x in cal) else w @ np.array(cal, dtype=np.float64),
+                      w @ common)
         for i, j in enumerate(jobs):
             account = self._accounts.get(j)
             if account is None:
@@ -673,17 +684,18 @@ class Meter:
             account.periods += 1
             account.shared |= len(jobs) > 1
             account.busy_s += float(w_priced[i] * busy_time) if priced else float(cast(np.ndarray, busy_local)[i])
-            for first, p_all, l_all, var_all, cal_all in per.values():
+            for first, p_all, l_all, var_all, cal_all, common_all in per.values():
                 p_share = None if p_all is None else float(p_all[i])
                 l_share = None if l_all is None else float(l_all[i])
                 var = None if var_all is None else float(var_all[i])
                 cal_sd = None if cal_all is None else float(cal_all[i])
-                account.add(first, p_share if priced else l_share, l_share if priced else p_share, var, cal_sd)
+                account.add(first, p_share if priced else l_share, l_share if priced else p_share, var, cal_sd,
+                            float(common_all[i]))
 
     def _share_of(self, job: int, account: _Account) -> Share:
         request = self._ended[job]
         readings, uncertainty = [], {}
-        for c, (chosen, other, var, cal, qualities, source, scope, missing) in account.parts.items():
+        for c, (chosen, other, var, cal, qualities, source, scope, missing, common) in account.parts.items():
             uncertainty[c] = 0.0 if missing else abs(chosen - other)
             readings.append(EnergyReading(
                 component=c, energy_j=None if missing else chosen, source=source, scope=scope,
@@ -691,7 +703,7 @@ class Meter:
                 duration_s=request.end_s - request.start_s,
                 note=(f"share of {account.periods} accounting period(s)"
                       + (f" split among overlapping requests ({self.split})" if account.shared else " (alone)")),
-                uncertainty_j=None if var is None or missing else math.sqrt(var) * Z90,
+                uncertainty_j=None if var is None or missing else math.sqrt(var + common ** 2) * Z90,
                 calibration_sd_j=None if cal is None or missing else cal,
             ))
         method = split_method(request, self.split) if account.shared else ""

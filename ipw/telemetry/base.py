@@ -23,6 +23,8 @@ CONTAINING_SCOPES: tuple[str, ...] = ("node",)
 
 #: Quality ranks, best first; a total takes the worst quality of its parts.
 QUALITY_ORDER: tuple[str, ...] = ("measured", "measured_interpolated", "estimated", "unavailable")
+#: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
+Z90 = 1.6448536269514722
 
 
 @dataclass(frozen=True)

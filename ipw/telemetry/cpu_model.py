@@ -32,7 +32,7 @@ import psutil
 from ipw.errors import IpwError
 from ipw.telemetry.phases import PhaseSplit, split_trace
 from ipw.telemetry.snapshots import CPU_TICK_S, SNAPSHOT_PERIOD_S, CounterWindow, Counters
-from ipw.telemetry.base import Deferred, EnergyReading, PowerEstimate, SensorBase, SensorInfo
+from ipw.telemetry.base import Z90, Deferred, EnergyReading, PowerEstimate, SensorBase, SensorInfo
 
 
 #: The per-core model's ±90% band, relative (docs/ENERGY.md, "Estimated energy"): what one busy core
@@ -392,6 +392,8 @@ class CpuModelSensor(SensorBase):
                 note=f"{cpu_s:.3f} CPU s × {self.watts_per_core} W/core ({self.cpu_model}); edges interpolated "
                      f"(±{1000 * start_bound:.1f}, ±{1000 * end_bound:.1f} CPU ms)",
                 uncertainty_j=model_uncertainty_j(cpu_s, self.watts_per_core, edges_s),
+                # the coefficient's part: one W/core for every window, so every slice of a split shares it
+                calibration_sd_j=MODEL_UNCERTAINTY_REL * cpu_s * self.watts_per_core / Z90,
             )
         ]
 

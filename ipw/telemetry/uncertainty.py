@@ -16,12 +16,11 @@ import math
 from typing import Any, Sequence
 
 from ipw.telemetry.base import CONTAINING_SCOPES
+from ipw.telemetry.base import Z90 as Z90  # where it was defined first: importers keep it
 from ipw.telemetry.cpu_model import MODEL_UNCERTAINTY_REL
 from ipw.telemetry.error_model import DEFAULT_ERROR_MODEL
 from ipw.telemetry.estimator import UNCALIBRATED_REL_SD
 
-#: A reading's ``uncertainty_j`` is a two-sided 90% half-width: one sd is it over this z.
-Z90 = 1.6448536269514722
 #: Share of an NVML sampled reading's energy whose error is shared by every window of a run (1 sd): the
 #: calibration ratio's floor (``ipw.telemetry.error_model.ErrorModel.calibration_floor``).
 NVML_SHARED_REL = DEFAULT_ERROR_MODEL.calibration_floor
@@ -53,7 +52,7 @@ MACHINE, SESSION = "machine", "session"
 CPU_MODEL_SOURCE = "model.cpu"
 #: The CPU model's shared error, 1 sd relative, at least: its coefficient's band (``MODEL_UNCERTAINTY_REL``,
 #: ±90%), the same factor for every joule it estimates on the machine, even where a reading states less (a
-#: share of a period, whose error the overlapping requests' split added in quadrature).
+#: share of a period in a record written before the split added the model's part linearly, ``calibration_sd_j``).
 CPU_MODEL_SHARED_REL = MODEL_UNCERTAINTY_REL / Z90
 
 
@@ -68,7 +67,7 @@ def measurement_by_source(energy_parts: str | Sequence[dict[str, Any]] | None,
     model, an API estimate) are shared whole: their error is the model's, the same for every query.  The CPU
     model's is the machine's (one W/core for every process on it: the ratio of two backends' joules does not
     depend on it), at least ``CPU_MODEL_SHARED_REL`` of the energy even where a reading states less (a share
-    of a period, whose error the overlapping requests' split added in quadrature); an API estimate's (a
+    of a period in an older record, whose split added the model's part in quadrature); an API estimate's (a
     table per remote model) is its session's.  A
     reading that states its calibration's part (``calibration_sd_j``: NVML's sampled power) shares that
     part with its session: the ratio's error over a short calibration span (sparse counter reads early in a

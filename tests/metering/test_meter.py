@@ -22,7 +22,7 @@ from ipw.metering.call import call_energy, open_call
 from ipw.metering.meter import Meter
 from ipw.metering.window import Window
 from ipw.telemetry.api_estimate import ApiEnergyEstimate, Range
-from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
+from ipw.telemetry.base import Z90, EnergyReading, SensorBase, SensorInfo
 from ipw.telemetry.rapl import RaplSensor
 
 MAX_RANGE_UJ = 262_143_328_850
@@ -185,6 +185,54 @@ def test_labels_are_carried_through_a_share(clock, rapl):
     assert share.method == "" and "(alone)" in got["gpu0"].note  # it shared its period with no one
     assert tally["gpu0"] == {"span_j": 300.0, "unattributed_j": 100.0, "parts_j": 200.0}
     assert tally["lost"] == {"span_j": None, "unattributed_j": None, "parts_j": None}
+
+
+class Banded(SensorBase):
+    """10 W on two components, each reading stating a ±60% band: ``model``'s band is all its coefficient's (the
+    CPU model's: ``calibration_sd_j``, the same error in every window), ``noise``'s states no shared part."""
+
+    name = "banded"
+
+    def info(self) -> SensorInfo:
+        return SensorInfo(name=self.name, available=True, source="model.cpu", quality="estimated",
+                          scope="cpu_package", components=("model", "noise"))
+
+    def begin(self, t_s: float | None = None) -> Any:
+        return t_s
+
+    def end(self, token: Any, t_s: float | None = None) -> list[EnergyReading]:
+        assert t_s is not None and token is not None
+        e = 10.0 * (t_s - token)
+        return [EnergyReading(component=c, energy_j=e, source="model.cpu", quality="estimated", scope="cpu_package",
+                              duration_s=t_s - token, uncertainty_j=0.6 * e,
+                              calibration_sd_j=0.6 * e / Z90 if c == "model" else None)
+                for c in ("model", "noise")]
+
+
+def test_a_shared_error_adds_linearly_across_slices(clock):
+    # A runs 1-5 s; B 2-3 s, C 3-4 s, D 4-5 s: four slices, A's local parts 10 + 5 + 5 + 5 = 25 J.  The model's
+    # error is one coefficient's: A's band stays 60% of its share (15 J), however many slices it was cut into;
+    # an error stated as independent adds in quadrature: sqrt(6^2 + 3^2 + 3^2 + 3^2) J
+    meter = Meter(Window([Banded()]), split="local", period_s=100.0)
+    meter.open(thread=False)
+    clock.now = 1.0
+    a = meter.start()
+    clock.now = 2.0
+    other = meter.start()
+    for t in (3.0, 4.0):
+        clock.now = t
+        meter.end(other, None)
+        other = meter.start()
+    clock.now = 5.0
+    meter.end(a, None)
+    meter.end(other, None)
+    got = by_component(meter.share(a).readings)
+    meter.close()
+    assert got["model"].energy_j == pytest.approx(25.0) and got["noise"].energy_j == pytest.approx(25.0)
+    assert got["model"].uncertainty_j == pytest.approx(15.0)
+    assert got["model"].calibration_sd_j == pytest.approx(15.0 / Z90)
+    assert got["noise"].uncertainty_j == pytest.approx((6.0 ** 2 + 3 * 3.0 ** 2) ** 0.5)
+    assert got["noise"].calibration_sd_j is None
 
 
 def test_the_verb_measures_one_call(rapl):
