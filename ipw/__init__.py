@@ -1,14 +1,15 @@
 """ipw: measure the intelligence efficiency (correct answers per joule) of LLM inference.
 
-The Python API (README "Python API"): ``ipw.measure`` (the energy of a block of code) and
-``ipw.load_run`` (a run folder's manifest and records).  ``import ipw`` stays light: they are
-imported from ``ipw.api`` on first use, and pandas, numpy and the sensors only when they run.
+The Python API (README "Python API"): ``ipw.measure`` (the energy of a block of code), ``ipw.Monitor``
+(sensors opened once for many such blocks) and ``ipw.load_run`` (a run folder's manifest and records).
+``import ipw`` stays light: they are imported from ``ipw.api`` on first use, and pandas, numpy and the
+sensors only when they run.
 """
 
 __version__ = "0.1.0"
 
-_LAZY = {"measure": "ipw.api", "Measurement": "ipw.api", "load_run": "ipw.api", "Run": "ipw.api"}
-__all__ = ["__version__", "measure", "Measurement", "load_run", "Run"]  # the names of _LAZY
+_LAZY = {"measure": "ipw.api", "Monitor": "ipw.api", "Measurement": "ipw.api", "load_run": "ipw.api", "Run": "ipw.api"}
+__all__ = ["__version__", "measure", "Monitor", "Measurement", "load_run", "Run"]  # the names of _LAZY
 
 
 def __getattr__(name: str):

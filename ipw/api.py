@@ -1,15 +1,21 @@
-"""The Python API: ``ipw.measure`` (the energy of any block of code) and ``ipw.load_run``.
+"""The Python API: ``ipw.measure`` (the energy of any block of code), ``ipw.Monitor`` (sensors opened once
+for many blocks) and ``ipw.load_run``.
 
-``measure`` opens one window on the sensors ``ipw run`` would use (the same probe: NVML, then RAPL,
-else the CPU model of a process tree) and closes it when the block ends; ``result`` is then a
-:class:`Measurement` whose total follows the same rule as a run's records (docs/ARCHITECTURE.md, 'Energy readings and the metric contract'): measured
-parts if any exist, else estimated ones, never both.  Imported lazily by ``ipw/__init__.py``; the
-sensors (numpy, pynvml) are imported only when a block starts.
+A :class:`Monitor` opens the sensors ``ipw run`` would use (the same probe: NVML, then RAPL, else the CPU
+model of a process tree); each of its blocks is one window on them (``ipw.metering.call``, as a query of
+``ipw run``), and its ``result`` a :class:`Measurement` whose total follows the same rule as a run's records
+(docs/ARCHITECTURE.md, 'Energy readings and the metric contract'): measured parts if any exist, else
+estimated ones, never both.  ``measure`` is a block with a monitor of its own, opened when the block starts
+and closed when it ends.  Imported lazily by ``ipw/__init__.py``; the sensors (numpy, pynvml) are imported
+only when a monitor opens.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 from ipw.telemetry.base import EnergyReading, SensorInfo
 
 if TYPE_CHECKING:
-    from ipw.metering.call import OpenCall
+    from ipw.metering.call import MeasuredCall, OpenCall
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,170 @@ class Measurement:
         return self.energy_j / self.duration_s
 
 
-class measure:
+#: How long reading a result waits for the sensors to cover its block's end (then it is made from what they hold).
+RESULT_WAIT_S = 10.0
+
+
+class Block:
+    """One block of code measured on a :class:`Monitor`'s sensors (``monitor.measure()``)::
+
+        with monitor.measure() as m:
+            run_one_query()
+        m.result.energy_j
+
+    ``result`` is None until the block ends (also when it raises; the exception propagates), then a
+    :class:`Measurement`, made on first access (see :class:`Monitor`).  A block can be measured again once
+    it has ended (its result is then the new one's).
+    """
+
+    def __init__(self, monitor: Monitor | None) -> None:
+        self._monitor = monitor
+        self._open: OpenCall | None = None
+        self._ended: Ended | None = None
+
+    def __enter__(self) -> Block:
+        if self._open is not None:
+            raise RuntimeError("ipw.measure: this block is already being measured")
+        assert self._monitor is not None
+        self._ended = None
+        self._open = self._monitor._begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._open is not None and self._monitor is not None
+        call, self._open = self._open, None
+        self._ended = self._monitor._end(call)
+
+    @property
+    def result(self) -> Measurement | None:
+        ended = self._ended
+        if ended is None:
+            return None
+        if ended.result is None:
+            assert self._monitor is not None
+            self._monitor._finish([ended])
+        return ended.result
+
+
+@dataclass(eq=False)  # one per ended block, by identity: the monitor keeps the unread ones in a WeakSet
+class Ended:
+    """A block's closed window, and its result once made."""
+
+    measured: MeasuredCall
+    result: Measurement | None = None
+
+
+class Monitor:
+    """ipw's sensors opened once for many measured blocks, as a harness measures one query after another::
+
+        with ipw.Monitor(gpus=[0]) as monitor:
+            blocks = []
+            for prompt in prompts:
+                with monitor.measure() as m:
+                    generate(prompt)
+                blocks.append(m)
+        joules = [m.result.energy_j for m in blocks]
+
+    ``gpus``, ``pids`` and ``rapl`` are :class:`measure`'s; the sensors are probed and opened here (a sensor
+    that exists but cannot be read raises ``ipw.errors.IpwError``) and closed by :meth:`close` (or at the end
+    of the ``with`` block).  A block's begin and end only stamp the time on the open sensors, so its end
+    does not wait: its ``result`` is made on first access, once the sensors cover the block's end (NVML:
+    the driver's samples, ~0.1 s after it), together with every other block ended and not read yet whose
+    end they cover (one estimate for them all).  Blocks may overlap, from several threads too: each gets the
+    energy of its own span.  The NVML sampler runs as long as the monitor, so the samples of a block are
+    scaled by the energy counter over up to the last 10 minutes.
+    """
+
+    def __init__(self, *, gpus: Sequence[int] | None = None, pids: Sequence[int] | None = None,
+                 rapl: bool = True) -> None:
+        from ipw.metering.window import Window
+        from ipw.telemetry.probe import probe_sensors
+
+        self.gpus = None if gpus is None else list(gpus)
+        self.pids = [os.getpid()] if pids is None else list(pids)
+        self.rapl = rapl
+        measured_pids = self.pids
+        self._window = Window(probe_sensors(lambda: measured_pids, gpu_indices=self.gpus, rapl=rapl))
+        self._lock = threading.Lock()
+        self._unread: weakref.WeakSet[Ended] = weakref.WeakSet()  # result not made yet (a dropped block's goes)
+        self._in_flight = 0
+        self._closed = False
+
+    def measure(self) -> Block:
+        """A block to measure on these sensors: ``with monitor.measure() as m: ...``."""
+        return Block(self)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Make the result of every block not read yet final, then close the sensors (again: nothing).
+        Raises RuntimeError while a block is being measured."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._in_flight:
+                raise RuntimeError("ipw.Monitor.close: a block on this monitor is still being measured")
+            self._closed = True
+            unread = list(self._unread)
+        try:
+            self._finish(unread)
+        finally:
+            for sensor in self._window.sensors:
+                sensor.close()
+
+    def _begin(self) -> OpenCall:
+        from ipw.metering.call import open_call
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ipw.Monitor: this monitor is closed")
+            self._in_flight += 1
+        return open_call(self._window)  # the block's edge: its sensors' and the measurement's start alike
+
+    def _end(self, call: OpenCall) -> Ended:
+        try:
+            ended = Ended(call.close())
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        with self._lock:
+            self._unread.add(ended)
+        return ended
+
+    def _finish(self, blocks: list[Ended]) -> None:
+        """Make ``blocks``' results (waiting for the sensors to cover their ends, at most ``RESULT_WAIT_S``), and
+        those of the other unread blocks whose ends the sensors cover by then, in one estimate per sensor."""
+        from ipw.metering.window import resolve
+
+        deadline = time.monotonic() + RESULT_WAIT_S
+        for ended in blocks:
+            ended.measured.closed.wait(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            ready = [e for e in self._unread if e.measured.closed.ready()]
+            self._unread.difference_update([*ready, *blocks])
+        todo = [e for e in {id(e): e for e in [*blocks, *ready]}.values() if e.result is None]
+        resolve([e.measured.closed for e in todo])
+        sensors = tuple(s.info() for s in self._window.sensors)
+        for ended in todo:
+            ended.result = _measurement(ended.measured, sensors)
+
+
+def _measurement(measured: MeasuredCall, sensors: tuple[SensorInfo, ...]) -> Measurement:
+    """A block's :class:`Measurement` from its closed window (waiting for parts not final yet)."""
+    energy = measured.energy()
+    total = energy.total
+    return Measurement(
+        energy_j=total.energy_j, quality=total.quality, source=total.source, scope=total.scope,
+        best_effort_energy_j=total.best_effort_j, duration_s=measured.duration_s, parts=tuple(energy.readings),
+        sensors=sensors,
+    )
+
+
+class measure(Block):
     """Measure the energy of a block of code with ipw's sensors::
 
         with ipw.measure() as m:
@@ -60,47 +229,32 @@ class measure:
     since RAPL measures the whole package.  ``rapl=False`` uses the CPU model even where RAPL exists
     (the package is shared with other work you do not want charged).
 
+    The sensors are opened when the block starts and closed when it ends, after its result is made:
     ``result`` is None until the block ends; it is set also when the block raises (the exception
     propagates).  A sensor that exists but cannot be read raises ``ipw.errors.IpwError`` on entry.
+    For many blocks (one per query), a :class:`Monitor` opens the sensors once and its blocks' ends
+    do not wait for the driver's samples.
     """
 
     def __init__(self, *, gpus: Sequence[int] | None = None, pids: Sequence[int] | None = None,
                  rapl: bool = True) -> None:
+        super().__init__(None)
         self.gpus = None if gpus is None else list(gpus)
         self.pids = [os.getpid()] if pids is None else list(pids)
         self.rapl = rapl
-        self.result: Measurement | None = None
-        self._open: OpenCall | None = None
 
-    def __enter__(self) -> "measure":
-        from ipw.telemetry.probe import probe_sensors
-        from ipw.metering.call import open_call
-        from ipw.metering.window import Window
-
-        if self._open is not None:
-            raise RuntimeError("ipw.measure: this block is already being measured")
-        pids = self.pids
-        window = Window(probe_sensors(lambda: pids, gpu_indices=self.gpus, rapl=self.rapl))
-        self.result = None
-        self._open = open_call(window)  # the window's edge: its sensors' and the measurement's start alike
+    def __enter__(self) -> measure:
+        if self._open is None:  # (else Block.__enter__ says that it is already being measured)
+            self._monitor = Monitor(gpus=self.gpus, pids=self.pids, rapl=self.rapl)
+        super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._open is not None
-        call, self._open = self._open, None
+        assert self._monitor is not None
         try:
-            measured = call.close()
-            energy = measured.energy()
-            sensors = tuple(s.info() for s in call.window.sensors)
+            super().__exit__(*exc)
         finally:
-            for sensor in call.window.sensors:
-                sensor.close()
-        total = energy.total
-        self.result = Measurement(
-            energy_j=total.energy_j, quality=total.quality, source=total.source, scope=total.scope,
-            best_effort_energy_j=total.best_effort_j, duration_s=measured.duration_s, parts=tuple(energy.readings),
-            sensors=sensors,
-        )
+            self._monitor.close()  # makes the result final, then closes the sensors
 
 
 class Run(NamedTuple):

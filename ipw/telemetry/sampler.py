@@ -87,6 +87,14 @@ _PAIRS_FOR_CONVERSION = 9
 DEFAULT_WATCH_PERIOD_S = 0.25
 
 
+def _request(requests: list[int], t_ns: int) -> bool:
+    """Ask for a read at ``t_ns`` (``requests``: sorted, monotonic ns); whether it is now the earliest asked for.
+    Only then need the thread be woken: it sleeps until the earliest, and after that read it looks again (a
+    window every millisecond would otherwise wake it every millisecond)."""
+    bisect.insort(requests, t_ns)
+    return requests[0] == t_ns
+
+
 class NvmlSampler:
     """Background recorder of every NVML power signal of ``gpus`` (see the module docstring).
 
@@ -302,10 +310,11 @@ class NvmlSampler:
         """
         due_ns = int(round((t_s + self.settle_margin_s) * 1e9))
         with self._lock:
-            bisect.insort(self._sample_requests, due_ns)
+            wake = _request(self._sample_requests, due_ns)
             if counter:
-                bisect.insort(self._counter_requests, int(round(t_s * 1e9)))
-        self._wake.set()
+                wake = _request(self._counter_requests, int(round(t_s * 1e9))) or wake
+        if wake:
+            self._wake.set()
         return due_ns / 1e9
 
     def mark_begin(self, t_s: float) -> None:
@@ -316,8 +325,9 @@ class NvmlSampler:
         if last is not None and t_s * 1e9 - last < 0.75 * self.counter_period_s * 1e9:
             return
         with self._lock:
-            bisect.insort(self._counter_requests, int(round(t_s * 1e9)))
-        self._wake.set()
+            wake = _request(self._counter_requests, int(round(t_s * 1e9)))
+        if wake:
+            self._wake.set()
 
     def settled_until(self) -> float:
         """Monotonic seconds up to which windows are final: every active signal of every GPU has
