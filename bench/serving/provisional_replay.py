@@ -48,6 +48,9 @@ from ipw.metering.meter import Meter
 from ipw.metering.window import Window
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_validate import by_load  # the same table as the live records
+
 
 class Clock:
     def __init__(self, t_s: float) -> None:
@@ -161,6 +164,10 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
                       "latency_s": records.loc[ids, "latency_s"].to_numpy(),
                       "completion_tokens": records.loc[ids, "completion_tokens"].to_numpy(),
                       "recorded_j": records.loc[ids, "energy_j"].to_numpy()}).to_csv(rows_csv, index=False)
+    ids = [i for i in sorted(jobs) if provisional[i][0] is not None]
+    loads = by_load(records.loc[ids, "start_s"].to_numpy(float), records.loc[ids, "end_s"].to_numpy(float),
+                    (records.loc[ids, "ttft_s"] < records.loc[ids, "latency_s"] - 1e-9).to_numpy(), p, p * rel, s,
+                    records["start_s"].to_numpy(float), records["end_s"].to_numpy(float))
     order = np.argsort(t)
     stretches = []
     for chunk in np.array_split(order, 8):
@@ -184,7 +191,7 @@ def replay(folder: Path, sensor_delay_s: float, split: str, period_s: float | No
     fairness = {"groups": len(groups), "pooled_cv_pct": round(100 * float(np.sqrt(sum((g ** 2).sum() for g in groups) / dof)), 1)
                 if dof else None, "max_dev_pct": round(100 * float(max(g.abs().max() for g in groups)), 1) if groups else None}
     return {"folder": str(folder), "split": split, "sensor_delay_s": sensor_delay_s, "period_s": meter.period_s,
-            "power_lag_s": power_lag_s, "by_source": by_source, "settled_fairness": fairness,
+            "power_lag_s": power_lag_s, "by_source": by_source, "by_load": loads, "settled_fairness": fairness,
             "requests": len(jobs),
             "with_provisional": int(len(p)), "coverage_pct": round(100 * float(covered.mean()), 2),
             "sum_ratio_minus_1_pct": round(100 * (p.sum() / s.sum() - 1), 3),

@@ -243,6 +243,54 @@ def mixed(counter: Counter | None, mixed_run: Path, long_run: Path | None, short
     return out
 
 
+#: a request's load: the most requests in flight at once while it ran, in these bins (a session at 1, 32 and 64 in
+#: flight lands in the first, third and fourth; the second holds the rounds' edges and other levels)
+LOAD_BINS = ((1, 1), (2, 24), (25, 48), (49, 10**9))
+
+
+def by_load(start_s: np.ndarray, end_s: np.ndarray, streamed: np.ndarray, prov: np.ndarray, band: np.ndarray,
+            settled: np.ndarray, all_start_s: np.ndarray | None = None, all_end_s: np.ndarray | None = None) -> dict:
+    """Provisional against settled energy by load (``LOAD_BINS``) and kind, and through each round's phases: the
+    sum's error in each quarter of a round (requests in the order they ended; a round is a stretch with no gap
+    of 0.5 s between requests), averaged over the rounds of a load.  ``all_*``: every request in flight (the
+    load counts those without a provisional value too)."""
+    a_s = start_s if all_start_s is None else all_start_s
+    a_e = end_s if all_end_s is None else all_end_s
+    events = np.sort(np.concatenate([a_s, a_e]))
+    peak = np.array([max(int(((a_s <= t) & (a_e > t)).sum())
+                         for t in np.concatenate([[a], events[(events > a) & (events < b)]]))
+                     for a, b in zip(start_s, end_s)])
+    inside = np.abs(settled - prov) <= band
+    order = np.argsort(start_s)
+    gap = np.r_[True, start_s[order][1:] - np.maximum.accumulate(end_s[order])[:-1] > 0.5]
+    round_of = np.empty(len(start_s), dtype=int)
+    round_of[order] = np.cumsum(gap)
+
+    def row(mask: np.ndarray) -> dict:
+        return {"records": int(mask.sum()), "coverage_pct": round(100 * float(inside[mask].mean()), 1),
+                "sum_ratio_minus_1_pct": round(100 * (float(prov[mask].sum()) / float(settled[mask].sum()) - 1), 2)}
+
+    out = {}
+    for lo, hi in LOAD_BINS:
+        at = (peak >= lo) & (peak <= hi)
+        if not at.any():
+            continue
+        label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f">={lo}")
+        entry = {**row(at), **{kind: row(at & m) for kind, m in (("streamed", streamed), ("plain", ~streamed))
+                              if (at & m).any()}}
+        quarters = []
+        for r in np.unique(round_of[at]):
+            idx = np.flatnonzero(at & (round_of == r))
+            if idx.size >= 8:
+                idx = idx[np.argsort(end_s[idx])]
+                quarters.append([100 * (prov[q].sum() / settled[q].sum() - 1) for q in np.array_split(idx, 4)])
+        if quarters:
+            entry["quarters_sum_ratio_minus_1_pct"] = [round(float(x), 1) for x in np.mean(quarters, axis=0)]
+            entry["rounds"] = len(quarters)
+        out[label] = entry
+    return out
+
+
 def provisional(run: Path) -> dict:
     """How the provisional energies the answers carried compare with the settled ones of the same records."""
     manifest, frame = _run(run)
@@ -280,6 +328,9 @@ def provisional(run: Path) -> dict:
                             "sum_ratio_minus_1_pct": round(100 * (float(prov[mask].sum()) / float(settled[mask].sum()) - 1), 2),
                             "median_abs_error_pct": _r(100 * float(((prov - settled).abs() / settled)[mask].median()), 1)}
     out["by_kind"] = groups
+    out["by_load"] = by_load(recs["start_s"].to_numpy(float), recs["end_s"].to_numpy(float), streamed.to_numpy(),
+                             prov.to_numpy(), band.to_numpy(), settled.to_numpy(),
+                             frame["start_s"].to_numpy(float), frame["end_s"].to_numpy(float))
     return out
 
 
@@ -332,6 +383,18 @@ def _markdown(result: dict) -> str:
             lines.append(f"| {p['folder']} | {p['run']} | {p['records']} | {p['with_provisional']} | {p['coverage_pct']}% | "
                          f"{p['coverage_alone_pct']}% / {p['coverage_overlapped_pct']}% | {p['sum_ratio_minus_1_pct']:+.3f}% | "
                          f"{p['median_abs_error_pct']}% | {p['median_band_pct']}% |")
+        lines += ["", "By load (the most requests in flight while a request ran) and kind; the sum's error in each quarter "
+                  "of a round, averaged over the rounds:", "",
+                  "| folder | load | records | coverage | sum ratio - 1 | streamed: coverage, sum | plain: coverage, sum | "
+                  "quarters of a round (rounds) |", "|---|---|---|---|---|---|---|---|"]
+        for p in result["provisional"]:
+            for load, e in p.get("by_load", {}).items():
+                kinds = [f"{e[k]['coverage_pct']}%, {e[k]['sum_ratio_minus_1_pct']:+.2f}%" if k in e else "-"
+                         for k in ("streamed", "plain")]
+                q = e.get("quarters_sum_ratio_minus_1_pct")
+                quarters = " ".join(f"{x:+.0f}%" for x in q) + f" ({e['rounds']})" if q else "-"
+                lines.append(f"| {p['folder']} | {load} | {e['records']} | {e['coverage_pct']}% | "
+                             f"{e['sum_ratio_minus_1_pct']:+.2f}% | {kinds[0]} | {kinds[1]} | {quarters} |")
     return "\n".join(lines)
 
 
