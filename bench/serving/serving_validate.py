@@ -5,12 +5,14 @@ reference ipw does not produce: the NVML energy counter polled back to back by a
     python bench/serving/serving_validate.py datasets DIR     # symmetric.jsonl (128 copies), mixed, long, short .jsonl
     python bench/serving/serving_validate.py analyze [--counter counter.csv[.gz]] [--conservation RUN ...]
         [--symmetric [LABEL=]RUN ...] [--mixed [LABEL=]MIXED,LONG,SHORT ...] [--provisional RUN ...]
-        [--json OUT.json] [--component gpu0]
+        [--json OUT.json] [--component gpu0] [--strict]
 
 What it states (markdown on stdout, everything in --json):
 - conservation, per level of every run named (an ``ipw serve`` folder: per session): the requests' parts plus
   the unattributed energy (ipw's numbers, one component) against the counter over the level's span;
-  J per output token and output tokens/s per level (the curve); the level's split methods and pricing;
+  J per output token and output tokens/s per level (the curve); the level's split methods and pricing; each
+  level outside ±0.3% (``CONSERVATION_TARGET_PCT``) is marked ✗ and counted in the table's first line
+  (``--strict``: then the exit status is 1);
 - symmetry, per level: records grouped by (prompt_tokens, completion_tokens), so that only identical work is
   compared; the pooled CV (square root of the count-weighted mean of each group's variance / mean², over the
   groups of two or more, variance with ddof 0), the p90 and max relative deviation from the group's mean,
@@ -19,7 +21,8 @@ What it states (markdown on stdout, everything in --json):
   counter energy minus the counter energy of the run of the other class alone;
 - provisional (``ipw serve`` runs): among the records that carry ``provisional_energy_j``, the share whose
   settled ``energy_j`` lies within provisional ± ``provisional_uncertainty_j`` (the ±90%: target 85-95%),
-  and sum(provisional) / sum(settled) - 1 (target within ±1%).
+  and sum(provisional) / sum(settled) - 1 (target within ±1%); by kind, and by load (the most requests in flight
+  while a request ran) with the sum's error in each quarter of a round;
 Without --counter, conservation and the marginal energies are left out.
 """
 
@@ -150,6 +153,10 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), nd)
 
 
+#: conservation's target: a level's parts plus unattributed energy within this much of the counter over its span
+CONSERVATION_TARGET_PCT = 0.3
+
+
 def conservation(counter: Counter | None, run: Path) -> list[dict]:
     manifest, frame = _run(run)
     rows = []
@@ -171,6 +178,7 @@ def conservation(counter: Counter | None, run: Path) -> list[dict]:
             "ipw_span_j": round(gpu["span_j"], 3), "ipw_parts_j": round(gpu.get("parts_j", float("nan")), 3),
             "counter_j": _r(reference),
             "error_pct": _r(100 * (ipw_total / reference - 1)) if reference else None,
+            "within_target": abs(100 * (ipw_total / reference - 1)) <= CONSERVATION_TARGET_PCT if reference else None,
             "j_per_output_token": round(parts / tokens, 5) if tokens else None,
             "span_j_per_output_token": round(reference / tokens, 5) if tokens and reference else None,
             "output_tokens_per_s": round(tokens / span, 1) if span > 0 else None, "output_tokens": tokens,
@@ -337,12 +345,18 @@ def provisional(run: Path) -> dict:
 def _markdown(result: dict) -> str:
     lines: list[str] = []
     if result.get("conservation"):
+        checked = [r for r in result["conservation"] if r.get("within_target") is not None]
+        outside = [r for r in checked if not r["within_target"]]
         lines += ["## Conservation (parts + unattributed against the counter over each level's span)", "",
+                  f"**{len(checked) - len(outside)} of {len(checked)} levels within ±{CONSERVATION_TARGET_PCT}%**"
+                  + (": outside (✗): " + ", ".join(f"{r['folder']} c={r['concurrency']} {r['error_pct']:+.2f}% "
+                                                  f"({r['span_s']} s)" for r in outside) if outside else "") + ".", "",
                   "| folder | backend | c | split | requests | span s | parts J | unattributed J | counter J | error % | "
                   "J/out tok | out tok/s | p95 s | prefill weight | split methods |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["conservation"]:
             err = f"{r['error_pct']:+.2f}" if r["error_pct"] is not None else "-"
+            err += {True: "", False: " ✗", None: ""}[r.get("within_target")]
             c = r["concurrency"] if r["concurrency"] is not None else f"session {r['session']}"
             weight = _weight(r["pricing"])
             lines.append(f"| {r['folder']} | {r['backend']} | {c} | {r['split'] or '-'} | {r['requests']} | {r['span_s']} | "
@@ -420,6 +434,8 @@ def main(argv: list[str]) -> int:
     a.add_argument("--provisional", type=Path, nargs="*", default=[], help="ipw serve run folders")
     a.add_argument("--json", type=Path)
     a.add_argument("--component", default="gpu0")
+    a.add_argument("--strict", action="store_true",
+                   help=f"exit 1 when a level's conservation misses ±{CONSERVATION_TARGET_PCT}%% of the counter")
     args = parser.parse_args(argv)
     if args.cmd == "datasets":
         write_datasets(args.out)
@@ -463,7 +479,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(_markdown(result))
-    return 0
+    outside = [r for r in result.get("conservation", []) if r.get("within_target") is False]
+    return 1 if args.strict and outside else 0
 
 
 if __name__ == "__main__":
