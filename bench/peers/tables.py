@@ -1,6 +1,7 @@
 """The tables of docs/PEERS.md from the raw files of bench/peers/peers.py and bench/peers/peers_h200.sh (issue 59).
 
     python3 bench/peers/tables.py windows overhead queries DIR...   # the tables named, from DIR's files
+    python3 bench/peers/tables.py aiperf DIR                         # table 3 (bench/peers/aiperf_serving.py's DIR)
 
 The reference is the NVML counter read back to back by bench/telemetry/gpu_counter.py: its steps (each one's
 moment known to a few ms), interpolated linearly, give the cumulative energy (as bench/telemetry/gpu_figures.py).
@@ -103,8 +104,74 @@ def queries(d: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+AIPERF_ENERGY = {"nvidia_total_gpu_energy": "J", "nvidia_energy_per_request": "J/request",
+                 "nvidia_energy_per_output_token": "mJ/token"}  # AIPerf's own figures (--gpu-telemetry)
+
+
+def aiperf_energy(summary: dict) -> str:
+    """AIPerf's energy figures as it reports them, else why it has none (its telemetry summary)."""
+    got = [f"{summary[k]['avg']:.4g} {unit}" for k, unit in AIPERF_ENERGY.items() if summary.get(k, {}).get("avg") is not None]
+    if got:
+        return ", ".join(got)
+    t = (summary.get("telemetry_data") or {}).get("summary", {})
+    errors = (summary.get("telemetry_data") or {}).get("error_summary") or []
+    return (f"none: telemetry {', '.join(t.get('endpoints_configured', [])) or 'off'} collected nothing"
+            + (f" ({'; '.join(str(e) for e in errors)[:120]})" if errors else ""))
+
+
+def ipw_records(d: Path) -> pd.DataFrame:
+    """ipw serve's per-request records (every session of its run folder), with each one's energy of the GPU
+    components (gpu*), or of all its components where none is a GPU's (a CPU try: its CPU model)."""
+    frames = []
+    for run in sorted((d / "ipw-serve").glob("*/")):
+        path = run / "records.parquet"
+        frames.append(pd.read_parquet(path) if path.exists() else pd.read_json(run / "records.jsonl", lines=True))
+    if not frames:
+        return pd.DataFrame(columns=["start_s", "end_s", "energy_j", "completion_tokens", "component"])
+    f = pd.concat(frames, ignore_index=True)
+    parts = [json.loads(p) if isinstance(p, str) else list(p or []) for p in f["energy_parts"]]
+    gpu = any(str(x.get("component", "")).startswith("gpu") for ps in parts for x in ps)
+    f["ipw_j"] = [sum(x["energy_j"] or 0.0 for x in ps if str(x.get("component", "")).startswith("gpu") or not gpu)
+                  for ps in parts]
+    f["component"] = [",".join(sorted({str(x.get("component")) for x in ps})) for ps in parts]
+    return f
+
+
+def aiperf(d: Path) -> str:
+    runs = json.loads((d / "runs.json").read_text())
+    counter = d / "counter.csv.gz"
+    ref = reference(counter) if counter.exists() else None
+    recs = ipw_records(d)
+    lines = ["| path | in flight | requests | req/s | output tok/s | latency p50 (ms) | AIPerf's energy | span (s) "
+             "| reference J | AIPerf total / reference | ipw Σ per-request J (records) | ipw J/output token "
+             "| ipw Σ / reference |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        head = f"| {r['path']} | {r['concurrency']} | {r.get('requests_done', 0)}/{r['requests_asked']}"
+        summary_path = d / r["folder"] / "profile_export_aiperf.json"
+        if not summary_path.exists() or "start_s" not in r:
+            lines.append(f"{head} | AIPerf failed (rc {r['rc']}): {' / '.join(r['log_tail'])[:160]} |" + " |" * 8)
+            continue
+        m = json.loads(summary_path.read_text())
+        span = r["end_s"] - r["start_s"]
+        ref_j = float(np.interp(r["end_s"], *ref) - np.interp(r["start_s"], *ref)) if ref else None
+        total = m.get("nvidia_total_gpu_energy", {}).get("avg")
+        ipw_cells = "n/a (no ipw in front) | | "
+        if r["path"] == "ipw":
+            eps = 1e-3
+            g = recs[(recs["start_s"] >= r["start_s"] - eps) & (recs["end_s"] <= r["end_s"] + eps)]
+            j, tokens = float(g["ipw_j"].sum()), int(g["completion_tokens"].sum())
+            comp = ",".join(sorted(set(",".join(g["component"]).split(",")) - {""}))
+            ipw_cells = (f"{j:.3f} ({len(g)}, {comp}) | {j / tokens:.4g} | "
+                         f"{pct(j / ref_j - 1) if ref_j else 'no reference'}" if tokens else "no records | | ")
+        lines.append(f"{head} | {m['request_throughput']['avg']:.2f} | {m['output_token_throughput']['avg']:.1f} | "
+                     f"{m['request_latency']['p50']:.0f} | {aiperf_energy(m)} | {span:.2f} | "
+                     f"{f'{ref_j:.3f}' if ref_j else 'no counter'} | "
+                     f"{pct(total / ref_j - 1) if total and ref_j else 'n/a'} | {ipw_cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> None:
-    names = [a for a in argv if a in ("windows", "overhead", "queries")]
+    names = [a for a in argv if a in ("windows", "overhead", "queries", "aiperf")]
     dirs = [Path(a) for a in argv if a not in names]
     for d in dirs:
         m = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
