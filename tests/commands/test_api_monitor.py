@@ -179,6 +179,8 @@ def test_close_makes_unread_results_final_and_releases_the_sensors(gpu, rapl):
     assert held(gpu) == 1
     monitor.close()
     assert held(gpu) == 0 and sampler_threads() == [] and not sensors[0].sampler.alive
+    assert sensors[1].name == "rapl" and sensors[1].snapshots._stopped
+    assert not (sensors[1].snapshots._thread and sensors[1].snapshots._thread.is_alive())
     r = m.result  # made by close, from what the sensors held
     assert r.parts[0].source == "nvml.samples" and r.parts[0].energy_j == pytest.approx(100 * r.duration_s, rel=0.05)
     assert {p.component: p.energy_j for p in r.parts}["package-0"] == pytest.approx(2.0)
