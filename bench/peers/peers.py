@@ -11,8 +11,12 @@ process of its own (``bench/telemetry/gpu_counter.py``) on the same monotonic cl
 of a 1 GiB buffer; a decode-like chain of matrix-vector products over 12 GiB of weights) while the main
 thread opens windows of 50 ms, 0.15 s, 0.5 s, 2 s and 8 s: every tool begins (ipw, Zeus, Zeus with
 ``approx_instant_energy``, CodeCarbon's task, the bare counter; which one first rotates from window to window),
-the window's length passes, every tool ends in the reverse order.  The load is steady across each block, so the reference (the counter's steps,
-interpolated) is exact at every step and holds the block's power between them.  Each tool's window is its own
+the window's length passes, every tool ends in the reverse order.  ipw is one ``ipw.Monitor`` opened at the
+start, as Zeus's ``ZeusMonitor`` and CodeCarbon's tracker are, with a block per window whose result is read when
+the rows are written (the runs of docs/PEERS.md up to the H100 rerun used one ``ipw.measure`` per window instead:
+the sensors probed, opened and closed each time, and each block's end waiting for the driver's samples).
+The load is steady across each block, so the reference (the counter's steps, interpolated) is exact at every
+step and holds the block's power between them.  Each tool's window is its own
 (from its begin's return to its end's call); its reference is the counter over that span.
 
 ``overhead`` (table 4): a decode-like loop (120 matrix-vector products of 576x576 bf16 a token, launch-bound,
@@ -54,35 +58,59 @@ J_PER_KWH = 3.6e6
 
 
 # --------------------------------------------------------------------------------------------- the tools
+Energy = float | None | Callable[[], float | None]  # J, no figure, or a function that gives it once final
+
+
 class Tool:
-    """One energy tool: ``begin()``, then ``end()`` returns its GPU energy of the window (J, None: no figure)."""
+    """One energy tool: ``begin()``, then ``end()`` returns its GPU energy of the window (J, None: no figure), or a
+    function that returns it once the tool has made it final (ipw's blocks: see ``final``)."""
 
     name = ""
 
     def begin(self) -> None:
         raise NotImplementedError
 
-    def end(self) -> float | None:
+    def end(self) -> Energy:
         raise NotImplementedError
 
 
+def final(energy: Energy) -> float | None:
+    """A window's figure: ``energy``, or what its function returns (None, said on stdout, when that fails)."""
+    if not callable(energy):
+        return energy
+    try:
+        return energy()
+    except Exception as e:
+        print(f"a late energy figure failed: {e}", flush=True)
+        return None
+
+
 class Ipw(Tool):
+    """ipw as a harness that measures query after query uses it: one ``ipw.Monitor`` (its sensors opened once, as
+    Zeus's monitor), a block per window; a block's end only stamps the time, and its result is read when the rows
+    are written (``final``), all at once."""
+
     name = "ipw"
 
     def __init__(self) -> None:
         import ipw
 
-        self.ipw = ipw
-        self.m: Any = None
+        self.monitor = ipw.Monitor(gpus=[0], rapl=False)
+        self.block: Any = None
 
     def begin(self) -> None:
-        self.m = self.ipw.measure(gpus=[0], rapl=False)
-        self.m.__enter__()
+        self.block = self.monitor.measure()
+        self.block.__enter__()
 
-    def end(self) -> float | None:
-        self.m.__exit__(None, None, None)
-        gpu = [p for p in self.m.result.parts if p.component.startswith("gpu")]
-        return gpu[0].energy_j if gpu else None
+    def end(self) -> Energy:
+        block = self.block
+        block.__exit__(None, None, None)
+
+        def gpu_j() -> float | None:
+            gpu = [p for p in block.result.parts if p.component.startswith("gpu")]
+            return gpu[0].energy_j if gpu else None
+
+        return gpu_j
 
 
 class Zeus(Tool):
@@ -247,6 +275,8 @@ class Counter:
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The rows as CSV, each ``energy_j`` made final first (``final``)."""
+    rows = [{**r, "energy_j": final(r["energy_j"])} if "energy_j" in r else r for r in rows]
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
