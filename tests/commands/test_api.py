@@ -151,7 +151,7 @@ def test_python_api_page_doctests(monkeypatch):
     text = (ROOT / page).read_text(encoding="utf-8")
     assert text.startswith("# Python API\n")
     blocks = re.findall(r"^```pycon\n(.*?)^```", text, re.S | re.M)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     assert page in (ROOT / "README.md").read_text(encoding="utf-8")
     monkeypatch.chdir(ROOT)
     test = doctest.DocTestParser().get_doctest("\n".join(blocks), {}, page, page, 0)
