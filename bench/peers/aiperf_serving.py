@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -72,8 +73,9 @@ def tokenizer(gguf_path: Path, out: Path) -> None:
 
 
 def dcgm_check() -> dict[str, str]:
-    """What AIPerf's default GPU telemetry (a DCGM exporter's Prometheus endpoint) finds on this machine."""
-    found = {}
+    """What AIPerf's default GPU telemetry (a DCGM exporter's Prometheus endpoint) finds on this machine, and
+    whether DCGM's programs (which would serve one) are installed at all."""
+    found = {name: shutil.which(name) or "not installed" for name in ("dcgm-exporter", "nv-hostengine", "dcgmi")}
     for url in DCGM_URLS:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:

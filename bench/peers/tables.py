@@ -104,13 +104,14 @@ def queries(d: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-AIPERF_ENERGY = {"nvidia_total_gpu_energy": "J", "nvidia_energy_per_request": "J/request",
-                 "nvidia_energy_per_output_token": "mJ/token"}  # AIPerf's own figures (--gpu-telemetry)
+AIPERF_TOTAL = "nvidia_total_gpu_energy"  # AIPerf's J over its profiling phase (--gpu-telemetry pynvml or DCGM)
 
 
 def aiperf_energy(summary: dict) -> str:
-    """AIPerf's energy figures as it reports them, else why it has none (its telemetry summary)."""
-    got = [f"{summary[k]['avg']:.4g} {unit}" for k, unit in AIPERF_ENERGY.items() if summary.get(k, {}).get("avg") is not None]
+    """AIPerf's energy figures as it reports them (every summary metric named *energy*: J, J/request, mJ/token,
+    ...), else why it has none (its telemetry summary)."""
+    got = [f"{k.removeprefix('nvidia_')} {v['avg']:.4g} {v.get('unit', '')}" for k, v in summary.items()
+           if "energy" in k and isinstance(v, dict) and v.get("avg") is not None]
     if got:
         return ", ".join(got)
     t = (summary.get("telemetry_data") or {}).get("summary", {})
@@ -142,6 +143,10 @@ def aiperf(d: Path) -> str:
     counter = d / "counter.csv.gz"
     ref = reference(counter) if counter.exists() else None
     recs = ipw_records(d)
+    meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
+    notes = [f"AIPerf's GPU telemetry: --gpu-telemetry {meta.get('gpu_telemetry')}; its default, a DCGM exporter: "
+             f"{meta.get('dcgm_endpoints')}", "" if ref else "The reference: no counter file (no NVIDIA GPU), none "
+             "of the rows has one.", ""]
     lines = ["| path | in flight | requests | req/s | output tok/s | latency p50 (ms) | AIPerf's energy | span (s) "
              "| reference J | AIPerf total / reference | ipw Σ per-request J (records) | ipw J/output token "
              "| ipw Σ / reference |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -154,7 +159,7 @@ def aiperf(d: Path) -> str:
         m = json.loads(summary_path.read_text())
         span = r["end_s"] - r["start_s"]
         ref_j = float(np.interp(r["end_s"], *ref) - np.interp(r["start_s"], *ref)) if ref else None
-        total = m.get("nvidia_total_gpu_energy", {}).get("avg")
+        total = m.get(AIPERF_TOTAL, {}).get("avg")
         ipw_cells = "n/a (no ipw in front) | | "
         if r["path"] == "ipw":
             eps = 1e-3
@@ -167,7 +172,7 @@ def aiperf(d: Path) -> str:
                      f"{m['request_latency']['p50']:.0f} | {aiperf_energy(m)} | {span:.2f} | "
                      f"{f'{ref_j:.3f}' if ref_j else 'no counter'} | "
                      f"{pct(total / ref_j - 1) if total and ref_j else 'n/a'} | {ipw_cells} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(notes + lines) + "\n"
 
 
 def main(argv: list[str]) -> None:
