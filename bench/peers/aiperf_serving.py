@@ -128,10 +128,12 @@ def aiperf_once(args: argparse.Namespace, aiperf: list[str], path: str, url: str
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         rc, log = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        rc, log = None, f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+        # the partial output comes back as bytes on a timeout, even with text=True
+        out = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (e.stdout, e.stderr))
+        rc, log = None, f"timed out after {timeout_s:.0f} s\n" + out.decode(errors="replace")
     wall_s = time.monotonic() - t0
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "aiperf-console.txt").write_text(log if isinstance(log, str) else str(log))
+    (folder / "aiperf-console.txt").write_text(log)
     offset_s = time.time() - time.monotonic()  # wall - monotonic now: AIPerf's wall-clock span onto ipw's clock
     span = span_ns(folder)
     row: dict[str, Any] = {"path": path, "concurrency": level, "requests_asked": requests, "url": url, "rc": rc,
