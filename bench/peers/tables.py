@@ -32,10 +32,15 @@ def reference(counter_csv: Path) -> tuple[np.ndarray, np.ndarray]:
     return (after[step - 1] + before[step]) / 2, j[step]
 
 
+def counter_file(d: Path, part: str) -> Path:
+    """The reference's file in ``d``: the full counter trace, else its step rows alone (what the tree keeps)."""
+    full = d / f"counter-{part}.csv.gz" if part else d / "counter.csv.gz"
+    return full if full.exists() else d / f"counter-steps-{part or 'aiperf'}.csv.gz"
+
+
 def with_reference(frame: pd.DataFrame, d: Path, part: str) -> pd.DataFrame:
-    """Each window's reference: the full counter trace, else its step rows alone (what the tree keeps)."""
-    full = d / f"counter-{part}.csv.gz"
-    t, j = reference(full if full.exists() else d / f"counter-steps-{part}.csv.gz")
+    """Each window's reference (``counter_file``)."""
+    t, j = reference(counter_file(d, part))
     out = frame.copy()
     out["ref_j"] = np.interp(out["end_s"], t, j) - np.interp(out["start_s"], t, j)
     out["err"] = out["energy_j"] / out["ref_j"] - 1.0
@@ -122,7 +127,11 @@ def aiperf_energy(summary: dict) -> str:
 
 def ipw_records(d: Path) -> pd.DataFrame:
     """ipw serve's per-request records (every session of its run folder), with each one's energy of the GPU
-    components (gpu*), or of all its components where none is a GPU's (a CPU try: its CPU model)."""
+    components (gpu*), or of all its components where none is a GPU's (a CPU try: its CPU model); the tree keeps
+    only those columns (``ipw-records.csv.gz``, written by ``main``'s ``ipw-records DIR``)."""
+    kept = d / "ipw-records.csv.gz"
+    if kept.exists():
+        return pd.read_csv(kept, keep_default_na=False)
     frames = []
     for run in sorted((d / "ipw-serve").glob("*/")):
         path = run / "records.parquet"
@@ -140,7 +149,7 @@ def ipw_records(d: Path) -> pd.DataFrame:
 
 def aiperf(d: Path) -> str:
     runs = json.loads((d / "runs.json").read_text())
-    counter = d / "counter.csv.gz"
+    counter = counter_file(d, "")
     ref = reference(counter) if counter.exists() else None
     recs = ipw_records(d)
     meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}
@@ -153,10 +162,13 @@ def aiperf(d: Path) -> str:
     for r in runs:
         head = f"| {r['path']} | {r['concurrency']} | {r.get('requests_done', 0)}/{r['requests_asked']}"
         summary_path = d / r["folder"] / "profile_export_aiperf.json"
+        if not summary_path.exists():  # the tree keeps it gzipped
+            summary_path = summary_path.with_name(summary_path.name + ".gz")
         if not summary_path.exists() or "start_s" not in r:
             lines.append(f"{head} | AIPerf failed (rc {r['rc']}): {' / '.join(r['log_tail'])[:160]} |" + " |" * 8)
             continue
-        m = json.loads(summary_path.read_text())
+        m = json.loads(gzip.decompress(summary_path.read_bytes()) if summary_path.suffix == ".gz"
+                       else summary_path.read_text())
         span = r["end_s"] - r["start_s"]
         ref_j = float(np.interp(r["end_s"], *ref) - np.interp(r["start_s"], *ref)) if ref else None
         total = m.get(AIPERF_TOTAL, {}).get("avg")
@@ -176,6 +188,11 @@ def aiperf(d: Path) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["ipw-records"]:  # what the tree keeps of ipw serve's run folder: the columns table 3 reads
+        for d in map(Path, argv[1:]):
+            ipw_records(d)[["start_s", "end_s", "completion_tokens", "ipw_j", "component"]].to_csv(
+                d / "ipw-records.csv.gz", index=False)
+        return
     names = [a for a in argv if a in ("windows", "overhead", "queries", "aiperf")]
     dirs = [Path(a) for a in argv if a not in names]
     for d in dirs:

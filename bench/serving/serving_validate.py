@@ -83,12 +83,17 @@ class Counter:
         self.read_s = float(np.median(frame["t_after_s"] - frame["t_before_s"]))
 
     def between(self, start_s: float, end_s: float) -> float:
+        return self.estimate(start_s, end_s)[0]
+
+    def estimate(self, start_s: float, end_s: float) -> tuple[float, float | None]:
+        """The counter's energy over the span and its own ± (one step of the counter at the span's mean power:
+        each edge is interpolated inside a step)."""
         from ipw.telemetry.estimator import counter_energy_between
 
         est = counter_energy_between(self.t_s, self.e_j, start_s, end_s)
         if est.energy_j is None or est.coverage < 0.999:
             raise SystemExit(f"the counter does not cover [{start_s}, {end_s}] (coverage {est.coverage})")
-        return float(est.energy_j)
+        return float(est.energy_j), est.uncertainty_j
 
 
 def _records(path: Path) -> pd.DataFrame:
@@ -165,7 +170,7 @@ def conservation(counter: Counter | None, run: Path) -> list[dict]:
         gpu = level["energy"][COMPONENT]
         parts = float(recs["gpu_j"].sum())
         ipw_total = parts + gpu["unattributed_j"]
-        reference = counter.between(level["start_s"], level["end_s"]) if counter else None
+        reference, reference_unc = counter.estimate(level["start_s"], level["end_s"]) if counter else (None, None)
         tokens = int(recs["completion_tokens"].sum())
         span = level["end_s"] - level["start_s"]
         unc = recs["split_uncertainty_j"] if "split_uncertainty_j" in recs else pd.Series(dtype=float)
@@ -179,6 +184,7 @@ def conservation(counter: Counter | None, run: Path) -> list[dict]:
             "counter_j": _r(reference),
             "error_pct": _r(100 * (ipw_total / reference - 1)) if reference else None,
             "within_target": abs(100 * (ipw_total / reference - 1)) <= CONSERVATION_TARGET_PCT if reference else None,
+            "counter_step_pct": _r(100 * reference_unc / reference) if reference and reference_unc else None,
             "j_per_output_token": round(parts / tokens, 5) if tokens else None,
             "span_j_per_output_token": round(reference / tokens, 5) if tokens and reference else None,
             "output_tokens_per_s": round(tokens / span, 1) if span > 0 else None, "output_tokens": tokens,
@@ -351,12 +357,15 @@ def _markdown(result: dict) -> str:
                   f"**{len(checked) - len(outside)} of {len(checked)} levels within ±{CONSERVATION_TARGET_PCT}%**"
                   + (": outside (✗): " + ", ".join(f"{r['folder']} c={r['concurrency']} {r['error_pct']:+.2f}% "
                                                   f"({r['span_s']} s)" for r in outside) if outside else "") + ".", "",
+                  "The counter's own resolution over a span (one of its steps at the span's mean power: each edge is "
+                  "interpolated inside a step) is in brackets after the error.", "",
                   "| folder | backend | c | split | requests | span s | parts J | unattributed J | counter J | error % | "
                   "J/out tok | out tok/s | p95 s | prefill weight | split methods |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["conservation"]:
             err = f"{r['error_pct']:+.2f}" if r["error_pct"] is not None else "-"
             err += {True: "", False: " ✗", None: ""}[r.get("within_target")]
+            err += f" (±{r['counter_step_pct']:.2f})" if r.get("counter_step_pct") is not None else ""
             c = r["concurrency"] if r["concurrency"] is not None else f"session {r['session']}"
             weight = _weight(r["pricing"])
             lines.append(f"| {r['folder']} | {r['backend']} | {c} | {r['split'] or '-'} | {r['requests']} | {r['span_s']} | "
