@@ -33,9 +33,10 @@ def reference(counter_csv: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def counter_file(d: Path, part: str) -> Path:
-    """The reference's file in ``d``: the full counter trace, else its step rows alone (what the tree keeps)."""
-    full = d / f"counter-{part}.csv.gz" if part else d / "counter.csv.gz"
-    return full if full.exists() else d / f"counter-steps-{part or 'aiperf'}.csv.gz"
+    """The reference's file in ``d``: the full counter trace (``counter-PART``, or ``counter`` as the aiperf stage
+    names it), else its step rows alone (what the tree keeps)."""
+    names = [f"counter-{part}.csv.gz", "counter.csv.gz", f"counter-steps-{part}.csv.gz"]
+    return next((d / n for n in names if (d / n).exists()), d / names[-1])
 
 
 def with_reference(frame: pd.DataFrame, d: Path, part: str) -> pd.DataFrame:
@@ -149,7 +150,7 @@ def ipw_records(d: Path) -> pd.DataFrame:
 
 def aiperf(d: Path) -> str:
     runs = json.loads((d / "runs.json").read_text())
-    counter = counter_file(d, "")
+    counter = counter_file(d, "aiperf")
     ref = reference(counter) if counter.exists() else None
     recs = ipw_records(d)
     meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").exists() else {}

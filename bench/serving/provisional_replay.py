@@ -47,9 +47,7 @@ from ipw.metering import meter as meter_module
 from ipw.metering.meter import Meter
 from ipw.metering.window import Window
 from ipw.telemetry.base import EnergyReading, SensorBase, SensorInfo
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_validate import by_load  # the same table as the live records
+from serving_validate import by_load  # a sibling (its folder is on the path when it runs): the live records' table
 
 
 class Clock:
