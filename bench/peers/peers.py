@@ -29,7 +29,8 @@ by every tool at once, as in ``windows``.
 The peers are never dependencies of ipw: bench/peers/peers_h200.sh carries their pinned wheels to the device.
 
 Output: DIR/windows.csv, DIR/overhead.csv, DIR/queries.csv with DIR/counter-windows.csv.gz and
-    DIR/counter-queries.csv.gz (the reference) and DIR/meta.json; ``tables`` prints the tables of docs/PEERS.md (evidence in bench/evidence/peers/).
+    DIR/counter-queries.csv.gz (the reference), DIR/ipw-samples-queries.csv.gz (ipw's own NVML points over
+    the queries) and DIR/meta.json; ``tables`` prints the tables of docs/PEERS.md (evidence in bench/evidence/peers/).
 """
 
 from __future__ import annotations
@@ -111,6 +112,20 @@ class Ipw(Tool):
             return gpu[0].energy_j if gpu else None
 
         return gpu_j
+
+    def write_samples(self, path: Path) -> None:
+        """ipw's own NVML points (the driver's samples, its counter and instant reads) over the monitor's life, as
+        gzipped CSV: what table 2's second reference (tables.py ``idle_closure``) bounds, measured. Private: the
+        monitor has no public trace, and a bench is its only reader."""
+        columns = ("t_s", "device", "power_w", "kind", "energy_j")
+        with gzip.open(path, "wt", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(columns)
+            for sensor in self.monitor._window.sensors:
+                trace = getattr(sensor, "trace", None)
+                if trace is not None:
+                    cols = trace()
+                    w.writerows(zip(*(cols[c] for c in columns)))
 
 
 class Zeus(Tool):
@@ -413,6 +428,9 @@ def queries(args: argparse.Namespace) -> None:
         counter.stop()
         if rows:
             write_rows(out / "queries.csv", rows)
+        for tool in tools:
+            if isinstance(tool, Ipw):
+                tool.write_samples(out / "ipw-samples-queries.csv.gz")
         meta(out, failed, queries={"short": args.short, "long": args.long, "short_tokens": args.short_tokens,
                                    "long_tokens": args.long_tokens, "gap_s": args.gap_s})
 

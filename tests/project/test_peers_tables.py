@@ -72,3 +72,24 @@ def test_a_tool_that_reads_high_by_itself_is_high_against_both(tmp_path):
     write_run(tmp_path, bias=0.01)
     interpolated, closure = sums(tables.bounds(tmp_path))
     assert interpolated > 1.3 and 0.98 <= closure <= 1.02
+
+
+def test_the_queries_stage_keeps_ipws_own_points_beside_the_counter(tmp_path):
+    """bench/peers/peers.py writes the monitor's NVML points (what the second reference bounds) as gzipped CSV."""
+    import types
+
+    spec = importlib.util.spec_from_file_location("peers_stage", ROOT / "bench" / "peers" / "peers.py")
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    trace = {"t_s": np.array([1.0, 1.02, 1.1]), "device": np.array(["gpu0"] * 3, dtype=object),
+             "power_w": np.array([120.0, 151.5, np.nan]), "kind": np.array(["sample", "sample", "counter"], dtype=object),
+             "energy_j": np.array([np.nan, np.nan, 5000.25])}
+    sensors = [types.SimpleNamespace(trace=lambda: trace), types.SimpleNamespace()]  # a sensor with no trace: skipped
+    tool = peers.Ipw.__new__(peers.Ipw)
+    tool.monitor = types.SimpleNamespace(_window=types.SimpleNamespace(sensors=sensors))
+    tool.write_samples(tmp_path / "ipw-samples-queries.csv.gz")
+    back = pd.read_csv(tmp_path / "ipw-samples-queries.csv.gz")
+    assert list(back.columns) == ["t_s", "device", "power_w", "kind", "energy_j"]
+    assert back["power_w"].iloc[1] == 151.5 and back["energy_j"].iloc[2] == 5000.25 and list(back["kind"]) == [
+        "sample", "sample", "counter"]
