@@ -59,6 +59,8 @@ CAL_N = 200
 CAL_MIN = 20
 #: the band before that (relative)
 PROVISIONAL_REL_DEFAULT = 0.5
+#: the phases of a burst a provisional band is learnt for (``_phase``)
+PHASES = 4
 
 
 class Tally:
@@ -136,6 +138,7 @@ class _Live:
     prefill: tuple[float, float] | None = None
     prompt_tokens: int = 0
     each_j: dict[str, float] = field(default_factory=dict)  # the meter's ``_each_j`` at its start
+    peak: int = 1  # the most requests in flight while it ran (itself included)
 
     def request(self, now: float) -> Request:
         """The request as known now (in flight until at least ``now``)."""
@@ -147,20 +150,6 @@ class _Period:
     slices: list[Slice] = field(default_factory=list)
     members: set[int] = field(default_factory=set)
     closed_s: float = 0.0  # when it stopped taking slices (0: still open)
-    # the work seen so far, counted as tokens pass (for provisional values): prompt and output tokens by job
-    prompt: dict[int, float] = field(default_factory=dict)
-    output: dict[int, float] = field(default_factory=dict)
-    live_j: dict[str, float] = field(default_factory=dict)  # its energy so far by the sensors' latest power
-
-    def add_work(self, job: int, prompt: float, output: float) -> None:
-        self.prompt[job] = self.prompt.get(job, 0.0) + prompt
-        self.output[job] = self.output.get(job, 0.0) + output
-
-    def work_of(self, job: int | None, weight: float) -> float:
-        """``job``'s work seen so far (everyone's: None), a prompt token weighing ``weight``."""
-        if job is None:
-            return weight * sum(self.prompt.values()) + sum(self.output.values())
-        return weight * self.prompt.get(job, 0.0) + self.output.get(job, 0.0)
 
 
 class _Account:
@@ -183,8 +172,8 @@ class _Account:
         self.callbacks: list[Callable[[Share | None, BaseException | None], object]] = []
         self.provisional_j: float | None = None  # the raw provisional total, for the band's calibration
         self.source = ""  # the provisional value's
+        self.phase = 0  # where its end fell in a burst (``_phase``): its band is learnt per phase
         self.each_j: dict[str, float] = {}  # its equal part of the power while it was in flight
-        self.streamed = False  # its output tokens were timed as they passed
         self.request: Request | None = None  # once it ended
         self.estimated_rel = 0.0  # the widest band a sensor stated for the power it estimated while this was in flight
 
@@ -201,6 +190,12 @@ class _Account:
         row[3] = None if cal is None or row[3] is None else row[3] + cal
         row[4].append(reading.quality)
         row[8] += shared
+
+
+def _phase(in_flight: int, peak: int) -> int:
+    """Where a request's end fell in a burst: 0 while most of the requests that ran beside it still run, up to
+    ``PHASES - 1`` among the last of them (``in_flight`` at its end, itself included, of ``peak``)."""
+    return min(PHASES - 1, int(PHASES * (1.0 - in_flight / max(1, peak))))
 
 
 def _containing(window: Window) -> set[str]:
@@ -258,8 +253,10 @@ class Meter:
         self._each_j: dict[str, float] = {}
         self._measured: set[str] = set()  # the components a settled total sums (measured ones, where there are)
         self._containing: set[str] = _containing(window)  # of a scope that contains the others (node): in no total
-        # (provisional, settled) of the last CAL_N requests of each provisional source
-        self._ratios: dict[str, collections.deque[tuple[float, float]]] = {}
+        # (provisional, settled) of the last CAL_N requests of each provisional source, and of each source and phase
+        self._ratios: dict[str | tuple[str, int], collections.deque[tuple[float, float]]] = {}
+        # [period, requests, provisional J, settled J] of the last whole periods of each source, CAL_N requests or more
+        self._by_period: dict[str, collections.deque[list[Any]]] = {}
         self._stopping = self._stopped = False
         self._thread: threading.Thread | None = None
         self._next = 0
@@ -307,7 +304,6 @@ class Meter:
             self._open.members |= self.active
             if self.live_tokens:
                 for c, j in spent.items():
-                    self._open.live_j[c] = self._open.live_j.get(c, 0.0) + j
                     self._each_j[c] = self._each_j.get(c, 0.0) + j / len(self.active)
         else:
             self._idle.append(closed)
@@ -343,6 +339,8 @@ class Meter:
                 self._open = _Period()
             self._live[job] = _Live(now, each_j=dict(self._each_j))
             self._accounts[job] = _Account()
+            for other in self._live.values():
+                other.peak = max(other.peak, len(self._live))
             self.in_flight_peak = max(self.in_flight_peak, len(self._live))
         return job
 
@@ -350,8 +348,6 @@ class Meter:
         """An output token of ``job`` arrived now (timed under the lock that cuts slices)."""
         with self.lock:
             self._live[job].times.append(time.monotonic())
-            if self._open is not None:
-                self._open.add_work(job, 0.0, 1.0)
 
     def prefill(self, job: int, prompt_ms: float, prompt_tokens: int) -> None:
         """The server reported ``job``'s prefill (its prompt tokens, and how long they took): it ended
@@ -361,8 +357,6 @@ class Meter:
             if live.times and live.prefill is None:
                 live.prefill = (live.times[0] - prompt_ms / 1000.0, live.times[0])
                 live.prompt_tokens = prompt_tokens
-                if self._open is not None:
-                    self._open.add_work(job, prompt_tokens, 0.0)
                 if self._periods:  # a closed period may have waited for it
                     self._wake.notify_all()
 
@@ -379,20 +373,17 @@ class Meter:
         thread (``share`` waits for it, ``on_share`` calls back)."""
         with self.lock:
             now = time.monotonic()
-            live = self._live.pop(job)
             account = self._accounts[job]
+            account.phase = _phase(len(self._live), self._live[job].peak)
+            live = self._live.pop(job)
             if self.tokens is not None:
                 if self.remaining is not None:
                     self.remaining -= 1
                 self._cut(now, last=self.remaining == 0)
                 account.last_period = self._open
-                if self._open is not None and completion is not None:  # the work the stream did not show
-                    self._open.add_work(job, max(0, completion.prompt_tokens - live.prompt_tokens),
-                                        max(0, completion.completion_tokens - len(live.times)))
             self.active.discard(job)
             if self.live_tokens:
                 account.each_j = {c: j - live.each_j.get(c, 0.0) for c, j in self._each_j.items()}
-                account.streamed = len(live.times) > 1
             self._ended[job] = request_of(completion, live.start, now) if completion is not None else live.request(now)
             account.request = self._ended[job]
             account.ended = True
@@ -443,19 +434,22 @@ class Meter:
 
     def provisional(self, job: int) -> Provisional:
         """An ended ``job``'s energy now, before all its periods are split (``ipw serve``: ``live_tokens``).
-        The energy of each period not split yet is known so far from the sensors' latest power between request
-        events (``SensorBase.current_power_w``; a sensor with none: the power of the last period split, or the
-        idle power before any).
+        The energy while it ran is known so far from the sensors' latest power between request events
+        (``SensorBase.current_power_w``; a sensor with none: the power of the last period split, or the idle
+        power before any).
 
         - ``alone``: a request that shared no period with another: the energy while it ran;
-        - ``work``: a request whose output tokens were timed as they passed (streamed): its parts of the periods
-          split already, plus, for each period not split yet, the energy the period has cost so far times the
-          job's part of the priced work seen in it so far;
-        - ``time``: a request whose tokens came with its end (a plain answer: nothing of its work was seen while
-          it ran): its equal part, among the requests in flight, of the energy while it was in flight.
+        - ``time``: a request that shared its time, streamed or plain: its equal part, among the requests in
+          flight, of the energy while it was in flight. These parts add up to the energy while requests were in
+          flight, as the settled shares do, so their sum over a load holds, though in a burst the first to end
+          settle at ~1.35x their part and the last at ~0.65x (docs/SERVING.md).
 
-        Each source is corrected by the ratio of settled to provisional energy of its last ``CAL_N`` requests,
-        with a ±90% band from how far they fell from it (``PROVISIONAL_REL_DEFAULT`` until ``CAL_MIN``)."""
+        Each source is corrected by the ratio of settled to provisional energy over its last whole periods (at
+        least ``CAL_N`` requests): what the sensors' latest power misses of their samples. Whole periods, as a
+        ratio over the last requests settled would follow the last burst's phases (it biased the sums by 2-5%).
+        The ±90% band is how far the last ``CAL_N`` settled requests of the same source and phase (``_phase``:
+        where in a burst a request ended) fell from their corrected provisional values
+        (``PROVISIONAL_REL_DEFAULT`` until ``CAL_MIN``; with fewer of its phase, those of its source)."""
         with self.lock:
             account = self._accounts[job]
             request = account.request
@@ -464,33 +458,24 @@ class Meter:
             keep = self._measured or set(account.each_j) - self._containing  # what a settled total sums (the measured ones)
             unsplit = [p for p in [*self._periods, *([self._open] if self._open is not None else [])]
                        if job in p.members]
-            if not account.shared and all(p.members == {job} for p in unsplit):
-                source = "alone"  # nothing to split: the energy while it ran
-                values = {c: j for c, j in account.each_j.items() if c in keep}
-            elif account.streamed:
-                source = "work"
-                values = {c: row[0] for c, row in account.parts.items() if not row[7] and c in keep}
-                weight = self._weight()
-                for period in unsplit:
-                    mine, seen = period.work_of(job, weight), period.work_of(None, weight)
-                    if mine > 0:
-                        for c, spent in period.live_j.items():
-                            if c in keep:
-                                values[c] = values.get(c, 0.0) + spent * mine / seen
-            else:
-                source = "time"
-                values = {c: j for c, j in account.each_j.items() if c in keep}
+            alone = not account.shared and all(p.members == {job} for p in unsplit)
+            source = "alone" if alone else "time"
+            values = {c: j for c, j in account.each_j.items() if c in keep}
             raw = sum(values.values())
             if raw <= 0:  # no power known at all (the CPU model before any period was split)
                 return Provisional([], PROVISIONAL_REL_DEFAULT, "none")
             account.provisional_j, account.source = raw, source
             if account.share is not None:  # settled already (a sensor that is final at once)
                 self._calibrate(account)
-            ratios = list(self._ratios.get(source, ()))
+            ratios = list(self._ratios.get((source, account.phase), ()))
+            if len(ratios) < CAL_MIN:
+                ratios = list(self._ratios.get(source, ()))
+            whole = [p[1:] for p in self._by_period.get(source, ())]
         factor, rel = 1.0, max(PROVISIONAL_REL_DEFAULT, account.estimated_rel)  # a sensor's estimate: its band
         if len(ratios) >= CAL_MIN:
+            _, prov_j, settled_j = np.array(whole, dtype=float).sum(axis=0)
+            factor = float(settled_j / prov_j)
             prov, settled = np.array(ratios).T
-            factor = float(settled.sum() / prov.sum())
             rel = float(np.quantile(np.abs(settled / (prov * factor) - 1.0), 0.9))
         duration = request.end_s - request.start_s
         readings = [EnergyReading(component=c, energy_j=v * factor, source="provisional", quality="estimated",
@@ -520,8 +505,15 @@ class Meter:
         if account.share is not None and account.provisional_j is not None:
             settled = sum(r.energy_j for r in account.share.readings if r.energy_j is not None)
             if account.provisional_j > 0 and settled > 0:
-                self._ratios.setdefault(account.source, collections.deque(maxlen=CAL_N)).append(
-                    (account.provisional_j, settled))
+                for key in (account.source, (account.source, account.phase)):
+                    self._ratios.setdefault(key, collections.deque(maxlen=CAL_N)).append(
+                        (account.provisional_j, settled))
+                periods = self._by_period.setdefault(account.source, collections.deque())
+                if not periods or periods[-1][0] is not account.last_period:
+                    periods.append([account.last_period, 0, 0.0, 0.0])
+                periods[-1][1:] = [periods[-1][1] + 1, periods[-1][2] + account.provisional_j, periods[-1][3] + settled]
+                while len(periods) > 1 and sum(p[1] for p in periods) - periods[0][1] >= CAL_N:
+                    periods.popleft()
 
     # -- the meter's thread ------------------------------------------------------------------------
 

@@ -948,9 +948,8 @@ def test_energy_wait_holds_the_answer_for_the_settled_value(tmp_path):
 
 
 def test_provisional_energy_follows_what_the_proxy_saw():
-    """At 100 W, read live: a streamed request's provisional energy is its part of the priced work seen so far
-    in its period (``work``: the only one that showed work, so all of the period's energy so far); a plain
-    one's, its equal part of the power while it was in flight (``time``: half while both ran, all after); one
+    """At 100 W, read live: a request that shared its time, streamed or plain, gets its equal part of the power
+    while it was in flight (``time``: all of it before the other started, half while both ran, all after); one
     alone, the energy while it ran (``alone``).  Before any settled value, the band is the default."""
     from ipw.metering import meter as meter_module
     from ipw.metering.meter import Meter
@@ -975,10 +974,10 @@ def test_provisional_energy_follows_what_the_proxy_saw():
         alone = meter.provisional(alone_job)
     finally:
         meter.close()
-    assert (work.source, time_.source, alone.source) == ("work", "time", "alone")
+    assert (work.source, time_.source, alone.source) == ("time", "time", "alone")
     assert work.rel_90 == time_.rel_90 == meter_module.PROVISIONAL_REL_DEFAULT
     (w,), (t,), (a,) = work.readings, time_.readings, alone.readings
-    assert w.energy_j == pytest.approx(100.0 * (s_end - s_start), rel=1e-6)
+    assert w.energy_j == pytest.approx(100.0 * ((p_start - s_start) + (s_end - p_start) / 2), rel=1e-6)
     assert t.energy_j == pytest.approx(100.0 * ((s_end - p_start) / 2 + (p_end - s_end)), rel=1e-6)
     assert a.energy_j == pytest.approx(100.0 * (a_end - a_start), rel=1e-6)
     assert w.quality == "estimated" and w.uncertainty_j == pytest.approx(w.energy_j * work.rel_90)
