@@ -146,6 +146,20 @@ class Monitor:
         """A block to measure on these sensors: ``with monitor.measure() as m: ...``."""
         return Block(self)
 
+    def trace(self) -> dict[str, list[Any]]:
+        """The points the monitor's sensors hold now, for checking its blocks against another reference: the
+        columns of a run folder's ``power.parquet`` (``t_s`` monotonic s, ``device``, ``power_w``, ``kind``,
+        ``energy_j``; NVML: the driver's samples, the counter and instant reads of up to the last 10 minutes).
+        A sensor that keeps no points (RAPL, the CPU model) adds none."""
+        columns = ("t_s", "device", "power_w", "kind", "energy_j")
+        out: dict[str, list[Any]] = {c: [] for c in columns}
+        for sensor in self._window.sensors:
+            points = sensor.trace() if hasattr(sensor, "trace") else {}
+            if len(points.get("t_s", ())):
+                for c in columns:
+                    out[c].extend(points[c].tolist() if hasattr(points[c], "tolist") else list(points[c]))
+        return out
+
     def __enter__(self) -> Monitor:
         return self
 

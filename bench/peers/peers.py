@@ -115,17 +115,12 @@ class Ipw(Tool):
 
     def write_samples(self, path: Path) -> None:
         """ipw's own NVML points (the driver's samples, its counter and instant reads) over the monitor's life, as
-        gzipped CSV: what table 2's second reference (tables.py ``idle_closure``) bounds, measured. Private: the
-        monitor has no public trace, and a bench is its only reader."""
-        columns = ("t_s", "device", "power_w", "kind", "energy_j")
+        gzipped CSV: what table 2's second reference (tables.py ``idle_closure``) bounds, measured."""
+        cols = self.monitor.trace()
         with gzip.open(path, "wt", newline="") as f:
             w = csv.writer(f)
-            w.writerow(columns)
-            for sensor in self.monitor._window.sensors:
-                trace = getattr(sensor, "trace", None)
-                if trace is not None:
-                    cols = trace()
-                    w.writerows(zip(*(cols[c] for c in columns)))
+            w.writerow(list(cols))
+            w.writerows(zip(*cols.values()))
 
 
 class Zeus(Tool):

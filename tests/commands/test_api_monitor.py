@@ -156,6 +156,22 @@ def test_an_exception_in_a_block_still_gives_a_result_and_the_monitor_goes_on(gp
             assert m.result.quality == "measured_interpolated"
 
 
+def test_trace_gives_the_points_the_blocks_were_made_from(gpu):
+    """``Monitor.trace``: the NVML sensor's points as power.parquet's columns, covering the blocks measured."""
+    with ipw.Monitor(gpus=[0], rapl=False) as monitor:
+        a_s = time.monotonic()
+        with monitor.measure() as m:
+            time.sleep(0.1)
+        b_s = time.monotonic()
+        assert m.result is not None  # its samples are in
+        trace = monitor.trace()
+    assert list(trace) == ["t_s", "device", "power_w", "kind", "energy_j"]
+    assert len({len(v) for v in trace.values()}) == 1 and set(trace["device"]) == {"gpu0"}
+    samples = [t for t, k in zip(trace["t_s"], trace["kind"]) if k == "sample"]
+    assert min(samples) <= a_s + 0.02 and max(samples) >= b_s - 0.02
+    assert all(w == pytest.approx(100.0, abs=1.0) for w, k in zip(trace["power_w"], trace["kind"]) if k == "sample")
+
+
 def test_blocks_may_overlap(gpu):
     """A block inside another: each has the energy of its own span (100 W throughout)."""
     with ipw.Monitor(gpus=[0], rapl=False) as monitor:

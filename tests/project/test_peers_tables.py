@@ -75,19 +75,17 @@ def test_a_tool_that_reads_high_by_itself_is_high_against_both(tmp_path):
 
 
 def test_the_queries_stage_keeps_ipws_own_points_beside_the_counter(tmp_path):
-    """bench/peers/peers.py writes the monitor's NVML points (what the second reference bounds) as gzipped CSV."""
+    """bench/peers/peers.py writes the monitor's points (``ipw.Monitor.trace``) as gzipped CSV."""
     import types
 
     spec = importlib.util.spec_from_file_location("peers_stage", ROOT / "bench" / "peers" / "peers.py")
     assert spec is not None and spec.loader is not None
     peers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peers)
-    trace = {"t_s": np.array([1.0, 1.02, 1.1]), "device": np.array(["gpu0"] * 3, dtype=object),
-             "power_w": np.array([120.0, 151.5, np.nan]), "kind": np.array(["sample", "sample", "counter"], dtype=object),
-             "energy_j": np.array([np.nan, np.nan, 5000.25])}
-    sensors = [types.SimpleNamespace(trace=lambda: trace), types.SimpleNamespace()]  # a sensor with no trace: skipped
+    trace = {"t_s": [1.0, 1.02, 1.1], "device": ["gpu0"] * 3, "power_w": [120.0, 151.5, float("nan")],
+             "kind": ["sample", "sample", "counter"], "energy_j": [float("nan"), float("nan"), 5000.25]}
     tool = peers.Ipw.__new__(peers.Ipw)
-    tool.monitor = types.SimpleNamespace(_window=types.SimpleNamespace(sensors=sensors))
+    tool.monitor = types.SimpleNamespace(trace=lambda: trace)  # ipw.Monitor.trace: tests/commands/test_api_monitor.py
     tool.write_samples(tmp_path / "ipw-samples-queries.csv.gz")
     back = pd.read_csv(tmp_path / "ipw-samples-queries.csv.gz")
     assert list(back.columns) == ["t_s", "device", "power_w", "kind", "energy_j"]
