@@ -168,7 +168,7 @@ def test_trace_gives_the_points_the_blocks_were_made_from(gpu):
     assert list(trace) == ["t_s", "device", "power_w", "kind", "energy_j"]
     assert len({len(v) for v in trace.values()}) == 1 and set(trace["device"]) == {"gpu0"}
     samples = [t for t, k in zip(trace["t_s"], trace["kind"]) if k == "sample"]
-    assert min(samples) <= a_s + 0.02 and max(samples) >= b_s - 0.02
+    assert sum(a_s <= t <= b_s for t in samples) >= 3  # 20 ms samples over the 0.1 s block
     assert all(w == pytest.approx(100.0, abs=1.0) for w, k in zip(trace["power_w"], trace["kind"]) if k == "sample")
 
 
