@@ -151,13 +151,15 @@ class Monitor:
         columns of a run folder's ``power.parquet`` (``t_s`` monotonic s, ``device``, ``power_w``, ``kind``,
         ``energy_j``; NVML: the driver's samples, the counter and instant reads of up to the last 10 minutes).
         A sensor that keeps no points (RAPL, the CPU model) adds none."""
+        import numpy as np
+
         columns = ("t_s", "device", "power_w", "kind", "energy_j")
         out: dict[str, list[Any]] = {c: [] for c in columns}
         for sensor in self._window.sensors:
-            points = sensor.trace() if hasattr(sensor, "trace") else {}
+            points = sensor.trace()  # as the runner's power.parquet takes it
             if len(points.get("t_s", ())):
                 for c in columns:
-                    out[c].extend(points[c].tolist() if hasattr(points[c], "tolist") else list(points[c]))
+                    out[c].extend(np.asarray(points[c]).tolist())
         return out
 
     def __enter__(self) -> Monitor:

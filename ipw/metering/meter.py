@@ -484,10 +484,6 @@ class Meter:
                                   uncertainty_j=v * factor * rel) for c, v in values.items()]
         return Provisional(readings, rel, source)
 
-    def _weight(self) -> float:
-        """What a prompt token weighs now in this meter's split (under the lock)."""
-        return self._pricing.prefill_weight if self.split == "priced" else 1.0
-
     def pricing(self) -> Pricing:
         with self.lock:
             return self._pricing

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from conftest import bench_module
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_tables():
-    spec = importlib.util.spec_from_file_location("peers_tables", ROOT / "bench" / "peers" / "tables.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_run(d: Path, bias: float, seed: int = 3) -> None:
@@ -58,19 +49,20 @@ def sums(text: str, tool: str = "ipw") -> tuple[float, float]:
 
 
 def test_an_exact_tool_reads_high_against_the_interpolated_counter_and_exact_against_the_idle_closure(tmp_path):
-    tables = load_tables()
     write_run(tmp_path, bias=0.0)
-    text = tables.queries(tmp_path)
+    with bench_module("peers/tables") as tables:
+        text = tables.queries(tmp_path)
+        closed = tables.idle_closure(tmp_path)
     interpolated, closure = sums(text)
     assert interpolated > 0.3  # the interpolated counter spreads each query's extra 30 W over its steps
     assert abs(closure) <= 0.02  # the idle is flat here: the steps less the idle around are the queries' energy
-    assert len(tables.idle_closure(tmp_path)) > 100  # most queries are alone in their steps, with idle ones around
+    assert len(closed) > 100  # most queries are alone in their steps, with idle ones around
 
 
 def test_a_tool_that_reads_high_by_itself_is_high_against_both(tmp_path):
-    tables = load_tables()
     write_run(tmp_path, bias=0.01)
-    interpolated, closure = sums(tables.bounds(tmp_path))
+    with bench_module("peers/tables") as tables:
+        interpolated, closure = sums(tables.bounds(tmp_path))
     assert interpolated > 1.3 and 0.98 <= closure <= 1.02
 
 
@@ -78,13 +70,10 @@ def test_the_queries_stage_keeps_ipws_own_points_beside_the_counter(tmp_path):
     """bench/peers/peers.py writes the monitor's points (``ipw.Monitor.trace``) as gzipped CSV."""
     import types
 
-    spec = importlib.util.spec_from_file_location("peers_stage", ROOT / "bench" / "peers" / "peers.py")
-    assert spec is not None and spec.loader is not None
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
     trace = {"t_s": [1.0, 1.02, 1.1], "device": ["gpu0"] * 3, "power_w": [120.0, 151.5, float("nan")],
              "kind": ["sample", "sample", "counter"], "energy_j": [float("nan"), float("nan"), 5000.25]}
-    tool = peers.Ipw.__new__(peers.Ipw)
+    with bench_module("peers/peers") as peers:
+        tool = peers.Ipw.__new__(peers.Ipw)
     tool.monitor = types.SimpleNamespace(trace=lambda: trace)  # ipw.Monitor.trace: tests/commands/test_api_monitor.py
     tool.write_samples(tmp_path / "ipw-samples-queries.csv.gz")
     back = pd.read_csv(tmp_path / "ipw-samples-queries.csv.gz")
